@@ -1,0 +1,150 @@
+"""Frozen engine configuration.
+
+Every config is a frozen dataclass validated at construction: a bad value raises ValueError
+naming the field and the allowed range. Values discovered at run time (the number of KV blocks,
+the device's free memory) live in runtime state, never here.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from dataclasses import dataclass, field
+from typing import Any
+
+_DTYPES = ("float32", "bfloat16", "float16")
+
+
+def _require(cond: bool, msg: str) -> None:
+    if not cond:
+        raise ValueError(msg)
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Architecture hyper-parameters, named as in HF config.json."""
+
+    architecture: str  # registry key, e.g. "LlamaForCausalLM"
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    max_position_embeddings: int
+    rms_norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    # llama3-style scaling as a sorted tuple of (key, value) pairs so the config stays hashable.
+    rope_scaling: tuple[tuple[str, Any], ...] | None = None
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False  # Qwen2 has a bias on q/k/v
+    sliding_window: int | None = None
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:
+        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+                     "num_attention_heads", "num_key_value_heads", "head_dim",
+                     "max_position_embeddings"):
+            _require(getattr(self, name) >= 1, f"ModelConfig.{name} must be >= 1, "
+                     f"got {getattr(self, name)}")
+        _require(self.num_attention_heads % self.num_key_value_heads == 0,
+                 f"ModelConfig.num_attention_heads ({self.num_attention_heads}) must be a "
+                 f"multiple of num_key_value_heads ({self.num_key_value_heads})")
+
+    @property
+    def rope_scaling_dict(self) -> dict[str, Any] | None:
+        return dict(self.rope_scaling) if self.rope_scaling else None
+
+    @staticmethod
+    def freeze_rope_scaling(d: dict[str, Any] | None) -> tuple[tuple[str, Any], ...] | None:
+        if not d:
+            return None
+        return tuple(sorted((k, tuple(v) if isinstance(v, list) else v) for k, v in d.items()))
+
+
+_MEM_UNITS = {"": 1, "b": 1, "k": 1 << 10, "kb": 1000, "kib": 1 << 10, "m": 1 << 20,
+              "mb": 1000**2, "mib": 1 << 20, "g": 1 << 30, "gb": 1000**3, "gib": 1 << 30}
+
+
+def parse_memory(value: int | str | None, name: str = "kv_cache_memory") -> int | None:
+    """'2GiB', '512M', '1e9' or an int -> bytes. None stays None."""
+    if value is None or isinstance(value, int):
+        return value
+    m = re.fullmatch(r"\s*([0-9.eE+]+)\s*([a-zA-Z]*)\s*", str(value))
+    if not m or m.group(2).lower() not in _MEM_UNITS:
+        raise ValueError(f"{name} must be a byte count like 2147483648, '2GiB' or '512MiB', "
+                         f"got {value!r}")
+    return int(float(m.group(1)) * _MEM_UNITS[m.group(2).lower()])
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    block_size: int = 16
+    # Bytes for the whole KV cache. None: a share of the device's free memory.
+    kv_cache_memory: int | None = None
+    kv_cache_memory_fraction: float = 0.25
+    # Exact block count, for tests and debugging; overrides the memory budget.
+    num_blocks_override: int | None = None
+    enable_prefix_caching: bool = True
+    kv_cache_dtype: str = "auto"  # "auto" = the model dtype
+
+    def __post_init__(self) -> None:
+        _require(self.block_size in (1, 2, 4, 8, 16, 32, 64, 128, 256),
+                 f"block_size must be a power of two in [1, 256], got {self.block_size}")
+        _require(self.kv_cache_memory is None or self.kv_cache_memory > 0,
+                 f"kv_cache_memory must be > 0 bytes, got {self.kv_cache_memory}")
+        _require(0.0 < self.kv_cache_memory_fraction <= 0.95,
+                 f"kv_cache_memory_fraction must be in (0, 0.95], "
+                 f"got {self.kv_cache_memory_fraction}")
+        _require(self.num_blocks_override is None or self.num_blocks_override >= 2,
+                 f"num_blocks_override must be >= 2 (block 0 is the null block), "
+                 f"got {self.num_blocks_override}")
+        _require(self.kv_cache_dtype in ("auto",) + _DTYPES,
+                 f"kv_cache_dtype must be one of auto, {', '.join(_DTYPES)}, "
+                 f"got {self.kv_cache_dtype!r}")
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048  # token budget of one engine step
+    max_model_len: int = 8192
+    enable_chunked_prefill: bool = True
+    max_waiting_requests: int | None = None  # None: unbounded (the server sets a bound)
+
+    def __post_init__(self) -> None:
+        _require(1 <= self.max_num_seqs <= 4096,
+                 f"max_num_seqs must be in [1, 4096], got {self.max_num_seqs}")
+        _require(self.max_num_batched_tokens >= 1,
+                 f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
+        _require(self.max_model_len >= 1,
+                 f"max_model_len must be >= 1, got {self.max_model_len}")
+        _require(self.enable_chunked_prefill
+                 or self.max_num_batched_tokens >= self.max_model_len,
+                 f"without chunked prefill max_num_batched_tokens "
+                 f"({self.max_num_batched_tokens}) must be >= max_model_len "
+                 f"({self.max_model_len})")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model: str  # resolved path to a .gguf file or an HF directory
+    model_config: ModelConfig
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    dtype: str = "float32"
+    device: str = "cpu"
+    seed: int = 0
+    ops_backend: str = "auto"  # "auto" | "reference" | "cpu" (registry key in kvserve.ops)
+
+    def __post_init__(self) -> None:
+        _require(self.dtype in _DTYPES,
+                 f"dtype must be one of {', '.join(_DTYPES)}, got {self.dtype!r}")
+        _require(self.scheduler.max_model_len <= self.model_config.max_position_embeddings,
+                 f"max_model_len ({self.scheduler.max_model_len}) must be <= the model's "
+                 f"context length ({self.model_config.max_position_embeddings})")
+
+    def replace(self, **kw: Any) -> EngineConfig:
+        return dataclasses.replace(self, **kw)

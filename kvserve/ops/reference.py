@@ -1,0 +1,101 @@
+"""Pure-torch ops: the oracle every other backend is tested against.
+
+Shapes: T tokens in the step, H query heads, Hkv kv heads, D head_dim, B requests.
+The KV layout is kvserve.kv.layout: one layer's cache is [2, num_blocks, block_size, Hkv, D].
+Clarity over speed here; per-request loops are fine.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+class ReferenceOps:
+    name = "reference"
+
+    @staticmethod
+    def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
+               ) -> torch.Tensor:
+        return F.linear(x, weight, bias)
+
+    @staticmethod
+    def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        xf = x.float()
+        y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+        return (y * weight.float()).to(x.dtype)
+
+    @classmethod
+    def add_rms_norm(cls, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                     eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+        """residual += x; returns (rms_norm(residual), residual)."""
+        residual = x + residual
+        return cls.rms_norm(residual, weight, eps), residual
+
+    @staticmethod
+    def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+        """x = [gate | up] along the last dim -> silu(gate) * up."""
+        gate, up = x.chunk(2, dim=-1)
+        return F.silu(gate) * up
+
+    @staticmethod
+    def rotary(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor,
+               cos_sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """NeoX/HF-style rotate-half RoPE. q [T, H, D], k [T, Hkv, D],
+        cos_sin [max_pos, D] = [cos(D/2) | sin(D/2)] per position."""
+        cs = cos_sin[positions]  # [T, D]
+        half = cs.shape[-1] // 2
+        cos = cs[:, :half].unsqueeze(1)
+        sin = cs[:, half:].unsqueeze(1)
+
+        def rot(x: torch.Tensor) -> torch.Tensor:
+            x1, x2 = x[..., :half].float(), x[..., half:].float()
+            return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).to(x.dtype)
+
+        return rot(q), rot(k)
+
+    @staticmethod
+    def write_kv(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
+                 slot_mapping: torch.Tensor) -> None:
+        """key/value [T, Hkv, D] -> kv_cache[0/1] at flat slots; slot -1 is skipped."""
+        nb, bs, hkv, d = kv_cache.shape[1:]
+        keep = slot_mapping >= 0
+        slots = slot_mapping[keep]
+        kv_cache[0].view(nb * bs, hkv, d)[slots] = key[keep].to(kv_cache.dtype)
+        kv_cache[1].view(nb * bs, hkv, d)[slots] = value[keep].to(kv_cache.dtype)
+
+    @staticmethod
+    def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor,
+                        seq_lens: torch.Tensor, query_start_loc: torch.Tensor, scale: float,
+                        max_query_len: int, max_seq_len: int) -> torch.Tensor:
+        """Causal attention of each request's queries over its paged context.
+
+        Request b has q_len = query_start_loc[b+1] - query_start_loc[b] queries, which are the
+        LAST q_len of its seq_lens[b] context tokens (already written to the cache):
+
+            context  |0 ............................... seq_len-1|
+            queries                         |seq_len-q_len .. seq_len-1|
+        query i (0-based) sees keys [0, seq_len - q_len + i].
+        """
+        _, nb, bs, hkv, d = kv_cache.shape
+        h = q.shape[1]
+        out = torch.empty_like(q)
+        qsl = query_start_loc.tolist()
+        for b, seq_len in enumerate(seq_lens.tolist()):
+            s, e = qsl[b], qsl[b + 1]
+            if e == s:
+                continue
+            nblk = -(-seq_len // bs)
+            blocks = block_tables[b, :nblk].long()
+            k = kv_cache[0, blocks].reshape(nblk * bs, hkv, d)[:seq_len].float()
+            v = kv_cache[1, blocks].reshape(nblk * bs, hkv, d)[:seq_len].float()
+            k = k.repeat_interleave(h // hkv, dim=1)  # GQA: query head j uses kv head j // g
+            v = v.repeat_interleave(h // hkv, dim=1)
+            qb = q[s:e].float()
+            scores = torch.einsum("qhd,khd->hqk", qb, k) * scale
+            q_pos = torch.arange(seq_len - (e - s), seq_len).unsqueeze(1)
+            k_pos = torch.arange(seq_len).unsqueeze(0)
+            scores = scores.masked_fill(k_pos > q_pos, float("-inf"))
+            probs = torch.softmax(scores, dim=-1)
+            out[s:e] = torch.einsum("hqk,khd->qhd", probs, v).to(q.dtype)
+        return out

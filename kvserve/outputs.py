@@ -1,0 +1,120 @@
+"""Boundary types between scheduler, model runner and the user.
+
+    Scheduler --SchedulerOutput--> ModelRunner --ModelOutput--> Scheduler --RequestOutput--> user
+
+Everything above ModelInput is pure Python; ModelInput holds the device tensors of one step.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, NamedTuple
+
+if TYPE_CHECKING:
+    import torch
+
+    from kvserve.request import Request
+
+
+@dataclass
+class ScheduledRequest:
+    """One request's share of an engine step.
+
+    The step computes all_token_ids[start_pos : start_pos + len(token_ids)]:
+
+        all_token_ids  |== computed ==|==== token_ids ====|== not yet ==|
+                       0          start_pos        start_pos+n      num_tokens
+    """
+
+    request: Request
+    token_ids: list[int]  # the tokens fed this step (a prefill chunk, or 1 for a decode)
+    start_pos: int  # == request.num_computed_tokens when scheduled
+    block_ids: list[int]  # the request's whole block table after allocation
+    sample: bool  # True when this step reaches the last known token: a new token is sampled
+
+    @property
+    def request_id(self) -> str:
+        return self.request.request_id
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled: list[ScheduledRequest]
+    num_batched_tokens: int
+    preempted_ids: list[str] = field(default_factory=list)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled
+
+
+@dataclass
+class ModelInput:
+    """One flat varlen batch: prefill chunks and decodes together.
+
+    T = total tokens this step, B = scheduled requests, S = positions that produce logits.
+    Request b owns tokens query_start_loc[b] : query_start_loc[b+1] and, after this step,
+    seq_lens[b] tokens of context in the KV cache (its computed prefix plus these tokens).
+    """
+
+    input_ids: torch.Tensor  # [T] int64
+    positions: torch.Tensor  # [T] int64
+    slot_mapping: torch.Tensor  # [T] int64, block_id * block_size + offset
+    block_tables: torch.Tensor  # [B, max_blocks] int32, padded with 0 (the null block)
+    seq_lens: torch.Tensor  # [B] int32
+    query_start_loc: torch.Tensor  # [B+1] int32
+    logits_indices: torch.Tensor  # [S] int64 rows of the hidden states to project to logits
+    max_query_len: int
+    max_seq_len: int
+
+
+class Logprob(NamedTuple):
+    logprob: float
+    rank: int  # 1 = the most likely token
+    decoded_token: str | None = None
+
+
+# One position's logprobs: the chosen token plus the top-k alternatives.
+PositionLogprobs = dict[int, Logprob]
+
+
+@dataclass
+class ModelOutput:
+    """Results of one forward, for the requests whose step sampled."""
+
+    req_ids: list[str]
+    # One list per request: a single token normally; several once speculative decoding
+    # accepts draft tokens.
+    sampled_token_ids: list[list[int]]
+    logprobs: list[list[PositionLogprobs] | None]
+    # request_id -> logprobs of this step's prompt positions (token i given tokens < i).
+    prompt_logprobs: dict[str, list[PositionLogprobs | None]] = field(default_factory=dict)
+
+
+@dataclass
+class CompletionOutput:
+    index: int
+    text: str
+    token_ids: list[int]
+    cumulative_logprob: float | None
+    logprobs: list[PositionLogprobs] | None
+    finish_reason: str | None = None  # "stop" | "length" | "abort"
+    stop_reason: int | str | None = None  # the stop string or stop token id that matched
+
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    prompt_logprobs: list[PositionLogprobs | None] | None
+    outputs: list[CompletionOutput]
+    finished: bool
+    num_cached_tokens: int = 0

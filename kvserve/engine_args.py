@@ -1,0 +1,98 @@
+"""User-facing engine settings with vLLM's names -> a frozen EngineConfig.
+
+EngineArgs is what LLM(**kwargs) and the CLI fill in; create_engine_config() resolves the
+defaults that depend on the model and the device.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+from dataclasses import dataclass
+
+from kvserve.config import (CacheConfig, EngineConfig, ModelConfig, SchedulerConfig,
+                            parse_memory)
+from kvserve.platform import default_device
+
+
+@dataclass
+class EngineArgs:
+    model: str | None = None  # None or "smollm2-135m": the default model
+    dtype: str = "auto"  # auto: float32 on CPU, bfloat16 on CUDA
+    device: str = "auto"
+    max_model_len: int | None = None  # None: the model's context length
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int | None = None  # None: 512 on CPU, 2048 on CUDA
+    block_size: int = 16
+    kv_cache_memory: int | str | None = None  # bytes or "2GiB"; None: a share of free memory
+    num_gpu_blocks_override: int | None = None  # exact block count (tests, debugging)
+    enable_prefix_caching: bool = True
+    enable_chunked_prefill: bool = True
+    kv_cache_dtype: str = "auto"
+    max_waiting_requests: int | None = None
+    seed: int = 0
+    ops_backend: str = "auto"
+
+    def create_engine_config(self, model_path: str, mc: ModelConfig) -> EngineConfig:
+        device = default_device() if self.device == "auto" else self.device
+        dtype = self.dtype
+        if dtype == "auto":
+            dtype = "float32" if device == "cpu" else "bfloat16"
+        max_len = self.max_model_len or mc.max_position_embeddings
+        if mc.sliding_window is not None and self.max_model_len is None:
+            # Full attention equals sliding-window attention only within the window.
+            max_len = min(max_len, mc.sliding_window)
+        if mc.sliding_window is not None and max_len > mc.sliding_window:
+            raise ValueError(f"max_model_len ({max_len}) must be <= the model's sliding window "
+                             f"({mc.sliding_window}): kvserve runs full attention")
+        budget = self.max_num_batched_tokens or (512 if device == "cpu" else 2048)
+        if not self.enable_chunked_prefill:
+            budget = max(budget, max_len)
+        return EngineConfig(
+            model=model_path,
+            model_config=mc,
+            cache=CacheConfig(block_size=self.block_size,
+                              kv_cache_memory=parse_memory(self.kv_cache_memory),
+                              num_blocks_override=self.num_gpu_blocks_override,
+                              enable_prefix_caching=self.enable_prefix_caching,
+                              kv_cache_dtype=self.kv_cache_dtype),
+            scheduler=SchedulerConfig(max_num_seqs=self.max_num_seqs,
+                                      max_num_batched_tokens=budget, max_model_len=max_len,
+                                      enable_chunked_prefill=self.enable_chunked_prefill,
+                                      max_waiting_requests=self.max_waiting_requests),
+            dtype=dtype, device=device, seed=self.seed, ops_backend=self.ops_backend)
+
+    @classmethod
+    def from_kwargs(cls, **kwargs: object) -> EngineArgs:
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(kwargs) - names)
+        if unknown:
+            raise TypeError(f"unknown engine argument(s): {', '.join(unknown)}; "
+                            f"known: {', '.join(sorted(names))}")
+        return cls(**kwargs)  # type: ignore[arg-type]
+
+    @staticmethod
+    def add_cli_args(p: argparse.ArgumentParser) -> None:
+        d = EngineArgs()
+        p.add_argument("--dtype", default=d.dtype, choices=["auto", "float32", "bfloat16",
+                                                             "float16"])
+        p.add_argument("--device", default=d.device)
+        p.add_argument("--max-model-len", type=int, default=None)
+        p.add_argument("--max-num-seqs", type=int, default=d.max_num_seqs)
+        p.add_argument("--max-num-batched-tokens", type=int, default=None)
+        p.add_argument("--block-size", type=int, default=d.block_size)
+        p.add_argument("--kv-cache-memory", default=None,
+                       help="KV cache size in bytes or with a unit (2GiB); default: a share "
+                            "of free memory")
+        p.add_argument("--num-gpu-blocks-override", type=int, default=None)
+        p.add_argument("--no-enable-prefix-caching", dest="enable_prefix_caching",
+                       action="store_false")
+        p.add_argument("--no-enable-chunked-prefill", dest="enable_chunked_prefill",
+                       action="store_false")
+        p.add_argument("--seed", type=int, default=d.seed)
+        p.add_argument("--ops-backend", default=d.ops_backend)
+
+    @classmethod
+    def from_cli(cls, ns: argparse.Namespace) -> EngineArgs:
+        names = {f.name for f in dataclasses.fields(cls)}
+        return cls(**{k: v for k, v in vars(ns).items() if k in names})

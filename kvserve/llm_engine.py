@@ -1,0 +1,291 @@
+"""The synchronous engine core: add_request / abort_request / step.
+
+    add_request -> tokenize, validate -> Request -> Scheduler.waiting
+    step()      -> Scheduler.schedule -> ModelRunner.execute -> Scheduler.update_from_output
+                -> detokenize, stop strings -> RequestOutput (cumulative) per updated request
+
+A request with n > 1 fans out into n child requests (ids "<id>#<i>") that share the prompt's
+KV blocks through the prefix cache; their outputs are gathered into one RequestOutput.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from kvserve.config import EngineConfig
+from kvserve.detokenizer import IncrementalDetokenizer
+from kvserve.engine_args import EngineArgs
+from kvserve.kv.layout import bytes_per_block
+from kvserve.loader import load_checkpoint, resolve_model
+from kvserve.loader.tokenizer import Tokenizer
+from kvserve.model_runner import ModelRunner, torch_dtype
+from kvserve.models import get_model_class
+from kvserve.ops import get_ops
+from kvserve.outputs import CompletionOutput, PositionLogprobs, RequestOutput
+from kvserve.platform import available_memory, configure_threads
+from kvserve.request import Request, RequestStatus
+from kvserve.sampling_params import SamplingParams
+from kvserve.scheduler import Scheduler
+
+logger = logging.getLogger("kvserve")
+
+PromptType = str | list[int] | dict[str, Any]
+
+
+@dataclass
+class _Child:
+    """Per-sample state the scheduler does not keep: text, logprobs."""
+
+    request: Request
+    index: int
+    detok: IncrementalDetokenizer
+    logprobs: list[PositionLogprobs] | None
+    cumulative_logprob: float | None
+
+
+@dataclass
+class _Parent:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    children: list[_Child]
+    prompt_logprobs: dict[int, PositionLogprobs | None] | None = None
+    finished_children: set[int] = field(default_factory=set)
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig, tokenizer: Tokenizer, model: torch.nn.Module,
+                 num_blocks: int) -> None:
+        self.config = config
+        self.tokenizer = tokenizer
+        self.model = model
+        self.num_blocks = num_blocks
+        self.runner = ModelRunner(config, model, num_blocks)
+        self.scheduler = Scheduler(config.scheduler, config.cache, num_blocks)
+        self._parents: dict[str, _Parent] = {}
+        self._child_to_parent: dict[str, str] = {}
+        torch.manual_seed(config.seed)
+
+    # ---- construction -------------------------------------------------------------------
+
+    @classmethod
+    def from_engine_args(cls, args: EngineArgs) -> LLMEngine:
+        t0 = time.perf_counter()
+        path = resolve_model(args.model)
+        ckpt = load_checkpoint(path)
+        config = args.create_engine_config(path, ckpt.model_config)
+        threads = configure_threads(config.device)
+        ops = get_ops(config.ops_backend, config.device)
+        mc = config.model_config
+        model_cls = get_model_class(mc.architecture)
+        dtype = torch_dtype(config.dtype)
+        model = model_cls(mc, ops, dtype, max_positions=config.scheduler.max_model_len)
+        model.load_weights(ckpt.weights())
+        model = model.to(config.device).eval()
+        num_blocks = cls.num_kv_blocks(config)
+        engine = cls(config, ckpt.tokenizer, model, num_blocks)
+        bs = config.cache.block_size
+        logger.info("loaded %s (%s, %s, ops=%s, %d threads) in %.1fs; KV cache: %d blocks x %d "
+                    "tokens = %d tokens", path, mc.architecture, config.dtype, ops.name,
+                    threads, time.perf_counter() - t0, num_blocks - 1, bs,
+                    (num_blocks - 1) * bs)
+        return engine
+
+    @staticmethod
+    def num_kv_blocks(config: EngineConfig) -> int:
+        """From --num-gpu-blocks-override, --kv-cache-memory, or a share of free memory.
+        Includes the null block 0, so requests can use num_blocks - 1."""
+        c, mc = config.cache, config.model_config
+        if c.num_blocks_override is not None:
+            return c.num_blocks_override
+        cache_dtype = config.dtype if c.kv_cache_dtype == "auto" else c.kv_cache_dtype
+        per_block = bytes_per_block(mc.num_hidden_layers, c.block_size, mc.num_key_value_heads,
+                                    mc.head_dim, torch_dtype(cache_dtype).itemsize)
+        budget = c.kv_cache_memory
+        if budget is None:
+            budget = int(available_memory(config.device) * c.kv_cache_memory_fraction)
+            # More blocks than max_num_seqs full-length requests can use is wasted memory.
+            sc = config.scheduler
+            useful = sc.max_num_seqs * -(-sc.max_model_len // c.block_size) + 1
+            budget = min(budget, useful * per_block)
+        num_blocks = budget // per_block
+        if num_blocks < 2:
+            raise ValueError(f"kv_cache_memory ({budget} bytes) holds no KV block; one block "
+                             f"of {c.block_size} tokens needs {per_block} bytes")
+        return num_blocks
+
+    # ---- requests -----------------------------------------------------------------------
+
+    def _tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, dict):
+            if "prompt_token_ids" in prompt:
+                return prompt.get("prompt"), list(prompt["prompt_token_ids"])
+            if "prompt" in prompt:
+                prompt = prompt["prompt"]
+            else:
+                raise ValueError("a prompt dict must have 'prompt' or 'prompt_token_ids'")
+        if isinstance(prompt, str):
+            return prompt, self.tokenizer.encode(prompt)
+        if isinstance(prompt, (list, tuple)):
+            return None, list(prompt)
+        raise ValueError(f"prompt must be a string, a list of token ids or a dict, got "
+                         f"{type(prompt).__name__}")
+
+    def add_request(self, request_id: str, prompt: PromptType,
+                    params: SamplingParams | None = None, *, priority: int = 0,
+                    arrival_time: float | None = None) -> None:
+        """Validate and queue a request. Raises ValueError (nothing is queued) on bad input."""
+        params = params or SamplingParams()
+        if request_id in self._parents:
+            raise ValueError(f"request_id {request_id!r} is already in use")
+        text, ids = self._tokenize(prompt)
+        vocab = self.config.model_config.vocab_size
+        max_len = self.config.scheduler.max_model_len
+        if not ids:
+            raise ValueError("prompt must contain at least one token")
+        bad = next((t for t in ids if not isinstance(t, int) or not 0 <= t < vocab), None)
+        if bad is not None:
+            raise ValueError(f"prompt token ids must be integers in [0, {vocab - 1}], got {bad}")
+        if len(ids) >= max_len:
+            raise ValueError(f"prompt has {len(ids)} tokens, but the context (max_model_len) "
+                             f"is {max_len}: at most {max_len - 1} prompt tokens leave room for "
+                             f"one new token")
+        params.validate_token_ids(vocab)
+        max_tokens = params.max_tokens if params.max_tokens is not None else max_len - len(ids)
+        if len(ids) + max_tokens > max_len:
+            raise ValueError(f"prompt ({len(ids)} tokens) plus max_tokens ({max_tokens}) is "
+                             f"{len(ids) + max_tokens}, more than max_model_len ({max_len})")
+        children: list[_Child] = []
+        for i in range(params.n):
+            child_params = params
+            if params.n > 1:
+                # Distinct but reproducible streams for the n samples of a seeded request.
+                seed = None if params.seed is None else params.seed + i
+                child_params = dataclasses.replace(params, n=1, seed=seed)
+            cid = request_id if params.n == 1 else f"{request_id}#{i}"
+            req = Request(cid, ids, child_params, max_tokens=max_tokens, priority=priority,
+                          arrival_time=arrival_time, prompt=text,
+                          eos_token_ids=self.tokenizer.eos_token_ids)
+            want_lp = child_params.logprobs is not None
+            children.append(_Child(req, i, IncrementalDetokenizer(self.tokenizer, req),
+                                   [] if want_lp else None, 0.0 if want_lp else None))
+        added: list[str] = []
+        try:
+            for ch in children:
+                self.scheduler.add_request(ch.request)
+                added.append(ch.request.request_id)
+        except Exception:
+            for cid in added:  # all or nothing
+                self.scheduler.abort_request(cid)
+            raise
+        parent = _Parent(request_id, text, ids, children,
+                         {} if params.prompt_logprobs is not None else None)
+        self._parents[request_id] = parent
+        for ch in children:
+            self._child_to_parent[ch.request.request_id] = request_id
+
+    def abort_request(self, request_id: str | list[str]) -> None:
+        for rid in [request_id] if isinstance(request_id, str) else request_id:
+            parent = self._parents.pop(rid, None)
+            if parent is None:
+                continue
+            for ch in parent.children:
+                self.scheduler.abort_request(ch.request.request_id)
+                self._child_to_parent.pop(ch.request.request_id, None)
+            self.runner.remove_requests([ch.request.request_id for ch in parent.children])
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self._parents)
+
+    def get_num_unfinished_requests(self) -> int:
+        return len(self._parents)
+
+    # ---- the loop -----------------------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        so = self.scheduler.schedule()
+        if so.is_empty:
+            return []
+        mo = self.runner.execute(so)
+        for rid, lps in mo.prompt_logprobs.items():
+            self._record_prompt_logprobs(rid, lps, so)
+        lp_by_req = dict(zip(mo.req_ids, mo.logprobs))
+        updated = self.scheduler.update_from_output(so, mo)
+        touched: dict[str, _Parent] = {}
+        finished_ids: list[str] = []
+        for req, new_ids in updated:
+            pid = self._child_to_parent.get(req.request_id)
+            if pid is None:
+                continue
+            parent = self._parents[pid]
+            child = next(c for c in parent.children if c.request is req)
+            self._append_logprobs(child, new_ids, lp_by_req.get(req.request_id))
+            _delta, stop_str = child.detok.update(new_ids)
+            if stop_str is not None and not req.is_finished():
+                self.scheduler.finish_request(req.request_id, RequestStatus.FINISHED_STOPPED,
+                                              stop_str)
+            if req.is_finished():
+                child.detok.flush()
+                parent.finished_children.add(child.index)
+                finished_ids.append(req.request_id)
+            touched[pid] = parent
+        outputs = [self._make_output(p) for p in touched.values()]
+        for out in outputs:
+            if out.finished:
+                parent = self._parents.pop(out.request_id)
+                for ch in parent.children:
+                    self._child_to_parent.pop(ch.request.request_id, None)
+        self.runner.remove_requests(finished_ids)
+        return outputs
+
+    def _record_prompt_logprobs(self, child_id: str, lps: list[PositionLogprobs | None],
+                                so: Any) -> None:
+        pid = self._child_to_parent.get(child_id)
+        parent = self._parents.get(pid) if pid else None
+        if parent is None or parent.prompt_logprobs is None or parent.children[0].request \
+                .request_id != child_id:
+            return
+        sr = next(s for s in so.scheduled if s.request_id == child_id)
+        first = 0 if sr.start_pos == 0 else sr.start_pos + 1
+        for i, lp in enumerate(lps):
+            # setdefault: a preempted request recomputes its prompt; keep the first result.
+            parent.prompt_logprobs.setdefault(first + i, self._decorate(lp))
+
+    def _decorate(self, lp: PositionLogprobs | None) -> PositionLogprobs | None:
+        if lp is None:
+            return None
+        return {t: v._replace(decoded_token=self.tokenizer.decode([t], skip_special_tokens=False))
+                for t, v in lp.items()}
+
+    def _append_logprobs(self, child: _Child, new_ids: list[int],
+                         lps: list[PositionLogprobs] | None) -> None:
+        if child.logprobs is None or lps is None:
+            return
+        for tok, lp in zip(new_ids, lps):
+            dec = self._decorate(lp)
+            assert dec is not None
+            child.logprobs.append(dec)
+            child.cumulative_logprob = (child.cumulative_logprob or 0.0) + dec[tok].logprob
+
+    def _make_output(self, parent: _Parent) -> RequestOutput:
+        outs = []
+        for ch in parent.children:
+            req = ch.request
+            outs.append(CompletionOutput(
+                index=ch.index, text=ch.detok.output_text, token_ids=list(req.output_token_ids),
+                cumulative_logprob=ch.cumulative_logprob, logprobs=ch.logprobs,
+                finish_reason=req.status.finish_reason, stop_reason=req.stop_reason))
+        plp = None
+        if parent.prompt_logprobs is not None:
+            plp = [parent.prompt_logprobs.get(i) for i in range(len(parent.prompt_token_ids))]
+        return RequestOutput(
+            request_id=parent.request_id, prompt=parent.prompt,
+            prompt_token_ids=parent.prompt_token_ids, prompt_logprobs=plp, outputs=outs,
+            finished=len(parent.finished_children) == len(parent.children),
+            num_cached_tokens=max(parent.children[0].request.num_cached_tokens, 0))

@@ -1,0 +1,128 @@
+"""SchedulerOutput -> tensors -> model -> sampler -> ModelOutput.
+
+The only engine component that touches device tensors (with layers/, ops/, platform.py).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import numpy as np
+import torch
+
+from kvserve.config import EngineConfig
+from kvserve.kv.layout import kv_cache_shape
+from kvserve.outputs import ModelInput, ModelOutput, PositionLogprobs, SchedulerOutput
+from kvserve.sampler import Sampler, SamplingMetadata, compute_prompt_logprobs
+
+logger = logging.getLogger(__name__)
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def torch_dtype(name: str) -> torch.dtype:
+    return _DTYPES[name]
+
+
+class ModelRunner:
+    def __init__(self, config: EngineConfig, model: Any, num_blocks: int) -> None:
+        self.config = config
+        self.model = model
+        self.device = torch.device(config.device)
+        self.block_size = config.cache.block_size
+        self.vocab_size = config.model_config.vocab_size
+        mc = config.model_config
+        cache_dtype = (config.dtype if config.cache.kv_cache_dtype == "auto"
+                       else config.cache.kv_cache_dtype)
+        # Zeroed, not empty: kernels may read whole blocks past seq_len and mask them out,
+        # and 0 * garbage-NaN would still be NaN.
+        self.kv_cache = torch.zeros(
+            kv_cache_shape(mc.num_hidden_layers, num_blocks, self.block_size,
+                           mc.num_key_value_heads, mc.head_dim),
+            dtype=torch_dtype(cache_dtype), device=self.device)
+        self.sampler = Sampler()
+
+    def prepare_inputs(self, so: SchedulerOutput) -> tuple[ModelInput, list[int], dict[str, Any]]:
+        """Flatten the step into one varlen batch.
+
+        Returns the ModelInput, the batch indices b of requests that sample, and for requests
+        that want prompt logprobs: request_id -> (first logits row, target token ids, first
+        target position) of this chunk.
+        """
+        bs = self.block_size
+        n_req = len(so.scheduled)
+        qsl = np.zeros(n_req + 1, dtype=np.int64)
+        seq_lens = np.zeros(n_req, dtype=np.int64)
+        max_blocks = max(len(sr.block_ids) for sr in so.scheduled)
+        block_tables = np.zeros((n_req, max_blocks), dtype=np.int32)
+        input_ids: list[int] = []
+        positions: list[np.ndarray] = []
+        slots: list[np.ndarray] = []
+        sample_idx: list[int] = []
+        prompt_lp: dict[str, Any] = {}
+        for b, sr in enumerate(so.scheduled):
+            n, start = sr.num_tokens, sr.start_pos
+            qsl[b + 1] = qsl[b] + n
+            seq_lens[b] = start + n
+            blocks = np.asarray(sr.block_ids, dtype=np.int64)
+            block_tables[b, : len(blocks)] = blocks
+            pos = np.arange(start, start + n, dtype=np.int64)
+            positions.append(pos)
+            slots.append(blocks[pos // bs] * bs + pos % bs)
+            input_ids.extend(sr.token_ids)
+            if sr.sample:
+                sample_idx.append(b)
+            req = sr.request
+            if req.sampling_params.prompt_logprobs is not None and start < req.num_prompt_tokens:
+                # Row r (position start + r) predicts the token at position start + r + 1.
+                last = min(start + n, req.num_prompt_tokens - 1)  # last target position
+                targets = req.all_token_ids[start + 1: last + 1]
+                prompt_lp[req.request_id] = (int(qsl[b]), targets, start + 1)
+        sample_rows = [int(qsl[b + 1]) - 1 for b in sample_idx]
+        lp_rows = [r for row0, tg, _ in prompt_lp.values() for r in range(row0, row0 + len(tg))]
+        dev = self.device
+        inp = ModelInput(
+            input_ids=torch.tensor(input_ids, dtype=torch.long, device=dev),
+            positions=torch.from_numpy(np.concatenate(positions)).to(dev),
+            slot_mapping=torch.from_numpy(np.concatenate(slots)).to(dev),
+            block_tables=torch.from_numpy(block_tables).to(dev),
+            seq_lens=torch.from_numpy(seq_lens.astype(np.int32)).to(dev),
+            query_start_loc=torch.from_numpy(qsl.astype(np.int32)).to(dev),
+            logits_indices=torch.tensor(sample_rows + lp_rows, dtype=torch.long, device=dev),
+            max_query_len=int((qsl[1:] - qsl[:-1]).max()),
+            max_seq_len=int(seq_lens.max()),
+        )
+        return inp, sample_idx, prompt_lp
+
+    @torch.inference_mode()
+    def execute(self, so: SchedulerOutput) -> ModelOutput:
+        inp, sample_idx, prompt_lp = self.prepare_inputs(so)
+        hidden = self.model(inp, self.kv_cache)
+        # Logits only for the rows that sample or need prompt logprobs.
+        logits = self.model.compute_logits(hidden[inp.logits_indices])
+        n_sample = len(sample_idx)
+        requests = [so.scheduled[b].request for b in sample_idx]
+        out = ModelOutput(req_ids=[r.request_id for r in requests], sampled_token_ids=[],
+                          logprobs=[])
+        if n_sample:
+            meta = SamplingMetadata.from_requests(requests, self.vocab_size, logits.device)
+            sampled = self.sampler(logits[:n_sample], meta)
+            out.sampled_token_ids = [[t] for t in sampled.token_ids]
+            out.logprobs = [None if lp is None else [lp] for lp in sampled.logprobs]
+        row = n_sample
+        for req_id, (_row0, targets, first_pos) in prompt_lp.items():
+            k = len(targets)
+            req = next(sr.request for sr in so.scheduled if sr.request_id == req_id)
+            lps: list[PositionLogprobs | None] = compute_prompt_logprobs(
+                logits[row: row + k], torch.tensor(targets, device=logits.device),
+                req.sampling_params.prompt_logprobs)
+            if first_pos == 1:
+                lps = [None] + lps  # the first prompt token has no logprob
+            out.prompt_logprobs[req_id] = lps
+            row += k
+        return out
+
+    def remove_requests(self, request_ids: list[str]) -> None:
+        for rid in request_ids:
+            self.sampler.remove(rid)

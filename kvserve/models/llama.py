@@ -1,0 +1,186 @@
+"""Llama family: Llama 1/2/3, SmolLM2, Mistral (and Qwen2, which only adds a q/k/v bias).
+
+The model never sees paging: the runner hands it a ModelInput (flat varlen batch) and the KV
+cache tensor, and each attention layer reads/writes its own slice through the ops backend.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+from torch import nn
+
+from kvserve.config import ModelConfig
+from kvserve.layers.linear import Linear
+from kvserve.layers.rotary import rope_cos_sin
+from kvserve.outputs import ModelInput
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float, ops: Any, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim, dtype=dtype), requires_grad=False)
+        self.eps = eps
+        self.ops = ops
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Returns (normed, residual stream). With a residual, x is added to it first."""
+        if residual is None:
+            return self.ops.rms_norm(x, self.weight, self.eps), x
+        return self.ops.add_rms_norm(x, residual, self.weight, self.eps)
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer_idx: int, ops: Any, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.num_heads = cfg.num_attention_heads
+        self.num_kv_heads = cfg.num_key_value_heads
+        self.head_dim = cfg.head_dim
+        self.q_size = self.num_heads * self.head_dim
+        self.kv_size = self.num_kv_heads * self.head_dim
+        self.scale = self.head_dim**-0.5
+        self.ops = ops
+        self.qkv_proj = Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size,
+                               bias=cfg.attention_bias, ops=ops, dtype=dtype,
+                               shard_sizes=(self.q_size, self.kv_size, self.kv_size))
+        self.o_proj = Linear(self.q_size, cfg.hidden_size, bias=False, ops=ops, dtype=dtype)
+
+    def forward(self, x: torch.Tensor, inp: ModelInput, kv_cache: torch.Tensor,
+                cos_sin: torch.Tensor) -> torch.Tensor:
+        t = x.shape[0]
+        q, k, v = self.qkv_proj(x).split((self.q_size, self.kv_size, self.kv_size), dim=-1)
+        q = q.reshape(t, self.num_heads, self.head_dim)
+        k = k.reshape(t, self.num_kv_heads, self.head_dim)
+        v = v.reshape(t, self.num_kv_heads, self.head_dim)
+        q, k = self.ops.rotary(q, k, inp.positions, cos_sin)
+        layer_cache = kv_cache[self.layer_idx]
+        self.ops.write_kv(k, v, layer_cache, inp.slot_mapping)
+        o = self.ops.paged_attention(q, layer_cache, inp.block_tables, inp.seq_lens,
+                                     inp.query_start_loc, self.scale, inp.max_query_len,
+                                     inp.max_seq_len)
+        return self.o_proj(o.reshape(t, self.q_size))
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, cfg: ModelConfig, ops: Any, dtype: torch.dtype) -> None:
+        super().__init__()
+        i = cfg.intermediate_size
+        self.ops = ops
+        self.gate_up_proj = Linear(cfg.hidden_size, 2 * i, bias=False, ops=ops, dtype=dtype,
+                                   shard_sizes=(i, i))
+        self.down_proj = Linear(i, cfg.hidden_size, bias=False, ops=ops, dtype=dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.ops.silu_and_mul(self.gate_up_proj(x)))
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer_idx: int, ops: Any, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops, dtype)
+        self.self_attn = LlamaAttention(cfg, layer_idx, ops, dtype)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops, dtype)
+        self.mlp = LlamaMLP(cfg, ops, dtype)
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None, inp: ModelInput,
+                kv_cache: torch.Tensor, cos_sin: torch.Tensor
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        h, residual = self.input_layernorm(x, residual)
+        h = self.self_attn(h, inp, kv_cache, cos_sin)
+        h, residual = self.post_attention_layernorm(h, residual)
+        return self.mlp(h), residual
+
+
+class LlamaForCausalLM(nn.Module):
+    # checkpoint name fragment -> (our fused module fragment, shard index)
+    stacked_params = {
+        ".q_proj.": (".qkv_proj.", 0), ".k_proj.": (".qkv_proj.", 1),
+        ".v_proj.": (".qkv_proj.", 2), ".gate_proj.": (".gate_up_proj.", 0),
+        ".up_proj.": (".gate_up_proj.", 1),
+    }
+
+    def __init__(self, cfg: ModelConfig, ops: Any, dtype: torch.dtype = torch.float32,
+                 max_positions: int | None = None) -> None:
+        super().__init__()
+        self.config = cfg
+        self.ops = ops
+        self.embed_tokens = nn.Parameter(torch.empty(cfg.vocab_size, cfg.hidden_size,
+                                                     dtype=dtype), requires_grad=False)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, i, ops, dtype)
+                                    for i in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops, dtype)
+        self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False, ops=ops, dtype=dtype)
+        if cfg.tie_word_embeddings:
+            self.lm_head.weight = self.embed_tokens
+        # RoPE table kept in float32 whatever the weights' dtype: positions need the precision.
+        self.cos_sin = rope_cos_sin(cfg.head_dim, max_positions or cfg.max_position_embeddings,
+                                    cfg.rope_theta, cfg.rope_scaling_dict)
+
+    def forward(self, inp: ModelInput, kv_cache: torch.Tensor) -> torch.Tensor:
+        """Hidden states [T, hidden] of every token in the step (after the final norm)."""
+        x = self.embed_tokens[inp.input_ids]
+        residual = None
+        for layer in self.layers:
+            x, residual = layer(x, residual, inp, kv_cache, self.cos_sin)
+        x, _ = self.norm(x, residual)
+        return x
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden).float()
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Load HF-named tensors. Raises ValueError naming unknown or missing tensors."""
+        params = dict(self.named_parameters(remove_duplicate=False))
+        params["model.embed_tokens.weight"] = params.pop("embed_tokens")
+        loaded: set[str] = set()
+        for name, tensor in weights:
+            if "rotary_emb.inv_freq" in name:
+                continue
+            if name == "lm_head.weight" and self.config.tie_word_embeddings:
+                continue
+            key = name.removeprefix("model.") if name != "model.embed_tokens.weight" else name
+            for frag, (fused, shard) in self.stacked_params.items():
+                if frag in key:
+                    key = key.replace(frag, fused)
+                    owner, pname = key.rsplit(".", 1)
+                    module = self.get_submodule(owner)
+                    assert isinstance(module, Linear)
+                    module.load_shard(pname, shard, tensor)
+                    loaded.add(f"{key}#{shard}")
+                    break
+            else:
+                if key not in params:
+                    raise ValueError(f"checkpoint tensor {name!r} has no place in "
+                                     f"{self.config.architecture}")
+                if tuple(params[key].shape) != tuple(tensor.shape):
+                    raise ValueError(f"checkpoint tensor {name!r} has shape "
+                                     f"{tuple(tensor.shape)}, expected {tuple(params[key].shape)}")
+                params[key].data.copy_(tensor)
+                loaded.add(key)
+        self._check_all_loaded(params, loaded)
+
+    def _check_all_loaded(self, params: dict[str, nn.Parameter], loaded: set[str]) -> None:
+        expected: set[str] = set()
+        own = dict(self.named_parameters())
+        for key in params:
+            if key == "lm_head.weight" and self.config.tie_word_embeddings:
+                continue
+            owner = key.rsplit(".", 1)[0]
+            module = self.get_submodule(owner) if key in own else None
+            if isinstance(module, Linear) and len(module.shard_sizes) > 1:
+                expected.update(f"{key}#{s}" for s in range(len(module.shard_sizes)))
+            else:
+                expected.add(key)
+        missing = sorted(expected - loaded)
+        if missing:
+            shown = ", ".join(missing[:8]) + (" ..." if len(missing) > 8 else "")
+            raise ValueError(f"checkpoint is missing {len(missing)} tensors: {shown}")
+
+
+class MistralForCausalLM(LlamaForCausalLM):
+    """Mistral is Llama with GQA and (v0.1 only) a sliding window; the engine caps
+    max_model_len at the window, so full attention is exact."""

@@ -1,0 +1,299 @@
+"""Token-budget continuous batching (vLLM v1 style).
+
+There are no prefill and decode phases. Every request has all_token_ids and
+num_computed_tokens; a step gives each request some of its uncomputed tokens, within a token
+budget (max_num_batched_tokens) and a request cap (max_num_seqs):
+
+    all_token_ids  |======= computed =======|== this step ==|... later chunks ...|
+                   0           num_computed_tokens                       num_tokens
+
+A decode is the case num_tokens - num_computed_tokens == 1, a prefill chunk any larger
+slice, and speculative decoding will schedule num_tokens - num_computed_tokens + k: none
+needs a special case here.
+
+Order of one schedule():
+  1. RUNNING requests, most important first. When one cannot get blocks, the least
+     important running request (largest (priority, arrival_time)) is preempted: its blocks
+     are freed and it goes back to WAITING to be recomputed later, prefix cache helping.
+  2. WAITING requests in (priority, arrival_time, insertion) order while budget, max_num_seqs
+     and blocks allow; skipped in a step that preempted. A waiting request never preempts a
+     running one (see _schedule_waiting).
+
+num_computed_tokens advances in schedule(), right after a request is scheduled, so that the
+next schedule() already knows what is in flight; update_from_output() only appends tokens.
+"""
+
+from __future__ import annotations
+
+import bisect
+import heapq
+import time
+
+from kvserve.config import CacheConfig, SchedulerConfig
+from kvserve.kv.block_pool import BlockPool
+from kvserve.kv.cache_manager import KVCacheManager
+from kvserve.kv.layout import cdiv
+from kvserve.outputs import ModelOutput, ScheduledRequest, SchedulerOutput
+from kvserve.request import Request, RequestStatus
+
+# (priority, arrival_time, insertion counter): smaller = more important. The counter breaks
+# ties between equal arrival times and keeps heap entries from ever comparing Requests.
+_OrderKey = tuple[int, float, int]
+
+
+class QueueFullError(RuntimeError):
+    """The waiting queue is at SchedulerConfig.max_waiting_requests (the server's 503)."""
+
+
+class Scheduler:
+    def __init__(self, scheduler_config: SchedulerConfig, cache_config: CacheConfig,
+                 num_blocks: int) -> None:
+        self.config = scheduler_config
+        self.block_size = cache_config.block_size
+        self.num_blocks = num_blocks
+        self.block_pool = BlockPool(num_blocks, cache_config.enable_prefix_caching)
+        self.kv_cache_manager = KVCacheManager(self.block_pool, self.block_size,
+                                               cache_config.enable_prefix_caching)
+        # Every unfinished request, waiting or running.
+        self.requests: dict[str, Request] = {}
+        self._order: dict[str, _OrderKey] = {}
+        self._counter = 0
+        # Min-heap of (key, request); keys are unique so requests are never compared.
+        self.waiting: list[tuple[_OrderKey, Request]] = []
+        # Kept sorted by key, most important first. Then the preemption victim is always the
+        # last entry, which schedule() reaches last: a victim is never a request that was
+        # already scheduled in the same step (its blocks would hold uncomputed KV).
+        self.running: list[Request] = []
+        self.num_preemptions = 0
+
+    # -- intake -----------------------------------------------------------------------------
+
+    def add_request(self, request: Request) -> None:
+        """Queues a request. ValueError if it can never run; QueueFullError if full now."""
+        rid = request.request_id
+        if rid in self.requests:
+            raise ValueError(f"request id {rid!r} is already in use")
+        if request.num_prompt_tokens < 1:
+            raise ValueError(f"request {rid!r}: the prompt must have at least 1 token")
+        max_len = request.num_prompt_tokens + request.max_tokens
+        if max_len > self.config.max_model_len:
+            raise ValueError(
+                f"request {rid!r}: prompt ({request.num_prompt_tokens} tokens) + max_tokens "
+                f"({request.max_tokens}) = {max_len} exceeds max_model_len "
+                f"({self.config.max_model_len})")
+        blocks_needed = cdiv(max_len, self.block_size)
+        if blocks_needed > self.num_blocks - 1:
+            raise ValueError(
+                f"request {rid!r}: prompt + max_tokens = {max_len} tokens needs "
+                f"{blocks_needed} KV blocks of {self.block_size} tokens, but the cache holds "
+                f"only {self.num_blocks - 1} usable blocks")
+        limit = self.config.max_waiting_requests
+        if limit is not None and len(self.waiting) >= limit:
+            raise QueueFullError(f"the waiting queue is full ({limit} requests); retry later")
+        request.status = RequestStatus.WAITING
+        self._order[rid] = (request.priority, request.arrival_time, self._counter)
+        self._counter += 1
+        self.requests[rid] = request
+        heapq.heappush(self.waiting, (self._order[rid], request))
+
+    # -- one step ---------------------------------------------------------------------------
+
+    def schedule(self) -> SchedulerOutput:
+        budget = self.config.max_num_batched_tokens
+        scheduled: list[ScheduledRequest] = []
+        preempted_ids: list[str] = []
+        budget = self._schedule_running(budget, scheduled, preempted_ids)
+        if not preempted_ids:
+            # After a preemption memory is short: admitting more would only cause more.
+            budget = self._schedule_waiting(budget, scheduled)
+        return SchedulerOutput(scheduled=scheduled,
+                               num_batched_tokens=self.config.max_num_batched_tokens - budget,
+                               preempted_ids=preempted_ids)
+
+    def _schedule_running(self, budget: int, scheduled: list[ScheduledRequest],
+                          preempted_ids: list[str]) -> int:
+        i = 0
+        while i < len(self.running) and budget > 0:
+            req = self.running[i]
+            num_new = min(req.num_tokens - req.num_computed_tokens, budget)
+            if num_new <= 0:
+                i += 1
+                continue
+            if not self._allocate_or_preempt(req, num_new, preempted_ids):
+                break  # req itself was preempted: it was the last running request
+            scheduled.append(self._commit(req, num_new))
+            budget -= num_new
+            i += 1
+        return budget
+
+    def _allocate_or_preempt(self, req: Request, num_new: int, preempted_ids: list[str]
+                             ) -> bool:
+        """Preempts least important running requests until req gets its blocks; False when
+        req itself had to go."""
+        while self.kv_cache_manager.allocate_slots(req, num_new) is None:
+            # running[-1] is the least important. It sits at or after req in self.running,
+            # so it has not been scheduled in this step.
+            victim = self.running.pop()
+            self._preempt(victim)
+            preempted_ids.append(victim.request_id)
+            if victim is req:
+                return False
+        return True
+
+    def _schedule_waiting(self, budget: int, scheduled: list[ScheduledRequest]) -> int:
+        """Admits waiting requests in order; the first that does not fit blocks the rest, so
+        a large request is not starved by smaller ones behind it.
+
+        Not done (as in vLLM v1): preempting a running request in favour of a more important
+        waiting one. The victim would usually be scheduled in this step already, with blocks
+        registered in the prefix index whose KV would then never be computed.
+        """
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            req = self.waiting[0][1]
+            computed_blocks, num_computed = self.kv_cache_manager.get_computed_blocks(req)
+            num_new = req.num_tokens - num_computed
+            if num_new > budget:
+                if not self.config.enable_chunked_prefill:
+                    break
+                num_new = budget
+            if self.kv_cache_manager.allocate_slots(req, num_new, computed_blocks) is None:
+                break
+            heapq.heappop(self.waiting)
+            req.status = RequestStatus.RUNNING
+            req.num_computed_tokens = num_computed
+            if req.num_cached_tokens < 0:
+                req.num_cached_tokens = num_computed
+            if req.first_scheduled_time is None:
+                req.first_scheduled_time = time.monotonic()
+            bisect.insort(self.running, req, key=self._key)
+            scheduled.append(self._commit(req, num_new))
+            budget -= num_new
+        return budget
+
+    def _commit(self, req: Request, num_new: int) -> ScheduledRequest:
+        start = req.num_computed_tokens
+        end = start + num_new
+        out = ScheduledRequest(request=req, token_ids=req.all_token_ids[start:end],
+                               start_pos=start,
+                               block_ids=self.kv_cache_manager.get_block_ids(req.request_id),
+                               sample=end == req.num_tokens)
+        req.num_computed_tokens = end
+        return out
+
+    def _preempt(self, req: Request) -> None:
+        self.kv_cache_manager.free(req)
+        req.status = RequestStatus.PREEMPTED
+        req.num_computed_tokens = 0
+        req.num_preemptions += 1
+        self.num_preemptions += 1
+        # Same key as on arrival: it returns ahead of everything that arrived after it.
+        heapq.heappush(self.waiting, (self._order[req.request_id], req))
+
+    def _key(self, req: Request) -> _OrderKey:
+        return self._order[req.request_id]
+
+    # -- results ----------------------------------------------------------------------------
+
+    def update_from_output(self, scheduler_output: SchedulerOutput, model_output: ModelOutput
+                           ) -> list[tuple[Request, list[int]]]:
+        """Appends sampled tokens and runs the token-level stop checks.
+
+        Returns (request, new token ids) for every request that got tokens, finished ones
+        included. Tokens after a stop token (speculative decoding can return several) are
+        dropped. Stop strings are the detokenizer's job; it calls finish_request().
+        """
+        sampled = dict(zip(model_output.req_ids, model_output.sampled_token_ids, strict=True))
+        results: list[tuple[Request, list[int]]] = []
+        now = time.monotonic()
+        for sched in scheduler_output.scheduled:
+            req = sched.request
+            new_ids = sampled.get(req.request_id)
+            # Aborted between schedule() and now: its tokens are of no use.
+            if not sched.sample or not new_ids or req.status != RequestStatus.RUNNING:
+                continue
+            accepted: list[int] = []
+            for token_id in new_ids:
+                req.append_output_token(token_id)
+                accepted.append(token_id)
+                if self._check_stop(req, token_id):
+                    break
+            if req.first_token_time is None:
+                req.first_token_time = now
+            if req.is_finished():
+                self._remove(req)
+            results.append((req, accepted))
+        return results
+
+    def _check_stop(self, req: Request, token_id: int) -> bool:
+        """Sets a finished status; order: EOS, stop_token_ids, then length limits."""
+        params = req.sampling_params
+        if req.num_output_tokens >= params.min_tokens:
+            if not params.ignore_eos and token_id in req.eos_token_ids:
+                req.status = RequestStatus.FINISHED_STOPPED
+                return True
+            if params.stop_token_ids and token_id in params.stop_token_ids:
+                req.status = RequestStatus.FINISHED_STOPPED
+                req.stop_reason = token_id
+                return True
+        if (req.num_output_tokens >= req.max_tokens
+                or req.num_tokens >= self.config.max_model_len):
+            req.status = RequestStatus.FINISHED_LENGTH
+            return True
+        return False
+
+    def finish_request(self, request_id: str, status: RequestStatus,
+                       stop_reason: int | str | None = None) -> None:
+        """Finishes a waiting or running request (stop string, abort); unknown id: no-op."""
+        if not status.finished:
+            raise ValueError(f"finish_request needs a finished status, got {status.name}")
+        req = self.requests.get(request_id)
+        if req is None:
+            return
+        req.status = status
+        if stop_reason is not None:
+            req.stop_reason = stop_reason
+        self._remove(req)
+
+    def abort_request(self, request_id: str) -> None:
+        self.finish_request(request_id, RequestStatus.FINISHED_ABORTED)
+
+    def _remove(self, req: Request) -> None:
+        """Drops a finished request from the queues and frees its blocks."""
+        rid = req.request_id
+        if req in self.running:
+            self.running.remove(req)
+        else:
+            # O(len(waiting)); removing from the middle of a heap needs a re-heapify.
+            self.waiting.remove((self._order[rid], req))
+            heapq.heapify(self.waiting)
+        self.kv_cache_manager.free(req)
+        del self.requests[rid]
+        del self._order[rid]
+
+    # -- queries and stats ------------------------------------------------------------------
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests)
+
+    def get_request(self, request_id: str) -> Request | None:
+        return self.requests.get(request_id)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    @property
+    def kv_cache_usage(self) -> float:
+        return self.kv_cache_manager.usage
+
+    @property
+    def prefix_cache_queries(self) -> int:
+        return self.kv_cache_manager.prefix_cache_queries
+
+    @property
+    def prefix_cache_hits(self) -> int:
+        return self.kv_cache_manager.prefix_cache_hits

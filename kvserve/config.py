@@ -84,7 +84,7 @@ class CacheConfig:
     block_size: int = 16
     # Bytes for the whole KV cache. None: a share of the device's free memory.
     kv_cache_memory: int | None = None
-    kv_cache_memory_fraction: float = 0.25
+    kv_cache_memory_fraction: float = 0.1
     # Exact block count, for tests and debugging; overrides the memory budget.
     num_blocks_override: int | None = None
     enable_prefix_caching: bool = True

@@ -109,7 +109,8 @@ class ModelRunner:
             meta = SamplingMetadata.from_requests(requests, self.vocab_size, logits.device)
             sampled = self.sampler(logits[:n_sample], meta)
             out.sampled_token_ids = [[t] for t in sampled.token_ids]
-            out.logprobs = [None if lp is None else [lp] for lp in sampled.logprobs]
+            lps = sampled.logprobs or [None] * n_sample  # None: no row asked for logprobs
+            out.logprobs = [None if lp is None else [lp] for lp in lps]
         row = n_sample
         for req_id, (_row0, targets, first_pos) in prompt_lp.items():
             k = len(targets)

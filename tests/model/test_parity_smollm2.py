@@ -1,0 +1,79 @@
+"""SmolLM2-135M from its GGUF against HF transformers on the same (dequantized) weights.
+
+HF's LlamaForCausalLM is the independent reference: we hand it the weights our loader
+dequantized (HF's own GGUF path differs in its tokenizer, not its math). Tolerance as in
+test_parity_tiny: 1e-4 of the logits' scale.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+
+from kvserve.sampling_params import SamplingParams
+from tests.conftest import run_all
+from tests.helpers import PagedSequence
+
+PROMPTS = [
+    "The capital of France is",
+    "def fibonacci(n):\n    ",
+    "<|im_start|>user\nWrite a haiku about the sea.<|im_end|>\n<|im_start|>assistant\n",
+    "In 1969, Neil Armstrong",
+]
+
+
+@pytest.fixture(scope="module")
+def hf_smollm2(smollm2: Any) -> Any:
+    import transformers
+
+    _, ckpt, _ = smollm2
+    mc = ckpt.model_config
+    cfg = transformers.LlamaConfig(
+        vocab_size=mc.vocab_size, hidden_size=mc.hidden_size,
+        intermediate_size=mc.intermediate_size, num_hidden_layers=mc.num_hidden_layers,
+        num_attention_heads=mc.num_attention_heads, num_key_value_heads=mc.num_key_value_heads,
+        max_position_embeddings=mc.max_position_embeddings, rms_norm_eps=mc.rms_norm_eps,
+        rope_theta=mc.rope_theta, tie_word_embeddings=mc.tie_word_embeddings,
+        bos_token_id=1, eos_token_id=2)
+    model = transformers.LlamaForCausalLM(cfg).float().eval()
+    missing, unexpected = model.load_state_dict(dict(ckpt.weights()), strict=False)
+    assert not unexpected and set(missing) <= {"lm_head.weight"}
+    model.tie_weights()
+    return model
+
+
+def test_logits_match_hf_at_prefill_and_decode(smollm2: Any, hf_smollm2: Any) -> None:
+    _, ckpt, model = smollm2
+    ids = ckpt.tokenizer.encode(PROMPTS[0])
+    runner = PagedSequence(model, num_blocks=16, block_size=16)
+    seq = runner.new_seq()
+    (logits,) = runner.forward({seq: ids})
+    with torch.no_grad():
+        ref = hf_smollm2(torch.tensor([ids])).logits[0]
+    scale = ref.abs().max().item()
+    torch.testing.assert_close(logits, ref, rtol=1e-4, atol=1e-4 * scale)
+    assert ckpt.tokenizer.decode([int(logits[-1].argmax())]) == " Paris"
+    tokens = list(ids)
+    for _ in range(8):
+        tokens.append(int(logits[-1].argmax()))
+        (logits,) = runner.forward({seq: tokens[-1:]})
+        with torch.no_grad():
+            ref = hf_smollm2(torch.tensor([tokens])).logits[0, -1:]
+        torch.testing.assert_close(logits, ref, rtol=1e-4, atol=1e-4 * scale)
+
+
+def test_greedy_generation_equals_hf(make_engine: Any, smollm2: Any, hf_smollm2: Any) -> None:
+    tok = smollm2[1].tokenizer
+    engine = make_engine()
+    sp = SamplingParams(temperature=0, max_tokens=64, ignore_eos=True)
+    for i, p in enumerate(PROMPTS):
+        engine.add_request(str(i), p, sp)
+    ours = run_all(engine)
+    for i, p in enumerate(PROMPTS):
+        ids = tok.encode(p)
+        with torch.no_grad():
+            ref = hf_smollm2.generate(torch.tensor([ids]), max_new_tokens=64, do_sample=False,
+                                      eos_token_id=None, pad_token_id=2)[0, len(ids):].tolist()
+        assert ours[str(i)].outputs[0].token_ids == ref, f"prompt {i}: {p!r}"

@@ -1,8 +1,10 @@
-"""The `kvserve` command: `kvserve generate` streams a completion to the terminal."""
+"""The `kvserve` command. Subcommands register from their own modules (a line in
+_SUBCOMMANDS); `kvserve generate` streams a completion to the terminal."""
 
 from __future__ import annotations
 
 import argparse
+import importlib
 import logging
 import sys
 import time
@@ -45,9 +47,12 @@ def _generate(ns: argparse.Namespace) -> int:
     return 0
 
 
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="kvserve", description=__doc__)
-    sub = p.add_subparsers(dest="command", required=True)
+# Modules with add_parser(subparsers) -> None; each sets `func` on its parser. They must import
+# lightly: heavy imports belong inside `func`.
+_SUBCOMMANDS = ["kvserve.cli"]
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
     g = sub.add_parser("generate", help="generate text for one prompt, streamed")
     g.add_argument("--model", default=None,
                    help="a .gguf file, an HF directory, or smollm2-135m (the default)")
@@ -60,6 +65,13 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--sample-seed", type=int, default=None)
     EngineArgs.add_cli_args(g)
     g.set_defaults(func=_generate)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="kvserve", description=__doc__)
+    sub = p.add_subparsers(dest="command", required=True)
+    for mod in _SUBCOMMANDS:
+        importlib.import_module(mod).add_parser(sub)
     return p
 
 

@@ -32,6 +32,7 @@ from kvserve.platform import available_memory, configure_threads
 from kvserve.request import Request, RequestStatus
 from kvserve.sampling_params import SamplingParams
 from kvserve.scheduler import Scheduler
+from kvserve.structured_output import StructuredOutputManager
 
 logger = logging.getLogger("kvserve")
 
@@ -67,6 +68,9 @@ class LLMEngine:
         self.model = model
         self.num_blocks = num_blocks
         self.runner = ModelRunner(config, model, num_blocks)
+        self.structured_output = StructuredOutputManager(tokenizer,
+                                                         config.model_config.vocab_size)
+        self.runner.structured_output = self.structured_output
         self.scheduler = Scheduler(config.scheduler, config.cache, num_blocks)
         self._parents: dict[str, _Parent] = {}
         self._child_to_parent: dict[str, str] = {}
@@ -157,6 +161,10 @@ class LLMEngine:
                              f"is {max_len}: at most {max_len - 1} prompt tokens leave room for "
                              f"one new token")
         params.validate_token_ids(vocab)
+        if params.structured_outputs is not None:
+            # Validates the schema; xgrammar caches the result, so the matcher that the runner
+            # creates later (and a caller that compiled ahead, off this thread) costs nothing.
+            self.structured_output.compile(params.structured_outputs)
         max_tokens = params.max_tokens if params.max_tokens is not None else max_len - len(ids)
         if len(ids) + max_tokens > max_len:
             raise ValueError(f"prompt ({len(ids)} tokens) plus max_tokens ({max_tokens}) is "

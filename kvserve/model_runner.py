@@ -15,6 +15,7 @@ from kvserve.config import EngineConfig
 from kvserve.kv.layout import kv_cache_shape
 from kvserve.outputs import ModelInput, ModelOutput, PositionLogprobs, SchedulerOutput
 from kvserve.sampler import Sampler, SamplingMetadata, compute_prompt_logprobs
+from kvserve.structured_output import StructuredOutputManager
 
 logger = logging.getLogger(__name__)
 
@@ -42,6 +43,8 @@ class ModelRunner:
                            mc.num_key_value_heads, mc.head_dim),
             dtype=torch_dtype(cache_dtype), device=self.device)
         self.sampler = Sampler()
+        # Set by the engine (it owns the tokenizer); None: no request may use a grammar.
+        self.structured_output: StructuredOutputManager | None = None
 
     def prepare_inputs(self, so: SchedulerOutput) -> tuple[ModelInput, list[int], dict[str, Any]]:
         """Flatten the step into one varlen batch.
@@ -107,8 +110,17 @@ class ModelRunner:
                           logprobs=[])
         if n_sample:
             meta = SamplingMetadata.from_requests(requests, self.vocab_size, logits.device)
+            so_mgr = self.structured_output
+            if so_mgr is not None:
+                meta.token_bitmask = so_mgr.token_bitmask(requests)
             sampled = self.sampler(logits[:n_sample], meta)
             out.sampled_token_ids = [[t] for t in sampled.token_ids]
+            if meta.token_bitmask is not None:
+                assert so_mgr is not None
+                # Every sampled token is appended (aborts land only between steps), so the
+                # matcher advances here rather than in the scheduler.
+                for b in meta.token_bitmask[0].tolist():
+                    so_mgr.accept(requests[b].request_id, sampled.token_ids[b])
             lps = sampled.logprobs or [None] * n_sample  # None: no row asked for logprobs
             out.logprobs = [None if lp is None else [lp] for lp in lps]
         row = n_sample
@@ -127,3 +139,5 @@ class ModelRunner:
     def remove_requests(self, request_ids: list[str]) -> None:
         for rid in request_ids:
             self.sampler.remove(rid)
+            if self.structured_output is not None:
+                self.structured_output.remove(rid)

@@ -55,6 +55,18 @@ def apply_token_mask(logits: torch.Tensor, rows: torch.Tensor,
     return logits.index_put((rows, cols), neg_inf)
 
 
+def apply_token_bitmask(logits: torch.Tensor, rows: torch.Tensor,
+                        bitmask: torch.Tensor) -> torch.Tensor:
+    """Structured output: in row rows[g], token t survives only if bit t % 32 of
+    bitmask[g, t // 32] is set (xgrammar's packed layout, int32 [G, ceil(V / 32)])."""
+    shifts = torch.arange(32, dtype=torch.int32, device=logits.device)
+    bits = (bitmask.to(logits.device).unsqueeze(-1) >> shifts) & 1  # [G, W, 32]
+    allowed = bits.flatten(1)[:, : logits.shape[1]].bool()
+    rows = rows.to(logits.device)
+    masked = logits[rows].masked_fill(~allowed, float("-inf"))
+    return logits.index_copy(0, rows, masked)
+
+
 def apply_penalties(logits: torch.Tensor, output_counts: torch.Tensor,
                     prompt_mask: torch.Tensor | None = None,
                     repetition_penalty: torch.Tensor | None = None,
@@ -227,6 +239,9 @@ class SamplingMetadata:
     min_tokens_mask: tuple[torch.Tensor, torch.Tensor] | None  # rows, cols
     seeds: list[int | None]  # [B]
     num_logprobs: list[int | None]  # [B]; None = the row wants no logprobs
+    # Structured output: (rows [G], packed allowed-token bitmask [G, ceil(V / 32)] int32);
+    # set by the model runner after from_requests, None when no row has a grammar.
+    token_bitmask: tuple[torch.Tensor, torch.Tensor] | None = None
 
     @property
     def no_logprobs(self) -> bool:
@@ -395,6 +410,8 @@ class Sampler:
     @staticmethod
     def process_logits(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
         """The processors that apply to greedy and random rows alike."""
+        if meta.token_bitmask is not None:
+            logits = apply_token_bitmask(logits, *meta.token_bitmask)
         if meta.logit_bias is not None:
             logits = apply_logit_bias(logits, *meta.logit_bias)
         if meta.min_tokens_mask is not None:

@@ -18,6 +18,26 @@ MAX_LOGIT_BIAS = 1024
 _SEED_RANGE = (-(2**63), 2**64 - 1)
 
 
+@dataclass(frozen=True)
+class StructuredOutputsParams:
+    """Constrain the output to JSON, enforced at sampling time (kvserve/structured_output.py).
+
+    Exactly one of: json, a JSON schema (a dict or its JSON text); json_object, any JSON
+    object.
+    """
+
+    json: str | dict | None = None
+    json_object: bool = False
+
+    def __post_init__(self) -> None:
+        if (self.json is not None) == bool(self.json_object):
+            raise ValueError("structured_outputs needs exactly one of json (a JSON schema) or "
+                             "json_object=True")
+        if self.json is not None and not isinstance(self.json, (str, dict)):
+            raise ValueError(f"structured_outputs.json must be a JSON schema as a dict or a "
+                             f"string, got {type(self.json).__name__}")
+
+
 def _check_number(name: str, value: float, lo: float, hi: float, *, lo_open: bool = False,
                   hi_open: bool = False) -> None:
     if isinstance(value, bool) or not isinstance(value, (int, float)):
@@ -62,6 +82,7 @@ class SamplingParams:
     logprobs: int | None = None  # top-k logprobs returned with each sampled token
     prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
+    structured_outputs: StructuredOutputsParams | None = None
     # Filled by the engine, not by users.
     _stop_list: list[str] = field(default_factory=list, repr=False)
 
@@ -107,6 +128,10 @@ class SamplingParams:
             _check_int("stop_token_ids[]", t, 0)
         if self.top_k == 0:
             self.top_k = -1
+        if self.structured_outputs is not None and not isinstance(self.structured_outputs,
+                                                                  StructuredOutputsParams):
+            raise ValueError(f"structured_outputs must be a StructuredOutputsParams, got "
+                             f"{type(self.structured_outputs).__name__}")
 
     @property
     def stop_strings(self) -> list[str]:

@@ -1,0 +1,457 @@
+"""The asyncio front of LLMEngine: the step loop runs in its own thread beside the event loop.
+
+    event loop                               engine thread
+    ----------                               -------------
+    add_request: tokenize, compile grammar
+      (thread pool) -> command queue  ---->  between steps: drain commands
+                                               add_request / abort_request (LLMEngine)
+    RequestStream  <-- call_soon_threadsafe    step() -> RequestOutput (cumulative)
+    (latest output wins)                       -> stats snapshot, IterationStats
+
+Commands are drained only between steps, so an abort never lands between schedule() and the
+forward. Outputs are cumulative, so a stream keeps only the newest one: a slow reader skips
+intermediate states instead of queueing them, and its deltas stay exact (the reader diffs
+against what it last sent).
+
+When the engine thread dies, every stream ends with EngineDeadError and is_healthy turns False.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import logging
+import queue
+import threading
+import time
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from kvserve.llm_engine import LLMEngine, PromptType
+from kvserve.outputs import RequestOutput
+from kvserve.platform import configure_threads
+from kvserve.sampling_params import SamplingParams
+
+logger = logging.getLogger("kvserve.async_engine")
+
+# How long the idle engine thread sleeps on its command queue before checking for shutdown.
+_IDLE_POLL_S = 0.5
+
+
+class EngineDeadError(RuntimeError):
+    """The engine thread stopped on an error; nothing more will be generated."""
+
+
+class EngineShuttingDown(RuntimeError):
+    """The engine is draining for shutdown and takes no new requests."""
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    """Scheduler counters, published by the engine thread after every step."""
+
+    num_running: int = 0
+    num_waiting: int = 0
+    kv_cache_usage: float = 0.0  # fraction of usable blocks in use, [0, 1]
+    prefix_cache_queries: int = 0  # tokens looked up in the prefix cache
+    prefix_cache_hits: int = 0  # tokens found there
+    num_preemptions: int = 0
+
+
+@dataclass
+class IterationStats:
+    """What one engine step did, for latency histograms and token counters (seconds)."""
+
+    num_prompt_tokens: int = 0
+    num_generation_tokens: int = 0
+    time_to_first_tokens: list[float] = field(default_factory=list)
+    inter_token_latencies: list[float] = field(default_factory=list)
+    queue_times: list[float] = field(default_factory=list)
+    e2e_latencies: list[float] = field(default_factory=list)
+    finished_reasons: list[str] = field(default_factory=list)  # one per finished choice
+
+
+StatsListener = Callable[[IterationStats], None]
+
+
+class RequestStream:
+    """One request's outputs. Written on the event loop (via call_soon_threadsafe) only."""
+
+    def __init__(self, request_id: str) -> None:
+        self.request_id = request_id
+        self._latest: RequestOutput | None = None
+        self._error: BaseException | None = None
+        self._done = False
+        self._event = asyncio.Event()
+
+    def put(self, output: RequestOutput) -> None:
+        self._latest = output
+        self._done = output.finished
+        self._event.set()
+
+    def fail(self, error: BaseException) -> None:
+        if not self._done:
+            self._error = error
+            self._done = True
+            self._event.set()
+
+    @property
+    def finished(self) -> bool:
+        return self._done and self._latest is None and self._error is None
+
+    def __aiter__(self) -> RequestStream:
+        return self
+
+    async def __anext__(self) -> RequestOutput:
+        while True:
+            if self._latest is not None:
+                out, self._latest = self._latest, None
+                return out
+            if self._error is not None:
+                err, self._error = self._error, None
+                raise err
+            if self._done:
+                raise StopAsyncIteration
+            self._event.clear()
+            await self._event.wait()
+
+
+@dataclass
+class _Timing:
+    """Per-request latency bookkeeping, engine thread only (monotonic seconds)."""
+
+    arrival: float
+    num_prompt_tokens: int
+    first_token: float | None = None
+    last_token: float | None = None
+    num_output_tokens: int = 0
+    queue_time_recorded: bool = False
+
+
+@dataclass
+class _Add:
+    request_id: str
+    prompt: PromptType
+    params: SamplingParams
+    priority: int
+    arrival: float
+    stream: RequestStream
+    result: concurrent.futures.Future
+
+
+@dataclass
+class _Abort:
+    request_id: str
+    error: BaseException | None = None  # None: the caller stopped listening
+
+
+class AsyncEngine:
+    def __init__(self, engine: LLMEngine, *, stats_listener: StatsListener | None = None,
+                 tokenizer_workers: int = 2) -> None:
+        self.engine = engine
+        self.tokenizer = engine.tokenizer
+        self.max_model_len = engine.config.scheduler.max_model_len
+        self.stats_listener = stats_listener
+        self._commands: queue.SimpleQueue[_Add | _Abort | None] = queue.SimpleQueue()
+        self._pool = concurrent.futures.ThreadPoolExecutor(tokenizer_workers,
+                                                           thread_name_prefix="kvserve-tok")
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
+        # Engine thread only.
+        self._streams: dict[str, RequestStream] = {}
+        self._timing: dict[str, _Timing] = {}
+        # Event loop only: requests accepted and not yet finished, for draining.
+        self._in_flight: set[str] = set()
+        self._idle = asyncio.Event()
+        self._stats = EngineStats()
+        self._dead: BaseException | None = None
+        self._draining = False
+        self._stopping = False
+
+    # ---- lifecycle ----------------------------------------------------------------------
+
+    def start(self) -> None:
+        """Starts the engine thread; call from the event loop that will read the streams."""
+        if self._thread is not None:
+            return
+        self._loop = asyncio.get_running_loop()
+        self._idle.set()
+        self._thread = threading.Thread(target=self._run, name="kvserve-engine", daemon=True)
+        self._thread.start()
+
+    @property
+    def is_healthy(self) -> bool:
+        return (self._thread is not None and self._thread.is_alive() and self._dead is None
+                and not self._stopping)
+
+    @property
+    def stats(self) -> EngineStats:
+        return self._stats
+
+    @property
+    def num_in_flight(self) -> int:
+        return len(self._in_flight)
+
+    async def shutdown(self, timeout: float = 0.0) -> None:
+        """Takes no new requests, waits up to timeout s for in-flight ones, ends the rest with
+        EngineShuttingDown, then stops the engine thread."""
+        self._draining = True
+        if self._in_flight and timeout > 0:
+            try:
+                await asyncio.wait_for(self._idle.wait(), timeout)
+            except asyncio.TimeoutError:
+                logger.warning("shutdown: %d request(s) still running after %.1fs; ending them",
+                               len(self._in_flight), timeout)
+        for rid in list(self._in_flight):
+            self._commands.put(_Abort(rid, EngineShuttingDown("the server is shutting down")))
+        self._stopping = True
+        self._commands.put(None)
+        if self._thread is not None:
+            await asyncio.get_running_loop().run_in_executor(None, self._thread.join, 10.0)
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+    def begin_drain(self) -> None:
+        """Refuse new requests from now on (the first step of a graceful shutdown)."""
+        self._draining = True
+
+    # ---- requests (event loop) ----------------------------------------------------------
+
+    async def run_in_pool(self, fn: Callable[..., Any], *args: Any) -> Any:
+        """Tokenizer work off the event loop (and off the engine thread)."""
+        return await asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
+
+    async def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams,
+                          priority: int = 0) -> RequestStream:
+        """Queues a request and returns its stream once the engine has accepted it.
+
+        Raises ValueError (bad input), QueueFullError, EngineDeadError or EngineShuttingDown;
+        nothing is queued then.
+        """
+        self._check_accepting()
+        arrival = time.monotonic()
+        prompt = await self.run_in_pool(self._preprocess, prompt, params)
+        self._check_accepting()
+        stream = RequestStream(request_id)
+        result: concurrent.futures.Future = concurrent.futures.Future()
+        # In flight before the engine can see it: its first output may reach the loop before
+        # this coroutine resumes.
+        self._in_flight.add(request_id)
+        self._idle.clear()
+        self._commands.put(_Add(request_id, prompt, params, priority, arrival, stream, result))
+        fut = asyncio.wrap_future(result)
+        try:
+            while True:
+                # Polls for a dead engine: a command queued just as the thread died has no
+                # one left to answer it.
+                done, _ = await asyncio.wait([fut], timeout=1.0)
+                if done:
+                    fut.result()  # raises the engine's ValueError / QueueFullError
+                    break
+                if self._dead is not None or self._thread is None \
+                        or not self._thread.is_alive():
+                    raise EngineDeadError("the engine has stopped")
+        except asyncio.CancelledError:
+            # Cancelled while the engine thread was adding it: make sure it does not run.
+            self._commands.put(_Abort(request_id))
+            self._mark_done(request_id)
+            raise
+        except BaseException:
+            self._mark_done(request_id)
+            raise
+        return stream
+
+    async def generate(self, prompt: PromptType, params: SamplingParams, request_id: str,
+                       priority: int = 0) -> AsyncIterator[RequestOutput]:
+        """Cumulative outputs until finished. Leaving the loop early (break, cancellation,
+        client disconnect) aborts the request and frees its KV blocks."""
+        stream = await self.add_request(request_id, prompt, params, priority)
+        try:
+            async for out in stream:
+                yield out
+        finally:
+            self.release(stream)
+
+    def release(self, stream: RequestStream) -> None:
+        """The caller is done with a stream: aborts the request if it has not finished."""
+        if stream.request_id in self._in_flight:
+            if not stream.finished:
+                self._commands.put(_Abort(stream.request_id))
+            self._mark_done(stream.request_id)
+
+    async def abort(self, request_id: str) -> None:
+        self._commands.put(_Abort(request_id))
+
+    def _check_accepting(self) -> None:
+        if self._dead is not None or (self._thread is not None and not self._thread.is_alive()):
+            raise EngineDeadError("the engine has stopped")
+        if self._draining or self._stopping:
+            raise EngineShuttingDown("the server is shutting down")
+
+    def _preprocess(self, prompt: PromptType, params: SamplingParams) -> PromptType:
+        """Pool thread: tokenizes a text prompt and compiles its grammar ahead of the engine
+        thread (which then finds both done: token ids, and a cached grammar)."""
+        if isinstance(prompt, str):
+            prompt = {"prompt": prompt, "prompt_token_ids": self.tokenizer.encode(prompt)}
+        if params.structured_outputs is not None:
+            self.engine.structured_output.compile(params.structured_outputs)
+        return prompt
+
+    def _mark_done(self, request_id: str) -> None:
+        self._in_flight.discard(request_id)
+        if not self._in_flight:
+            self._idle.set()
+
+    def _deliver(self, stream: RequestStream, output: RequestOutput) -> None:
+        stream.put(output)
+        if output.finished:
+            self._mark_done(stream.request_id)
+
+    def _deliver_error(self, stream: RequestStream, error: BaseException) -> None:
+        stream.fail(error)
+        self._mark_done(stream.request_id)
+
+    # ---- the engine thread --------------------------------------------------------------
+
+    def _run(self) -> None:
+        # OpenMP thread counts are per thread: set ours, not only the loader thread's.
+        configure_threads(self.engine.config.device)
+        try:
+            while True:
+                if not self._drain_commands(block=not self.engine.has_unfinished_requests()):
+                    break
+                if not self.engine.has_unfinished_requests():
+                    continue
+                t_step = time.monotonic()
+                outputs = self.engine.step()
+                self._dispatch(outputs, t_step)
+        except BaseException as e:  # noqa: BLE001 - any failure kills the engine
+            logger.exception("engine thread died")
+            self._dead = e
+            dead = EngineDeadError(f"the engine stopped: {type(e).__name__}")
+            for stream in self._streams.values():
+                self._post(self._deliver_error, stream, dead)
+            self._streams.clear()
+            self._fail_pending_adds(dead)
+        finally:
+            self._publish_stats()
+
+    def _fail_pending_adds(self, error: BaseException) -> None:
+        while True:
+            try:
+                cmd = self._commands.get_nowait()
+            except queue.Empty:
+                return
+            if isinstance(cmd, _Add) and not cmd.result.done():
+                cmd.result.set_exception(error)
+
+    def _post(self, fn: Callable[..., Any], *args: Any) -> None:
+        assert self._loop is not None
+        try:
+            self._loop.call_soon_threadsafe(fn, *args)
+        except RuntimeError:  # the loop is closed: nobody is listening any more
+            pass
+
+    def _drain_commands(self, block: bool) -> bool:
+        """Applies queued adds and aborts; False once asked to stop."""
+        while True:
+            try:
+                cmd = self._commands.get(timeout=_IDLE_POLL_S) if block else \
+                    self._commands.get_nowait()
+            except queue.Empty:
+                return True
+            block = False
+            if cmd is None:
+                return False
+            if isinstance(cmd, _Add):
+                self._apply_add(cmd)
+            else:
+                self._apply_abort(cmd)
+
+    def _apply_add(self, cmd: _Add) -> None:
+        if cmd.result.cancelled():
+            return
+        try:
+            self.engine.add_request(cmd.request_id, cmd.prompt, cmd.params,
+                                    priority=cmd.priority, arrival_time=cmd.arrival)
+        except Exception as e:  # ValueError, QueueFullError: the caller's problem
+            cmd.result.set_exception(e)
+            return
+        self._streams[cmd.request_id] = cmd.stream
+        self._timing[cmd.request_id] = _Timing(cmd.arrival, _num_prompt_tokens(cmd.prompt))
+        cmd.result.set_result(None)
+        self._publish_stats()
+
+    def _apply_abort(self, cmd: _Abort) -> None:
+        stream = self._streams.pop(cmd.request_id, None)
+        self._timing.pop(cmd.request_id, None)
+        if stream is None:
+            return  # finished already, or never added
+        self.engine.abort_request(cmd.request_id)
+        if cmd.error is not None:
+            self._post(self._deliver_error, stream, cmd.error)
+        if self.stats_listener is not None:
+            self.stats_listener(IterationStats(finished_reasons=["abort"]))
+        self._publish_stats()
+
+    def _dispatch(self, outputs: list[RequestOutput], t_step: float) -> None:
+        now = time.monotonic()
+        it = IterationStats()
+        self._record_queue_times(it, t_step, {o.request_id for o in outputs})
+        for out in outputs:
+            stream = self._streams.get(out.request_id)
+            timing = self._timing.get(out.request_id)
+            if stream is None or timing is None:
+                continue
+            n_out = sum(len(c.token_ids) for c in out.outputs)
+            new = n_out - timing.num_output_tokens
+            if new > 0:
+                it.num_generation_tokens += new
+                if timing.first_token is None:
+                    timing.first_token = now
+                    it.num_prompt_tokens += timing.num_prompt_tokens
+                    it.time_to_first_tokens.append(now - timing.arrival)
+                else:
+                    assert timing.last_token is not None
+                    it.inter_token_latencies.append(now - timing.last_token)
+                timing.last_token = now
+                timing.num_output_tokens = n_out
+            if out.finished:
+                it.e2e_latencies.append(now - timing.arrival)
+                it.finished_reasons.extend(c.finish_reason or "stop" for c in out.outputs)
+                del self._streams[out.request_id]
+                del self._timing[out.request_id]
+            self._post(self._deliver, stream, out)
+        self._publish_stats()
+        if self.stats_listener is not None:
+            self.stats_listener(it)
+
+    def _record_queue_times(self, it: IterationStats, t_step: float, stepped: set[str]) -> None:
+        """Queue time = first scheduled - arrival. A request scheduled for the first time in
+        this step is now running (or, if it already finished, was scheduled at t_step)."""
+        first_sched: dict[str, float] = {}
+        for req in self.engine.scheduler.running:
+            if req.first_scheduled_time is not None:
+                pid = req.request_id if req.request_id in self._timing else \
+                    req.request_id.rsplit("#", 1)[0]
+                first_sched.setdefault(pid, req.first_scheduled_time)
+        for rid, timing in self._timing.items():
+            if timing.queue_time_recorded:
+                continue
+            t = first_sched.get(rid, t_step if rid in stepped else None)
+            if t is not None:
+                timing.queue_time_recorded = True
+                it.queue_times.append(max(0.0, t - timing.arrival))
+
+    def _publish_stats(self) -> None:
+        s = self.engine.scheduler
+        # One immutable object, swapped in whole: readers on other threads never see a mix.
+        self._stats = EngineStats(s.num_running, s.num_waiting, s.kv_cache_usage,
+                                  s.prefix_cache_queries, s.prefix_cache_hits,
+                                  s.num_preemptions)
+
+
+def _num_prompt_tokens(prompt: PromptType) -> int:
+    if isinstance(prompt, dict):
+        return len(prompt.get("prompt_token_ids") or ())
+    return len(prompt) if isinstance(prompt, list) else 0

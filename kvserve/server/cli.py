@@ -1,0 +1,127 @@
+"""`kvserve serve [MODEL]`: the OpenAI-compatible server, flags named as in `vllm serve`.
+
+Shutdown on SIGTERM / SIGINT: uvicorn stops accepting connections; the engine refuses new
+requests, gives running ones --shutdown-timeout seconds, then ends the rest with an error
+event; uvicorn waits for the responses to close, and the process exits 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+from types import FrameType
+from typing import Any
+
+from kvserve.engine_args import EngineArgs
+
+logger = logging.getLogger("kvserve.server")
+
+DEFAULT_MAX_WAITING = 1024
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("serve", help="run the OpenAI-compatible HTTP server")
+    p.add_argument("model_tag", nargs="?", default=None, metavar="MODEL",
+                   help="a .gguf file, an HF directory, or smollm2-135m (the default)")
+    p.add_argument("--model", default=None, help="same as MODEL")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--api-key", default=None,
+                   help="require 'Authorization: Bearer KEY' on every endpoint but /health "
+                        "(default: $KVSERVE_API_KEY or $VLLM_API_KEY)")
+    p.add_argument("--served-model-name", default=None,
+                   help="the model name clients send and responses carry (default: MODEL)")
+    p.add_argument("--max-waiting-requests", type=int, default=DEFAULT_MAX_WAITING,
+                   help="waiting-queue bound; past it requests get 503 with Retry-After")
+    p.add_argument("--max-body-bytes", type=int, default=4 << 20)
+    p.add_argument("--shutdown-timeout", type=float, default=30.0,
+                   help="seconds in-flight requests get to finish on SIGTERM/SIGINT")
+    p.add_argument("--log-level", default="info",
+                   choices=["critical", "error", "warning", "info", "debug"])
+    EngineArgs.add_cli_args(p)
+    p.set_defaults(func=_serve)
+
+
+def _serve(ns: argparse.Namespace) -> int:
+    import uvicorn
+
+    from kvserve.async_engine import AsyncEngine
+    from kvserve.llm_engine import LLMEngine
+    from kvserve.loader import resolve_model
+    from kvserve.server.api import ServerConfig, build_app
+
+    if ns.model_tag and ns.model and ns.model_tag != ns.model:
+        raise ValueError(f"the model is given twice: {ns.model_tag!r} and --model "
+                         f"{ns.model!r}")
+    ns.model = ns.model or ns.model_tag
+    if ns.max_waiting_requests < 1:
+        raise ValueError(f"--max-waiting-requests must be >= 1, got {ns.max_waiting_requests}")
+    if ns.max_body_bytes < 1024:
+        raise ValueError(f"--max-body-bytes must be >= 1024, got {ns.max_body_bytes}")
+    if ns.shutdown_timeout < 0:
+        raise ValueError(f"--shutdown-timeout must be >= 0, got {ns.shutdown_timeout}")
+    path = resolve_model(ns.model)  # fail fast, before the socket opens, on a bad name
+    args = EngineArgs.from_cli(ns)
+    args.model = path
+    api_key = ns.api_key or os.environ.get("KVSERVE_API_KEY") or os.environ.get("VLLM_API_KEY")
+    name = ns.served_model_name or ns.model or "smollm2-135m"
+    config = ServerConfig(model_name=name, api_key=api_key, max_body_bytes=ns.max_body_bytes,
+                          shutdown_timeout=ns.shutdown_timeout)
+    address = f"http://{ns.host}:{ns.port}"
+
+    def load() -> AsyncEngine:
+        return AsyncEngine(LLMEngine.from_engine_args(args))
+
+    def ready(engine: AsyncEngine) -> None:
+        e = engine.engine
+        bs = e.config.cache.block_size
+        usable = e.num_blocks - 1  # block 0 is the null block
+        print(f"kvserve {address} serving {name} ({path}); max_model_len "
+              f"{e.config.scheduler.max_model_len}; KV cache {usable} blocks x {bs} tokens = "
+              f"{usable * bs} tokens", file=sys.stderr, flush=True)
+
+    failed: list[str] = []
+
+    def load_failed(message: str) -> None:
+        print(f"error: loading the model failed: {message}", file=sys.stderr, flush=True)
+        failed.append(message)
+        server.should_exit = True  # a server that can never serve should not linger
+
+    app = build_app(config, load, ready, load_failed)
+    uv_config = uvicorn.Config(app, host=ns.host, port=ns.port, log_level=ns.log_level,
+                               # A backstop only: the engine ends streams at the timeout.
+                               timeout_graceful_shutdown=ns.shutdown_timeout + 10,
+                               timeout_keep_alive=5, access_log=False)
+    server = _make_server(uv_config, app)
+    print(f"kvserve listening on {address}; loading {path} (GET /health is 503 until ready)",
+          file=sys.stderr, flush=True)
+    server.run()
+    return 1 if failed or not server.started else 0
+
+
+def _make_server(config: Any, app: Any) -> Any:
+    """A uvicorn.Server whose signal handler also starts the engine's drain, and which exits
+    0 after a graceful shutdown instead of re-raising the signal."""
+    import asyncio
+
+    import uvicorn
+
+    from kvserve.server.api import app_state
+
+    class Server(uvicorn.Server):
+        def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+            first = not self.should_exit
+            super().handle_exit(sig, frame)
+            # uvicorn re-raises captured signals after its shutdown (so the process dies by
+            # the signal); ours is graceful, so the process exits 0 instead.
+            self._captured_signals.clear()
+            if first:
+                try:
+                    loop = asyncio.get_running_loop()  # the handler runs on the loop's thread
+                except RuntimeError:
+                    return
+                loop.call_soon_threadsafe(app_state(app).begin_shutdown)
+
+    return Server(config)

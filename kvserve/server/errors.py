@@ -1,0 +1,106 @@
+"""OpenAI-shaped errors: {"error": {"message", "type", "param", "code"}}.
+
+Every error the server sends goes through APIError, so no response ever carries a stack trace
+or a file path: unexpected exceptions become a fixed 500 message (the detail goes to the log).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from typing import Any
+
+from pydantic import ValidationError
+
+# status -> OpenAI error type
+_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
+          404: "not_found_error", 405: "invalid_request_error", 413: "invalid_request_error",
+          429: "rate_limit_error", 500: "internal_server_error", 503: "service_unavailable"}
+
+# Type tags that pydantic puts into error locations of union members ("prompt", "list[int]").
+_LOC_TAG = re.compile(r"[\[\]()<>,]|^(str|int|float|bool|list|dict|none|literal|function-.*)$|"
+                      r"^[A-Z]")
+
+
+class APIError(Exception):
+    def __init__(self, status: int, message: str, param: str | None = None,
+                 code: str | None = None, headers: dict[str, str] | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.param = param
+        self.code = code
+        self.headers = headers or {}
+
+    @property
+    def type(self) -> str:
+        return _TYPES.get(self.status, "invalid_request_error")
+
+    def body(self) -> dict[str, Any]:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param,
+                          "code": self.code}}
+
+    def sse(self) -> str:
+        """The error as one server-sent event, for failures after a stream has started."""
+        return f"data: {json.dumps(self.body())}\n\n"
+
+
+def bad_request(message: str, param: str | None = None) -> APIError:
+    return APIError(400, message, param)
+
+
+def loc_to_param(loc: tuple[int | str, ...]) -> str | None:
+    """('messages', 0, 'role') -> 'messages[0].role'; union type tags are dropped."""
+    out = ""
+    for part in loc:
+        if isinstance(part, int):
+            out += f"[{part}]"
+        elif not _LOC_TAG.search(part):
+            out += f".{part}" if out else part
+    return out or None
+
+
+def from_validation_error(err: ValidationError) -> APIError:
+    """pydantic's 422 as OpenAI's 400: the first error, naming the field and the input."""
+    errors = err.errors(include_url=False)
+    # A union reports one error per member; the deepest location is the most specific one
+    # (content=[{"type": "image_url"}] -> content[0].type, not "content is not a string").
+    first = max(errors, key=lambda e: len(loc_to_param(tuple(e.get("loc", ()))) or ""))
+    param = loc_to_param(tuple(first.get("loc", ())))
+    msg = first.get("msg", "invalid value")
+    got = first.get("input")
+    detail = ""
+    if first.get("type") != "missing" and isinstance(got, (int, float, str, bool)) \
+            and not isinstance(got, dict):
+        detail = f", got {json.dumps(got)[:80]}"
+    return bad_request(f"{param or 'body'}: {msg}{detail}", param)
+
+
+# Leading words of engine / SamplingParams ValueErrors -> the request field they are about.
+_PARAM_PREFIXES = [
+    (re.compile(r"^each stop string"), "stop"),
+    (re.compile(r"^prompt \(\d+ tokens\) plus max_tokens"), "max_tokens"),
+    (re.compile(r"^request .*max_tokens = \d+ tokens needs"), "max_tokens"),
+    (re.compile(r"^prompt"), "prompt"),
+    (re.compile(r"^json_schema"), "response_format"),
+    (re.compile(r"^structured output"), "response_format"),
+    (re.compile(r"^([a-z_]+)(\[[^\]]*\])?\b"), None),  # "n must ...", "logit_bias[5] must ..."
+]
+
+
+def from_value_error(err: ValueError, field_names: set[str],
+                     renames: dict[str, str] | None = None) -> APIError:
+    """A ValueError from SamplingParams or the engine -> 400 with param = the field named at
+    the start of the message (renamed to the request's own name, e.g. messages for prompt)."""
+    message = str(err) or "invalid request"
+    param: str | None = None
+    for pattern, name in _PARAM_PREFIXES:
+        m = pattern.search(message)
+        if m:
+            param = name if name is not None else m.group(1)
+            break
+    if param is not None and param not in field_names and param != "prompt":
+        param = None
+    if param is not None and renames:
+        param = renames.get(param, param)
+    return bad_request(message, param)

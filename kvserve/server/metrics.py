@@ -1,0 +1,108 @@
+"""Prometheus metrics with vLLM's names, so existing vLLM dashboards work (docs/metrics.md).
+
+One CollectorRegistry per app (no module globals): two servers in one process, as in tests,
+never share counters. Gauges and the scheduler's cumulative counters are read from the
+engine's latest stats snapshot at scrape time; per-request counters and histograms are fed
+by the engine thread once per step (IterationStats).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+from kvserve.async_engine import EngineStats, IterationStats
+
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+
+# vLLM's buckets (seconds).
+_TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5,
+                 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
+_ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0,
+                7.5, 10.0, 20.0, 40.0, 80.0)
+_REQUEST_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0,
+                    60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
+FINISH_REASONS = ("stop", "length", "abort")
+
+
+class _EngineCollector(Collector):
+    """Scrape-time view of the engine's stats snapshot."""
+
+    def __init__(self, stats: Callable[[], EngineStats], model_name: str) -> None:
+        self._stats = stats
+        self._model = model_name
+
+    def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
+        s = self._stats()
+        labels = ["model_name"]
+        for name, doc, value in (
+                ("vllm:num_requests_running", "Requests in model execution batches.",
+                 s.num_running),
+                ("vllm:num_requests_waiting", "Requests waiting to be processed.",
+                 s.num_waiting),
+                ("vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.",
+                 s.kv_cache_usage)):
+            g = GaugeMetricFamily(name, doc, labels=labels)
+            g.add_metric([self._model], float(value))
+            yield g
+        for name, doc, value in (
+                ("vllm:prefix_cache_queries", "Prefix cache queries, in queried tokens.",
+                 s.prefix_cache_queries),
+                ("vllm:prefix_cache_hits", "Prefix cache hits, in cached tokens.",
+                 s.prefix_cache_hits),
+                ("vllm:num_preemptions", "Cumulative number of preemptions.",
+                 s.num_preemptions)):
+            c = CounterMetricFamily(name, doc, labels=labels)
+            c.add_metric([self._model], float(value))
+            yield c
+
+
+class ServerMetrics:
+    def __init__(self, model_name: str, stats: Callable[[], EngineStats]) -> None:
+        self.registry = CollectorRegistry()
+        self.model_name = model_name
+        labels = ["model_name"]
+        r = self.registry
+        self.registry.register(_EngineCollector(stats, model_name))
+        self.prompt_tokens = Counter("vllm:prompt_tokens", "Prefill tokens processed.", labels,
+                                     registry=r).labels(model_name)
+        self.generation_tokens = Counter("vllm:generation_tokens", "Generation tokens produced.",
+                                         labels, registry=r).labels(model_name)
+        success = Counter("vllm:request_success", "Finished requests, by finish reason.",
+                          labels + ["finished_reason"], registry=r)
+        self.request_success = {reason: success.labels(model_name, reason)
+                                for reason in FINISH_REASONS}
+        self.ttft = Histogram("vllm:time_to_first_token_seconds", "Time to first token.",
+                              labels, buckets=_TTFT_BUCKETS, registry=r).labels(model_name)
+        self.itl = Histogram("vllm:inter_token_latency_seconds", "Inter-token latency.",
+                             labels, buckets=_ITL_BUCKETS, registry=r).labels(model_name)
+        self.e2e = Histogram("vllm:e2e_request_latency_seconds", "End-to-end request latency.",
+                             labels, buckets=_REQUEST_BUCKETS, registry=r).labels(model_name)
+        self.queue_time = Histogram("vllm:request_queue_time_seconds",
+                                    "Time spent waiting before first scheduled.", labels,
+                                    buckets=_REQUEST_BUCKETS, registry=r).labels(model_name)
+
+    def observe(self, it: IterationStats) -> None:
+        """Called on the engine thread after each step (prometheus_client is thread-safe)."""
+        if it.num_prompt_tokens:
+            self.prompt_tokens.inc(it.num_prompt_tokens)
+        if it.num_generation_tokens:
+            self.generation_tokens.inc(it.num_generation_tokens)
+        for v in it.time_to_first_tokens:
+            self.ttft.observe(v)
+        for v in it.inter_token_latencies:
+            self.itl.observe(v)
+        for v in it.e2e_latencies:
+            self.e2e.observe(v)
+        for v in it.queue_times:
+            self.queue_time.observe(v)
+        for reason in it.finished_reasons:
+            counter = self.request_success.get(reason)
+            if counter is not None:
+                counter.inc()
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

@@ -1,0 +1,260 @@
+"""What /v1/completions and /v1/chat/completions share: request -> SamplingParams -> engine
+requests -> cumulative outputs -> OpenAI JSON or SSE deltas (serving_completion.py and
+serving_chat.py hold the two endpoints).
+
+Every engine request of an HTTP request is added (and validated) before the response starts,
+so bad input is always an HTTP 400, never an error in the middle of a stream. Streaming
+deltas diff the engine's cumulative outputs against what each choice has already sent:
+
+    output text  |==== sent ====|== new, sendable ==|== held back ==|
+                 0          sent_chars     len(text) - hold        len(text)
+
+While a choice is unfinished the last max(len(stop)) - 1 characters are held back, because
+a stop string that completes later cuts the text there (the engine's cumulative text
+includes what its detokenizer holds back).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+
+from kvserve.async_engine import (AsyncEngine, EngineDeadError, EngineShuttingDown,
+                                  RequestStream)
+from kvserve.outputs import CompletionOutput, PositionLogprobs, RequestOutput
+from kvserve.sampling_params import SamplingParams, StructuredOutputsParams
+from kvserve.scheduler import QueueFullError
+from kvserve.server.errors import APIError, bad_request, from_value_error
+from kvserve.server.protocol import (_SamplingFields)
+
+
+@dataclass
+class ServingContext:
+    engine: AsyncEngine
+    model_name: str
+    max_model_len: int
+
+
+def engine_error(err: BaseException, fields: set[str],
+                 renames: dict[str, str] | None = None) -> APIError:
+    """Engine-side failures -> HTTP errors."""
+    if isinstance(err, QueueFullError):
+        return APIError(503, str(err), code="queue_full",
+                        headers={"Retry-After": "1"})
+    if isinstance(err, EngineShuttingDown):
+        return APIError(503, "the server is shutting down", code="shutting_down",
+                        headers={"Retry-After": "5"})
+    if isinstance(err, EngineDeadError):
+        return APIError(503, "the engine has stopped; the server cannot serve requests",
+                        code="engine_dead")
+    if isinstance(err, ValueError):
+        return from_value_error(err, fields, renames)
+    return APIError(500, "internal server error")
+
+
+def check_common(ctx: ServingContext, req: _SamplingFields) -> None:
+    if req.model is not None and req.model != ctx.model_name:
+        raise APIError(404, f"the model `{req.model}` does not exist; this server serves "
+                            f"`{ctx.model_name}`", param="model", code="model_not_found")
+    if req.stream_options is not None and not req.stream:
+        raise bad_request("stream_options is only allowed when stream is true",
+                          "stream_options")
+
+
+def build_params(req: _SamplingFields, *, max_tokens: int | None, logprobs: int | None,
+                 prompt_logprobs: int | None, fields: set[str],
+                 renames: dict[str, str] | None = None) -> SamplingParams:
+    """SamplingParams validates every range; its ValueError becomes a 400 naming the field."""
+    structured = None
+    rf = req.response_format
+    if rf is not None and rf.type == "json_object":
+        structured = StructuredOutputsParams(json_object=True)
+    elif rf is not None and rf.type == "json_schema":
+        if rf.json_schema is None or rf.json_schema.schema_ is None:
+            raise bad_request("response_format json_schema needs json_schema.schema",
+                              "response_format.json_schema")
+        structured = StructuredOutputsParams(json=rf.json_schema.schema_)
+    try:
+        return SamplingParams(
+            n=req.n if req.n is not None else 1,
+            temperature=req.temperature if req.temperature is not None else 1.0,
+            top_p=req.top_p if req.top_p is not None else 1.0,
+            top_k=req.top_k if req.top_k is not None else -1,
+            min_p=req.min_p if req.min_p is not None else 0.0,
+            repetition_penalty=(req.repetition_penalty if req.repetition_penalty is not None
+                                else 1.0),
+            presence_penalty=req.presence_penalty or 0.0,
+            frequency_penalty=req.frequency_penalty or 0.0,
+            logit_bias=dict(req.logit_bias) if req.logit_bias else None,  # type: ignore[arg-type]
+            seed=req.seed, max_tokens=max_tokens, min_tokens=req.min_tokens,
+            ignore_eos=req.ignore_eos, stop=req.stop, stop_token_ids=req.stop_token_ids,
+            include_stop_str_in_output=req.include_stop_str_in_output,
+            logprobs=logprobs, prompt_logprobs=prompt_logprobs,
+            skip_special_tokens=req.skip_special_tokens, structured_outputs=structured)
+    except ValueError as e:
+        raise from_value_error(e, fields, renames) from None
+
+
+async def add_all(ctx: ServingContext, prompts: list[Any], params: SamplingParams,
+                  priority: int, base_id: str, fields: set[str],
+                  renames: dict[str, str] | None = None) -> list[RequestStream]:
+    """All or nothing: on any failure the streams already added are aborted."""
+    streams: list[RequestStream] = []
+    try:
+        for i, prompt in enumerate(prompts):
+            streams.append(await ctx.engine.add_request(f"{base_id}-{i}", prompt, params,
+                                                        priority))
+    except BaseException as e:
+        for s in streams:
+            ctx.engine.release(s)
+        if isinstance(e, (ValueError, QueueFullError, EngineShuttingDown, EngineDeadError)):
+            raise engine_error(e, fields, renames) from None
+        raise
+    return streams
+
+
+async def merged(streams: list[RequestStream]) -> AsyncIterator[tuple[int, RequestOutput]]:
+    """(prompt index, cumulative output) from several streams as they arrive."""
+    if len(streams) == 1:
+        async for out in streams[0]:
+            yield 0, out
+        return
+    q: asyncio.Queue[tuple[int, RequestOutput | BaseException | None]] = asyncio.Queue()
+
+    async def pump(i: int, s: RequestStream) -> None:
+        try:
+            async for out in s:
+                await q.put((i, out))
+            await q.put((i, None))
+        except BaseException as e:  # noqa: BLE001 - forwarded to the reader
+            await q.put((i, e))
+
+    tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
+    try:
+        remaining = len(streams)
+        while remaining:
+            i, item = await q.get()
+            if item is None:
+                remaining -= 1
+            elif isinstance(item, BaseException):
+                raise item
+            else:
+                yield i, item
+    finally:
+        for t in tasks:
+            t.cancel()
+
+
+async def collect(streams: list[RequestStream]) -> list[RequestOutput]:
+    """The final output of each stream."""
+    finals: list[RequestOutput | None] = [None] * len(streams)
+    async for i, out in merged(streams):
+        finals[i] = out
+    assert all(f is not None for f in finals)
+    return finals  # type: ignore[return-value]
+
+
+def release_all(ctx: ServingContext, streams: list[RequestStream]) -> None:
+    for s in streams:
+        ctx.engine.release(s)
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}
+
+
+def stream_error(err: BaseException) -> APIError:
+    if isinstance(err, (EngineShuttingDown, EngineDeadError)):
+        return engine_error(err, set())
+    return APIError(500, "internal server error")
+
+
+# ---- logprobs in OpenAI's two formats ------------------------------------------------------
+
+def _token_str(lp: PositionLogprobs, tok: int) -> str:
+    entry = lp.get(tok)
+    return entry.decoded_token or "" if entry is not None else ""
+
+
+def _top(lp: PositionLogprobs, k: int) -> list[tuple[int, Any]]:
+    return sorted(lp.items(), key=lambda kv: kv[1].rank)[:k]
+
+
+def completion_logprobs(token_ids: list[int], lps: list[PositionLogprobs | None], k: int,
+                        text_offset: int) -> dict[str, Any]:
+    """{tokens, token_logprobs, top_logprobs, text_offset}; a None position (the first prompt
+    token under echo) has no logprob."""
+    out: dict[str, list[Any]] = {"tokens": [], "token_logprobs": [], "top_logprobs": [],
+                                 "text_offset": []}
+    for tok, lp in zip(token_ids, lps, strict=True):
+        if lp is None:
+            out["tokens"].append("")
+            out["token_logprobs"].append(None)
+            out["top_logprobs"].append(None)
+        else:
+            text = _token_str(lp, tok)
+            out["tokens"].append(text)
+            out["token_logprobs"].append(lp[tok].logprob)
+            top = {v.decoded_token or "": v.logprob for _t, v in _top(lp, k)}
+            top.setdefault(text, lp[tok].logprob)
+            out["top_logprobs"].append(top)
+        out["text_offset"].append(text_offset)
+        text_offset += len(out["tokens"][-1])
+    return out
+
+
+def chat_logprobs(token_ids: list[int], lps: list[PositionLogprobs], k: int) -> dict[str, Any]:
+    content = []
+    for tok, lp in zip(token_ids, lps, strict=True):
+        text = _token_str(lp, tok)
+        content.append({
+            "token": text, "logprob": lp[tok].logprob, "bytes": list(text.encode()),
+            "top_logprobs": [{"token": v.decoded_token or "", "logprob": v.logprob,
+                              "bytes": list((v.decoded_token or "").encode())}
+                             for _t, v in _top(lp, k)]})
+    return {"content": content}
+
+
+# ---- streaming state --------------------------------------------------------------------------
+
+@dataclass
+class ChoiceCursor:
+    sent_chars: int = 0
+    sent_tokens: int = 0
+    finished: bool = False
+
+
+@dataclass
+class Streamer:
+    """Per-choice cursors; hold = characters kept back while a choice is unfinished."""
+
+    hold: int
+    cursors: dict[int, ChoiceCursor] = field(default_factory=dict)
+
+    def delta(self, index: int, c: CompletionOutput) -> tuple[str, int, int, bool]:
+        """(new text, first new token, end token, finished now) for choice index."""
+        cur = self.cursors.setdefault(index, ChoiceCursor())
+        done = c.finish_reason is not None
+        limit = len(c.text) if done else max(len(c.text) - self.hold, 0)
+        text = c.text[cur.sent_chars:limit] if limit > cur.sent_chars else ""
+        t0, t1 = cur.sent_tokens, len(c.token_ids)
+        cur.sent_chars = max(cur.sent_chars, limit)
+        cur.sent_tokens = t1
+        newly = done and not cur.finished
+        cur.finished = cur.finished or done
+        return text, t0, t1, newly
+
+
+def sse(obj: dict[str, Any]) -> str:
+    return f"data: {json.dumps(obj, ensure_ascii=False, separators=(',', ':'))}\n\n"
+
+
+def hold_back(params: SamplingParams) -> int:
+    if params.include_stop_str_in_output:
+        return 0
+    return max((len(s) for s in params.stop_strings), default=1) - 1

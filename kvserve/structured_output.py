@@ -1,0 +1,167 @@
+"""Structured output (JSON object / JSON schema) enforced at sampling time with xgrammar.
+
+    compile(spec)        -> CompiledGrammar (cached by xgrammar; ValueError on a bad schema)
+    token_bitmask(reqs)  -> rows + packed [G, ceil(V / 32)] int32 masks for the sampler
+    accept(req_id, tok)  -> advances that request's matcher by the token it sampled
+    remove(req_id)       -> drops the matcher when the request finishes or is aborted
+
+One GrammarMatcher per request (per child of an n > 1 request). It is created the first time
+the request samples, so a preempted request keeps its matcher: its output tokens survive
+preemption and the matcher state still describes them.
+
+xgrammar is imported lazily: `import kvserve` must not need it, and a server without it
+answers response_format with a 400 instead of failing to start.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from kvserve.sampling_params import StructuredOutputsParams
+
+if TYPE_CHECKING:
+    from kvserve.loader.tokenizer import Tokenizer
+    from kvserve.request import Request
+
+logger = logging.getLogger(__name__)
+
+
+def xgrammar_available() -> bool:
+    try:
+        import xgrammar  # noqa: F401
+    except Exception:  # ImportError, or a broken native extension
+        return False
+    return True
+
+
+class StructuredOutputManager:
+    def __init__(self, tokenizer: Tokenizer, vocab_size: int) -> None:
+        """vocab_size: the model's logits width (may exceed the tokenizer's vocabulary)."""
+        self.tokenizer = tokenizer
+        self.vocab_size = vocab_size
+        self._compiler: Any = None
+        # Guards lazy compiler construction only: the server compiles in a thread pool while
+        # the engine thread may compile the same (cached) grammar.
+        self._lock = threading.Lock()
+        self._matchers: dict[str, Any] = {}
+
+    # -- compilation (any thread) -----------------------------------------------------------
+
+    def _get_compiler(self) -> Any:
+        with self._lock:
+            if self._compiler is None:
+                try:
+                    import xgrammar as xgr
+                except Exception as e:
+                    raise ValueError("structured output (response_format json_object or "
+                                     "json_schema) is unavailable: xgrammar cannot be imported "
+                                     f"({type(e).__name__})") from None
+                info = xgr.TokenizerInfo(_encoded_vocab(self.tokenizer, self.vocab_size),
+                                         vocab_type=_vocab_type(self.tokenizer, xgr),
+                                         vocab_size=self.vocab_size,
+                                         stop_token_ids=list(self.tokenizer.eos_token_ids),
+                                         add_prefix_space=_add_prefix_space(self.tokenizer))
+                self._compiler = xgr.GrammarCompiler(info, max_threads=2)
+            return self._compiler
+
+    def compile(self, spec: StructuredOutputsParams) -> Any:
+        """ValueError naming the field when the schema is not valid JSON or not supported."""
+        compiler = self._get_compiler()
+        # json_object as the schema {"type": "object"}: OpenAI's json_object is an object,
+        # and xgrammar's builtin JSON grammar allows any value with unbounded whitespace,
+        # which a small model can loop in until max_tokens.
+        schema = ('{"type": "object"}' if spec.json_object
+                  else spec.json if isinstance(spec.json, str) else json.dumps(spec.json))
+        try:
+            return compiler.compile_json_schema(schema, any_whitespace=False)
+        except Exception as e:  # xgrammar raises RuntimeError/InvalidJSONError subclasses
+            msg = str(e).splitlines()[0][:200] if str(e) else type(e).__name__
+            raise ValueError(f"json_schema is not a valid or supported JSON schema: {msg}"
+                             ) from None
+
+    # -- per-step use (engine thread) -------------------------------------------------------
+
+    def token_bitmask(self, requests: list[Request]
+                      ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """For the requests (rows of the sampling batch) that have a grammar: (rows [G] int64,
+        bitmask [G, ceil(V / 32)] int32, bit t % 32 of word t // 32 set = token t allowed).
+        None when no row has a grammar."""
+        rows: list[int] = []
+        masks: list[torch.Tensor] = []
+        for i, req in enumerate(requests):
+            spec = req.sampling_params.structured_outputs
+            if spec is None:
+                continue
+            matcher = self._matchers.get(req.request_id)
+            if matcher is None:
+                matcher = self._new_matcher(spec)
+                self._matchers[req.request_id] = matcher
+            if matcher.is_terminated():
+                continue  # the stop token was accepted; the scheduler finishes the request
+            mask = self._allocate_bitmask()
+            matcher.fill_next_token_bitmask(mask)
+            rows.append(i)
+            masks.append(mask)
+        if not rows:
+            return None
+        return torch.tensor(rows, dtype=torch.int64), torch.cat(masks)
+
+    def accept(self, request_id: str, token_id: int) -> None:
+        matcher = self._matchers.get(request_id)
+        if matcher is None or matcher.is_terminated():
+            return
+        if not matcher.accept_token(token_id):
+            # Only possible if a processor after the bitmask (none today) re-enabled a masked
+            # token; the grammar can no longer hold for this request.
+            logger.warning("request %s: sampled token %d violates its grammar", request_id,
+                           token_id)
+
+    def remove(self, request_id: str) -> None:
+        self._matchers.pop(request_id, None)
+
+    def __len__(self) -> int:
+        return len(self._matchers)
+
+    def _new_matcher(self, spec: StructuredOutputsParams) -> Any:
+        import xgrammar as xgr
+
+        return xgr.GrammarMatcher(self.compile(spec))
+
+    def _allocate_bitmask(self) -> torch.Tensor:
+        import xgrammar as xgr
+
+        return xgr.allocate_token_bitmask(1, self.vocab_size)
+
+
+def _encoded_vocab(tokenizer: Tokenizer, vocab_size: int) -> list[str]:
+    """id -> token string as the vocabulary stores it. Special tokens (other than the stop
+    tokens, which xgrammar handles itself) become "", which xgrammar never allows: otherwise
+    "<|im_start|>" would count as seven literal characters inside a JSON string."""
+    backend = tokenizer.backend
+    stop = set(tokenizer.eos_token_ids)
+    out = []
+    for i in range(vocab_size):
+        tok = backend.id_to_token(i) if i < tokenizer.vocab_size else None
+        if tok is None or (i in tokenizer.all_special_ids and i not in stop):
+            tok = ""
+        out.append(tok)
+    return out
+
+
+def _vocab_type(tokenizer: Tokenizer, xgr: Any) -> Any:
+    vocab = tokenizer.backend.get_vocab(with_added_tokens=False)
+    if "<0x0A>" in vocab:
+        return xgr.VocabType.BYTE_FALLBACK  # SentencePiece: "▁" spaces, <0xNN> byte tokens
+    if "Ġ" in vocab or "Ċ" in vocab:
+        return xgr.VocabType.BYTE_LEVEL  # GPT-2 byte-level BPE
+    return xgr.VocabType.RAW
+
+
+def _add_prefix_space(tokenizer: Tokenizer) -> bool:
+    # SentencePiece tokenizers prepend "▁" to the first word; byte-level BPE does not.
+    return "<0x0A>" in tokenizer.backend.get_vocab(with_added_tokens=False)

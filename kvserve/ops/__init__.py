@@ -12,6 +12,7 @@ from typing import Any
 # name -> "module:Class"
 _REGISTRY: dict[str, str] = {
     "reference": "kvserve.ops.reference:ReferenceOps",
+    "cpu": "kvserve.ops.cpu:CpuOps",
 }
 
 

@@ -1,0 +1,262 @@
+// Varlen causal attention over the paged KV cache, the whole batch in one call.
+//
+// Request b owns queries [qsl[b], qsl[b+1]); they are the last q_len of its seq_len tokens,
+// so query i (0-based) sits at position p_i = seq_len - q_len + i and sees keys [0, p_i]:
+//
+//   keys     |0 ........................................ seq_len-1|
+//   queries                            |p_0 ............ p_{q_len-1}|
+//   chunk c                                  |q0 .. q0+qn-1|         (kQueryTile queries)
+//   keys read for chunk c: [0, p_{q0+qn-1}]  in tiles of kKeyTile, each masked per row
+//
+// Work item = (request, query chunk, kv heads [g0, g0+ng)). Its rows are qn queries x the
+// ng*G query heads on those kv heads (GQA: head h uses kv head h / G), so every K/V vector
+// is fetched from memory once per item and reused from L1 by all its rows; a decode (qn = 1)
+// still has G rows per kv head. ng = Hkv when there are enough (request, chunk) units to
+// feed every thread (whole contiguous K/V rows stream best), else 1 (more, smaller items).
+// Items run under OpenMP dynamic scheduling, largest first, since causal chunks differ in
+// cost.
+//
+// Per row the softmax is online (flash-attention): running max m, running sum l, and an
+// unnormalized accumulator acc[D]; a key tile with new max m' rescales l and acc by
+// exp(m - m'). Everything is fp32.
+#include <omp.h>
+
+#include <algorithm>
+#include <limits>
+#include <vector>
+
+#include "kernels.h"
+#include "simd.h"
+
+namespace kvs {
+namespace {
+
+constexpr int64_t kQueryTile = 16;  // queries per item: K/V reuse vs items to balance
+constexpr int64_t kKeyTile = 32;    // keys per softmax update; a multiple of 8
+constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+
+// Queries [q0, q0+qn) of request b against kv heads [g0, g0+ng).
+struct Item {
+  int64_t b, q0, qn, g0, ng, cost;
+};
+
+// s[j] = q . k_j for j < n (n rounded up to 8; kp[] is padded with valid pointers).
+inline void scores(const float* q, const float* const* kp, int64_t n, int64_t D, float* s) {
+#if KVS_AVX2
+  for (int64_t j0 = 0; j0 < n; j0 += 8) {
+    __m256 acc[8];
+    for (int j = 0; j < 8; ++j) acc[j] = _mm256_setzero_ps();
+    for (int64_t d = 0; d < D; d += 8) {
+      __m256 qv = _mm256_loadu_ps(q + d);
+      for (int j = 0; j < 8; ++j)
+        acc[j] = _mm256_fmadd_ps(qv, _mm256_loadu_ps(kp[j0 + j] + d), acc[j]);
+    }
+    _mm256_storeu_ps(s + j0, reduce8(acc));
+  }
+#else
+  for (int64_t j = 0; j < n; ++j) s[j] = dot_scalar(q, kp[j], D);
+#endif
+}
+
+// acc[0:NV*8] = acc * corr + sum_j p[j] * v_j[0:NV*8]; the NV vectors stay in registers.
+template <int NV>
+inline void pv_chunk(float* acc, float corr, const float* p, const float* const* vp, int64_t n,
+                     int64_t d0) {
+#if KVS_AVX2
+  __m256 a[NV];
+  const __m256 c = _mm256_set1_ps(corr);
+  for (int v = 0; v < NV; ++v) a[v] = _mm256_mul_ps(_mm256_loadu_ps(acc + d0 + v * 8), c);
+  for (int64_t j = 0; j < n; ++j) {
+    const __m256 pj = _mm256_set1_ps(p[j]);
+    const float* vj = vp[j] + d0;
+    for (int v = 0; v < NV; ++v) a[v] = _mm256_fmadd_ps(pj, _mm256_loadu_ps(vj + v * 8), a[v]);
+  }
+  for (int v = 0; v < NV; ++v) _mm256_storeu_ps(acc + d0 + v * 8, a[v]);
+#else
+  for (int64_t d = d0; d < d0 + NV * 8; ++d) {
+    float x = acc[d] * corr;
+    for (int64_t j = 0; j < n; ++j) x += p[j] * vp[j][d];
+    acc[d] = x;
+  }
+#endif
+}
+
+// One key tile for one row: s[0:n] are its scores (lanes n..round8(n) are scratch).
+inline void online_update(float& m, float& l, float* acc, float* s, const float* const* vp,
+                          int64_t n, int64_t D) {
+  const int64_t n8 = (n + 7) & ~int64_t{7};
+  for (int64_t j = n; j < n8; ++j) s[j] = kNegInf;  // masked lanes: exp(-inf) = 0
+  float mx = kNegInf;
+#if KVS_AVX2
+  __m256 vmx = _mm256_set1_ps(kNegInf);
+  for (int64_t j = 0; j < n8; j += 8) vmx = _mm256_max_ps(vmx, _mm256_loadu_ps(s + j));
+  mx = hmax(vmx);
+#else
+  for (int64_t j = 0; j < n; ++j) mx = std::max(mx, s[j]);
+#endif
+  // Keys start at position 0, which every row sees, so mx and m_new are finite here.
+  const float m_new = std::max(m, mx);
+  const float corr = std::exp(m - m_new);  // m = -inf on the first tile -> 0
+  float sum = 0.f;
+#if KVS_AVX2
+  const __m256 vm = _mm256_set1_ps(m_new);
+  __m256 vsum = _mm256_setzero_ps();
+  for (int64_t j = 0; j < n8; j += 8) {
+    __m256 p = kvs::exp(_mm256_sub_ps(_mm256_loadu_ps(s + j), vm));
+    _mm256_storeu_ps(s + j, p);
+    vsum = _mm256_add_ps(vsum, p);
+  }
+  sum = hsum(vsum);
+#else
+  for (int64_t j = 0; j < n; ++j) {
+    s[j] = std::exp(s[j] - m_new);
+    sum += s[j];
+  }
+#endif
+  l = l * corr + sum;
+  m = m_new;
+  int64_t d0 = 0;
+  for (; d0 + 64 <= D; d0 += 64) pv_chunk<8>(acc, corr, s, vp, n, d0);
+  for (; d0 < D; d0 += 8) pv_chunk<1>(acc, corr, s, vp, n, d0);
+}
+
+// Row offsets (in floats) of kv head g for keys [begin, begin + n) of one request, walking
+// the block table without a division per key.
+inline void key_offsets(const AttentionArgs& a, const int32_t* bt, int64_t g, int64_t begin,
+                        int64_t n, int64_t* off) {
+  const int64_t bs = a.block_size, row = a.Hkv * a.D;
+  const int32_t* entry = bt + begin / bs;
+  int64_t in_blk = begin % bs;
+  int64_t base = int64_t{*entry} * bs * row + g * a.D;
+  for (int64_t j = 0; j < n; ++j) {
+    if (in_blk == bs) {  // advance lazily: never read the table past the last key's block
+      in_blk = 0;
+      base = int64_t{*++entry} * bs * row + g * a.D;
+    }
+    off[j] = base + in_blk++ * row;
+  }
+}
+
+// Asks for the K/V rows at off[0:n] (ng heads each) while the current tile computes.
+// Blocks sit anywhere in the cache, so the hardware prefetcher cannot guess where the next
+// one is; without this a decode waits on DRAM latency rather than bandwidth.
+inline void prefetch_rows(const AttentionArgs& a, const int64_t* off, int64_t n, int64_t ng) {
+#if KVS_AVX2
+  for (int64_t j = 0; j < n; ++j)
+    for (int64_t d = 0; d < ng * a.D; d += 16) {  // one 64-byte line per 16 floats
+      _mm_prefetch(reinterpret_cast<const char*>(a.k_cache + off[j] + d), _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(a.v_cache + off[j] + d), _MM_HINT_T0);
+    }
+#else
+  (void)a, (void)off, (void)n, (void)ng;
+#endif
+}
+
+void attend(const AttentionArgs& a, const Item& it, std::vector<float>& scratch) {
+  const int64_t G = a.H / a.Hkv, D = a.D;
+  const int64_t HG = it.ng * G;  // query heads of the item
+  const int64_t seq_len = a.seq_lens[it.b];
+  const int64_t q_begin = a.query_start_loc[it.b];
+  const int64_t q_len = a.query_start_loc[it.b + 1] - q_begin;
+  const int64_t pos0 = seq_len - q_len + it.q0;  // position of the item's first query
+  const int64_t kv_end = pos0 + it.qn;           // keys [0, kv_end) cover every row
+  // Row r = query r / HG, head g0*G + r % HG, whose kv head is g0 + (r % HG) / G.
+  const int64_t R = it.qn * HG;
+  const int32_t* bt = a.block_tables + it.b * a.bt_stride;
+  auto out_row = [&](int64_t r) { return (q_begin + it.q0 + r / HG) * a.H + it.g0 * G + r % HG; };
+
+  scratch.resize(R * D * 2 + R * 2 + kKeyTile);
+  float* qs = scratch.data();  // scaled queries, so scores need no extra multiply
+  float* acc = qs + R * D;
+  float* m = acc + R * D;
+  float* l = m + R;
+  float* s = l + R;
+  for (int64_t r = 0; r < R; ++r) {
+    const float* src = a.q + (q_begin + it.q0 + r / HG) * a.q_st + (it.g0 * G + r % HG) * a.q_sh;
+    for (int64_t d = 0; d < D; ++d) qs[r * D + d] = src[d] * a.scale;
+    std::fill(acc + r * D, acc + (r + 1) * D, 0.f);
+    m[r] = kNegInf;
+    l[r] = 0.f;
+  }
+
+  // Offsets (of kv head g0) of the current tile and of the next one, double-buffered: the
+  // next tile's rows are prefetched while this one computes.
+  int64_t offs[2][kKeyTile];
+  key_offsets(a, bt, it.g0, 0, std::min(kKeyTile, kv_end), offs[0]);
+  prefetch_rows(a, offs[0], std::min(kKeyTile, kv_end), it.ng);
+  const float* kp[kKeyTile];
+  const float* vp[kKeyTile];
+  for (int64_t t0 = 0, cur = 0; t0 < kv_end; t0 += kKeyTile, cur ^= 1) {
+    const int64_t n = std::min(kKeyTile, kv_end - t0);
+    const int64_t n_next = std::min(kKeyTile, kv_end - t0 - n);
+    if (n_next > 0) {
+      key_offsets(a, bt, it.g0, t0 + n, n_next, offs[cur ^ 1]);
+      prefetch_rows(a, offs[cur ^ 1], n_next, it.ng);
+    }
+    for (int64_t gl = 0; gl < it.ng; ++gl) {
+      for (int64_t j = 0; j < n; ++j) {
+        kp[j] = a.k_cache + offs[cur][j] + gl * D;
+        vp[j] = a.v_cache + offs[cur][j] + gl * D;
+      }
+      for (int64_t j = n; j < ((n + 7) & ~int64_t{7}); ++j) kp[j] = kp[0];
+      // Query i sees keys up to its own position pos0 + i: tile lanes [0, nv). Queries
+      // before t0 - pos0 see none of this tile (it lies in their future).
+      for (int64_t i = std::max<int64_t>(0, t0 - pos0); i < it.qn; ++i) {
+        const int64_t nv = std::min(n, pos0 + i + 1 - t0);
+        for (int64_t r = i * HG + gl * G; r < i * HG + (gl + 1) * G; ++r) {
+          scores(qs + r * D, kp, nv, D, s);
+          online_update(m[r], l[r], acc + r * D, s, vp, nv, D);
+        }
+      }
+    }
+  }
+
+  for (int64_t r = 0; r < R; ++r) {
+    float* dst = a.out + out_row(r) * D;
+    const float inv = 1.f / l[r];
+    for (int64_t d = 0; d < D; ++d) dst[d] = acc[r * D + d] * inv;
+  }
+}
+
+}  // namespace
+
+void paged_attention(const AttentionArgs& a, int nthreads) {
+  // Work units are (request, query chunk). With enough of them per thread, an item takes all
+  // kv heads: a token's K (and V) rows for every head are one contiguous Hkv*D run, and a
+  // block one contiguous block_size*Hkv*D run, which DRAM streams best. With few units (a
+  // small decode batch) items split by kv head instead, so every thread has work.
+  int64_t units = 0;
+  for (int64_t b = 0; b < a.B; ++b) {
+    const int64_t q_len = a.query_start_loc[b + 1] - a.query_start_loc[b];
+    units += (q_len + kQueryTile - 1) / kQueryTile;
+  }
+  const int64_t ng = units >= 2 * nthreads ? a.Hkv : 1;
+  std::vector<Item> items;
+  for (int64_t b = 0; b < a.B; ++b) {
+    const int64_t q_len = a.query_start_loc[b + 1] - a.query_start_loc[b];
+    const int64_t seq_len = a.seq_lens[b];
+    for (int64_t q0 = 0; q0 < q_len; q0 += kQueryTile) {
+      const int64_t qn = std::min(kQueryTile, q_len - q0);
+      const int64_t cost = qn * (seq_len - q_len + q0 + qn) * ng;  // rows x keys per head
+      for (int64_t g0 = 0; g0 < a.Hkv; g0 += ng) items.push_back({b, q0, qn, g0, ng, cost});
+    }
+  }
+  std::stable_sort(items.begin(), items.end(),
+                   [](const Item& x, const Item& y) { return x.cost > y.cost; });
+  const int64_t n_items = static_cast<int64_t>(items.size());
+  const int64_t total_cost = [&] {
+    int64_t c = 0;
+    for (const Item& it : items) c += it.cost;
+    return c;
+  }();
+  // A tiny batch (a few hundred key rows) is cheaper than waking the other threads.
+  const bool parallel = nthreads > 1 && n_items > 1 && total_cost * a.D >= (1 << 14);
+#pragma omp parallel num_threads(nthreads) if (parallel)
+  {
+    std::vector<float> scratch;
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t i = 0; i < n_items; ++i) attend(a, items[i], scratch);
+  }
+}
+
+}  // namespace kvs

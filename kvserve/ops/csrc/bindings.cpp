@@ -1,0 +1,221 @@
+// Tensor-level entry points: check every precondition the raw kernels rely on, allocate the
+// outputs, pass torch's thread count. kvserve/ops/cpu.py decides *whether* to call these
+// (dtype, size crossovers); a failed TORCH_CHECK here is a bug in that routing.
+#include <ATen/Parallel.h>
+#include <torch/extension.h>
+
+#include "kernels.h"
+
+namespace {
+
+void check_f32(const torch::Tensor& t, const char* name) {
+  TORCH_CHECK(t.device().is_cpu() && t.scalar_type() == torch::kFloat32, name,
+              " must be a float32 CPU tensor, got ", t.scalar_type(), " on ", t.device());
+}
+
+void check_inner(const torch::Tensor& t, const char* name) {
+  TORCH_CHECK(t.stride(-1) == 1, name, " must be contiguous in its last dimension");
+}
+
+torch::Tensor as_int32(const torch::Tensor& t) {
+  return t.scalar_type() == torch::kInt32 ? t.contiguous() : t.to(torch::kInt32).contiguous();
+}
+
+torch::Tensor as_int64(const torch::Tensor& t) {
+  return t.scalar_type() == torch::kInt64 ? t.contiguous() : t.to(torch::kInt64).contiguous();
+}
+
+// x [M, K] (rows may be strided), weight [N, K] contiguous -> [M, N].
+torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& weight,
+                     const c10::optional<torch::Tensor>& bias) {
+  check_f32(x, "x");
+  check_f32(weight, "weight");
+  TORCH_CHECK(x.dim() == 2 && weight.dim() == 2 && x.size(1) == weight.size(1),
+              "linear expects x [M, K] and weight [N, K], got ", x.sizes(), " and ",
+              weight.sizes());
+  check_inner(x, "x");
+  TORCH_CHECK(weight.is_contiguous(), "weight must be contiguous [N, K]");
+  const float* b = nullptr;
+  if (bias.has_value()) {
+    check_f32(*bias, "bias");
+    TORCH_CHECK(bias->is_contiguous() && bias->numel() == weight.size(0), "bias must be [N]");
+    b = bias->data_ptr<float>();
+  }
+  const int64_t M = x.size(0), N = weight.size(0), K = x.size(1);
+  auto out = torch::empty({M, N}, x.options());
+  if (M > 0 && N > 0)
+    kvs::linear_small_m(x.data_ptr<float>(), x.stride(0), weight.data_ptr<float>(), b,
+                        out.data_ptr<float>(), M, N, K, at::get_num_threads());
+  return out;
+}
+
+torch::Tensor paged_attention(const torch::Tensor& q, const torch::Tensor& kv_cache,
+                              const torch::Tensor& block_tables, const torch::Tensor& seq_lens,
+                              const torch::Tensor& query_start_loc, double scale) {
+  check_f32(q, "q");
+  check_f32(kv_cache, "kv_cache");
+  TORCH_CHECK(q.dim() == 3, "q must be [T, H, D], got ", q.sizes());
+  check_inner(q, "q");
+  TORCH_CHECK(kv_cache.dim() == 5 && kv_cache.size(0) == 2 && kv_cache.is_contiguous(),
+              "kv_cache must be one contiguous layer [2, num_blocks, block_size, Hkv, D], got ",
+              kv_cache.sizes());
+  const int64_t H = q.size(1), D = q.size(2), Hkv = kv_cache.size(3);
+  TORCH_CHECK(kv_cache.size(4) == D, "kv_cache head_dim ", kv_cache.size(4), " != q's ", D);
+  TORCH_CHECK(Hkv > 0 && H % Hkv == 0, "num heads ", H, " must be a multiple of kv heads ", Hkv);
+  auto bt = as_int32(block_tables);
+  auto sl = as_int32(seq_lens);
+  auto qsl = as_int32(query_start_loc);
+  const int64_t B = sl.numel();
+  TORCH_CHECK(bt.dim() == 2 && bt.size(0) >= B && qsl.numel() == B + 1,
+              "block_tables [B, max_blocks], seq_lens [B], query_start_loc [B+1] disagree: ",
+              bt.sizes(), ", ", sl.sizes(), ", ", qsl.sizes());
+  // The kernel trusts these bounds; checking them costs O(B) and saves a segfault.
+  const int32_t* s = sl.data_ptr<int32_t>();
+  const int32_t* qs = qsl.data_ptr<int32_t>();
+  TORCH_CHECK(qs[0] == 0 && qs[B] == q.size(0), "query_start_loc must run from 0 to T=",
+              q.size(0));
+  for (int64_t b = 0; b < B; ++b) {
+    const int64_t ql = qs[b + 1] - qs[b];
+    TORCH_CHECK(ql >= 0 && ql <= s[b], "request ", b, " has ", ql, " queries but seq_len ",
+                s[b]);
+    TORCH_CHECK((s[b] + kv_cache.size(2) - 1) / kv_cache.size(2) <= bt.size(1), "request ", b,
+                " seq_len ", s[b], " needs more blocks than block_tables has columns");
+  }
+  auto out = torch::empty({q.size(0), H, D}, q.options());
+  kvs::AttentionArgs a;
+  a.q = q.data_ptr<float>();
+  a.q_st = q.stride(0);
+  a.q_sh = q.stride(1);
+  a.k_cache = kv_cache.data_ptr<float>();
+  a.v_cache = a.k_cache + kv_cache.stride(0);
+  a.block_tables = bt.data_ptr<int32_t>();
+  a.bt_stride = bt.stride(0);
+  a.seq_lens = s;
+  a.query_start_loc = qs;
+  a.out = out.data_ptr<float>();
+  a.B = B;
+  a.H = H;
+  a.Hkv = Hkv;
+  a.D = D;
+  a.block_size = kv_cache.size(2);
+  a.scale = static_cast<float>(scale);
+  kvs::paged_attention(a, at::get_num_threads());
+  return out;
+}
+
+void write_kv(const torch::Tensor& key, const torch::Tensor& value, torch::Tensor& kv_cache,
+              const torch::Tensor& slot_mapping) {
+  check_f32(key, "key");
+  check_f32(value, "value");
+  check_f32(kv_cache, "kv_cache");
+  TORCH_CHECK(kv_cache.dim() == 5 && kv_cache.size(0) == 2 && kv_cache.is_contiguous(),
+              "kv_cache must be one contiguous layer [2, num_blocks, block_size, Hkv, D]");
+  const int64_t Hkv = kv_cache.size(3), D = kv_cache.size(4);
+  TORCH_CHECK(key.dim() == 3 && key.sizes() == value.sizes() && key.size(1) == Hkv &&
+                  key.size(2) == D,
+              "key/value must be [T, ", Hkv, ", ", D, "], got ", key.sizes(), " and ",
+              value.sizes());
+  check_inner(key, "key");
+  check_inner(value, "value");
+  auto slots = as_int64(slot_mapping);
+  const int64_t T = key.size(0);
+  TORCH_CHECK(slots.numel() == T, "slot_mapping has ", slots.numel(), " slots for ", T,
+              " tokens");
+  const int64_t num_slots = kv_cache.size(1) * kv_cache.size(2);
+  const int64_t* sp = slots.data_ptr<int64_t>();
+  for (int64_t t = 0; t < T; ++t)
+    TORCH_CHECK(sp[t] < num_slots, "slot ", sp[t], " is past the cache's ", num_slots, " slots");
+  float* kc = kv_cache.data_ptr<float>();
+  kvs::write_kv(key.data_ptr<float>(), key.stride(0), key.stride(1), value.data_ptr<float>(),
+                value.stride(0), value.stride(1), kc, kc + kv_cache.stride(0), sp, T, Hkv, D);
+}
+
+// x as [rows, n] with a row stride (cpu.py reshapes to 2-D, which stays a view when it can).
+int64_t row_stride(const torch::Tensor& x, const char* name) {
+  check_f32(x, name);
+  TORCH_CHECK(x.dim() == 2, name, " must be 2-D [rows, n], got ", x.sizes());
+  check_inner(x, name);
+  return x.stride(0);
+}
+
+torch::Tensor rms_norm(const torch::Tensor& x, const torch::Tensor& weight, double eps) {
+  const int64_t ldx = row_stride(x, "x");
+  check_f32(weight, "weight");
+  const int64_t n = x.size(-1);
+  TORCH_CHECK(weight.is_contiguous() && weight.numel() == n, "weight must be [", n, "]");
+  auto out = torch::empty(x.sizes(), x.options());
+  kvs::rms_norm(x.data_ptr<float>(), ldx, weight.data_ptr<float>(), out.data_ptr<float>(),
+                x.size(0), n, static_cast<float>(eps), at::get_num_threads());
+  return out;
+}
+
+std::tuple<torch::Tensor, torch::Tensor> add_rms_norm(const torch::Tensor& x,
+                                                      const torch::Tensor& residual,
+                                                      const torch::Tensor& weight, double eps) {
+  const int64_t ldx = row_stride(x, "x");
+  const int64_t ldr = row_stride(residual, "residual");
+  TORCH_CHECK(x.sizes() == residual.sizes(), "x ", x.sizes(), " and residual ",
+              residual.sizes(), " differ");
+  check_f32(weight, "weight");
+  const int64_t n = x.size(-1);
+  TORCH_CHECK(weight.is_contiguous() && weight.numel() == n, "weight must be [", n, "]");
+  auto out = torch::empty(x.sizes(), x.options());
+  auto res = torch::empty(x.sizes(), x.options());
+  kvs::add_rms_norm(x.data_ptr<float>(), ldx, residual.data_ptr<float>(), ldr,
+                    weight.data_ptr<float>(), out.data_ptr<float>(), res.data_ptr<float>(),
+                    x.size(0), n, static_cast<float>(eps), at::get_num_threads());
+  return {out, res};
+}
+
+torch::Tensor silu_and_mul(const torch::Tensor& x) {
+  const int64_t ldx = row_stride(x, "x");
+  const int64_t n2 = x.size(-1);
+  TORCH_CHECK(n2 % 2 == 0, "silu_and_mul needs an even last dimension, got ", n2);
+  auto out = torch::empty({x.size(0), n2 / 2}, x.options());
+  kvs::silu_and_mul(x.data_ptr<float>(), ldx, out.data_ptr<float>(), x.size(0), n2 / 2,
+                    at::get_num_threads());
+  return out;
+}
+
+torch::Tensor rotary_one(const torch::Tensor& x, const torch::Tensor& pos,
+                         const torch::Tensor& cos_sin) {
+  check_f32(x, "q/k");
+  TORCH_CHECK(x.dim() == 3, "q/k must be [T, heads, D], got ", x.sizes());
+  check_inner(x, "q/k");
+  const int64_t T = x.size(0), heads = x.size(1), D = x.size(2);
+  TORCH_CHECK(cos_sin.size(1) == D, "cos_sin width ", cos_sin.size(1), " != head_dim ", D);
+  auto out = torch::empty({T, heads, D}, x.options());
+  kvs::rotary(x.data_ptr<float>(), x.stride(0), x.stride(1), out.data_ptr<float>(), T, heads, D,
+              pos.data_ptr<int64_t>(), cos_sin.data_ptr<float>(), cos_sin.size(0),
+              at::get_num_threads());
+  return out;
+}
+
+std::tuple<torch::Tensor, torch::Tensor> rotary(const torch::Tensor& q, const torch::Tensor& k,
+                                                const torch::Tensor& positions,
+                                                const torch::Tensor& cos_sin) {
+  check_f32(cos_sin, "cos_sin");
+  TORCH_CHECK(cos_sin.dim() == 2 && cos_sin.is_contiguous() && cos_sin.size(1) % 2 == 0,
+              "cos_sin must be contiguous [max_pos, D] with D even");
+  auto pos = as_int64(positions);
+  TORCH_CHECK(pos.numel() == q.size(0) && pos.numel() == k.size(0), "positions has ",
+              pos.numel(), " entries for ", q.size(0), " tokens");
+  const int64_t* p = pos.data_ptr<int64_t>();
+  for (int64_t t = 0; t < pos.numel(); ++t)
+    TORCH_CHECK(p[t] >= 0 && p[t] < cos_sin.size(0), "position ", p[t], " outside [0, ",
+                cos_sin.size(0), ")");
+  return {rotary_one(q, pos, cos_sin), rotary_one(k, pos, cos_sin)};
+}
+
+}  // namespace
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.doc() = "kvserve AVX2/FMA CPU kernels; see kvserve/ops/cpu.py";
+  m.def("linear", &linear, "small-M linear", py::arg("x"), py::arg("weight"), py::arg("bias"));
+  m.def("paged_attention", &paged_attention, "varlen paged attention");
+  m.def("write_kv", &write_kv, "scatter K/V into the paged cache");
+  m.def("rms_norm", &rms_norm, "RMSNorm");
+  m.def("add_rms_norm", &add_rms_norm, "fused residual add + RMSNorm");
+  m.def("silu_and_mul", &silu_and_mul, "fused SiLU(gate) * up");
+  m.def("rotary", &rotary, "rotate-half RoPE");
+}

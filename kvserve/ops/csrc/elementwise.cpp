@@ -1,0 +1,179 @@
+// Row-wise ops of a decoder layer, each a single pass over its input that writes fresh
+// outputs (never the inputs): RMSNorm, residual add + RMSNorm, SiLU(gate) * up, RoPE, and
+// the K/V scatter into the paged cache.
+//
+// At decode sizes (a few rows of 576) these take microseconds, so the gain over torch is
+// fusion (one pass, no temporaries); threads are only woken for prefill-sized inputs.
+#include <omp.h>
+
+#include <algorithm>
+#include <cstring>
+
+#include "kernels.h"
+#include "simd.h"
+
+namespace kvs {
+namespace {
+
+// Elements below which one thread does the whole op: ~32K floats is ~10 us of work,
+// comfortably above the cost of an OpenMP fork/join on a warm pool. Kept high on purpose:
+// a decode-sized op gains ~2 us from a second thread, but when another process holds a
+// core, every fork/join can wait a scheduler tick (4-16 ms measured) for it.
+constexpr int64_t kParallelElems = 1 << 15;
+
+inline bool go_parallel(int nthreads, int64_t rows, int64_t elems) {
+  return nthreads > 1 && rows > 1 && elems >= kParallelElems;
+}
+
+inline float sum_squares(const float* x, int64_t n) {
+  int64_t i = 0;
+  float s = 0.f;
+#if KVS_AVX2
+  __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();
+  for (; i + 16 <= n; i += 16) {
+    __m256 x0 = _mm256_loadu_ps(x + i), x1 = _mm256_loadu_ps(x + i + 8);
+    a0 = _mm256_fmadd_ps(x0, x0, a0);
+    a1 = _mm256_fmadd_ps(x1, x1, a1);
+  }
+  for (; i + 8 <= n; i += 8) {
+    __m256 x0 = _mm256_loadu_ps(x + i);
+    a0 = _mm256_fmadd_ps(x0, x0, a0);
+  }
+  s = hsum(_mm256_add_ps(a0, a1));
+#endif
+  for (; i < n; ++i) s += x[i] * x[i];
+  return s;
+}
+
+// out = (x * inv) * w, the reference's order of rounding.
+inline void scale_mul(const float* x, float inv, const float* w, float* out, int64_t n) {
+  int64_t i = 0;
+#if KVS_AVX2
+  const __m256 vi = _mm256_set1_ps(inv);
+  for (; i + 8 <= n; i += 8)
+    _mm256_storeu_ps(out + i, _mm256_mul_ps(_mm256_mul_ps(_mm256_loadu_ps(x + i), vi),
+                                            _mm256_loadu_ps(w + i)));
+#endif
+  for (; i < n; ++i) out[i] = (x[i] * inv) * w[i];
+}
+
+inline float rms_inv(float ss, int64_t n, float eps) {
+  return 1.f / std::sqrt(ss / static_cast<float>(n) + eps);
+}
+
+}  // namespace
+
+void rms_norm(const float* x, int64_t ldx, const float* w, float* out, int64_t rows, int64_t n,
+              float eps, int nthreads) {
+#pragma omp parallel for schedule(static) num_threads(nthreads) \
+    if (go_parallel(nthreads, rows, rows * n))
+  for (int64_t r = 0; r < rows; ++r) {
+    const float* xr = x + r * ldx;
+    scale_mul(xr, rms_inv(sum_squares(xr, n), n, eps), w, out + r * n, n);
+  }
+}
+
+void add_rms_norm(const float* x, int64_t ldx, const float* residual, int64_t ldr,
+                  const float* w, float* out, float* res_out, int64_t rows, int64_t n,
+                  float eps, int nthreads) {
+#pragma omp parallel for schedule(static) num_threads(nthreads) \
+    if (go_parallel(nthreads, rows, rows * n))
+  for (int64_t r = 0; r < rows; ++r) {
+    const float* xr = x + r * ldx;
+    const float* rr = residual + r * ldr;
+    float* h = res_out + r * n;
+    // Pass 1 writes the new residual and its sum of squares; pass 2 re-reads it from L1.
+    int64_t i = 0;
+    float ss = 0.f;
+#if KVS_AVX2
+    __m256 a = _mm256_setzero_ps();
+    for (; i + 8 <= n; i += 8) {
+      __m256 v = _mm256_add_ps(_mm256_loadu_ps(xr + i), _mm256_loadu_ps(rr + i));
+      _mm256_storeu_ps(h + i, v);
+      a = _mm256_fmadd_ps(v, v, a);
+    }
+    ss = hsum(a);
+#endif
+    for (; i < n; ++i) {
+      h[i] = xr[i] + rr[i];
+      ss += h[i] * h[i];
+    }
+    scale_mul(h, rms_inv(ss, n, eps), w, out + r * n, n);
+  }
+}
+
+void silu_and_mul(const float* x, int64_t ldx, float* out, int64_t rows, int64_t n,
+                  int nthreads) {
+#pragma omp parallel for schedule(static) num_threads(nthreads) \
+    if (go_parallel(nthreads, rows, rows * n))
+  for (int64_t r = 0; r < rows; ++r) {
+    const float* g = x + r * ldx;
+    const float* u = g + n;
+    float* o = out + r * n;
+    int64_t i = 0;
+#if KVS_AVX2
+    const __m256 one = _mm256_set1_ps(1.f);
+    for (; i + 8 <= n; i += 8) {
+      // silu(g) = g / (1 + exp(-g)); exp saturates to 0 / 2.6e38, giving g or ~0 as it should.
+      __m256 gv = _mm256_loadu_ps(g + i);
+      __m256 e = kvs::exp(_mm256_sub_ps(_mm256_setzero_ps(), gv));
+      __m256 s = _mm256_div_ps(gv, _mm256_add_ps(one, e));
+      _mm256_storeu_ps(o + i, _mm256_mul_ps(s, _mm256_loadu_ps(u + i)));
+    }
+#endif
+    for (; i < n; ++i) o[i] = g[i] / (1.f + std::exp(-g[i])) * u[i];
+  }
+}
+
+void rotary(const float* x, int64_t st, int64_t sh, float* out, int64_t T, int64_t heads,
+            int64_t D, const int64_t* positions, const float* cos_sin, int64_t max_pos,
+            int nthreads) {
+  (void)max_pos;  // bindings.cpp checked 0 <= positions < max_pos
+  const int64_t half = D / 2;
+#pragma omp parallel for schedule(static) num_threads(nthreads) \
+    if (go_parallel(nthreads, T, T * heads * D))
+  for (int64_t t = 0; t < T; ++t) {
+    const float* cs = cos_sin + positions[t] * D;  // [cos(half) | sin(half)]
+    for (int64_t h = 0; h < heads; ++h) {
+      const float* x1 = x + t * st + h * sh;
+      const float* x2 = x1 + half;
+      float* o1 = out + (t * heads + h) * D;
+      float* o2 = o1 + half;
+      int64_t i = 0;
+#if KVS_AVX2
+      for (; i + 8 <= half; i += 8) {
+        __m256 c = _mm256_loadu_ps(cs + i), s = _mm256_loadu_ps(cs + half + i);
+        __m256 a = _mm256_loadu_ps(x1 + i), b = _mm256_loadu_ps(x2 + i);
+        // Same products and one rounding per op as the reference: a*c - b*s, b*c + a*s.
+        _mm256_storeu_ps(o1 + i, _mm256_sub_ps(_mm256_mul_ps(a, c), _mm256_mul_ps(b, s)));
+        _mm256_storeu_ps(o2 + i, _mm256_add_ps(_mm256_mul_ps(b, c), _mm256_mul_ps(a, s)));
+      }
+#endif
+      for (; i < half; ++i) {
+        const float c = cs[i], s = cs[half + i];
+        o1[i] = x1[i] * c - x2[i] * s;
+        o2[i] = x2[i] * c + x1[i] * s;
+      }
+    }
+  }
+}
+
+void write_kv(const float* key, int64_t k_st, int64_t k_sh, const float* value, int64_t v_st,
+              int64_t v_sh, float* k_cache, float* v_cache, const int64_t* slots, int64_t T,
+              int64_t Hkv, int64_t D) {
+  // A token's [Hkv, D] row is contiguous in the cache; the source may be a strided view
+  // (k, v split from the fused qkv output), so copy head by head when it is not dense.
+  const size_t head_bytes = static_cast<size_t>(D) * sizeof(float);
+  for (int64_t t = 0; t < T; ++t) {
+    const int64_t slot = slots[t];
+    if (slot < 0) continue;  // PAD_SLOT_ID: no write
+    float* kd = k_cache + slot * Hkv * D;
+    float* vd = v_cache + slot * Hkv * D;
+    for (int64_t h = 0; h < Hkv; ++h) {
+      std::memcpy(kd + h * D, key + t * k_st + h * k_sh, head_bytes);
+      std::memcpy(vd + h * D, value + t * v_st + h * v_sh, head_bytes);
+    }
+  }
+}
+
+}  // namespace kvs

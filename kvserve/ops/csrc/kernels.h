@@ -1,0 +1,51 @@
+// Raw-pointer kernel entry points. The kernel sources include no torch header (they compile
+// in seconds); bindings.cpp owns every tensor check and calls these.
+//
+// Conventions: fp32 data, innermost dimension contiguous, other strides given in elements.
+// `nthreads` is torch's intra-op thread count, so the kernels share torch's OpenMP pool size.
+#pragma once
+
+#include <cstdint>
+
+namespace kvs {
+
+// out[m, n] = sum_k x[m*ldx + k] * w[n*K + k] (+ bias[n]);  out is [M, N] contiguous.
+void linear_small_m(const float* x, int64_t ldx, const float* w, const float* bias, float* out,
+                    int64_t M, int64_t N, int64_t K, int nthreads);
+
+struct AttentionArgs {
+  const float* q;        // q[t*q_st + h*q_sh + d]
+  int64_t q_st, q_sh;
+  const float* k_cache;  // [num_blocks, block_size, Hkv, D] contiguous
+  const float* v_cache;  // same shape
+  const int32_t* block_tables;  // [B, bt_stride]
+  int64_t bt_stride;
+  const int32_t* seq_lens;         // [B]
+  const int32_t* query_start_loc;  // [B + 1]
+  float* out;  // [T, H, D] contiguous
+  int64_t B, H, Hkv, D, block_size;
+  float scale;
+};
+void paged_attention(const AttentionArgs& a, int nthreads);
+
+// dst[slot[t]] = src[t] for k and v, rows of Hkv*D floats; slot < 0 skipped.
+void write_kv(const float* key, int64_t k_st, int64_t k_sh, const float* value, int64_t v_st,
+              int64_t v_sh, float* k_cache, float* v_cache, const int64_t* slots, int64_t T,
+              int64_t Hkv, int64_t D);
+
+// Row-wise over [rows, n]; x rows have stride ldx, outputs are contiguous.
+void rms_norm(const float* x, int64_t ldx, const float* w, float* out, int64_t rows, int64_t n,
+              float eps, int nthreads);
+// res_out = x + residual; out = rms_norm(res_out) * w.
+void add_rms_norm(const float* x, int64_t ldx, const float* residual, int64_t ldr,
+                  const float* w, float* out, float* res_out, int64_t rows, int64_t n,
+                  float eps, int nthreads);
+// x rows = [gate(n) | up(n)] -> out = silu(gate) * up, out [rows, n].
+void silu_and_mul(const float* x, int64_t ldx, float* out, int64_t rows, int64_t n,
+                  int nthreads);
+// x[t*st + h*sh + d] rotated at positions[t] -> out [T, heads, D] contiguous.
+void rotary(const float* x, int64_t st, int64_t sh, float* out, int64_t T, int64_t heads,
+            int64_t D, const int64_t* positions, const float* cos_sin, int64_t max_pos,
+            int nthreads);
+
+}  // namespace kvs

@@ -1,0 +1,311 @@
+"""Parity of the CPU (AVX2/FMA) ops backend against ReferenceOps, the oracle.
+
+Tolerances, all fp32 with a different summation order than torch's:
+- linear: weights scaled by 1/sqrt(K) (as a real init), so outputs are unit scale; a length-K
+  dot product reordered moves the result by ~eps * sqrt(K) ~ 1e-6 here -> rtol = atol = 1e-5.
+- paged_attention: outputs are softmax-weighted means of unit-normal V, |out| <~ 3; scores
+  are reordered dot products (~1e-6) and our exp() is within ~2 ulp -> atol = rtol = 1e-5.
+- rms_norm: a reordered sum of squares changes the scale factor by ~1e-7 -> 1e-6 / 1e-5.
+- silu_and_mul: our exp() is within ~2 ulp of libm's -> 1e-6 / 1e-5.
+- rotary, write_kv and the residual of add_rms_norm do the reference's exact roundings, so
+  they must match bit for bit.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from kvserve.ops import get_ops
+from kvserve.ops.cpu import SMALL_M, CpuOps, cpu_has_avx2_fma
+from kvserve.ops.reference import ReferenceOps
+
+REF = ReferenceOps()
+
+
+@pytest.fixture(scope="module")
+def ops() -> CpuOps:
+    o = CpuOps()
+    assert o.uses_kernels == cpu_has_avx2_fma()
+    return o
+
+
+def close(actual: torch.Tensor, expected: torch.Tensor, atol: float, rtol: float) -> None:
+    assert actual.shape == expected.shape and actual.dtype == expected.dtype
+    torch.testing.assert_close(actual, expected, atol=atol, rtol=rtol)
+
+
+# ---------------------------------------------------------------------------------- linear
+
+
+@pytest.mark.parametrize("m", [1, 2, 5, 8, 16, 33, 512])
+@pytest.mark.parametrize("n,k", [(960, 576), (64, 100), (37, 8), (13, 7), (3, 1)])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_linear_matches_reference(ops: CpuOps, m: int, n: int, k: int, with_bias: bool) -> None:
+    g = torch.Generator().manual_seed(m * 1000 + n + k)
+    x = torch.randn(m, k, generator=g)
+    w = torch.randn(n, k, generator=g) / math.sqrt(k)
+    b = torch.randn(n, generator=g) if with_bias else None
+    close(ops.linear(x, w, b), REF.linear(x, w, b), atol=1e-5, rtol=1e-5)
+
+
+def test_linear_strided_and_batched_inputs(ops: CpuOps) -> None:
+    g = torch.Generator().manual_seed(1)
+    w = torch.randn(50, 40, generator=g) / math.sqrt(40)
+    wide = torch.randn(6, 64, generator=g)
+    x = wide[:, 8:48]  # rows 64 floats apart: the kernel reads them in place
+    close(ops.linear(x, w), REF.linear(x, w), atol=1e-5, rtol=1e-5)
+    x3 = torch.randn(2, 3, 40, generator=g)
+    close(ops.linear(x3, w), REF.linear(x3, w), atol=1e-5, rtol=1e-5)
+    x_t = torch.randn(40, 4, generator=g).t()  # last dim strided: handed to torch
+    close(ops.linear(x_t, w), REF.linear(x_t, w), atol=1e-5, rtol=1e-5)
+    big = torch.randn(SMALL_M + 1, 40, generator=g)  # past the crossover: torch's GEMM
+    close(ops.linear(big, w), REF.linear(big, w), atol=1e-5, rtol=1e-5)
+
+
+def test_linear_other_dtypes_fall_back(ops: CpuOps) -> None:
+    x = torch.randn(3, 16).bfloat16()
+    w = torch.randn(8, 16).bfloat16()
+    assert torch.equal(ops.linear(x, w), REF.linear(x, w))
+
+
+# ------------------------------------------------------------------------- paged_attention
+
+
+def make_batch(q_lens: list[int], seq_lens: list[int], heads: int, kv_heads: int, d: int,
+               block_size: int, seed: int) -> tuple:
+    """Random cache with shuffled blocks (block 0 = null, never used) and a block table that
+    scatters each request over non-contiguous blocks."""
+    g = torch.Generator().manual_seed(seed)
+    need = [-(-s // block_size) for s in seq_lens]
+    num_blocks = 1 + sum(need) + 3
+    cache = torch.randn(2, num_blocks, block_size, kv_heads, d, generator=g)
+    perm = (torch.randperm(num_blocks - 1, generator=g) + 1).tolist()
+    tables = torch.zeros(len(seq_lens), max(need) + 2, dtype=torch.int32)
+    for b, nb in enumerate(need):
+        tables[b, :nb] = torch.tensor(perm[:nb], dtype=torch.int32)
+        perm = perm[nb:]
+    t = sum(q_lens)
+    # q as a strided view, the way the model splits it off the fused qkv output.
+    qkv = torch.randn(t, (heads + 2 * kv_heads) * d, generator=g)
+    q = qkv[:, :heads * d].view(t, heads, d)
+    qsl = torch.tensor([0] + list(torch.tensor(q_lens).cumsum(0).tolist()), dtype=torch.int32)
+    return q, cache, tables, torch.tensor(seq_lens, dtype=torch.int32), qsl
+
+
+ATTN_CASES = [
+    # (q_lens, seq_lens): decodes (q_len 1), prefill chunks, block-boundary crossings
+    ([1], [1]),
+    ([1, 1, 1], [17, 16, 300]),
+    ([40, 1, 7, 1], [40, 129, 50, 33]),
+    ([5, 0, 1, 33], [20, 9, 2048, 33]),  # a request with no queries this step
+    ([16, 17, 3], [16, 100, 3]),
+]
+
+
+@pytest.mark.parametrize("q_lens,seq_lens", ATTN_CASES)
+@pytest.mark.parametrize("block_size", [16, 4])
+@pytest.mark.parametrize("heads,kv_heads", [(4, 4), (9, 3)])
+def test_paged_attention_matches_reference(ops: CpuOps, q_lens: list[int], seq_lens: list[int],
+                                           block_size: int, heads: int, kv_heads: int) -> None:
+    d = 64
+    q, cache, tables, sl, qsl = make_batch(q_lens, seq_lens, heads, kv_heads, d, block_size,
+                                           seed=sum(seq_lens) + block_size + heads)
+    args = (q, cache, tables, sl, qsl, d**-0.5, max(q_lens), max(seq_lens))
+    close(ops.paged_attention(*args), REF.paged_attention(*args), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("threads", [1, 3, 8])
+def test_paged_attention_any_thread_count(ops: CpuOps, threads: int) -> None:
+    # The kernel splits work by kv head only when requests are few per thread: both layouts.
+    q, cache, tables, sl, qsl = make_batch([1, 1, 9, 1], [33, 64, 20, 5], 9, 3, 64, 4, seed=9)
+    args = (q, cache, tables, sl, qsl, 0.125, 9, 64)
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(threads)
+        mine = ops.paged_attention(*args)
+    finally:
+        torch.set_num_threads(before)
+    close(mine, REF.paged_attention(*args), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("d", [16, 128])
+def test_paged_attention_sharp_softmax_and_head_dims(ops: CpuOps, d: int) -> None:
+    # scale 1 makes scores ~N(0, d): the running max moves often, exercising the rescale.
+    q, cache, tables, sl, qsl = make_batch([1, 20], [70, 90], 6, 2, d, 16, seed=d)
+    args = (q, cache, tables, sl, qsl, 1.0, 20, 90)
+    close(ops.paged_attention(*args), REF.paged_attention(*args), atol=1e-5, rtol=1e-5)
+
+
+def test_paged_attention_int64_metadata_and_odd_head_dim(ops: CpuOps) -> None:
+    q, cache, tables, sl, qsl = make_batch([3, 1], [10, 37], 4, 2, 64, 4, seed=5)
+    args = (q, cache, tables.long(), sl.long(), qsl.long(), 0.125, 3, 37)
+    close(ops.paged_attention(*args), REF.paged_attention(*args), atol=1e-5, rtol=1e-5)
+    q, cache, tables, sl, qsl = make_batch([2], [9], 2, 1, 12, 4, seed=6)  # D % 8: reference
+    args = (q, cache, tables, sl, qsl, 0.3, 2, 9)
+    close(ops.paged_attention(*args), REF.paged_attention(*args), atol=1e-6, rtol=1e-6)
+
+
+# ------------------------------------------------------------------------------- write_kv
+
+
+def test_write_kv_matches_reference(ops: CpuOps) -> None:
+    g = torch.Generator().manual_seed(3)
+    t, hkv, d = 7, 3, 64
+    kv = torch.randn(t, 2 * hkv * d, generator=g)
+    key = kv[:, :hkv * d].view(t, hkv, d)  # strided views, as split from qkv
+    value = kv[:, hkv * d:].view(t, hkv, d)
+    slots = torch.tensor([5, -1, 17, 40, -1, 0, 63])
+    mine = torch.randn(2, 4, 16, hkv, d, generator=g)
+    ref = mine.clone()
+    ops.write_kv(key, value, mine, slots)
+    REF.write_kv(key, value, ref, slots)
+    assert torch.equal(mine, ref)
+
+
+def test_write_kv_layer_view_of_model_cache(ops: CpuOps) -> None:
+    full = torch.zeros(3, 2, 4, 4, 2, 8)
+    ref = full.clone()
+    key, value = torch.randn(2, 2, 8), torch.randn(2, 2, 8)
+    slots = torch.tensor([3, 9])
+    ops.write_kv(key, value, full[1], slots)
+    REF.write_kv(key, value, ref[1], slots)
+    assert torch.equal(full, ref)
+
+
+# ------------------------------------------------------------------------ norms and friends
+
+
+@pytest.mark.parametrize("shape", [(1, 576), (7, 100), (3, 4, 37), (512, 576)])
+def test_rms_norm_matches_reference(ops: CpuOps, shape: tuple[int, ...]) -> None:
+    g = torch.Generator().manual_seed(len(shape) + shape[-1])
+    x = torch.randn(*shape, generator=g) * 3
+    w = torch.randn(shape[-1], generator=g)
+    close(ops.rms_norm(x, w, 1e-6), REF.rms_norm(x, w, 1e-6), atol=1e-6, rtol=1e-5)
+
+
+@pytest.mark.parametrize("shape", [(1, 576), (5, 37), (600, 576)])
+def test_add_rms_norm_matches_reference_and_leaves_inputs(ops: CpuOps,
+                                                          shape: tuple[int, ...]) -> None:
+    g = torch.Generator().manual_seed(shape[0])
+    wide = torch.randn(shape[0], shape[1] + 8, generator=g)
+    x = wide[:, 3:3 + shape[1]]  # strided rows
+    residual = torch.randn(*shape, generator=g)
+    w = torch.randn(shape[1], generator=g)
+    x0, r0 = x.clone(), residual.clone()
+    out, res = ops.add_rms_norm(x, residual, w, 1e-5)
+    ref_out, ref_res = REF.add_rms_norm(x, residual, w, 1e-5)
+    assert torch.equal(res, ref_res)
+    close(out, ref_out, atol=1e-6, rtol=1e-5)
+    assert torch.equal(x, x0) and torch.equal(residual, r0)
+
+
+@pytest.mark.parametrize("shape", [(1, 3072), (3, 26), (600, 3072), (2, 3, 16)])
+def test_silu_and_mul_matches_reference(ops: CpuOps, shape: tuple[int, ...]) -> None:
+    g = torch.Generator().manual_seed(shape[-1])
+    x = torch.randn(*shape, generator=g) * 4
+    x.view(-1)[:4] = torch.tensor([-100.0, 100.0, -88.5, 89.0])  # exp saturation
+    close(ops.silu_and_mul(x), REF.silu_and_mul(x), atol=1e-6, rtol=1e-5)
+
+
+@pytest.mark.parametrize("t,heads,kv_heads,d", [(1, 9, 3, 64), (37, 4, 2, 128), (5, 2, 1, 20)])
+def test_rotary_matches_reference_exactly(ops: CpuOps, t: int, heads: int, kv_heads: int,
+                                          d: int) -> None:
+    from kvserve.layers.rotary import rope_cos_sin
+
+    g = torch.Generator().manual_seed(t * d)
+    qkv = torch.randn(t, (heads + 2 * kv_heads) * d, generator=g)
+    q = qkv[:, :heads * d].view(t, heads, d)
+    k = qkv[:, heads * d:(heads + kv_heads) * d].view(t, kv_heads, d)
+    cos_sin = rope_cos_sin(d, 4096, 10000.0, None)
+    pos = torch.randint(0, 4096, (t,), generator=g)
+    for mine, ref in zip(ops.rotary(q, k, pos, cos_sin), REF.rotary(q, k, pos, cos_sin)):
+        assert mine.shape == ref.shape and torch.equal(mine, ref)
+
+
+def test_unsupported_dtypes_use_reference(ops: CpuOps) -> None:
+    x = torch.randn(4, 32).half()
+    w = torch.ones(32).half()
+    assert torch.equal(ops.rms_norm(x, w, 1e-6), REF.rms_norm(x, w, 1e-6))
+    assert torch.equal(ops.silu_and_mul(x), REF.silu_and_mul(x))
+
+
+def test_reference_mode_is_the_reference() -> None:
+    o = CpuOps(use_kernels=False)
+    assert not o.uses_kernels
+    x, w = torch.randn(2, 16), torch.randn(8, 16)
+    assert torch.equal(o.linear(x, w), REF.linear(x, w))
+    assert torch.equal(o.silu_and_mul(x), REF.silu_and_mul(x))
+
+
+# ------------------------------------------------------------------------------ registry
+
+
+@pytest.mark.skipif(not cpu_has_avx2_fma(), reason="needs an AVX2+FMA CPU")
+def test_auto_picks_cpu_backend() -> None:
+    o = get_ops("auto")
+    assert isinstance(o, CpuOps) and o.name == "cpu" and o.uses_kernels
+
+
+def test_auto_falls_back_when_the_build_fails(monkeypatch: pytest.MonkeyPatch) -> None:
+    import kvserve.ops.cpu as cpu_mod
+
+    def broken() -> None:
+        raise RuntimeError("building the kvserve CPU kernels failed")
+
+    monkeypatch.setattr(cpu_mod, "cpu_has_avx2_fma", lambda: True)
+    monkeypatch.setattr(cpu_mod, "load_extension", broken)
+    with pytest.raises(RuntimeError, match="building"):
+        get_ops("cpu")
+    assert isinstance(get_ops("auto"), ReferenceOps) and get_ops("auto").name == "reference"
+
+
+def test_decoder_layer_sequence_matches_reference() -> None:
+    """Two engine steps of a tiny GQA decoder layer (prefill chunks of two requests, then a
+    mixed step with a decode and the rest of a prefill) through both backends."""
+    from kvserve.layers.rotary import rope_cos_sin
+
+    cpu = get_ops("cpu")
+    hidden, heads, kv_heads, d, inter, bs = 64, 4, 2, 16, 96, 4
+    g = torch.Generator().manual_seed(0)
+
+    def p(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=g) / math.sqrt(shape[-1])
+
+    w_qkv, w_o = p((heads + 2 * kv_heads) * d, hidden), p(hidden, heads * d)
+    w_gu, w_down = p(2 * inter, hidden), p(hidden, inter)
+    n1, n2 = 1 + p(hidden), 1 + p(hidden)
+    cos_sin = rope_cos_sin(d, 64, 10000.0, None)
+    caches = {id(cpu): torch.zeros(2, 12, bs, kv_heads, d), id(REF): torch.zeros(2, 12, bs,
+                                                                                 kv_heads, d)}
+    tables = torch.tensor([[3, 7, 1, 0], [10, 2, 5, 0]], dtype=torch.int32)
+
+    def step(o, x, residual, positions, seq_lens, q_lens) -> tuple[torch.Tensor, torch.Tensor]:
+        t = x.shape[0]
+        slots = torch.tensor([int(tables[b, pos // bs]) * bs + pos % bs
+                              for b, ql in enumerate(q_lens)
+                              for pos in range(seq_lens[b] - ql, seq_lens[b])])
+        h, residual = o.add_rms_norm(x, residual, n1, 1e-6)
+        q, k, v = o.linear(h, w_qkv).split((heads * d, kv_heads * d, kv_heads * d), dim=-1)
+        q, k = o.rotary(q.reshape(t, heads, d), k.reshape(t, kv_heads, d), positions, cos_sin)
+        o.write_kv(k, v.reshape(t, kv_heads, d), caches[id(o)], slots)
+        qsl = torch.tensor([0] + torch.tensor(q_lens).cumsum(0).tolist(), dtype=torch.int32)
+        a = o.paged_attention(q, caches[id(o)], tables, torch.tensor(seq_lens, dtype=torch.int32),
+                              qsl, d**-0.5, max(q_lens), max(seq_lens))
+        h, residual = o.add_rms_norm(o.linear(a.reshape(t, heads * d), w_o), residual, n2, 1e-6)
+        return o.linear(o.silu_and_mul(o.linear(h, w_gu)), w_down), residual
+
+    x1, r1 = torch.randn(9, hidden, generator=g), torch.randn(9, hidden, generator=g)
+    pos1 = torch.tensor(list(range(5)) + list(range(4)))
+    x2, r2 = torch.randn(4, hidden, generator=g), torch.randn(4, hidden, generator=g)
+    pos2 = torch.tensor([5, 4, 5, 6])
+    for o in (cpu, REF):
+        out1 = step(o, x1, r1, pos1, [5, 4], [5, 4])
+        out2 = step(o, x2, r2, pos2, [6, 7], [1, 3])
+        if o is cpu:
+            mine = out1 + out2
+    for a, b in zip(mine, out1 + out2):
+        close(a, b, atol=1e-5, rtol=1e-5)
+    assert torch.allclose(caches[id(cpu)], caches[id(REF)], atol=1e-5, rtol=1e-5)

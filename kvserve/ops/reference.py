@@ -25,12 +25,12 @@ class ReferenceOps:
         y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
         return (y * weight.float()).to(x.dtype)
 
-    @classmethod
-    def add_rms_norm(cls, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+    @staticmethod
+    def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
                      eps: float) -> tuple[torch.Tensor, torch.Tensor]:
         """residual += x; returns (rms_norm(residual), residual)."""
         residual = x + residual
-        return cls.rms_norm(residual, weight, eps), residual
+        return ReferenceOps.rms_norm(residual, weight, eps), residual
 
     @staticmethod
     def silu_and_mul(x: torch.Tensor) -> torch.Tensor:

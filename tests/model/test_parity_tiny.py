@@ -11,8 +11,10 @@ from __future__ import annotations
 import pytest
 import torch
 
+from kvserve.models import get_model_class
 from kvserve.ops import get_ops
-from tests.helpers import PagedSequence, kvserve_model_from_hf, tiny_hf_model
+from tests.helpers import (PagedSequence, kvserve_model_from_hf, model_config_from_hf,
+                           tiny_hf_model)
 
 ARCHS = [("llama", "LlamaForCausalLM"), ("mistral", "MistralForCausalLM"),
          ("qwen2", "Qwen2ForCausalLM")]
@@ -72,3 +74,24 @@ def test_mixed_varlen_batch_matches_hf(ops_name: str) -> None:
             with torch.no_grad():
                 ref = hf(torch.tensor([extra[s][: fed[s]]])).logits[0, -len(chunk):]
             assert_logits_close(logits, ref)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_half_precision_weights_track_float32(dtype: torch.dtype) -> None:
+    """bf16/fp16 weights and KV cache: within half precision of HF's float32 logits
+    (bf16 keeps 8 mantissa bits, so ~1e-2 relative per op; 5e-2 of the scale over 2 layers)."""
+    hf = tiny_hf_model("llama", seed=4)
+    cfg = model_config_from_hf(hf.config, "LlamaForCausalLM")
+    model = get_model_class("LlamaForCausalLM")(cfg, get_ops("auto"), dtype)
+    model.load_weights((k, v.detach().clone()) for k, v in hf.state_dict().items())
+    runner = PagedSequence(model, block_size=4)
+    runner.kv = runner.kv.to(dtype)
+    seq = runner.new_seq()
+    prompt = list(range(3, 40))
+    (logits,) = runner.forward({seq: prompt})
+    (step,) = runner.forward({seq: [int(logits[-1].argmax())]})
+    with torch.no_grad():
+        ref = hf(torch.tensor([prompt + [int(logits[-1].argmax())]])).logits[0]
+    scale = ref.abs().max().item()
+    assert logits.dtype == torch.float32  # logits are always returned in float32
+    torch.testing.assert_close(torch.cat([logits, step]), ref, rtol=0, atol=5e-2 * scale)

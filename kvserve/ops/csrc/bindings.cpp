@@ -211,11 +211,15 @@ std::tuple<torch::Tensor, torch::Tensor> rotary(const torch::Tensor& q, const to
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "kvserve AVX2/FMA CPU kernels; see kvserve/ops/cpu.py";
-  m.def("linear", &linear, "small-M linear", py::arg("x"), py::arg("weight"), py::arg("bias"));
-  m.def("paged_attention", &paged_attention, "varlen paged attention");
-  m.def("write_kv", &write_kv, "scatter K/V into the paged cache");
-  m.def("rms_norm", &rms_norm, "RMSNorm");
-  m.def("add_rms_norm", &add_rms_norm, "fused residual add + RMSNorm");
-  m.def("silu_and_mul", &silu_and_mul, "fused SiLU(gate) * up");
-  m.def("rotary", &rotary, "rotate-half RoPE");
+  // Kernels run without the GIL: the server's event loop thread keeps answering HTTP while
+  // the engine thread is inside a forward pass (torch's own ops release it the same way).
+  using nogil = py::call_guard<py::gil_scoped_release>;
+  m.def("linear", &linear, "small-M linear", py::arg("x"), py::arg("weight"), py::arg("bias"),
+        nogil());
+  m.def("paged_attention", &paged_attention, "varlen paged attention", nogil());
+  m.def("write_kv", &write_kv, "scatter K/V into the paged cache", nogil());
+  m.def("rms_norm", &rms_norm, "RMSNorm", nogil());
+  m.def("add_rms_norm", &add_rms_norm, "fused residual add + RMSNorm", nogil());
+  m.def("silu_and_mul", &silu_and_mul, "fused SiLU(gate) * up", nogil());
+  m.def("rotary", &rotary, "rotate-half RoPE", nogil());
 }

@@ -10,8 +10,7 @@ import argparse
 import dataclasses
 from dataclasses import dataclass
 
-from kvserve.config import (CacheConfig, EngineConfig, ModelConfig, SchedulerConfig,
-                            parse_memory)
+from kvserve.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig, parse_memory
 from kvserve.platform import default_device
 
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 import os
 import re
 from collections.abc import Iterator
-from functools import lru_cache
+from functools import cache
 from typing import Any
 
 import gguf
@@ -70,7 +70,7 @@ def gguf_to_hf_name(name: str) -> str:
                           "qwen2 model")
 
 
-@lru_cache(maxsize=None)
+@cache
 def can_dequantize(qtype: gguf.GGMLQuantizationType) -> bool:
     """Whether the installed gguf package dequantizes this type, probed on one zero block."""
     block_size, type_size = gguf.GGML_QUANT_SIZES[qtype]

@@ -33,8 +33,12 @@ import kvserve
 from kvserve.async_engine import AsyncEngine, EngineStats
 from kvserve.server.errors import APIError, bad_request, from_validation_error
 from kvserve.server.metrics import CONTENT_TYPE, ServerMetrics
-from kvserve.server.protocol import (ChatCompletionRequest, CompletionRequest,
-                                     DetokenizeRequest, TokenizeRequest)
+from kvserve.server.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    TokenizeRequest,
+)
 from kvserve.server.serving import ServingContext
 from kvserve.server.serving_chat import create_chat_completion, render_chat
 from kvserve.server.serving_completion import create_completion

@@ -22,14 +22,12 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
-
-from kvserve.async_engine import (AsyncEngine, EngineDeadError, EngineShuttingDown,
-                                  RequestStream)
+from kvserve.async_engine import AsyncEngine, EngineDeadError, EngineShuttingDown, RequestStream
 from kvserve.outputs import CompletionOutput, PositionLogprobs, RequestOutput
 from kvserve.sampling_params import SamplingParams, StructuredOutputsParams
 from kvserve.scheduler import QueueFullError
 from kvserve.server.errors import APIError, bad_request, from_value_error
-from kvserve.server.protocol import (_SamplingFields)
+from kvserve.server.protocol import _SamplingFields
 
 
 @dataclass

@@ -15,9 +15,20 @@ from kvserve.outputs import RequestOutput
 from kvserve.sampling_params import SamplingParams
 from kvserve.server.errors import bad_request
 from kvserve.server.protocol import ChatCompletionRequest, ChatMessage
-from kvserve.server.serving import (ServingContext, Streamer, add_all, build_params,
-                                    chat_logprobs, check_common, collect, hold_back,
-                                    release_all, sse, stream_error, usage)
+from kvserve.server.serving import (
+    ServingContext,
+    Streamer,
+    add_all,
+    build_params,
+    chat_logprobs,
+    check_common,
+    collect,
+    hold_back,
+    release_all,
+    sse,
+    stream_error,
+    usage,
+)
 
 _CHAT_FIELDS = set(ChatCompletionRequest.model_fields)
 

@@ -12,9 +12,21 @@ from kvserve.outputs import CompletionOutput, RequestOutput
 from kvserve.sampling_params import SamplingParams
 from kvserve.server.errors import bad_request
 from kvserve.server.protocol import MAX_CHOICES, MAX_PROMPTS, CompletionRequest
-from kvserve.server.serving import (ServingContext, Streamer, add_all, build_params,
-                                    check_common, collect, completion_logprobs, hold_back,
-                                    merged, release_all, sse, stream_error, usage)
+from kvserve.server.serving import (
+    ServingContext,
+    Streamer,
+    add_all,
+    build_params,
+    check_common,
+    collect,
+    completion_logprobs,
+    hold_back,
+    merged,
+    release_all,
+    sse,
+    stream_error,
+    usage,
+)
 
 _COMPLETION_FIELDS = set(CompletionRequest.model_fields)
 

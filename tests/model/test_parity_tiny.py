@@ -13,8 +13,7 @@ import torch
 
 from kvserve.models import get_model_class
 from kvserve.ops import get_ops
-from tests.helpers import (PagedSequence, kvserve_model_from_hf, model_config_from_hf,
-                           tiny_hf_model)
+from tests.helpers import PagedSequence, kvserve_model_from_hf, model_config_from_hf, tiny_hf_model
 
 ARCHS = [("llama", "LlamaForCausalLM"), ("mistral", "MistralForCausalLM"),
          ("qwen2", "Qwen2ForCausalLM")]

@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 PROMPT ?= Explain in two sentences why the sky is blue.
 
-.PHONY: setup run test bench
+.PHONY: setup run serve test
 setup: $(VENV)/.installed
 
 # torch is pinned to 2.13.0 everywhere: that is the CPU wheel; any other spec pulls a
@@ -23,6 +23,9 @@ $(VENV)/.installed: pyproject.toml
 
 run: setup
 	$(VENV)/bin/kvserve generate --chat --prompt "$(PROMPT)"
+
+serve: setup
+	$(VENV)/bin/kvserve serve
 
 test: setup
 	$(PY) -m pytest $(PYTEST_ARGS)

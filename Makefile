@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 PROMPT ?= Explain in two sentences why the sky is blue.
 
-.PHONY: setup run serve test
+.PHONY: setup run serve test bench
 setup: $(VENV)/.installed
 
 # torch is pinned to 2.13.0 everywhere: that is the CPU wheel; any other spec pulls a
@@ -29,3 +29,10 @@ serve: setup
 
 test: setup
 	$(PY) -m pytest $(PYTEST_ARGS)
+
+# The side-by-side benchmark: builds the peers (llama-cpp-python, llama-server) into
+# benchmarks/.peers-venv and benchmarks/.cache on first use, then measures kvserve and them
+# in one run and writes BENCHMARKS.md (~15 minutes on 2 cores, plus ~15 for the first build).
+bench: setup
+	$(PIP) install -q --no-build-isolation -e '.[test,bench]'
+	$(PY) benchmarks/compare $(BENCH_ARGS)

@@ -1,0 +1,454 @@
+"""BENCHMARKS.md and the charts from benchmarks/results/*.json (what benchmarks/compare wrote).
+
+    python benchmarks/report.py     # rewrite BENCHMARKS.md without measuring anything
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+BENCH = Path(__file__).resolve().parent
+ROOT = BENCH.parent
+
+NOISY_CORES = 0.25  # as in benchmarks/compare
+
+SERVERS = [  # (results name, label in tables and charts)
+    ("kvserve", "kvserve serve"),
+    ("llama_server", "llama-server (8 slots, cont. batching)"),
+    ("llama_cpp_python", "llama_cpp.server (one request at a time)"),
+]
+
+
+def _load(results: Path, name: str) -> Any:
+    p = results / f"{name}.json"
+    return json.loads(p.read_text()) if p.exists() else None
+
+
+def _get(obj: Any, *keys: Any) -> Any:
+    for k in keys:
+        if obj is None:
+            return None
+        try:
+            obj = obj[k]
+        except (KeyError, IndexError, TypeError):
+            return None
+    return obj
+
+
+def _f(x: float | None, digits: int = 1, unit: str = "") -> str:
+    return "n/a" if x is None else f"{x:,.{digits}f}{unit}"
+
+
+def _ratio(a: float | None, b: float | None) -> float | None:
+    return a / b if a is not None and b else None
+
+
+def _pct(part: float | None, whole: float | None) -> str:
+    return "n/a" if not part or not whole else f"{100 * part / whole:.0f}%"
+
+
+def _x(r: float | None) -> str:
+    return "n/a" if r is None else f"{r:.2f}x"
+
+
+def _check(ok: bool | None) -> str:
+    return {True: "**met**", False: "not met", None: "not measured"}[ok]
+
+
+def _run_at(serve: Any, conc: int) -> Any:
+    for r in _get(serve, "runs") or []:
+        if r.get("max_concurrency") == conc:
+            return r
+    return None
+
+
+class Report:
+    def __init__(self, results: Path) -> None:
+        self.results = results
+        self.man = _load(results, "manifest") or {}
+        self.machine = _load(results, "machine")
+        self.lat = _load(results, "kvserve_latency")
+        self.thr = _load(results, "kvserve_throughput")
+        self.hf = _load(results, "hf")
+        self.lc_f32 = _load(results, "llama_cpp_f32")
+        self.lc_file = _load(results, "llama_cpp_file")
+        self.serve = {name: _load(results, f"serve_{name}") for name, _ in SERVERS}
+        self.prefix = _load(results, "prefix")
+        weights = _get(self.machine, "weights") or []
+        self.w_file = weights[0] if weights else None
+        self.w_f32 = weights[1] if len(weights) > 1 else None
+        self.bw = _get(self.machine, "bandwidth", "read_gb_s")
+        self.gemm = _get(self.machine, "gemm", "gflop_s")
+
+    # ---- ceilings -----------------------------------------------------------------------
+
+    def decode_ceiling(self, fmt: str) -> float | None:
+        w = self.w_file if fmt == "file" else self.w_f32
+        key = "bytes_per_token_file" if fmt == "file" else "bytes_per_token_f32"
+        b = _get(w, key)
+        return self.bw * 1e9 / b if self.bw and b else None
+
+    def prefill_ceiling(self) -> float | None:
+        flop = _get(self.w_f32 or self.w_file, "prefill_flop_per_token")
+        return self.gemm * 1e9 / flop if self.gemm and flop else None
+
+    def batch_decode_ceiling(self) -> float | None:
+        """Decode at a large batch is compute-bound: 2 FLOP per parameter per token."""
+        params = _get(self.w_f32 or self.w_file, "params")
+        return self.gemm * 1e9 / (2 * params) if self.gemm and params else None
+
+    def _bw_methods(self) -> str:
+        m = _get(self.machine, "bandwidth", "methods_gb_s") or {}
+        return ", ".join(f"{k.replace('_', '.')} {v:.1f}" for k, v in m.items()) or "n/a"
+
+    def file_format(self) -> str:
+        types = _get(self.w_file, "tensor_types") or []
+        q = [t for t in types if t not in ("F32", "F16")]
+        return "+".join(q) if q else "+".join(types) or "?"
+
+    # ---- sections -----------------------------------------------------------------------
+
+    def header(self) -> list[str]:
+        m = _get(self.machine, "machine") or {}
+        v = self.man.get("versions") or {}
+        sysinfo = _get(self.lc_f32, "system_info") or _get(self.lc_file, "system_info")
+        quick = self.man.get("quick")
+        lines = [
+            "# Benchmarks",
+            "",
+            ("Written by `benchmarks/compare` (`make bench`); every figure below comes from "
+            "one run of it, with kvserve and its peers measured in the same run on the same "
+            "machine and the same GGUF (SmolLM2-135M-Instruct). Regenerate this page from the "
+            "stored results with `python benchmarks/report.py`."),
+            "",
+        ]
+        if quick:
+            lines += [("> **This run used `--quick` (tiny workloads): a smoke test of the runner, "
+                      "not figures to quote.**"), ""]
+        peer = self.man.get("peer_weights", "f32")
+        lines += [
+            (f"- Date: {self.man.get('date', '?')} (run took "
+            f"{_f(self.man.get('total_seconds'), 0)} s)"),
+            (f"- Machine: {m.get('cpu_model', '?')}, {m.get('cpus', '?')} cores "
+            f"({', '.join(m.get('isa') or [])}), {m.get('mem_gib', '?')} GiB; "
+            f"{self.man.get('threads', '?')} threads for every engine"),
+            (f"- llama.cpp build: native (`-DGGML_NATIVE=ON`); its CPU features: "
+            f"`{sysinfo or 'n/a'}`"),
+            (f"- Versions: kvserve `{v.get('kvserve')}`, torch {v.get('torch')}, transformers "
+            f"{v.get('transformers')}, llama-cpp-python {v.get('llama_cpp_python')}, "
+            f"llama-server `{v.get('llama_server')}`"),
+            (f"- Weights: kvserve loads the shipped GGUF ({self.file_format()}) and "
+            f"dequantizes it to **float32** at load (it has no quantized kernels yet). "
+            f"llama.cpp is measured on an all-F32 GGUF converted from the same file "
+            f"(`benchmarks/to_f32_gguf.py`: bit-identical weights) and, for reference, on the "
+            f"file as shipped. Its servers run the "
+            f"{'F32 file' if peer == 'f32' else 'file as shipped'}."),
+        ]
+        for pr in self.man.get("partial_runs") or []:
+            kv = _get(pr, "versions", "kvserve")
+            lines += [f"- Re-measured on {pr['date']}: steps {', '.join(pr['steps'])}"
+                      + (f" (kvserve `{kv}`)" if kv else "")
+                      + (" (--quick)" if pr.get("quick") else "")]
+        steps = self.man.get("steps") or {}
+        noisy = {k: s["other_cpu_cores"] for k, s in steps.items()
+                 if s.get("other_cpu_cores", 0) > NOISY_CORES}
+        if noisy:
+            lines += ["", "> **Noisy:** other processes used CPU during these steps (mean cores "
+                      "in use besides this run): "
+                      + ", ".join(f"`{k}` {v:.2f}" for k, v in noisy.items())
+                      + ". Their figures are not to be quoted; rerun on a quiet machine."]
+        lines.append("")
+        failed = {k: s for k, s in steps.items() if not s.get("ok")}
+        if failed:
+            lines += ["Steps that did not run to the end:", ""]
+            for k, s in failed.items():
+                err = (s.get("error") or "").strip().splitlines()
+                lines.append(f"- `{k}`: {err[0] if err else 'failed'}")
+            lines.append("")
+        return lines
+
+    def ceilings(self) -> list[str]:
+        lines = ["## The machine's ceilings", ""]
+        if not self.machine:
+            return lines + ["Not measured.", ""]
+        bw_bytes = _get(self.machine, "bandwidth", "bytes")
+
+        def scaled(obj: Any, key: str, by: float) -> float | None:
+            v = _get(obj, key)
+            return None if v is None else v / by
+
+        lines += [
+            (f"- Read bandwidth: **{_f(self.bw)} GB/s** (a sum over "
+             f"{_f(bw_bytes / 2**30 if bw_bytes else None, 2)} GiB of float32 on "
+             f"{_get(self.machine, 'bandwidth', 'threads')} threads, median of runs; the "
+             f"better of: {self._bw_methods()} GB/s)"),
+            (f"- fp32 GEMM: **{_f(self.gemm)} GFLOP/s** (torch.mm "
+             f"{_get(self.machine, 'gemm', 'n')}^3, {_get(self.machine, 'gemm', 'threads')} "
+             f"threads, median)"),
+            (f"- Decode at batch 1 reads every weight once per token: F32 "
+             f"{_f(scaled(self.w_f32, 'bytes_per_token_f32', 1e6), 0)} MB/token -> ceiling "
+             f"**{_f(self.decode_ceiling('f32'))} tok/s**; {self.file_format()} as shipped "
+             f"{_f(scaled(self.w_file, 'bytes_per_token_file', 1e6), 0)} MB/token -> "
+             f"**{_f(self.decode_ceiling('file'))} tok/s**"),
+            (f"- Prefill of {_get(self.w_f32, 'prefill_len')} tokens: "
+             f"{_f(scaled(self.w_f32, 'prefill_flop_per_token', 1e6), 0)} MFLOP/token -> "
+             f"ceiling **{_f(self.prefill_ceiling())} tok/s**"),
+            (f"- Decode at a large batch (compute-bound, 2 FLOP per parameter per token): "
+             f"ceiling **{_f(self.batch_decode_ceiling())} tok/s** in total"),
+            ("- These are measured rates, not the hardware's peaks: a peer with better kernels "
+             "than torch.mm (or a quieter moment on a shared machine) can pass them."),
+            "",
+        ]
+        return lines
+
+    def latency(self) -> list[str]:
+        c_f32, c_file, c_pre = (self.decode_ceiling("f32"), self.decode_ceiling("file"),
+                                self.prefill_ceiling())
+        lc_pre = _get(self.lc_f32, "single", "prefill_tok_s")
+        lc_dec = _get(self.lc_f32, "single", "decode_tok_s")
+        rows = [
+            ("kvserve (float32)", _get(self.lat, "prefill_tok_s"),
+             _get(self.lat, "decode_tok_s"), c_f32),
+            ("llama.cpp, F32 GGUF", lc_pre, lc_dec, c_f32),
+            (f"llama.cpp, {self.file_format()} as shipped",
+             _get(self.lc_file, "single", "prefill_tok_s"),
+             _get(self.lc_file, "single", "decode_tok_s"), c_file),
+            ("HF transformers (float32)", None, _get(self.hf, "decode_tok_s"), c_f32),
+        ]
+        n_pre = _get(self.lat, "input_len") or _get(self.lc_f32, "single", "prefill_len")
+        lines = [
+            "## Batch 1: prefill and decode", "",
+            (f"Prefill: one {n_pre}-token prompt, tok/s = prompt tokens / time to the first "
+            f"token. Decode: tok/s of the tokens after the first. Medians of several runs; "
+            f"ceilings as above."), "",
+            (f"| engine | prefill {n_pre} (tok/s) | % of ceiling {_f(c_pre, 0)} | "
+            f"kvserve / this | decode (tok/s) | % of its bandwidth ceiling | kvserve / this |"),
+            "|---|---:|---:|---:|---:|---:|---:|",
+        ]
+        k_pre, k_dec = rows[0][1], rows[0][2]
+        for name, pre, dec, ceil in rows:
+            lines.append(
+                f"| {name} | {_f(pre)} | {_pct(pre, c_pre)}"
+                f" | {_x(_ratio(k_pre, pre)) if name[:7] != 'kvserve' else ''} | {_f(dec)} | "
+                f"{_pct(dec, ceil)} of {_f(ceil, 0)} | "
+                f"{_x(_ratio(k_dec, dec)) if name[:7] != 'kvserve' else ''} |")
+        if self.lat:
+            lines += ["", (f"kvserve start-up (model load + KV cache allocation): "
+                          f"{_f(self.lat.get('startup_s'), 1)} s; its first request (warm-up) "
+                          f"{_f(self.lat.get('first_request_s'), 2)} s.")]
+        return lines + [""]
+
+    def batch(self) -> list[str]:
+        kv = _get(self.thr, "output_tok_s")
+        hf = _get(self.hf, "batch_output_tok_s")
+        lc = _get(self.lc_f32, "batch", "decode_tok_s")
+        lcq = _get(self.lc_file, "batch", "decode_tok_s")
+        n_in = _get(self.thr, "input_len") or _get(self.hf, "input_len")
+        n_out = _get(self.thr, "output_len") or _get(self.hf, "output_len")
+        ceil = self.batch_decode_ceiling()
+        return [
+            "## Batch 8, offline", "",
+            (f"8 prompts of {n_in} tokens, {n_out} new tokens each, EOS ignored. kvserve: "
+            f"`kvserve bench throughput` (LLM.generate; prefill included). HF: "
+            f"`model.generate` on a left-padded batch (prefill included). llama.cpp: pure "
+            f"decode steps of one `llama_batch` holding 8 sequences (prefill excluded)."), "",
+            ("| engine | output tok/s | kvserve / this | % of batch-decode ceiling "
+            f"{_f(ceil, 0)} |"),
+            "|---|---:|---:|---:|",
+            (f"| kvserve, LLM.generate (float32) | {_f(kv)} | | "
+            f"{_pct(kv, ceil)} |"),
+            (f"| HF transformers, generate (float32) | {_f(hf)} | {_x(_ratio(kv, hf))} | "
+            f"{_pct(hf, ceil)} |"),
+            (f"| llama.cpp batch API, 8 seqs, F32 | {_f(lc)} | {_x(_ratio(kv, lc))} | "
+            f"{_pct(lc, ceil)} |"),
+            (f"| llama.cpp batch API, 8 seqs, {self.file_format()} | {_f(lcq)} | "
+            f"{_x(_ratio(kv, lcq))} | |"),
+            "",
+        ]
+
+    def serving(self) -> list[str]:
+        lines = ["## Serving", "",
+                 ("`kvserve bench serve` against each OpenAI-compatible server: random "
+                 "200-token prompts, 128 new tokens (ignore_eos), streaming, all requests at "
+                 "once with at most *c* in flight, two waves of requests per level (4 to 32 "
+                 "requests). Output tok/s counts generated tokens over the whole run; TTFT "
+                 "includes queueing."), ""]
+        ref = self.serve.get("llama_server")
+        for conc in (8, 16):
+            lines += [f"### {conc} concurrent streams", "",
+                      ("| server | weights | output tok/s | total tok/s | median TTFT (s) | "
+                      "p99 TTFT (s) | median TPOT (ms) | kvserve output tok/s / this | "
+                      "this median TTFT / kvserve's |"),
+                      "|---|---|---:|---:|---:|---:|---:|---:|---:|"]
+            k = _run_at(self.serve.get("kvserve"), conc)
+            for name, label in SERVERS:
+                s = self.serve.get(name)
+                r = _run_at(s, conc)
+                if r is None:
+                    why = "not measured" if s is None else f"no run at c={conc}"
+                    lines.append(f"| {label} | | {why} | | | | | | |")
+                    continue
+                vs_tput = vs_ttft = ""
+                if name != "kvserve":
+                    vs_tput = _x(_ratio(_get(k, "output_throughput"), r["output_throughput"]))
+                    vs_ttft = _x(_ratio(r["median_ttft_ms"], _get(k, "median_ttft_ms")))
+                lines.append(
+                    f"| {label} | {_get(s, 'weights')} | {_f(r['output_throughput'])} | "
+                    f"{_f(r['total_token_throughput'])} | {_f(r['median_ttft_ms'] / 1e3, 2)} | "
+                    f"{_f(r['p99_ttft_ms'] / 1e3, 2)} | {_f(r['median_tpot_ms'], 0)} | "
+                    f"{vs_tput} | {vs_ttft} |")
+            lc = _get(self.lc_f32, "batch", "decode_tok_s")
+            if ref is None:
+                lines += ["", (f"llama-server was not measured; llama.cpp's in-process batched "
+                              f"decode (8 sequences, F32, decode only) for reference: "
+                              f"{_f(lc)} tok/s.")]
+            lines.append("")
+        startups = [f"{label}: {_f(_get(self.serve.get(n), 'startup_s'), 1)} s"
+                    for n, label in SERVERS if self.serve.get(n)]
+        if startups:
+            lines += ["Server start-up to the first answered /v1/models: "
+                      + "; ".join(startups) + ".", ""]
+        lines += ["### Sweep", "",
+                  "| server | c | requests | output tok/s | median TTFT (s) | median ITL (ms) |",
+                  "|---|---:|---:|---:|---:|---:|"]
+        for name, label in SERVERS:
+            for r in _get(self.serve.get(name), "runs") or []:
+                lines.append(f"| {label} | {r['max_concurrency']} | {r['completed']} | "
+                             f"{_f(r['output_throughput'])} | "
+                             f"{_f(r['median_ttft_ms'] / 1e3, 2)} | "
+                             f"{_f(r['median_itl_ms'], 0)} |")
+        lines += ["", "![output throughput vs concurrency](benchmarks/results/throughput.png)",
+                  "![median TTFT vs concurrency](benchmarks/results/ttft.png)", ""]
+        return lines
+
+    def prefix_section(self) -> list[str]:
+        on, off = _get(self.prefix, "on"), _get(self.prefix, "off")
+        lines = ["## Shared prefix: prefix caching on vs off", ""]
+        if not (on and off):
+            return lines + ["Not measured (needs `kvserve serve`).", ""]
+        lines += [
+            (f"kvserve serve, `--dataset-name shared-prefix`: a {on.get('prefix_len')}-token "
+            f"common system prompt plus a distinct 32-token question, {on['output_len']} new "
+            f"tokens, {on['num_prompts']} requests, at most {on['max_concurrency']} in flight."),
+            "",
+            "| prefix caching | median TTFT (s) | mean TTFT (s) | output tok/s |",
+            "|---|---:|---:|---:|",
+            (f"| on | {_f(on['median_ttft_ms'] / 1e3, 3)} | {_f(on['mean_ttft_ms'] / 1e3, 3)} | "
+            f"{_f(on['output_throughput'])} |"),
+            (f"| off (`--no-enable-prefix-caching`) | {_f(off['median_ttft_ms'] / 1e3, 3)} | "
+            f"{_f(off['mean_ttft_ms'] / 1e3, 3)} | {_f(off['output_throughput'])} |"),
+            "", (f"On / off median TTFT: {_x(_ratio(on['median_ttft_ms'], off['median_ttft_ms']))}"
+            "."), ""]
+        return lines
+
+    def criteria(self) -> list[str]:
+        k, ref = self.serve.get("kvserve"), self.serve.get("llama_server")
+        rows = []
+        for conc in (8, 16):
+            r = _ratio(_get(_run_at(k, conc), "output_throughput"),
+                       _get(_run_at(ref, conc), "output_throughput"))
+            rows.append((f"serving output tok/s at {conc} streams >= 2.0x llama-server",
+                         _x(r), None if r is None else r >= 2.0))
+        r = _ratio(_get(_run_at(k, 8), "median_ttft_ms"), _get(_run_at(ref, 8), "median_ttft_ms"))
+        rows.append(("median TTFT at 8 streams <= 1/3 of llama-server's", _x(r),
+                     None if r is None else r <= 1 / 3))
+        r = _ratio(_get(self.lat, "decode_tok_s"), _get(self.lc_f32, "single", "decode_tok_s"))
+        rows.append(("batch-1 decode >= 1.0x llama.cpp (F32)", _x(r),
+                     None if r is None else r >= 1.0))
+        c = self.decode_ceiling("f32")
+        d = _get(self.lat, "decode_tok_s")
+        frac = d / c if d and c else None
+        rows.append(("batch-1 decode >= 60% of the F32 bandwidth ceiling",
+                     "n/a" if frac is None else f"{100 * frac:.0f}%",
+                     None if frac is None else frac >= 0.6))
+        r = _ratio(_get(self.lat, "prefill_tok_s"), _get(self.lc_f32, "single", "prefill_tok_s"))
+        n_pre = _get(self.lat, "input_len") or 512
+        rows.append((f"prefill {n_pre} >= 1.0x llama.cpp (F32)", _x(r),
+                     None if r is None else r >= 1.0))
+        r = _ratio(_get(self.thr, "output_tok_s"), _get(self.hf, "batch_output_tok_s"))
+        rows.append(("batch 8 >= 5x HF transformers", _x(r), None if r is None else r >= 5))
+        on, off = _get(self.prefix, "on", "median_ttft_ms"), _get(self.prefix, "off",
+                                                                   "median_ttft_ms")
+        r = _ratio(on, off)
+        rows.append(("shared prefix: TTFT with caching <= 1/2 of without", _x(r),
+                     None if r is None else r <= 0.5))
+        lines = ["## Targets of the issue", "", "| target | measured | status |",
+                 "|---|---:|---|"]
+        lines += [f"| {t} | {m} | {_check(ok)} |" for t, m, ok in rows]
+        return lines + [""]
+
+    def commands(self) -> list[str]:
+        lines = ["## Commands", "",
+                 ("As run by `benchmarks/compare` (paths relative to the repository; "
+                 "`<gguf>` is the default model's file, "
+                 "`python -c 'from kvserve.loader import resolve_model; "
+                 "print(resolve_model(None))'`). Peers are built by "
+                 "`benchmarks/setup_peers.sh`."), "", "```"]
+        gguf = _get(self.machine, "weights", 0, "path")
+        for c in self.man.get("commands") or []:
+            cmd = c["command"]
+            if gguf:
+                cmd = cmd.replace(gguf, "<gguf>").replace(
+                    gguf.replace(str(ROOT) + "/", ""), "<gguf>")
+            lines.append(cmd)
+        return lines + ["```", ""]
+
+    def charts(self) -> None:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        for key, fname, ylabel, scale in (
+                ("output_throughput", "throughput.png", "output tokens/s (all streams)", 1),
+                ("median_ttft_ms", "ttft.png", "median TTFT (s)", 1e-3)):
+            fig, ax = plt.subplots(figsize=(7, 4.5))
+            any_line = False
+            for name, label in SERVERS:
+                runs = _get(self.serve.get(name), "runs") or []
+                if not runs:
+                    continue
+                xs = [r["max_concurrency"] for r in runs]
+                ys = [r[key] * scale for r in runs]
+                ax.plot(xs, ys, marker="o", label=f"{label} [{_get(self.serve[name], 'weights')}]")
+                any_line = True
+            if key == "output_throughput":
+                lc = _get(self.lc_f32, "batch", "decode_tok_s")
+                if lc:
+                    ax.axhline(lc, ls="--", c="gray", lw=1,
+                               label="llama.cpp batch API, 8 seqs, F32 (decode only)")
+                    any_line = True
+            ax.set_xscale("log", base=2)
+            ax.set_xticks([1, 2, 4, 8, 16, 32], labels=["1", "2", "4", "8", "16", "32"])
+            if key == "median_ttft_ms":
+                ax.set_yscale("log")
+            ax.set_xlabel("concurrent requests")
+            ax.set_ylabel(ylabel)
+            ax.set_title(f"SmolLM2-135M, 200-token prompts, 128 new tokens "
+                         f"({self.man.get('date', '')[:10]})", fontsize=10)
+            ax.grid(True, which="both", alpha=0.3)
+            if any_line:
+                ax.legend(fontsize=8)
+            fig.tight_layout()
+            fig.savefig(self.results / fname, dpi=100)
+            plt.close(fig)
+
+    def markdown(self) -> str:
+        parts = (self.header() + self.criteria() + self.ceilings() + self.latency()
+                 + self.batch() + self.serving() + self.prefix_section() + self.commands())
+        return "\n".join(parts).rstrip() + "\n"
+
+
+def write_report(results: Path, out: Path) -> Path:
+    rep = Report(results)
+    rep.charts()
+    out.write_text(rep.markdown())
+    return out
+
+
+if __name__ == "__main__":
+    res = Path(sys.argv[1]) if len(sys.argv) > 1 else BENCH / "results"
+    print(write_report(res, ROOT / "BENCHMARKS.md"))

@@ -1,0 +1,78 @@
+"""benchmarks/report.py: ceilings and the issue's targets from stored results."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(scope="module")
+def report() -> Any:
+    spec = importlib.util.spec_from_file_location("bench_report",
+                                                  ROOT / "benchmarks" / "report.py")
+    assert spec and spec.loader
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def _serve(tput8: float, ttft8: float, tput16: float) -> dict[str, Any]:
+    def run(c: int, tput: float, ttft: float) -> dict[str, Any]:
+        return {"max_concurrency": c, "completed": 2 * c, "output_throughput": tput,
+                "total_token_throughput": 2 * tput, "median_ttft_ms": ttft,
+                "p99_ttft_ms": 2 * ttft, "median_tpot_ms": 50.0, "median_itl_ms": 50.0}
+
+    return {"weights": "f32", "runs": [run(8, tput8, ttft8), run(16, tput16, 2 * ttft8)]}
+
+
+def _write(d: Path, name: str, obj: Any) -> None:
+    (d / f"{name}.json").write_text(json.dumps(obj))
+
+
+def test_ceilings_and_targets(tmp_path: Path, report: Any) -> None:
+    w = {"params": 100_000_000, "tensor_types": ["F32", "Q4_1"], "prefill_len": 512,
+         "bytes_per_token_f32": 400_000_000, "bytes_per_token_file": 80_000_000,
+         "prefill_flop_per_token": 2e8}
+    _write(tmp_path, "machine", {"machine": {}, "bandwidth": {"read_gb_s": 20.0},
+                                 "gemm": {"gflop_s": 100.0}, "weights": [w, w]})
+    _write(tmp_path, "kvserve_latency", {"prefill_tok_s": 600.0, "decode_tok_s": 30.0,
+                                         "input_len": 512})
+    _write(tmp_path, "llama_cpp_f32", {"single": {"prefill_tok_s": 500.0,
+                                                  "decode_tok_s": 40.0}})
+    _write(tmp_path, "kvserve_throughput", {"output_tok_s": 100.0})
+    _write(tmp_path, "hf", {"batch_output_tok_s": 25.0})
+    _write(tmp_path, "serve_kvserve", _serve(130.0, 1000.0, 90.0))
+    _write(tmp_path, "serve_llama_server", _serve(60.0, 4000.0, 60.0))
+    def prefix_run(ttft: float) -> dict[str, Any]:
+        return {"median_ttft_ms": ttft, "mean_ttft_ms": ttft, "output_throughput": 10.0,
+                "prefix_len": 1024, "output_len": 16, "num_prompts": 8, "max_concurrency": 2}
+
+    _write(tmp_path, "prefix", {"on": prefix_run(100.0), "off": prefix_run(150.0)})
+    rep = report.Report(tmp_path)
+    assert rep.decode_ceiling("f32") == pytest.approx(50.0)  # 20 GB/s / 400 MB
+    assert rep.decode_ceiling("file") == pytest.approx(250.0)
+    assert rep.prefill_ceiling() == pytest.approx(500.0)  # 100 GFLOP/s / 200 MFLOP
+    assert rep.batch_decode_ceiling() == pytest.approx(500.0)  # 100 GFLOP/s / (2 x 1e8)
+    rows = {line.split(" | ")[0].lstrip("| "): line for line in rep.criteria()
+            if line.startswith("| ") and "target" not in line}
+    assert "2.17x | **met**" in rows["serving output tok/s at 8 streams >= 2.0x llama-server"]
+    assert "1.50x | not met" in rows["serving output tok/s at 16 streams >= 2.0x llama-server"]
+    assert "0.25x | **met**" in rows["median TTFT at 8 streams <= 1/3 of llama-server's"]
+    assert "0.75x | not met" in rows["batch-1 decode >= 1.0x llama.cpp (F32)"]
+    assert "60% | **met**" in rows["batch-1 decode >= 60% of the F32 bandwidth ceiling"]
+    assert "1.20x | **met**" in rows["prefill 512 >= 1.0x llama.cpp (F32)"]
+    assert "4.00x | not met" in rows["batch 8 >= 5x HF transformers"]
+    assert "0.67x | not met" in rows["shared prefix: TTFT with caching <= 1/2 of without"]
+    md = rep.markdown()
+    assert "| kvserve serve | f32 | 130.0 |" in md
+
+
+def test_missing_results_say_not_measured(tmp_path: Path, report: Any) -> None:
+    md = report.Report(tmp_path).markdown()
+    assert "not measured" in md and "n/a" in md

@@ -1,6 +1,6 @@
 """Micro-benchmarks of the CPU ops backend against torch / ReferenceOps at SmolLM2-135M shapes.
 
-    python benchmarks/ops_micro.py [--threads 2] [--reps 15]
+    python benchmarks/ops_micro.py [--threads 2] [--reps 15] [--only linear] [--ms 1,8,16]
 
 Each row is the median of --reps timed calls, both sides at the same thread count. Weights and
 KV caches rotate through enough copies (>= 256 MB) that every call reads them from DRAM, as in
@@ -11,6 +11,7 @@ stay cached, as they do in the model.
 from __future__ import annotations
 
 import argparse
+import itertools
 import math
 import statistics
 import time
@@ -50,19 +51,32 @@ def row(name: str, ours: float, base: float, base_name: str, extra: str = "") ->
           f"{base_name:<10} {extra}")
 
 
-def bench_linear(ops: CpuOps, reps: int) -> None:
-    print("\nlinear (fp32 weights from DRAM)        ours us   torch us  speedup  baseline   "
-          "ours GB/s | torch GB/s")
+def bench_linear(ops: CpuOps, reps: int, ms: list[int]) -> None:
+    """ops' kernel (whatever its ISA; M > SMALL_M is F.linear inside it too) against F.linear,
+    plus the AVX2 kernel's time when ops runs the AVX-512 one."""
+    avx2 = CpuOps(isa="avx2") if ops.isa != "avx2" else None
+    print(f"\nlinear (fp32 weights from DRAM, {ops.isa}) ours us   torch us  speedup  baseline"
+          "   ours GB/s GFLOP/s | torch GB/s" + (" | avx2 us" if avx2 else ""))
     g = torch.Generator().manual_seed(0)
     for label, (n, k) in LINEAR_SHAPES.items():
         nbytes = n * k * 4
         ws = [torch.randn(n, k, generator=g) for _ in range(copies_for(nbytes))]
-        for m in (1, 8, 16):
+        # Every call takes the least recently used copy, whichever side made the last calls,
+        # so no side gets weights that the other just left in L3.
+        nxt = itertools.count()
+
+        def timed(fn: Callable, x: torch.Tensor, ws: list = ws, nxt: itertools.count = nxt
+                  ) -> float:
+            return median_time(lambda i: fn(x, ws[next(nxt) % len(ws)]), reps)
+
+        for m in ms:
             x = torch.randn(m, k, generator=g)
-            ours = median_time(lambda i, x=x, ws=ws: ops.linear(x, ws[i % len(ws)]), reps)
-            base = median_time(lambda i, x=x, ws=ws: F.linear(x, ws[i % len(ws)]), reps)
-            row(f"{label} {n}x{k} M={m}", ours, base, "F.linear",
-                f"{nbytes / ours / 1e9:6.1f} | {nbytes / base / 1e9:6.1f}")
+            ours, base = timed(ops.linear, x), timed(F.linear, x)
+            extra = (f"{nbytes / ours / 1e9:6.1f} {2 * m * n * k / ours / 1e9:6.1f} | "
+                     f"{nbytes / base / 1e9:6.1f}")
+            if avx2 is not None:
+                extra += f" | {timed(avx2.linear, x) * 1e6:8.1f}"
+            row(f"{label} {n}x{k} M={m}", ours, base, "F.linear", extra)
 
 
 def attention_batch(q_lens: list[int], seq_lens: list[int], layers: int, g: torch.Generator
@@ -148,13 +162,16 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--reps", type=int, default=15)
     ap.add_argument("--only", choices=("linear", "attention", "elementwise"))
+    ap.add_argument("--ms", default="1,4,8,16,64,256",
+                    help="comma-separated batch sizes M for linear")
+    ap.add_argument("--isa", choices=("avx512", "avx2"), help="linear kernel (default: best)")
     a = ap.parse_args()
     torch.set_num_threads(a.threads)
-    ops, ref = CpuOps(), ReferenceOps()
+    ops, ref = CpuOps(isa=a.isa), ReferenceOps()
     assert ops.uses_kernels, "this CPU lacks AVX2/FMA: CpuOps is the reference here"
     print(f"torch {torch.__version__}, {a.threads} threads, median of {a.reps}")
     if a.only in (None, "linear"):
-        bench_linear(ops, a.reps)
+        bench_linear(ops, a.reps, [int(m) for m in a.ms.split(",")])
     if a.only in (None, "attention"):
         bench_attention(ops, ref, a.reps)
     if a.only in (None, "elementwise"):

@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from kvserve.ops import get_ops
-from kvserve.ops.cpu import SMALL_M, CpuOps, cpu_has_avx2_fma
+from kvserve.ops.cpu import CpuOps, cpu_has_avx2_fma
 from kvserve.ops.reference import ReferenceOps
 
 REF = ReferenceOps()
@@ -61,8 +61,67 @@ def test_linear_strided_and_batched_inputs(ops: CpuOps) -> None:
     close(ops.linear(x3, w), REF.linear(x3, w), atol=1e-5, rtol=1e-5)
     x_t = torch.randn(40, 4, generator=g).t()  # last dim strided: handed to torch
     close(ops.linear(x_t, w), REF.linear(x_t, w), atol=1e-5, rtol=1e-5)
-    big = torch.randn(SMALL_M + 1, 40, generator=g)  # past the crossover: torch's GEMM
+    big = torch.randn(ops.small_m + 1, 40, generator=g)  # past the crossover: torch's GEMM
     close(ops.linear(big, w), REF.linear(big, w), atol=1e-5, rtol=1e-5)
+
+
+def _isa_ops() -> list[str]:
+    """The linear kernels this CPU can run, each to be tested on its own."""
+    if not cpu_has_avx2_fma():
+        return []
+    return ["avx512", "avx2"] if CpuOps().isa == "avx512" else ["avx2"]
+
+
+@pytest.fixture(scope="module", params=_isa_ops())
+def isa_ops(request: pytest.FixtureRequest) -> CpuOps:
+    o = CpuOps(isa=request.param)
+    assert o.isa == request.param
+    return o
+
+
+@pytest.mark.parametrize("m", [1, 2, 3, 6, 7, 13, 40, 100])
+@pytest.mark.parametrize("n,k", [(960, 576), (576, 1536), (64, 100), (37, 8), (13, 7), (3, 1),
+                                 (21, 17)])
+def test_linear_each_isa_matches_reference(isa_ops: CpuOps, m: int, n: int, k: int) -> None:
+    g = torch.Generator().manual_seed(m * 1000 + n + k)
+    x = torch.randn(m, k, generator=g)
+    w = torch.randn(n, k, generator=g) / math.sqrt(k)
+    b = torch.randn(n, generator=g)
+    close(isa_ops.linear(x, w, b), REF.linear(x, w, b), atol=1e-5, rtol=1e-5)
+    close(isa_ops.linear(x, w), REF.linear(x, w), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("k", [576, 1536, 100, 7, 16, 33])
+@pytest.mark.parametrize("n", [4, 13, 37, 100])
+def test_linear_is_batch_invariant(isa_ops: CpuOps, n: int, k: int) -> None:
+    """Row i of linear(x) equals linear(x[i:i+1]) bit for bit, for every batch size: a
+    request's greedy output must not depend on what else is in the batch. N % 16, % 8 and
+    % 4 are not all 0, so rows take different tile shapes at M = 1 and at M >= 2."""
+    g = torch.Generator().manual_seed(n * 7919 + k)
+    w = torch.randn(n, k, generator=g) / math.sqrt(k)
+    b = torch.randn(n, generator=g)
+    x = torch.randn(40, k, generator=g)
+    for bias in (None, b):
+        alone = torch.cat([isa_ops.linear(x[i:i + 1], w, bias) for i in range(40)])
+        for m in range(1, 41):
+            for start in {0, 40 - m, (40 - m) // 2}:  # the rows at the front, back, middle
+                batch = isa_ops.linear(x[start:start + m], w, bias)
+                assert torch.equal(batch, alone[start:start + m]), (m, start)
+    # Up to the kernel's crossover, past the ~100-row passes it splits large M into.
+    big = torch.randn(min(isa_ops.small_m, 300), k, generator=g)
+    out = isa_ops.linear(big, w, b)
+    for i in (0, 1, 107, 108, 250, big.shape[0] - 1):
+        assert torch.equal(out[i:i + 1], isa_ops.linear(big[i:i + 1], w, b)), i
+
+
+def test_linear_isa_choice(monkeypatch: pytest.MonkeyPatch) -> None:
+    with pytest.raises(ValueError, match="isa"):
+        CpuOps(isa="sse2")
+    monkeypatch.setenv("KVSERVE_CPU_ISA", "avx2")
+    assert CpuOps().isa == "avx2"
+    monkeypatch.setenv("KVSERVE_CPU_ISA", "neon")
+    with pytest.raises(ValueError, match="KVSERVE_CPU_ISA"):
+        CpuOps()
 
 
 def test_linear_other_dtypes_fall_back(ops: CpuOps) -> None:

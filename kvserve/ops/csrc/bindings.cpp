@@ -26,8 +26,9 @@ torch::Tensor as_int64(const torch::Tensor& t) {
 }
 
 // x [M, K] (rows may be strided), weight [N, K] contiguous -> [M, N].
+// avx512: use the AVX-512 kernel; refused (not silently ignored) on a CPU without it.
 torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& weight,
-                     const c10::optional<torch::Tensor>& bias) {
+                     const c10::optional<torch::Tensor>& bias, bool avx512) {
   check_f32(x, "x");
   check_f32(weight, "weight");
   TORCH_CHECK(x.dim() == 2 && weight.dim() == 2 && x.size(1) == weight.size(1),
@@ -43,9 +44,12 @@ torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& weight,
   }
   const int64_t M = x.size(0), N = weight.size(0), K = x.size(1);
   auto out = torch::empty({M, N}, x.options());
-  if (M > 0 && N > 0)
-    kvs::linear_small_m(x.data_ptr<float>(), x.stride(0), weight.data_ptr<float>(), b,
-                        out.data_ptr<float>(), M, N, K, at::get_num_threads());
+  TORCH_CHECK(!avx512 || kvs::cpu_has_avx512(), "linear(avx512=True) on a CPU without AVX-512F");
+  if (M > 0 && N > 0) {
+    auto kernel = avx512 ? kvs::linear_small_m_avx512 : kvs::linear_small_m;
+    kernel(x.data_ptr<float>(), x.stride(0), weight.data_ptr<float>(), b, out.data_ptr<float>(),
+           M, N, K, at::get_num_threads());
+  }
   return out;
 }
 
@@ -215,7 +219,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   // the engine thread is inside a forward pass (torch's own ops release it the same way).
   using nogil = py::call_guard<py::gil_scoped_release>;
   m.def("linear", &linear, "small-M linear", py::arg("x"), py::arg("weight"), py::arg("bias"),
-        nogil());
+        py::arg("avx512") = false, nogil());
+  m.def("cpu_has_avx512", &kvs::cpu_has_avx512, "AVX-512F usable (CPU and OS)");
   m.def("paged_attention", &paged_attention, "varlen paged attention", nogil());
   m.def("write_kv", &write_kv, "scatter K/V into the paged cache", nogil());
   m.def("rms_norm", &rms_norm, "RMSNorm", nogil());

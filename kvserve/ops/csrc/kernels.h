@@ -12,6 +12,11 @@ namespace kvs {
 // out[m, n] = sum_k x[m*ldx + k] * w[n*K + k] (+ bias[n]);  out is [M, N] contiguous.
 void linear_small_m(const float* x, int64_t ldx, const float* w, const float* bias, float* out,
                     int64_t M, int64_t N, int64_t K, int nthreads);
+// The same with AVX-512F (linear_avx512.cpp). Precondition: cpu_has_avx512(). Both give each
+// out[m, n] independently of M and of row m's place in the batch (bit for bit, per ISA).
+void linear_small_m_avx512(const float* x, int64_t ldx, const float* w, const float* bias,
+                           float* out, int64_t M, int64_t N, int64_t K, int nthreads);
+bool cpu_has_avx512();
 
 struct AttentionArgs {
   const float* q;        // q[t*q_st + h*q_sh + d]

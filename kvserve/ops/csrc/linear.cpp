@@ -65,7 +65,12 @@ inline void tile(const float* x, int64_t ldx, const float* w, int64_t K, const f
         _mm_storeu_ps(o + n, s);
       }
     } else {
-      for (int n = 0; n < NT; ++n) o[n] = hsum(acc[n][m]) + (bias ? bias[n] : 0.f);
+      // reduce4()'s tree, not hsum()'s: row n's sum must not depend on whether N % NT put
+      // it in a 4-row group or here (NT differs between M == 1 and M >= 2).
+      for (int n = 0; n < NT; ++n) {
+        const float s = _mm_cvtss_f32(reduce4(acc[n][m], acc[n][m], acc[n][m], acc[n][m]));
+        o[n] = bias ? s + bias[n] : s;
+      }
     }
   }
 }

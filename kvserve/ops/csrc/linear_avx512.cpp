@@ -1,0 +1,218 @@
+// AVX-512 twin of linear.cpp's small-M linear: out[M, N] = x[M, K] W[N, K]^T (+ bias).
+//
+// The extension is built with -mavx2 only; this file switches AVX-512F on for its own code
+// with `#pragma GCC target`, so the binary still loads on an AVX2-only CPU. Nothing here may
+// run there: linear_small_m_avx512() is reached only through bindings.cpp, which asks
+// cpu_has_avx512() first. To keep AVX-512 instructions out of code that other translation
+// units could pick up at link time (an inline function's COMDAT copy), every system header is
+// included *before* the pragma and all code below it has internal linkage except the two
+// entry points declared in kernels.h.
+//
+// Batch invariance: out[m, n] must not depend on M or on where row m sits in the batch. Every
+// (n, m) pair, whatever tile shape computes it, gets the same arithmetic:
+//   acc = 16-lane FMA chain over k = 0, 16, 32, ... (the K % 16 tail as one masked step);
+//   sum = the fixed tree  A_j = a_j + a_{j+8};  B_j = A_j + A_{j+4};  C_j = B_j + B_{j+2};
+//         C_0 + C_1  (reduce16() for 16 accumulators at once, hsum() for one);
+//   out = sum + bias[n]  (one scalar add).
+#include <immintrin.h>
+#include <omp.h>
+
+#include <cstdint>
+
+#include "kernels.h"
+
+#pragma GCC push_options
+#pragma GCC target("avx512f")
+
+namespace kvs {
+namespace {
+
+// How far ahead, in bytes, of the tile being multiplied the weight stream is prefetched. A
+// thread's weight slab is one contiguous run of rows, so the prefetch walks it linearly at a
+// fixed distance whatever K and the tile height are.
+// 2 KB .. 16 KB measured within noise of each other on Zen 5 (M = 1: 43-45 GB/s, against
+// ~50 GB/s for a bare 2-thread streaming read); without any prefetch M = 1 loses ~5%.
+constexpr int64_t kPrefetchBytes = 8192;
+
+inline int64_t min64(int64_t a, int64_t b) { return a < b ? a : b; }
+inline int64_t max64(int64_t a, int64_t b) { return a > b ? a : b; }
+
+// One vector's sum with the tree described at the top.
+inline float hsum(__m512 v) {
+  __m256 a = _mm256_add_ps(_mm512_castps512_ps256(v),
+                           _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1)));
+  __m128 b = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+  __m128 c = _mm_add_ps(b, _mm_movehl_ps(b, b));
+  return _mm_cvtss_f32(_mm_add_ss(c, _mm_movehdup_ps(c)));
+}
+
+// Sixteen sums at once, lane i = sum of v[i], with exactly hsum()'s tree per vector (float
+// addition commutes, so only the pairing matters, not which operand is on the left).
+inline __m512 reduce16(const __m512* v) {
+  // The butterfly below leaves vector r + 4s in lane 4r + s; feeding slot r + 4s with vector
+  // 4r + s makes lane i hold vector i.
+  __m512 s1[8], s2[4], s3[2];
+  auto in = [v](int slot) { return v[4 * (slot % 4) + slot / 4]; };
+  for (int i = 0; i < 8; ++i) {  // A: [a.A0-3, a.A4-7, b.A0-3, b.A4-7]
+    __m512 a = in(2 * i), b = in(2 * i + 1);
+    s1[i] = _mm512_add_ps(_mm512_shuffle_f32x4(a, b, _MM_SHUFFLE(1, 0, 1, 0)),
+                          _mm512_shuffle_f32x4(a, b, _MM_SHUFFLE(3, 2, 3, 2)));
+  }
+  for (int i = 0; i < 4; ++i) {  // B: 128-bit lane r holds B0-3 of vector 4i + r
+    __m512 c = s1[2 * i], d = s1[2 * i + 1];
+    s2[i] = _mm512_add_ps(_mm512_shuffle_f32x4(c, d, _MM_SHUFFLE(2, 0, 2, 0)),
+                          _mm512_shuffle_f32x4(c, d, _MM_SHUFFLE(3, 1, 3, 1)));
+  }
+  for (int i = 0; i < 2; ++i) {  // C: lane r = [C0, C1 of 8i + r, C0, C1 of 8i + 4 + r]
+    __m512 e = s2[2 * i], f = s2[2 * i + 1];
+    s3[i] = _mm512_add_ps(_mm512_shuffle_ps(e, f, _MM_SHUFFLE(1, 0, 1, 0)),
+                          _mm512_shuffle_ps(e, f, _MM_SHUFFLE(3, 2, 3, 2)));
+  }
+  // D: lane r = [r, 4 + r, 8 + r, 12 + r]
+  return _mm512_add_ps(_mm512_shuffle_ps(s3[0], s3[1], _MM_SHUFFLE(2, 0, 2, 0)),
+                       _mm512_shuffle_ps(s3[0], s3[1], _MM_SHUFFLE(3, 1, 3, 1)));
+}
+
+// acc[NT][MT] (16-lane partial sums) -> out[m * ldo + n] (+ bias[n]).
+template <int NT, int MT>
+inline void reduce_store(const __m512 (&acc)[NT][MT], const float* bias, float* out,
+                         int64_t ldo) {
+  constexpr int kCount = NT * MT;
+  if constexpr (kCount >= 8) {
+    constexpr int kGroups = (kCount + 15) / 16;
+    alignas(64) float sums[kGroups * 16];
+    for (int g = 0; g < kGroups; ++g) {
+      __m512 v[16];
+      for (int i = 0; i < 16; ++i) {
+        const int j = g * 16 + i;  // j = m * NT + n
+        v[i] = j < kCount ? acc[j % NT][j / NT] : _mm512_setzero_ps();
+      }
+      _mm512_store_ps(sums + g * 16, reduce16(v));
+    }
+    for (int m = 0; m < MT; ++m)
+      for (int n = 0; n < NT; ++n)
+        out[m * ldo + n] = bias ? sums[m * NT + n] + bias[n] : sums[m * NT + n];
+  } else {
+    for (int m = 0; m < MT; ++m)
+      for (int n = 0; n < NT; ++n)
+        out[m * ldo + n] = bias ? hsum(acc[n][m]) + bias[n] : hsum(acc[n][m]);
+  }
+}
+
+// NT weight rows (w, w + K, ...) against MT activation rows. kPf: prefetch the weight bytes
+// that lie kPrefetchBytes past this tile (the next tiles of the same slab).
+template <int NT, int MT, bool kPf>
+inline void tile(const float* x, int64_t ldx, const float* w, int64_t K, const float* bias,
+                 float* out, int64_t ldo) {
+  __m512 acc[NT][MT];
+  for (int n = 0; n < NT; ++n)
+    for (int m = 0; m < MT; ++m) acc[n][m] = _mm512_setzero_ps();
+  // Step j prefetches NT lines at pf + j * NT * 64: over ceil(K / 16) steps that covers
+  // NT * K * 4 bytes, one tile's worth, kPrefetchBytes ahead.
+  const char* pf = reinterpret_cast<const char*>(w) + kPrefetchBytes;
+
+  int64_t k = 0;
+  for (; k + 16 <= K; k += 16, pf += NT * 64) {
+    __m512 xv[MT];
+    for (int m = 0; m < MT; ++m) xv[m] = _mm512_loadu_ps(x + m * ldx + k);
+    for (int n = 0; n < NT; ++n) {
+      if (kPf) _mm_prefetch(pf + n * 64, _MM_HINT_T0);
+      __m512 wv = _mm512_loadu_ps(w + n * K + k);
+      for (int m = 0; m < MT; ++m) acc[n][m] = _mm512_fmadd_ps(wv, xv[m], acc[n][m]);
+    }
+  }
+  if (k < K) {  // K % 16 tail: masked lanes load as zero and never touch memory.
+    const __mmask16 mask = static_cast<__mmask16>((1u << (K - k)) - 1);
+    __m512 xv[MT];
+    for (int m = 0; m < MT; ++m) xv[m] = _mm512_maskz_loadu_ps(mask, x + m * ldx + k);
+    for (int n = 0; n < NT; ++n) {
+      if (kPf) _mm_prefetch(pf + n * 64, _MM_HINT_T0);
+      __m512 wv = _mm512_maskz_loadu_ps(mask, w + n * K + k);
+      for (int m = 0; m < MT; ++m) acc[n][m] = _mm512_fmadd_ps(wv, xv[m], acc[n][m]);
+    }
+  }
+  reduce_store<NT, MT>(acc, bias, out, ldo);
+}
+
+// The M % MT leftover rows of a row_tile, as one tile of `rest` rows (1 <= rest < MT).
+template <int NT, int MT>
+inline void rest_tile(int64_t rest, const float* x, int64_t ldx, const float* w, int64_t K,
+                      const float* bias, float* out, int64_t ldo, bool pf) {
+  if constexpr (MT > 1) {
+    if (rest == MT - 1) {
+      if (pf) tile<NT, MT - 1, true>(x, ldx, w, K, bias, out, ldo);
+      else tile<NT, MT - 1, false>(x, ldx, w, K, bias, out, ldo);
+    } else {
+      rest_tile<NT, MT - 1>(rest, x, ldx, w, K, bias, out, ldo, pf);
+    }
+  }
+}
+
+// All M activation rows against NT weight rows starting at w, MT rows per register tile.
+template <int NT, int MT>
+inline void row_tile(const float* x, int64_t ldx, const float* w, int64_t K, const float* bias,
+                     float* out, int64_t ldo, int64_t M) {
+  // The first pass streams the weight rows from DRAM (prefetch ahead); later passes hit L1.
+  int64_t m = 0;
+  if (M >= MT) {
+    tile<NT, MT, true>(x, ldx, w, K, bias, out, ldo);
+    for (m = MT; m + MT <= M; m += MT)
+      tile<NT, MT, false>(x + m * ldx, ldx, w, K, bias, out + m * ldo, ldo);
+  }
+  if (m < M) rest_tile<NT, MT>(M - m, x + m * ldx, ldx, w, K, bias, out + m * ldo, ldo, m == 0);
+}
+
+template <int NT, int MT>
+void run(const float* x, int64_t ldx, const float* w, const float* bias, float* out, int64_t M,
+         int64_t N, int64_t K, int nthreads) {
+  const int64_t tiles = N / NT;
+  // Activation rows per pass over a thread's weight slab: ~256 KB of x stays in L2 while the
+  // slab streams by (see linear.cpp).
+  const int64_t m_block = max64(MT, (65536 / max64(K, 1)) / MT * MT);
+  // Below ~64K weights the fork/join (~2 us) costs more than the streaming it splits.
+  const bool parallel = nthreads > 1 && N * K >= (1 << 16);
+#pragma omp parallel num_threads(nthreads) if (parallel)
+  {
+    // Contiguous static split of the weight tiles: each thread streams one slab of rows.
+    const int64_t nth = omp_get_num_threads(), tid = omp_get_thread_num();
+    const int64_t t_begin = tiles * tid / nth, t_end = tiles * (tid + 1) / nth;
+    for (int64_t m0 = 0; m0 < M; m0 += m_block) {
+      const int64_t mb = min64(m_block, M - m0);
+      for (int64_t t = t_begin; t < t_end; ++t) {
+        const int64_t n = t * NT;
+        row_tile<NT, MT>(x + m0 * ldx, ldx, w + n * K, K, bias ? bias + n : nullptr,
+                         out + m0 * N + n, N, mb);
+      }
+    }
+  }
+  for (int64_t n = tiles * NT; n < N; ++n)  // N % NT leftover rows, one at a time
+    row_tile<1, MT>(x, ldx, w + n * K, K, bias ? bias + n : nullptr, out + n, N, M);
+}
+
+}  // namespace
+
+void linear_small_m_avx512(const float* x, int64_t ldx, const float* w, const float* bias,
+                           float* out, int64_t M, int64_t N, int64_t K, int nthreads) {
+  // Tile shapes (32 zmm): NT * MT accumulators + MT activation vectors + 1 weight vector.
+  //   M == 1: 16 x 1 (16 FMA chains; one reduce16 per tile)
+  //   M >= 2: 4 x 6  (24 + 6 + 1 registers; 0.42 loads per FMA)
+  if (M == 1) run<16, 1>(x, ldx, w, bias, out, M, N, K, nthreads);
+  else run<4, 6>(x, ldx, w, bias, out, M, N, K, nthreads);
+}
+
+}  // namespace kvs
+
+#pragma GCC pop_options
+
+namespace kvs {
+
+bool cpu_has_avx512() {
+  // GCC's check includes the OS enabling the zmm state (XCR0), not just the CPUID bit.
+  static const bool ok = [] {
+    __builtin_cpu_init();
+    return __builtin_cpu_supports("avx512f") != 0;
+  }();
+  return ok;
+}
+
+}  // namespace kvs

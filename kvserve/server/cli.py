@@ -48,7 +48,6 @@ def _serve(ns: argparse.Namespace) -> int:
     import uvicorn
 
     from kvserve.async_engine import AsyncEngine
-    from kvserve.llm_engine import LLMEngine
     from kvserve.loader import resolve_model
     from kvserve.server.api import ServerConfig, build_app
 
@@ -72,7 +71,7 @@ def _serve(ns: argparse.Namespace) -> int:
     address = f"http://{ns.host}:{ns.port}"
 
     def load() -> AsyncEngine:
-        return AsyncEngine(LLMEngine.from_engine_args(args))
+        return AsyncEngine.from_engine_args(args)
 
     def ready(engine: AsyncEngine) -> None:
         e = engine.engine

@@ -26,25 +26,10 @@ import torch
 
 
 def build_model(path: str | None) -> Any:
-    import transformers
-
     from kvserve.loader import load_checkpoint, resolve_model
+    from kvserve.loader.hf_reference import hf_model_from_checkpoint
 
-    ckpt = load_checkpoint(resolve_model(path))
-    mc = ckpt.model_config
-    cfg = transformers.LlamaConfig(
-        vocab_size=mc.vocab_size, hidden_size=mc.hidden_size,
-        intermediate_size=mc.intermediate_size, num_hidden_layers=mc.num_hidden_layers,
-        num_attention_heads=mc.num_attention_heads, num_key_value_heads=mc.num_key_value_heads,
-        max_position_embeddings=mc.max_position_embeddings, rms_norm_eps=mc.rms_norm_eps,
-        rope_theta=mc.rope_theta, tie_word_embeddings=mc.tie_word_embeddings,
-        bos_token_id=1, eos_token_id=2, pad_token_id=2)
-    model = transformers.LlamaForCausalLM(cfg).float().eval()
-    missing, unexpected = model.load_state_dict(dict(ckpt.weights()), strict=False)
-    if unexpected or not set(missing) <= {"lm_head.weight"}:
-        raise RuntimeError(f"weights do not fit: missing {missing}, unexpected {unexpected}")
-    model.tie_weights()
-    return model
+    return hf_model_from_checkpoint(load_checkpoint(resolve_model(path)))
 
 
 def _generate(model: Any, ids: torch.Tensor, mask: torch.Tensor, n: int) -> float:

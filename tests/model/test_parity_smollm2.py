@@ -12,6 +12,7 @@ from typing import Any
 import pytest
 import torch
 
+from kvserve.loader.hf_reference import hf_model_from_checkpoint
 from kvserve.sampling_params import SamplingParams
 from tests.conftest import run_all
 from tests.helpers import PagedSequence
@@ -26,22 +27,7 @@ PROMPTS = [
 
 @pytest.fixture(scope="module")
 def hf_smollm2(smollm2: Any) -> Any:
-    import transformers
-
-    _, ckpt, _ = smollm2
-    mc = ckpt.model_config
-    cfg = transformers.LlamaConfig(
-        vocab_size=mc.vocab_size, hidden_size=mc.hidden_size,
-        intermediate_size=mc.intermediate_size, num_hidden_layers=mc.num_hidden_layers,
-        num_attention_heads=mc.num_attention_heads, num_key_value_heads=mc.num_key_value_heads,
-        max_position_embeddings=mc.max_position_embeddings, rms_norm_eps=mc.rms_norm_eps,
-        rope_theta=mc.rope_theta, tie_word_embeddings=mc.tie_word_embeddings,
-        bos_token_id=1, eos_token_id=2)
-    model = transformers.LlamaForCausalLM(cfg).float().eval()
-    missing, unexpected = model.load_state_dict(dict(ckpt.weights()), strict=False)
-    assert not unexpected and set(missing) <= {"lm_head.weight"}
-    model.tie_weights()
-    return model
+    return hf_model_from_checkpoint(smollm2[1])
 
 
 def test_logits_match_hf_at_prefill_and_decode(smollm2: Any, hf_smollm2: Any) -> None:

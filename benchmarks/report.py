@@ -274,8 +274,9 @@ class Report:
                  ("`kvserve bench serve` against each OpenAI-compatible server: random "
                  "200-token prompts, 128 new tokens (ignore_eos), streaming, all requests at "
                  "once with at most *c* in flight, two waves of requests per level (4 to 32 "
-                 "requests). Output tok/s counts generated tokens over the whole run; TTFT "
-                 "includes queueing."), ""]
+                 "requests); at 8 and 16 streams every figure is the median of 3 runs (each "
+                 "run's figures are in the JSON). Output tok/s counts generated tokens over "
+                 "the whole run; TTFT includes queueing."), ""]
         ref = self.serve.get("llama_server")
         for conc in (8, 16):
             lines += [f"### {conc} concurrent streams", "",

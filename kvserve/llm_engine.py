@@ -221,8 +221,8 @@ class LLMEngine:
         if so.is_empty:
             return []
         mo = self.runner.execute(so)
-        for rid, lps in mo.prompt_logprobs.items():
-            self._record_prompt_logprobs(rid, lps, so)
+        for rid, (first, lps) in mo.prompt_logprobs.items():
+            self._record_prompt_logprobs(rid, first, lps)
         lp_by_req = dict(zip(mo.req_ids, mo.logprobs))
         updated = self.scheduler.update_from_output(so, mo)
         touched: dict[str, _Parent] = {}
@@ -252,15 +252,13 @@ class LLMEngine:
         self.runner.remove_requests(finished_ids)
         return outputs
 
-    def _record_prompt_logprobs(self, child_id: str, lps: list[PositionLogprobs | None],
-                                so: Any) -> None:
+    def _record_prompt_logprobs(self, child_id: str, first: int,
+                                lps: list[PositionLogprobs | None]) -> None:
         pid = self._child_to_parent.get(child_id)
         parent = self._parents.get(pid) if pid else None
         if parent is None or parent.prompt_logprobs is None or parent.children[0].request \
                 .request_id != child_id:
             return
-        sr = next(s for s in so.scheduled if s.request_id == child_id)
-        first = 0 if sr.start_pos == 0 else sr.start_pos + 1
         for i, lp in enumerate(lps):
             # setdefault: a preempted request recomputes its prompt; keep the first result.
             parent.prompt_logprobs.setdefault(first + i, self._decorate(lp))

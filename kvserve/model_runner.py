@@ -50,8 +50,8 @@ class ModelRunner:
         """Flatten the step into one varlen batch.
 
         Returns the ModelInput, the batch indices b of requests that sample, and for requests
-        that want prompt logprobs: request_id -> (first logits row, target token ids, first
-        target position) of this chunk.
+        that want prompt logprobs: request_id -> (request, target token ids, first target
+        position) of this chunk.
         """
         bs = self.block_size
         n_req = len(so.scheduled)
@@ -64,6 +64,7 @@ class ModelRunner:
         slots: list[np.ndarray] = []
         sample_idx: list[int] = []
         prompt_lp: dict[str, Any] = {}
+        lp_rows: list[int] = []
         for b, sr in enumerate(so.scheduled):
             n, start = sr.num_tokens, sr.start_pos
             qsl[b + 1] = qsl[b] + n
@@ -81,9 +82,9 @@ class ModelRunner:
                 # Row r (position start + r) predicts the token at position start + r + 1.
                 last = min(start + n, req.num_prompt_tokens - 1)  # last target position
                 targets = req.all_token_ids[start + 1: last + 1]
-                prompt_lp[req.request_id] = (int(qsl[b]), targets, start + 1)
+                prompt_lp[req.request_id] = (req, targets, start + 1)
+                lp_rows.extend(range(int(qsl[b]), int(qsl[b]) + len(targets)))
         sample_rows = [int(qsl[b + 1]) - 1 for b in sample_idx]
-        lp_rows = [r for row0, tg, _ in prompt_lp.values() for r in range(row0, row0 + len(tg))]
         dev = self.device
         inp = ModelInput(
             input_ids=torch.tensor(input_ids, dtype=torch.long, device=dev),
@@ -124,15 +125,14 @@ class ModelRunner:
             lps = sampled.logprobs or [None] * n_sample  # None: no row asked for logprobs
             out.logprobs = [None if lp is None else [lp] for lp in lps]
         row = n_sample
-        for req_id, (_row0, targets, first_pos) in prompt_lp.items():
+        for req_id, (req, targets, first_pos) in prompt_lp.items():
             k = len(targets)
-            req = next(sr.request for sr in so.scheduled if sr.request_id == req_id)
             lps: list[PositionLogprobs | None] = compute_prompt_logprobs(
                 logits[row: row + k], torch.tensor(targets, device=logits.device),
                 req.sampling_params.prompt_logprobs)
             if first_pos == 1:
-                lps = [None] + lps  # the first prompt token has no logprob
-            out.prompt_logprobs[req_id] = lps
+                lps, first_pos = [None] + lps, 0  # the first prompt token has no logprob
+            out.prompt_logprobs[req_id] = (first_pos, lps)
             row += k
         return out
 

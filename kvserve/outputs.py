@@ -91,8 +91,10 @@ class ModelOutput:
     # accepts draft tokens.
     sampled_token_ids: list[list[int]]
     logprobs: list[list[PositionLogprobs] | None]
-    # request_id -> logprobs of this step's prompt positions (token i given tokens < i).
-    prompt_logprobs: dict[str, list[PositionLogprobs | None]] = field(default_factory=dict)
+    # request_id -> (first position, logprobs of this step's prompt positions from it on);
+    # entry j is the logprob of prompt token first + j given the tokens before it (None at 0).
+    prompt_logprobs: dict[str, tuple[int, list[PositionLogprobs | None]]] = field(
+        default_factory=dict)
 
 
 @dataclass

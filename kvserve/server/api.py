@@ -39,7 +39,7 @@ from kvserve.server.protocol import (
     DetokenizeRequest,
     TokenizeRequest,
 )
-from kvserve.server.serving import ServingContext
+from kvserve.server.serving import ServingContext, check_model
 from kvserve.server.serving_chat import create_chat_completion, render_chat
 from kvserve.server.serving_completion import create_completion
 
@@ -304,9 +304,7 @@ def build_app(config: ServerConfig,
     async def tokenize(request: Request) -> JSONResponse:
         c = ctx()
         body = await parse_body(request, TokenizeRequest, config.max_body_bytes)
-        if body.model is not None and body.model != config.model_name:
-            raise APIError(404, f"the model `{body.model}` does not exist", "model",
-                           "model_not_found")
+        check_model(c, body.model)
         if (body.prompt is None) == (body.messages is None):
             raise bad_request("send exactly one of prompt or messages", "prompt")
         tok = c.engine.tokenizer
@@ -324,9 +322,7 @@ def build_app(config: ServerConfig,
     async def detokenize(request: Request) -> JSONResponse:
         c = ctx()
         body = await parse_body(request, DetokenizeRequest, config.max_body_bytes)
-        if body.model is not None and body.model != config.model_name:
-            raise APIError(404, f"the model `{body.model}` does not exist", "model",
-                           "model_not_found")
+        check_model(c, body.model)
         vocab = c.engine.tokenizer.vocab_size
         bad = next((t for t in body.tokens if not 0 <= t < vocab), None)
         if bad is not None:

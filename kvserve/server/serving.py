@@ -54,10 +54,15 @@ def engine_error(err: BaseException, fields: set[str],
     return APIError(500, "internal server error")
 
 
-def check_common(ctx: ServingContext, req: _SamplingFields) -> None:
-    if req.model is not None and req.model != ctx.model_name:
-        raise APIError(404, f"the model `{req.model}` does not exist; this server serves "
+def check_model(ctx: ServingContext, model: str | None) -> None:
+    """404 for a model this server does not serve; None means the served one."""
+    if model is not None and model != ctx.model_name:
+        raise APIError(404, f"the model `{model}` does not exist; this server serves "
                             f"`{ctx.model_name}`", param="model", code="model_not_found")
+
+
+def check_common(ctx: ServingContext, req: _SamplingFields) -> None:
+    check_model(ctx, req.model)
     if req.stream_options is not None and not req.stream:
         raise bad_request("stream_options is only allowed when stream is true",
                           "stream_options")

@@ -274,7 +274,9 @@ class Report:
                  ("`kvserve bench serve` against each OpenAI-compatible server: random "
                  "200-token prompts, 128 new tokens (ignore_eos), streaming, all requests at "
                  "once with at most *c* in flight, two waves of requests per level (4 to 32 "
-                 "requests); at 8 and 16 streams every figure is the median of 3 runs (each "
+                 "requests), fresh prompts for every level and run (a prompt is never "
+                 "served twice, so no server's prompt cache can hit); at 8 and 16 streams "
+                 "every figure is the median of 3 runs (each "
                  "run's figures are in the JSON). Output tok/s counts generated tokens over "
                  "the whole run; TTFT includes queueing."), ""]
         ref = self.serve.get("llama_server")

@@ -137,7 +137,7 @@ class EngineConfig:
     dtype: str = "float32"
     device: str = "cpu"
     seed: int = 0
-    ops_backend: str = "auto"  # "auto" | "reference" | "cpu" (registry key in kvserve.ops)
+    ops_backend: str = "auto"  # "auto" | "reference" | "cpu" | "torch" (kvserve.ops registry)
 
     def __post_init__(self) -> None:
         _require(self.dtype in _DTYPES,

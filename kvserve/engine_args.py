@@ -89,7 +89,9 @@ class EngineArgs:
         p.add_argument("--no-enable-chunked-prefill", dest="enable_chunked_prefill",
                        action="store_false")
         p.add_argument("--seed", type=int, default=d.seed)
-        p.add_argument("--ops-backend", default=d.ops_backend)
+        p.add_argument("--ops-backend", default=d.ops_backend,
+                       help="auto (cpu kernels on CPU, torch elsewhere), cpu, torch or "
+                       "reference (the pure-torch oracle)")
 
     @classmethod
     def from_cli(cls, ns: argparse.Namespace) -> EngineArgs:

@@ -75,12 +75,15 @@ class PagedSequence:
     """Runs one or more sequences through a kvserve model with a real paged KV cache,
     using deliberately scattered block ids."""
 
-    def __init__(self, model: Any, num_blocks: int = 64, block_size: int = 4) -> None:
+    def __init__(self, model: Any, num_blocks: int = 64, block_size: int = 4,
+                 device: str = "cpu") -> None:
         cfg = model.config
         self.model = model
         self.bs = block_size
+        self.device = device
         self.kv = torch.zeros(kv_cache_shape(cfg.num_hidden_layers, num_blocks, block_size,
-                                             cfg.num_key_value_heads, cfg.head_dim))
+                                             cfg.num_key_value_heads, cfg.head_dim),
+                              device=device)
         gen = torch.Generator().manual_seed(1)
         self.free = (torch.randperm(num_blocks - 1, generator=gen) + 1).tolist()
         self.tables: list[list[int]] = []
@@ -115,11 +118,12 @@ class PagedSequence:
         for b, s in enumerate(order):
             bt[b, : len(self.tables[s])] = torch.tensor(self.tables[s])
         qsl_t = torch.tensor(qsl, dtype=torch.int32)
+        dev = self.device
         inp = ModelInput(
-            input_ids=torch.tensor(ids), positions=torch.tensor(pos),
-            slot_mapping=torch.tensor(slots), block_tables=bt,
-            seq_lens=torch.tensor(seq_lens, dtype=torch.int32), query_start_loc=qsl_t,
-            logits_indices=torch.arange(len(ids)),
+            input_ids=torch.tensor(ids, device=dev), positions=torch.tensor(pos, device=dev),
+            slot_mapping=torch.tensor(slots, device=dev), block_tables=bt.to(dev),
+            seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=dev),
+            query_start_loc=qsl_t.to(dev), logits_indices=torch.arange(len(ids), device=dev),
             max_query_len=int((qsl_t[1:] - qsl_t[:-1]).max()), max_seq_len=max(seq_lens))
         hidden = self.model(inp, self.kv)
         logits = self.model.compute_logits(hidden)

@@ -122,8 +122,10 @@ class LlamaForCausalLM(nn.Module):
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens
         # RoPE table kept in float32 whatever the weights' dtype: positions need the precision.
-        self.cos_sin = rope_cos_sin(cfg.head_dim, max_positions or cfg.max_position_embeddings,
-                                    cfg.rope_theta, cfg.rope_scaling_dict)
+        # A buffer, so that model.to(device) moves it; not in the state dict.
+        self.register_buffer("cos_sin", rope_cos_sin(
+            cfg.head_dim, max_positions or cfg.max_position_embeddings, cfg.rope_theta,
+            cfg.rope_scaling_dict), persistent=False)
 
     def forward(self, inp: ModelInput, kv_cache: torch.Tensor) -> torch.Tensor:
         """Hidden states [T, hidden] of every token in the step (after the final norm)."""

@@ -1,7 +1,7 @@
 """Ops backends behind a registry. `reference` is pure torch and is the oracle.
 
-get_ops("auto") picks the fastest backend available on the device; backends import lazily so
-that `import kvserve` needs no compiler and no CUDA.
+get_ops("auto") picks the fastest backend available on the device (cpu on CPUs, torch
+elsewhere); backends import lazily so that `import kvserve` needs no compiler and no CUDA.
 """
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ from typing import Any
 _REGISTRY: dict[str, str] = {
     "reference": "kvserve.ops.reference:ReferenceOps",
     "cpu": "kvserve.ops.cpu:CpuOps",
+    "torch": "kvserve.ops.torch_ops:TorchOps",
 }
 
 
@@ -26,12 +27,14 @@ def available_ops() -> list[str]:
 
 def get_ops(name: str = "auto", device: str = "cpu") -> Any:
     if name == "auto":
-        name = "cpu" if device == "cpu" and "cpu" in _REGISTRY else "reference"
-        if name == "cpu":
+        # CPU: kvserve's C++ kernels. Elsewhere (CUDA), or where they cannot be built: the
+        # batched torch backend.
+        if device == "cpu":
             try:
                 return get_ops("cpu")
-            except Exception:  # no compiler / unsupported CPU: the reference still works
-                return get_ops("reference")
+            except Exception:  # no compiler / unsupported CPU
+                return get_ops("torch")
+        name = "torch"
     if name not in _REGISTRY:
         raise ValueError(f"ops backend must be one of {', '.join(['auto'] + available_ops())}, "
                          f"got {name!r}")

@@ -102,8 +102,8 @@ class ReferenceOps:
             v = v.repeat_interleave(h // hkv, dim=1)
             qb = q[s:e].float()
             scores = torch.einsum("qhd,khd->hqk", qb, k) * scale
-            q_pos = torch.arange(seq_len - (e - s), seq_len).unsqueeze(1)
-            k_pos = torch.arange(seq_len).unsqueeze(0)
+            q_pos = torch.arange(seq_len - (e - s), seq_len, device=q.device).unsqueeze(1)
+            k_pos = torch.arange(seq_len, device=q.device).unsqueeze(0)
             scores = scores.masked_fill(k_pos > q_pos, float("-inf"))
             probs = torch.softmax(scores, dim=-1)
             out[s:e] = torch.einsum("hqk,khd->qhd", probs, v).to(q.dtype)

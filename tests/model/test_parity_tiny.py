@@ -24,7 +24,7 @@ def assert_logits_close(ours: torch.Tensor, ref: torch.Tensor) -> None:
     torch.testing.assert_close(ours, ref, rtol=1e-4, atol=1e-4 * scale)
 
 
-@pytest.mark.parametrize("ops_name", ["reference", "auto"])
+@pytest.mark.parametrize("ops_name", ["reference", "auto", "torch"])
 @pytest.mark.parametrize("arch,architecture", ARCHS)
 def test_prefill_and_decode_match_hf(arch: str, architecture: str, ops_name: str) -> None:
     hf = tiny_hf_model(arch)
@@ -47,7 +47,7 @@ def test_prefill_and_decode_match_hf(arch: str, architecture: str, ops_name: str
         assert_logits_close(logits, ref)
 
 
-@pytest.mark.parametrize("ops_name", ["reference", "auto"])
+@pytest.mark.parametrize("ops_name", ["reference", "auto", "torch"])
 def test_mixed_varlen_batch_matches_hf(ops_name: str) -> None:
     """Prefill chunks and decodes of several sequences in one forward."""
     hf = tiny_hf_model("llama", seed=3)

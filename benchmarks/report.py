@@ -70,8 +70,11 @@ class Report:
         self.results = results
         self.man = _load(results, "manifest") or {}
         self.machine = _load(results, "machine")
+        # kvserve as it runs by default (the GGUF's blocks as stored) and on float32 weights.
         self.lat = _load(results, "kvserve_latency")
+        self.lat_f32 = _load(results, "kvserve_latency_f32")
         self.thr = _load(results, "kvserve_throughput")
+        self.thr_f32 = _load(results, "kvserve_throughput_f32")
         self.hf = _load(results, "hf")
         self.lc_f32 = _load(results, "llama_cpp_f32")
         self.lc_file = _load(results, "llama_cpp_file")
@@ -140,12 +143,14 @@ class Report:
             (f"- Versions: kvserve `{v.get('kvserve')}`, torch {v.get('torch')}, transformers "
             f"{v.get('transformers')}, llama-cpp-python {v.get('llama_cpp_python')}, "
             f"llama-server `{v.get('llama_server')}`"),
-            (f"- Weights: kvserve loads the shipped GGUF ({self.file_format()}) and "
-            f"dequantizes it to **float32** at load (it has no quantized kernels yet). "
-            f"llama.cpp is measured on an all-F32 GGUF converted from the same file "
-            f"(`benchmarks/to_f32_gguf.py`: bit-identical weights) and, for reference, on the "
-            f"file as shipped. Its servers run the "
-            f"{'F32 file' if peer == 'f32' else 'file as shipped'}."),
+            (f"- Weights: by default kvserve runs the shipped GGUF's **{self.file_format()} "
+            f"blocks as stored** (`--quantization gguf`: its kernels dequantize in registers "
+            f"and give the float32 result bit for bit), like llama.cpp on the same file. Both "
+            f"are also measured on float32 weights: kvserve with `--quantization none`, "
+            f"llama.cpp on an all-F32 GGUF converted from the same file "
+            f"(`benchmarks/to_f32_gguf.py`: bit-identical weights). Every ratio compares the "
+            f"same format, except HF transformers, which runs float32 only. The servers run "
+            f"{'the F32 file' if peer == 'f32' else 'the file as shipped'}."),
         ]
         for pr in self.man.get("partial_runs") or []:
             kv = _get(pr, "versions", "kvserve")
@@ -207,65 +212,71 @@ class Report:
     def latency(self) -> list[str]:
         c_f32, c_file, c_pre = (self.decode_ceiling("f32"), self.decode_ceiling("file"),
                                 self.prefill_ceiling())
-        lc_pre = _get(self.lc_f32, "single", "prefill_tok_s")
-        lc_dec = _get(self.lc_f32, "single", "decode_tok_s")
+        fmt = self.file_format()
+        kq, kf = self.lat, self.lat_f32
+        # (engine, prefill, decode, its decode ceiling, the kvserve run of the same format)
         rows = [
-            ("kvserve (float32)", _get(self.lat, "prefill_tok_s"),
-             _get(self.lat, "decode_tok_s"), c_f32),
-            ("llama.cpp, F32 GGUF", lc_pre, lc_dec, c_f32),
-            (f"llama.cpp, {self.file_format()} as shipped",
-             _get(self.lc_file, "single", "prefill_tok_s"),
-             _get(self.lc_file, "single", "decode_tok_s"), c_file),
-            ("HF transformers (float32)", None, _get(self.hf, "decode_tok_s"), c_f32),
+            (f"kvserve ({fmt} blocks, default)", _get(kq, "prefill_tok_s"),
+             _get(kq, "decode_tok_s"), c_file, None),
+            (f"llama.cpp, {fmt} as shipped", _get(self.lc_file, "single", "prefill_tok_s"),
+             _get(self.lc_file, "single", "decode_tok_s"), c_file, kq),
+            ("kvserve (float32, `--quantization none`)", _get(kf, "prefill_tok_s"),
+             _get(kf, "decode_tok_s"), c_f32, None),
+            ("llama.cpp, F32 GGUF", _get(self.lc_f32, "single", "prefill_tok_s"),
+             _get(self.lc_f32, "single", "decode_tok_s"), c_f32, kf),
+            ("HF transformers (float32)", None, _get(self.hf, "decode_tok_s"), c_f32, kf),
         ]
-        n_pre = _get(self.lat, "input_len") or _get(self.lc_f32, "single", "prefill_len")
+        n_pre = _get(kq, "input_len") or _get(self.lc_f32, "single", "prefill_len")
         lines = [
             "## Batch 1: prefill and decode", "",
             (f"Prefill: one {n_pre}-token prompt, tok/s = prompt tokens / time to the first "
             f"token. Decode: tok/s of the tokens after the first. Medians of several runs; "
-            f"ceilings as above."), "",
+            f"ceilings as above. *kvserve / this* compares kvserve on the same weight format."),
+            "",
             (f"| engine | prefill {n_pre} (tok/s) | % of ceiling {_f(c_pre, 0)} | "
             f"kvserve / this | decode (tok/s) | % of its bandwidth ceiling | kvserve / this |"),
             "|---|---:|---:|---:|---:|---:|---:|",
         ]
-        k_pre, k_dec = rows[0][1], rows[0][2]
-        for name, pre, dec, ceil in rows:
-            lines.append(
-                f"| {name} | {_f(pre)} | {_pct(pre, c_pre)}"
-                f" | {_x(_ratio(k_pre, pre)) if name[:7] != 'kvserve' else ''} | {_f(dec)} | "
-                f"{_pct(dec, ceil)} of {_f(ceil, 0)} | "
-                f"{_x(_ratio(k_dec, dec)) if name[:7] != 'kvserve' else ''} |")
-        if self.lat:
-            lines += ["", (f"kvserve start-up (model load + KV cache allocation): "
-                          f"{_f(self.lat.get('startup_s'), 1)} s; its first request (warm-up) "
-                          f"{_f(self.lat.get('first_request_s'), 2)} s.")]
+        for name, pre, dec, ceil, same in rows:
+            vs_pre = _x(_ratio(_get(same, "prefill_tok_s"), pre)) if same else ""
+            vs_dec = _x(_ratio(_get(same, "decode_tok_s"), dec)) if same else ""
+            lines.append(f"| {name} | {_f(pre)} | {_pct(pre, c_pre)} | {vs_pre} | {_f(dec)} | "
+                         f"{_pct(dec, ceil)} of {_f(ceil, 0)} | {vs_dec} |")
+        for label, lat in ((f"{fmt} blocks", kq), ("float32", kf)):
+            if lat:
+                lines += ["", (f"kvserve start-up ({label}; model load + KV cache "
+                              f"allocation): {_f(lat.get('startup_s'), 1)} s; its first "
+                              f"request (warm-up) {_f(lat.get('first_request_s'), 2)} s.")]
         return lines + [""]
 
     def batch(self) -> list[str]:
-        kv = _get(self.thr, "output_tok_s")
+        kv, kvf = _get(self.thr, "output_tok_s"), _get(self.thr_f32, "output_tok_s")
         hf = _get(self.hf, "batch_output_tok_s")
         lc = _get(self.lc_f32, "batch", "decode_tok_s")
         lcq = _get(self.lc_file, "batch", "decode_tok_s")
         n_in = _get(self.thr, "input_len") or _get(self.hf, "input_len")
         n_out = _get(self.thr, "output_len") or _get(self.hf, "output_len")
         ceil = self.batch_decode_ceiling()
+        fmt = self.file_format()
         return [
             "## Batch 8, offline", "",
             (f"8 prompts of {n_in} tokens, {n_out} new tokens each, EOS ignored. kvserve: "
             f"`kvserve bench throughput` (LLM.generate; prefill included). HF: "
             f"`model.generate` on a left-padded batch (prefill included). llama.cpp: pure "
-            f"decode steps of one `llama_batch` holding 8 sequences (prefill excluded)."), "",
+            f"decode steps of one `llama_batch` holding 8 sequences (prefill excluded). "
+            f"*kvserve / this*: kvserve on the same weight format; HF runs float32 only, so "
+            f"it is compared with both."), "",
             ("| engine | output tok/s | kvserve / this | % of batch-decode ceiling "
             f"{_f(ceil, 0)} |"),
             "|---|---:|---:|---:|",
-            (f"| kvserve, LLM.generate (float32) | {_f(kv)} | | "
-            f"{_pct(kv, ceil)} |"),
-            (f"| HF transformers, generate (float32) | {_f(hf)} | {_x(_ratio(kv, hf))} | "
-            f"{_pct(hf, ceil)} |"),
-            (f"| llama.cpp batch API, 8 seqs, F32 | {_f(lc)} | {_x(_ratio(kv, lc))} | "
+            f"| kvserve, LLM.generate ({fmt} blocks, default) | {_f(kv)} | | |",
+            f"| llama.cpp batch API, 8 seqs, {fmt} | {_f(lcq)} | {_x(_ratio(kv, lcq))} | |",
+            (f"| kvserve, LLM.generate (float32) | {_f(kvf)} | | "
+            f"{_pct(kvf, ceil)} |"),
+            (f"| llama.cpp batch API, 8 seqs, F32 | {_f(lc)} | {_x(_ratio(kvf, lc))} | "
             f"{_pct(lc, ceil)} |"),
-            (f"| llama.cpp batch API, 8 seqs, {self.file_format()} | {_f(lcq)} | "
-            f"{_x(_ratio(kv, lcq))} | |"),
+            (f"| HF transformers, generate (float32) | {_f(hf)} | {_x(_ratio(kv, hf))} "
+            f"({fmt}), {_x(_ratio(kvf, hf))} (float32) | {_pct(hf, ceil)} |"),
             "",
         ]
 
@@ -303,11 +314,11 @@ class Report:
                     f"{_f(r['total_token_throughput'])} | {_f(r['median_ttft_ms'] / 1e3, 2)} | "
                     f"{_f(r['p99_ttft_ms'] / 1e3, 2)} | {_f(r['median_tpot_ms'], 0)} | "
                     f"{vs_tput} | {vs_ttft} |")
-            lc = _get(self.lc_f32, "batch", "decode_tok_s")
+            lc = _get(self.lc_file, "batch", "decode_tok_s")
             if ref is None:
                 lines += ["", (f"llama-server was not measured; llama.cpp's in-process batched "
-                              f"decode (8 sequences, F32, decode only) for reference: "
-                              f"{_f(lc)} tok/s.")]
+                              f"decode (8 sequences, {self.file_format()}, decode only) for "
+                              f"reference: {_f(lc)} tok/s.")]
             lines.append("")
         startups = [f"{label}: {_f(_get(self.serve.get(n), 'startup_s'), 1)} s"
                     for n, label in SERVERS if self.serve.get(n)]
@@ -358,21 +369,28 @@ class Report:
         r = _ratio(_get(_run_at(k, 8), "median_ttft_ms"), _get(_run_at(ref, 8), "median_ttft_ms"))
         rows.append(("median TTFT at 8 streams <= 1/3 of llama-server's", _x(r),
                      None if r is None else r <= 1 / 3))
-        r = _ratio(_get(self.lat, "decode_tok_s"), _get(self.lc_f32, "single", "decode_tok_s"))
-        rows.append(("batch-1 decode >= 1.0x llama.cpp (F32)", _x(r),
-                     None if r is None else r >= 1.0))
-        c = self.decode_ceiling("f32")
-        d = _get(self.lat, "decode_tok_s")
-        frac = d / c if d and c else None
-        rows.append(("batch-1 decode >= 60% of the F32 bandwidth ceiling",
-                     "n/a" if frac is None else f"{100 * frac:.0f}%",
-                     None if frac is None else frac >= 0.6))
-        r = _ratio(_get(self.lat, "prefill_tok_s"), _get(self.lc_f32, "single", "prefill_tok_s"))
-        n_pre = _get(self.lat, "input_len") or 512
-        rows.append((f"prefill {n_pre} >= 1.0x llama.cpp (F32)", _x(r),
-                     None if r is None else r >= 1.0))
+        fmt = self.file_format()
+        for label, lat, lc, ceil_fmt in ((f"{fmt}", self.lat, self.lc_file, "file"),
+                                         ("F32", self.lat_f32, self.lc_f32, "f32")):
+            r = _ratio(_get(lat, "decode_tok_s"), _get(lc, "single", "decode_tok_s"))
+            rows.append((f"batch-1 decode >= 1.0x llama.cpp ({label})", _x(r),
+                         None if r is None else r >= 1.0))
+            c = self.decode_ceiling(ceil_fmt)
+            d = _get(lat, "decode_tok_s")
+            frac = d / c if d and c else None
+            rows.append((f"batch-1 decode >= 60% of the {label} bandwidth ceiling",
+                         "n/a" if frac is None else f"{100 * frac:.0f}%",
+                         None if frac is None else frac >= 0.6))
+            r = _ratio(_get(lat, "prefill_tok_s"), _get(lc, "single", "prefill_tok_s"))
+            n_pre = _get(lat, "input_len") or 512
+            rows.append((f"prefill {n_pre} >= 1.0x llama.cpp ({label})", _x(r),
+                         None if r is None else r >= 1.0))
         r = _ratio(_get(self.thr, "output_tok_s"), _get(self.hf, "batch_output_tok_s"))
-        rows.append(("batch 8 >= 5x HF transformers", _x(r), None if r is None else r >= 5))
+        rows.append((f"batch 8 >= 5x HF transformers (kvserve {fmt}, HF float32)", _x(r),
+                     None if r is None else r >= 5))
+        r = _ratio(_get(self.thr_f32, "output_tok_s"), _get(self.hf, "batch_output_tok_s"))
+        rows.append(("batch 8 >= 5x HF transformers (both float32)", _x(r),
+                     None if r is None else r >= 5))
         on, off = _get(self.prefix, "on", "median_ttft_ms"), _get(self.prefix, "off",
                                                                    "median_ttft_ms")
         r = _ratio(on, off)
@@ -419,10 +437,11 @@ class Report:
                 ax.plot(xs, ys, marker="o", label=f"{label} [{_get(self.serve[name], 'weights')}]")
                 any_line = True
             if key == "output_throughput":
-                lc = _get(self.lc_f32, "batch", "decode_tok_s")
+                lc = _get(self.lc_file, "batch", "decode_tok_s")
                 if lc:
                     ax.axhline(lc, ls="--", c="gray", lw=1,
-                               label="llama.cpp batch API, 8 seqs, F32 (decode only)")
+                               label=f"llama.cpp batch API, 8 seqs, {self.file_format()} "
+                                     "(decode only)")
                     any_line = True
             ax.set_xscale("log", base=2)
             ax.set_xticks([1, 2, 4, 8, 16, 32], labels=["1", "2", "4", "8", "16", "32"])

@@ -128,6 +128,9 @@ class SchedulerConfig:
                  f"({self.max_model_len})")
 
 
+QUANTIZATIONS = ("gguf", "none")
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     model: str  # resolved path to a .gguf file or an HF directory
@@ -138,10 +141,21 @@ class EngineConfig:
     device: str = "cpu"
     seed: int = 0
     ops_backend: str = "auto"  # "auto" | "reference" | "cpu" | "torch" (kvserve.ops registry)
+    # "gguf": Q4_1 / Q8_0 linear weights of a GGUF file stay in their blocks (kvserve/quant/
+    # gguf.py); "none": every weight is dequantized to `dtype` at load.
+    quantization: str = "none"
 
     def __post_init__(self) -> None:
         _require(self.dtype in _DTYPES,
                  f"dtype must be one of {', '.join(_DTYPES)}, got {self.dtype!r}")
+        _require(self.quantization in QUANTIZATIONS,
+                 f"quantization must be one of {', '.join(QUANTIZATIONS)}, got "
+                 f"{self.quantization!r}")
+        _require(self.quantization != "gguf" or self.model.lower().endswith(".gguf"),
+                 f"quantization 'gguf' needs a .gguf model file, got {self.model!r}")
+        _require(self.quantization != "gguf" or self.dtype == "float32",
+                 f"quantization 'gguf' computes in float32; dtype must be float32, got "
+                 f"{self.dtype!r}")
         _require(self.scheduler.max_model_len <= self.model_config.max_position_embeddings,
                  f"max_model_len ({self.scheduler.max_model_len}) must be <= the model's "
                  f"context length ({self.model_config.max_position_embeddings})")

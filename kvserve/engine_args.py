@@ -31,6 +31,9 @@ class EngineArgs:
     max_waiting_requests: int | None = None
     seed: int = 0
     ops_backend: str = "auto"
+    # None (auto): "gguf" for a .gguf file in float32 on the CPU (the kernels read its Q4_1 /
+    # Q8_0 blocks as stored, like llama.cpp), else "none" (dequantize at load).
+    quantization: str | None = None
 
     def create_engine_config(self, model_path: str, mc: ModelConfig) -> EngineConfig:
         device = default_device() if self.device == "auto" else self.device
@@ -59,7 +62,10 @@ class EngineArgs:
                                       max_num_batched_tokens=budget, max_model_len=max_len,
                                       enable_chunked_prefill=self.enable_chunked_prefill,
                                       max_waiting_requests=self.max_waiting_requests),
-            dtype=dtype, device=device, seed=self.seed, ops_backend=self.ops_backend)
+            dtype=dtype, device=device, seed=self.seed, ops_backend=self.ops_backend,
+            quantization=self.quantization or (
+                "gguf" if model_path.lower().endswith(".gguf") and device == "cpu"
+                and dtype == "float32" and self.ops_backend in ("auto", "cpu") else "none"))
 
     @classmethod
     def from_kwargs(cls, **kwargs: object) -> EngineArgs:
@@ -89,6 +95,10 @@ class EngineArgs:
         p.add_argument("--no-enable-chunked-prefill", dest="enable_chunked_prefill",
                        action="store_false")
         p.add_argument("--seed", type=int, default=d.seed)
+        p.add_argument("--quantization", "-q", default=d.quantization,
+                       choices=["gguf", "none"],
+                       help="gguf: run a GGUF file's Q4_1 / Q8_0 weights as stored (default "
+                       "for .gguf files on the CPU); none: dequantize every weight at load")
         p.add_argument("--ops-backend", default=d.ops_backend,
                        help="auto (cpu kernels on CPU, torch elsewhere), cpu, torch or "
                        "reference (the pure-torch oracle)")

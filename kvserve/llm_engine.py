@@ -89,16 +89,17 @@ class LLMEngine:
         mc = config.model_config
         model_cls = get_model_class(mc.architecture)
         dtype = torch_dtype(config.dtype)
-        model = model_cls(mc, ops, dtype, max_positions=config.scheduler.max_model_len)
-        model.load_weights(ckpt.weights())
+        model = model_cls(mc, ops, dtype, max_positions=config.scheduler.max_model_len,
+                          quantization=config.quantization)
+        model.load_weights(ckpt.weights(keep_quantized=config.quantization == "gguf"))
         model = model.to(config.device).eval()
         num_blocks = cls.num_kv_blocks(config)
         engine = cls(config, ckpt.tokenizer, model, num_blocks)
         bs = config.cache.block_size
-        logger.info("loaded %s (%s, %s, ops=%s, %d threads) in %.1fs; KV cache: %d blocks x %d "
-                    "tokens = %d tokens", path, mc.architecture, config.dtype, ops.name,
-                    threads, time.perf_counter() - t0, num_blocks - 1, bs,
-                    (num_blocks - 1) * bs)
+        logger.info("loaded %s (%s, %s, quantization=%s, ops=%s, %d threads) in %.1fs; KV "
+                    "cache: %d blocks x %d tokens = %d tokens", path, mc.architecture,
+                    config.dtype, config.quantization, ops.name, threads,
+                    time.perf_counter() - t0, num_blocks - 1, bs, (num_blocks - 1) * bs)
         return engine
 
     @staticmethod

@@ -23,15 +23,21 @@ def gpl_text() -> str:
     return (REFERENCE_DIR / "GPL-3.txt").read_text()
 
 
+def build_smollm2(ckpt: Any, quantization: str) -> Any:
+    mc = ckpt.model_config
+    model = get_model_class(mc.architecture)(mc, get_ops("auto"), torch.float32,
+                                             quantization=quantization)
+    model.load_weights(ckpt.weights(keep_quantized=quantization == "gguf"))
+    return model.eval()
+
+
 @pytest.fixture(scope="session")
 def smollm2() -> Any:
-    """(path, checkpoint, kvserve model with the default ops backend)."""
+    """(path, checkpoint, kvserve model) as the engine builds it by default: the default ops
+    backend, the GGUF's Q4_1 / Q8_0 weights kept as blocks (quantization "gguf")."""
     path = resolve_model(None)
     ckpt = load_checkpoint(path)
-    mc = ckpt.model_config
-    model = get_model_class(mc.architecture)(mc, get_ops("auto"), torch.float32)
-    model.load_weights(ckpt.weights())
-    return path, ckpt, model.eval()
+    return path, ckpt, build_smollm2(ckpt, "gguf")
 
 
 @pytest.fixture(scope="session")

@@ -48,8 +48,17 @@ class Linear(nn.Module):
         self.bias = (nn.Parameter(torch.zeros(out_features, dtype=dtype), requires_grad=False)
                      if bias else None)
 
-    def load_shard(self, name: str, shard: int, tensor: torch.Tensor) -> None:
-        """Copy one checkpoint tensor (weight or bias) into output-row shard `shard`."""
+    def load_shard(self, name: str, shard: int, tensor: Any) -> None:
+        """Copy one checkpoint tensor (weight or bias) into output-row shard `shard`. A GGUF
+        block tensor (kvserve.quant.gguf.GGUFWeight) goes to a quant method that keeps it, or
+        is dequantized here."""
+        from kvserve.quant.gguf import GGUFWeight
+
+        if isinstance(tensor, GGUFWeight):
+            if name == "weight" and hasattr(self.quant_method, "load_quantized"):
+                self.quant_method.load_quantized(self, shard, tensor)
+                return
+            tensor = tensor.dequantize()
         start = sum(self.shard_sizes[:shard])
         size = self.shard_sizes[shard]
         param = getattr(self, name)
@@ -57,6 +66,12 @@ class Linear(nn.Module):
             raise ValueError(f"tensor of shape {tuple(tensor.shape)} does not fit {name} shard "
                              f"{shard} of shape {(size,) + tuple(param.shape[1:])}")
         param.data[start:start + size].copy_(tensor)
+
+    def process_weights_after_loading(self) -> None:
+        """Called once every checkpoint tensor is in (vLLM's name): a quant method may repack."""
+        hook = getattr(self.quant_method, "process_weights_after_loading", None)
+        if hook is not None:
+            hook(self)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.quant_method.apply(self, x)

@@ -5,8 +5,7 @@ from __future__ import annotations
 import os
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-
-import torch
+from typing import Any
 
 from kvserve.config import ModelConfig
 from kvserve.loader.errors import CheckpointError
@@ -18,12 +17,14 @@ class Checkpoint:
     model_config: ModelConfig
     tokenizer: Tokenizer
     path: str
-    _weights: Callable[[], Iterator[tuple[str, torch.Tensor]]] = field(repr=False)
+    _weights: Callable[..., Iterator[tuple[str, Any]]] = field(repr=False)
 
-    def weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+    def weights(self, keep_quantized: bool = False) -> Iterator[tuple[str, Any]]:
         """(HF name, float32 CPU tensor) pairs, dequantized one at a time so that at most one
-        float32 copy of a tensor is alive beyond what the caller keeps."""
-        return self._weights()
+        float32 copy of a tensor is alive beyond what the caller keeps. keep_quantized: a
+        GGUF file's Q4_1 / Q8_0 matrices come as kvserve.quant.gguf.GGUFWeight blocks
+        (other checkpoints have none)."""
+        return self._weights(keep_quantized)
 
 
 def load_checkpoint(path: str) -> Checkpoint:

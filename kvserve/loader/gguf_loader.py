@@ -27,6 +27,7 @@ from kvserve.config import ModelConfig
 from kvserve.loader.errors import CheckpointError
 from kvserve.loader.gguf_tokenizer import tokenizer_from_gguf
 from kvserve.loader.tokenizer import Tokenizer
+from kvserve.quant.gguf import BLOCK_BYTES, GGUFWeight
 
 GGUF_MAGIC = b"GGUF"
 
@@ -292,13 +293,28 @@ class GGUFCheckpoint:
                 raise CheckpointError(f"GGUF tensor {name!r} has type {t.tensor_type.name}, "
                                       "which the installed gguf package cannot dequantize")
 
-    def weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+    def weights(self, keep_quantized: bool = False
+                ) -> Iterator[tuple[str, torch.Tensor | GGUFWeight]]:
+        """(HF name, float32 tensor) pairs; with keep_quantized, the Q4_1 / Q8_0 matrices come
+        as GGUFWeight blocks instead (rows un-permuted like the floats), for the model's
+        GGUFLinearMethod layers to keep and the rest to dequantize."""
         c = self.model_config
         for t in self.reader.tensors:
             if t.name in _NON_WEIGHTS:
                 continue
             shape = tuple(int(d) for d in reversed(t.shape.tolist()))
-            # np.array copies out of the read-only memmap, so torch gets memory it owns.
+            if keep_quantized and int(t.tensor_type) in BLOCK_BYTES and len(shape) == 2 \
+                    and shape[1] % 32 == 0:
+                # np.array copies out of the read-only memmap, so torch gets memory it owns.
+                raw = torch.from_numpy(np.array(t.data, dtype=np.uint8).reshape(shape[0], -1))
+                if self.permuted_qk:
+                    if ".attn_q." in t.name:
+                        raw = unpermute_qk(raw, c.num_attention_heads)
+                    elif ".attn_k." in t.name:
+                        raw = unpermute_qk(raw, c.num_key_value_heads)
+                yield gguf_to_hf_name(t.name), GGUFWeight(raw.contiguous(),
+                                                          int(t.tensor_type), shape[1])
+                continue
             w = torch.from_numpy(np.array(gguf.quants.dequantize(t.data, t.tensor_type),
                                           dtype=np.float32).reshape(shape))
             if self.permuted_qk:

@@ -229,7 +229,9 @@ class HFCheckpoint:
                                                if len(missing) > 8 else "")
             raise CheckpointError(f"checkpoint {self.path} is missing tensors: {shown}")
 
-    def weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+    def weights(self, keep_quantized: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
+        """keep_quantized is accepted for the Checkpoint interface: safetensors here are
+        float tensors, converted to float32."""
         for fname, names in self.files.items():
             with safe_open(os.path.join(self.path, fname), framework="pt") as f:
                 for name in names:

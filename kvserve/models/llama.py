@@ -13,9 +13,10 @@ import torch
 from torch import nn
 
 from kvserve.config import ModelConfig
-from kvserve.layers.linear import Linear
+from kvserve.layers.linear import Linear, LinearMethod
 from kvserve.layers.rotary import rope_cos_sin
 from kvserve.outputs import ModelInput
+from kvserve.quant.gguf import GGUFLinearMethod, GGUFWeight
 
 
 class RMSNorm(nn.Module):
@@ -33,8 +34,14 @@ class RMSNorm(nn.Module):
         return self.ops.add_rms_norm(x, residual, self.weight, self.eps)
 
 
+def linear_method(quantization: str) -> LinearMethod | None:
+    """The LinearMethod of every linear layer for a quantization (EngineConfig.quantization)."""
+    return GGUFLinearMethod() if quantization == "gguf" else None
+
+
 class LlamaAttention(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer_idx: int, ops: Any, dtype: torch.dtype) -> None:
+    def __init__(self, cfg: ModelConfig, layer_idx: int, ops: Any, dtype: torch.dtype,
+                 quantization: str = "none") -> None:
         super().__init__()
         self.layer_idx = layer_idx
         self.num_heads = cfg.num_attention_heads
@@ -46,8 +53,10 @@ class LlamaAttention(nn.Module):
         self.ops = ops
         self.qkv_proj = Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size,
                                bias=cfg.attention_bias, ops=ops, dtype=dtype,
-                               shard_sizes=(self.q_size, self.kv_size, self.kv_size))
-        self.o_proj = Linear(self.q_size, cfg.hidden_size, bias=False, ops=ops, dtype=dtype)
+                               shard_sizes=(self.q_size, self.kv_size, self.kv_size),
+                               quant_method=linear_method(quantization))
+        self.o_proj = Linear(self.q_size, cfg.hidden_size, bias=False, ops=ops, dtype=dtype,
+                             quant_method=linear_method(quantization))
 
     def forward(self, x: torch.Tensor, inp: ModelInput, kv_cache: torch.Tensor,
                 cos_sin: torch.Tensor) -> torch.Tensor:
@@ -66,26 +75,29 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaMLP(nn.Module):
-    def __init__(self, cfg: ModelConfig, ops: Any, dtype: torch.dtype) -> None:
+    def __init__(self, cfg: ModelConfig, ops: Any, dtype: torch.dtype,
+                 quantization: str = "none") -> None:
         super().__init__()
         i = cfg.intermediate_size
         self.ops = ops
         self.gate_up_proj = Linear(cfg.hidden_size, 2 * i, bias=False, ops=ops, dtype=dtype,
-                                   shard_sizes=(i, i))
-        self.down_proj = Linear(i, cfg.hidden_size, bias=False, ops=ops, dtype=dtype)
+                                   shard_sizes=(i, i), quant_method=linear_method(quantization))
+        self.down_proj = Linear(i, cfg.hidden_size, bias=False, ops=ops, dtype=dtype,
+                                quant_method=linear_method(quantization))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(self.ops.silu_and_mul(self.gate_up_proj(x)))
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer_idx: int, ops: Any, dtype: torch.dtype) -> None:
+    def __init__(self, cfg: ModelConfig, layer_idx: int, ops: Any, dtype: torch.dtype,
+                 quantization: str = "none") -> None:
         super().__init__()
         self.ops = ops
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops, dtype)
-        self.self_attn = LlamaAttention(cfg, layer_idx, ops, dtype)
+        self.self_attn = LlamaAttention(cfg, layer_idx, ops, dtype, quantization)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops, dtype)
-        self.mlp = LlamaMLP(cfg, ops, dtype)
+        self.mlp = LlamaMLP(cfg, ops, dtype, quantization)
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None, inp: ModelInput,
                 kv_cache: torch.Tensor, cos_sin: torch.Tensor
@@ -109,17 +121,22 @@ class LlamaForCausalLM(nn.Module):
     }
 
     def __init__(self, cfg: ModelConfig, ops: Any, dtype: torch.dtype = torch.float32,
-                 max_positions: int | None = None) -> None:
+                 max_positions: int | None = None, quantization: str = "none") -> None:
+        """quantization: "gguf" keeps a GGUF file's Q4_1 / Q8_0 linear weights (lm_head
+        included, tied or not) as blocks; the embedding lookup always uses floats."""
         super().__init__()
         self.config = cfg
         self.ops = ops
         self.embed_tokens = nn.Parameter(torch.empty(cfg.vocab_size, cfg.hidden_size,
                                                      dtype=dtype), requires_grad=False)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, i, ops, dtype)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, i, ops, dtype, quantization)
                                     for i in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops, dtype)
-        self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False, ops=ops, dtype=dtype)
+        self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False, ops=ops, dtype=dtype,
+                              quant_method=linear_method(quantization))
         if cfg.tie_word_embeddings:
+            # Tied: one float tensor serves both, unless lm_head keeps the embedding's GGUF
+            # blocks (then the lookup still reads the dequantized floats).
             self.lm_head.weight = self.embed_tokens
         # RoPE table kept in float32 whatever the weights' dtype: positions need the precision.
         # A buffer, so that model.to(device) moves it; not in the state dict.
@@ -149,6 +166,10 @@ class LlamaForCausalLM(nn.Module):
                 continue
             if name == "lm_head.weight" and self.config.tie_word_embeddings:
                 continue
+            if isinstance(tensor, GGUFWeight) and name == "model.embed_tokens.weight":
+                if self.config.tie_word_embeddings:
+                    self.lm_head.load_shard("weight", 0, tensor)  # keeps or dequantizes
+                tensor = tensor.dequantize()
             key = name.removeprefix("model.") if name != "model.embed_tokens.weight" else name
             for frag, (fused, shard) in self.stacked_params.items():
                 if frag in key:
@@ -163,12 +184,23 @@ class LlamaForCausalLM(nn.Module):
                 if key not in params:
                     raise ValueError(f"checkpoint tensor {name!r} has no place in "
                                      f"{self.config.architecture}")
+                if isinstance(tensor, GGUFWeight):
+                    owner, pname = key.rsplit(".", 1)
+                    module = self.get_submodule(owner)
+                    if isinstance(module, Linear):
+                        module.load_shard(pname, 0, tensor)
+                        loaded.add(key)
+                        continue
+                    tensor = tensor.dequantize()
                 if tuple(params[key].shape) != tuple(tensor.shape):
                     raise ValueError(f"checkpoint tensor {name!r} has shape "
                                      f"{tuple(tensor.shape)}, expected {tuple(params[key].shape)}")
                 params[key].data.copy_(tensor)
                 loaded.add(key)
         self._check_all_loaded(params, loaded)
+        for module in self.modules():
+            if isinstance(module, Linear):
+                module.process_weights_after_loading()
 
     def _check_all_loaded(self, params: dict[str, nn.Parameter], loaded: set[str]) -> None:
         expected: set[str] = set()

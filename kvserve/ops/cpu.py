@@ -144,14 +144,19 @@ class CpuOps(ReferenceOps):
 
     def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
                ) -> torch.Tensor:
-        if (self._ext is None or x.dtype != torch.float32 or weight.dtype != torch.float32
+        """weight: float32 [N, K], or uint8 GGUF Q4_1 / Q8_0 blocks (kvserve/quant/gguf.py),
+        which the kernels read as stored and dequantize for torch's GEMM at large M."""
+        if (self._ext is None or x.dtype != torch.float32
+                or weight.dtype not in (torch.float32, torch.uint8)
                 or (bias is not None and (bias.dtype != torch.float32
                                           or not bias.is_contiguous()))
                 or not weight.is_contiguous() or x.dim() == 0):
-            return F.linear(x, weight, bias)
+            return super().linear(x, weight, bias)
         k = x.shape[-1]
         x2 = x.reshape(-1, k)
         if x2.shape[0] > self.small_m or x2.stride(-1) != 1:
+            if weight.dtype == torch.uint8:
+                weight = self._ext.dequantize(weight, k)
             return F.linear(x, weight, bias)
         out = self._ext.linear(x2, weight, bias, self._avx512)
         return out.view(*x.shape[:-1], weight.shape[0])
@@ -179,16 +184,20 @@ class CpuOps(ReferenceOps):
     @staticmethod
     def _fusable(layer: Any, cos_sin: torch.Tensor) -> tuple | None:
         """The fused kernel's weight arguments, or None when a piece of the layer is not
-        plain float32 (a quantized linear, half-precision weights, an odd head_dim)."""
+        float32 or GGUF Q4_1 / Q8_0 blocks (half-precision weights, another quantization) or
+        has an odd head_dim."""
         from kvserve.layers.linear import UnquantizedLinearMethod
+        from kvserve.quant.gguf import GGUFLinearMethod
 
         attn, mlp = layer.self_attn, layer.mlp
         linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
-        tensors = [lin.weight for lin in linears] + [
+        tensors = [lin.weight for lin in linears if lin.weight.dtype != torch.uint8] + [
             layer.input_layernorm.weight, layer.post_attention_layernorm.weight, cos_sin]
         if attn.qkv_proj.bias is not None:
             tensors.append(attn.qkv_proj.bias)
-        if (any(type(lin.quant_method) is not UnquantizedLinearMethod for lin in linears)
+        if (any(type(lin.quant_method) not in (UnquantizedLinearMethod, GGUFLinearMethod)
+                for lin in linears)
+                or any(not lin.weight.is_contiguous() for lin in linears)
                 or any(lin.bias is not None for lin in linears[1:])
                 or any(t.dtype != torch.float32 or not t.is_contiguous() for t in tensors)
                 or attn.head_dim % 8 != 0

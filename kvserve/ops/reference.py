@@ -26,6 +26,11 @@ class ReferenceOps:
     @staticmethod
     def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
                ) -> torch.Tensor:
+        """weight: float [N, K], or uint8 GGUF blocks (kvserve/quant/gguf.py) dequantized."""
+        if weight.dtype == torch.uint8:
+            from kvserve.quant.gguf import dequantize_any
+
+            weight = dequantize_any(weight, x.shape[-1]).to(x.dtype)
         return F.linear(x, weight, bias)
 
     @staticmethod

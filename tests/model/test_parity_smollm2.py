@@ -2,7 +2,9 @@
 
 HF's LlamaForCausalLM is the independent reference: we hand it the weights our loader
 dequantized (HF's own GGUF path differs in its tokenizer, not its math). Tolerance as in
-test_parity_tiny: 1e-4 of the logits' scale.
+test_parity_tiny: 1e-4 of the logits' scale. The model under test is the engine's default:
+its linears read the file's Q4_1 / Q8_0 blocks; the float32 model (quantization "none") must
+give the same logits bit for bit.
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ import torch
 
 from kvserve.loader.hf_reference import hf_model_from_checkpoint
 from kvserve.sampling_params import SamplingParams
-from tests.conftest import run_all
+from tests.conftest import build_smollm2, run_all
 from tests.helpers import PagedSequence
 
 PROMPTS = [
@@ -63,3 +65,24 @@ def test_greedy_generation_equals_hf(make_engine: Any, smollm2: Any, hf_smollm2:
             ref = hf_smollm2.generate(torch.tensor([ids]), max_new_tokens=64, do_sample=False,
                                       eos_token_id=None, pad_token_id=2)[0, len(ids):].tolist()
         assert ours[str(i)].outputs[0].token_ids == ref, f"prompt {i}: {p!r}"
+
+
+def test_block_weights_equal_float32_weights_bit_for_bit(smollm2: Any) -> None:
+    _, ckpt, model = smollm2
+    assert model.layers[0].mlp.down_proj.weight.dtype == torch.uint8  # Q4_1 blocks
+    assert model.lm_head.weight.dtype == torch.uint8  # the tied embedding's Q8_0 blocks
+    assert model.embed_tokens.dtype == torch.float32
+    f32 = build_smollm2(ckpt, "none")
+    assert f32.layers[0].mlp.down_proj.weight.dtype == torch.float32
+    ids = ckpt.tokenizer.encode(PROMPTS[1])
+    outs = []
+    for m in (model, f32):
+        runner = PagedSequence(m, num_blocks=16, block_size=16)
+        seq = runner.new_seq()
+        steps = [runner.forward({seq: ids})[0]]
+        tokens = list(ids)
+        for _ in range(4):
+            tokens.append(int(steps[-1][-1].argmax()))
+            steps.append(runner.forward({seq: tokens[-1:]})[0])
+        outs.append(torch.cat(steps))
+    assert torch.equal(outs[0], outs[1])

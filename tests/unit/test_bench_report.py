@@ -41,11 +41,17 @@ def test_ceilings_and_targets(tmp_path: Path, report: Any) -> None:
          "prefill_flop_per_token": 2e8}
     _write(tmp_path, "machine", {"machine": {}, "bandwidth": {"read_gb_s": 20.0},
                                  "gemm": {"gflop_s": 100.0}, "weights": [w, w]})
-    _write(tmp_path, "kvserve_latency", {"prefill_tok_s": 600.0, "decode_tok_s": 30.0,
+    # kvserve on the file's blocks (default) and on float32; llama.cpp on both formats.
+    _write(tmp_path, "kvserve_latency", {"prefill_tok_s": 450.0, "decode_tok_s": 160.0,
                                          "input_len": 512})
+    _write(tmp_path, "kvserve_latency_f32", {"prefill_tok_s": 600.0, "decode_tok_s": 30.0,
+                                             "input_len": 512})
+    _write(tmp_path, "llama_cpp_file", {"single": {"prefill_tok_s": 300.0,
+                                                   "decode_tok_s": 80.0}})
     _write(tmp_path, "llama_cpp_f32", {"single": {"prefill_tok_s": 500.0,
                                                   "decode_tok_s": 40.0}})
-    _write(tmp_path, "kvserve_throughput", {"output_tok_s": 100.0})
+    _write(tmp_path, "kvserve_throughput", {"output_tok_s": 150.0})
+    _write(tmp_path, "kvserve_throughput_f32", {"output_tok_s": 100.0})
     _write(tmp_path, "hf", {"batch_output_tok_s": 25.0})
     _write(tmp_path, "serve_kvserve", _serve(130.0, 1000.0, 90.0))
     _write(tmp_path, "serve_llama_server", _serve(60.0, 4000.0, 60.0))
@@ -67,7 +73,11 @@ def test_ceilings_and_targets(tmp_path: Path, report: Any) -> None:
     assert "0.75x | not met" in rows["batch-1 decode >= 1.0x llama.cpp (F32)"]
     assert "60% | **met**" in rows["batch-1 decode >= 60% of the F32 bandwidth ceiling"]
     assert "1.20x | **met**" in rows["prefill 512 >= 1.0x llama.cpp (F32)"]
-    assert "4.00x | not met" in rows["batch 8 >= 5x HF transformers"]
+    assert "2.00x | **met**" in rows["batch-1 decode >= 1.0x llama.cpp (Q4_1)"]
+    assert "64% | **met**" in rows["batch-1 decode >= 60% of the Q4_1 bandwidth ceiling"]
+    assert "1.50x | **met**" in rows["prefill 512 >= 1.0x llama.cpp (Q4_1)"]
+    assert "6.00x | **met**" in rows["batch 8 >= 5x HF transformers (kvserve Q4_1, HF float32)"]
+    assert "4.00x | not met" in rows["batch 8 >= 5x HF transformers (both float32)"]
     assert "0.67x | not met" in rows["shared prefix: TTFT with caching <= 1/2 of without"]
     md = rep.markdown()
     assert "| kvserve serve | f32 | 130.0 |" in md

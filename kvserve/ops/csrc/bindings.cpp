@@ -25,31 +25,60 @@ torch::Tensor as_int64(const torch::Tensor& t) {
   return t.scalar_type() == torch::kInt64 ? t.contiguous() : t.to(torch::kInt64).contiguous();
 }
 
-// x [M, K] (rows may be strided), weight [N, K] contiguous -> [M, N].
-// avx512: use the AVX-512 kernel; refused (not silently ignored) on a CPU without it.
+// A uint8 weight [N, row bytes] holds GGUF Q4_1 or Q8_0 rows; which one is read off the row
+// length (20 or 34 bytes per 32 weights), the only two quantized formats the kernels take.
+kvs::WType weight_type(const torch::Tensor& weight, int64_t K) {
+  if (weight.scalar_type() == torch::kFloat32) {
+    TORCH_CHECK(weight.size(1) == K, "weight [N, K] has K=", weight.size(1), ", x has ", K);
+    return kvs::WType::F32;
+  }
+  TORCH_CHECK(weight.scalar_type() == torch::kUInt8,
+              "weight must be float32 or uint8 (GGUF blocks), got ", weight.scalar_type());
+  TORCH_CHECK(K % 32 == 0, "a quantized weight needs K % 32 == 0, got K=", K);
+  for (auto wt : {kvs::WType::Q4_1, kvs::WType::Q8_0})
+    if (weight.size(1) == kvs::row_bytes(wt, K)) return wt;
+  TORCH_CHECK(false, "uint8 weight rows of ", weight.size(1), " bytes are neither Q4_1 nor Q8_0 "
+              "blocks for K=", K);
+}
+
+// x [M, K] (rows may be strided), weight [N, K] float32 or [N, row bytes] uint8 (GGUF Q4_1 /
+// Q8_0), contiguous -> [M, N]. avx512: use the AVX-512 kernel; refused (not silently
+// ignored) on a CPU without it.
 torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& weight,
                      const c10::optional<torch::Tensor>& bias, bool avx512) {
   check_f32(x, "x");
-  check_f32(weight, "weight");
-  TORCH_CHECK(x.dim() == 2 && weight.dim() == 2 && x.size(1) == weight.size(1),
-              "linear expects x [M, K] and weight [N, K], got ", x.sizes(), " and ",
-              weight.sizes());
+  TORCH_CHECK(weight.device().is_cpu(), "weight must be a CPU tensor");
+  TORCH_CHECK(x.dim() == 2 && weight.dim() == 2, "linear expects x [M, K] and a 2-D weight, got ",
+              x.sizes(), " and ", weight.sizes());
   check_inner(x, "x");
-  TORCH_CHECK(weight.is_contiguous(), "weight must be contiguous [N, K]");
+  TORCH_CHECK(weight.is_contiguous(), "weight must be contiguous");
+  const int64_t M = x.size(0), N = weight.size(0), K = x.size(1);
+  const kvs::WType wt = weight_type(weight, K);
   const float* b = nullptr;
   if (bias.has_value()) {
     check_f32(*bias, "bias");
-    TORCH_CHECK(bias->is_contiguous() && bias->numel() == weight.size(0), "bias must be [N]");
+    TORCH_CHECK(bias->is_contiguous() && bias->numel() == N, "bias must be [N]");
     b = bias->data_ptr<float>();
   }
-  const int64_t M = x.size(0), N = weight.size(0), K = x.size(1);
   auto out = torch::empty({M, N}, x.options());
   TORCH_CHECK(!avx512 || kvs::cpu_has_avx512(), "linear(avx512=True) on a CPU without AVX-512F");
   if (M > 0 && N > 0) {
     auto kernel = avx512 ? kvs::linear_small_m_avx512 : kvs::linear_small_m;
-    kernel(x.data_ptr<float>(), x.stride(0), weight.data_ptr<float>(), b, out.data_ptr<float>(),
-           M, N, K, at::get_num_threads());
+    kernel(x.data_ptr<float>(), x.stride(0), weight.data_ptr(), wt, b, out.data_ptr<float>(), M,
+           N, K, at::get_num_threads());
   }
+  return out;
+}
+
+// uint8 GGUF rows (Q4_1 / Q8_0) of K weights -> float32 [N, K], the kernels' values.
+torch::Tensor dequantize(const torch::Tensor& weight, int64_t K) {
+  TORCH_CHECK(weight.device().is_cpu() && weight.dim() == 2 && weight.is_contiguous(),
+              "weight must be a contiguous 2-D CPU tensor");
+  const kvs::WType wt = weight_type(weight, K);
+  if (wt == kvs::WType::F32) return weight;
+  auto out = torch::empty({weight.size(0), K}, weight.options().dtype(torch::kFloat32));
+  kvs::dequantize_rows(weight.data_ptr(), wt, out.data_ptr<float>(), weight.size(0), K,
+                       at::get_num_threads());
   return out;
 }
 
@@ -218,7 +247,8 @@ std::tuple<torch::Tensor, torch::Tensor> rotary(const torch::Tensor& q, const to
 // fallback). It saves the ~12 Python->C++ round trips of a layer, about 2 ms of a 12 ms decode
 // step on the 30-layer default model. Same kernels in the same order, so the result equals
 // the unfused path bit for bit. Linears with more than small_m rows go to at::linear (MKL),
-// as CpuOps.linear does.
+// as CpuOps.linear does (a quantized weight dequantized first). Linear weights may be float32
+// or GGUF Q4_1 / Q8_0 blocks (see linear()).
 std::tuple<torch::Tensor, torch::Tensor> llama_layer(
     const torch::Tensor& x, const c10::optional<torch::Tensor>& residual,
     const torch::Tensor& input_norm, const torch::Tensor& post_norm, double eps,
@@ -230,7 +260,8 @@ std::tuple<torch::Tensor, torch::Tensor> llama_layer(
     const torch::Tensor& query_start_loc, double scale, bool avx512, int64_t small_m) {
   auto lin = [&](const torch::Tensor& a, const torch::Tensor& w,
                  const c10::optional<torch::Tensor>& b) {
-    return a.size(0) > small_m ? at::linear(a, w, b) : linear(a, w, b, avx512);
+    if (a.size(0) <= small_m) return linear(a, w, b, avx512);
+    return at::linear(a, w.scalar_type() == torch::kUInt8 ? dequantize(w, a.size(1)) : w, b);
   };
   torch::Tensor h, res;
   if (residual.has_value()) {
@@ -262,6 +293,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   using nogil = py::call_guard<py::gil_scoped_release>;
   m.def("linear", &linear, "small-M linear", py::arg("x"), py::arg("weight"), py::arg("bias"),
         py::arg("avx512") = false, nogil());
+  m.def("dequantize", &dequantize, "GGUF Q4_1 / Q8_0 rows -> float32", py::arg("weight"),
+        py::arg("K"), nogil());
   m.def("cpu_has_avx512", &kvs::cpu_has_avx512, "AVX-512F usable (CPU and OS)");
   m.def("paged_attention", &paged_attention, "varlen paged attention", nogil());
   m.def("write_kv", &write_kv, "scatter K/V into the paged cache", nogil());

@@ -9,14 +9,27 @@
 
 namespace kvs {
 
-// out[m, n] = sum_k x[m*ldx + k] * w[n*K + k] (+ bias[n]);  out is [M, N] contiguous.
-void linear_small_m(const float* x, int64_t ldx, const float* w, const float* bias, float* out,
-                    int64_t M, int64_t N, int64_t K, int nthreads);
+// The weight formats linear reads, numbered as ggml numbers them. A quantized row is K / 32
+// blocks of 32 weights (K % 32 == 0), each dequantized exactly as gguf-py does, one fp32
+// rounding per operation: Q4_1 (20 bytes: fp16 d, fp16 m, 16 bytes of nibbles; weight j is
+// d * (qs[j] & 15) + m, weight 16 + j is d * (qs[j] >> 4) + m) and Q8_0 (34 bytes: fp16 d,
+// 32 int8 q; weight j is d * q[j]).
+enum class WType : int { F32 = 0, Q4_1 = 3, Q8_0 = 8 };
+int64_t row_bytes(WType wt, int64_t K);  // bytes of one weight row of K weights
+
+// out[m, n] = sum_k x[m*ldx + k] * w(n, k) (+ bias[n]);  out is [M, N] contiguous; w is N rows
+// of row_bytes(wt, K) bytes. A quantized row gives the float32 kernel's result on its
+// dequantized row bit for bit: the same values in the same FMA order.
+void linear_small_m(const float* x, int64_t ldx, const void* w, WType wt, const float* bias,
+                    float* out, int64_t M, int64_t N, int64_t K, int nthreads);
 // The same with AVX-512F (linear_avx512.cpp). Precondition: cpu_has_avx512(). Both give each
 // out[m, n] independently of M and of row m's place in the batch (bit for bit, per ISA).
-void linear_small_m_avx512(const float* x, int64_t ldx, const float* w, const float* bias,
-                           float* out, int64_t M, int64_t N, int64_t K, int nthreads);
+void linear_small_m_avx512(const float* x, int64_t ldx, const void* w, WType wt,
+                           const float* bias, float* out, int64_t M, int64_t N, int64_t K,
+                           int nthreads);
 bool cpu_has_avx512();
+// N quantized rows -> float32 [N, K], the values the kernels compute with.
+void dequantize_rows(const void* w, WType wt, float* out, int64_t N, int64_t K, int nthreads);
 
 struct AttentionArgs {
   const float* q;        // q[t*q_st + h*q_sh + d]

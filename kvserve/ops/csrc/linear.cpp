@@ -11,6 +11,12 @@
 // Registers (16 ymm): NT*MT accumulators + MT activation vectors + 1 weight vector.
 //   M == 1: NT = 8, MT = 1 -> 8 + 1 + 1   (8 independent FMA chains hide FMA latency)
 //   M >= 2: NT = 4, MT = 3 -> 12 + 3 + 1  (0.58 loads per FMA)
+//
+// Weight formats (kernels.h WType): the tile reads its weight vectors through a format policy
+// (F32, Q4_1, Q8_0) whose load(row, k) returns the 8 float32 weights k..k+7 of a row. The
+// quantized ones dequantize in registers, so a Q4_1 row streams 5 bits per weight instead of
+// 32, and since they produce the same floats in the same FMA chain, a quantized weight gives
+// the float32 result on its dequantized values bit for bit.
 #include <omp.h>
 
 #include <algorithm>
@@ -27,9 +33,43 @@ constexpr int64_t kPrefetch = 512;
 
 #if KVS_AVX2
 
-template <int NT, int MT, bool kPrefetchW>
-inline void tile(const float* x, int64_t ldx, const float* w, int64_t K, const float* bias,
-                 float* out, int64_t ldo) {
+// Weight format policies: load(row, k) = float32 weights k..k+7 of the row starting at `row`.
+struct F32 {
+  static constexpr bool kQuant = false;
+  static __m256 load(const uint8_t* row, int64_t k) {
+    return _mm256_loadu_ps(reinterpret_cast<const float*>(row) + k);
+  }
+};
+
+struct Q41 {  // k % 8 == 0: bytes (k % 16) .. +7 of the block's nibbles, low or high half
+  static constexpr bool kQuant = true;
+  static constexpr int64_t kBlockBytes = 20;
+  static __m256 load(const uint8_t* row, int64_t k) {
+    const uint8_t* b = row + (k >> 5) * kBlockBytes;
+    __m256i q = _mm256_cvtepu8_epi32(
+        _mm_loadl_epi64(reinterpret_cast<const __m128i*>(b + 4 + (k & 15))));
+    q = (k & 16) ? _mm256_srli_epi32(q, 4) : _mm256_and_si256(q, _mm256_set1_epi32(15));
+    const __m256 f = _mm256_mul_ps(_mm256_set1_ps(half_to_float(load_u16(b))),
+                                   _mm256_cvtepi32_ps(q));
+    return _mm256_add_ps(f, _mm256_set1_ps(half_to_float(load_u16(b + 2))));
+  }
+};
+
+struct Q80 {
+  static constexpr bool kQuant = true;
+  static constexpr int64_t kBlockBytes = 34;
+  static __m256 load(const uint8_t* row, int64_t k) {
+    const uint8_t* b = row + (k >> 5) * kBlockBytes;
+    const __m256i q = _mm256_cvtepi8_epi32(
+        _mm_loadl_epi64(reinterpret_cast<const __m128i*>(b + 2 + (k & 31))));
+    return _mm256_mul_ps(_mm256_set1_ps(half_to_float(load_u16(b))), _mm256_cvtepi32_ps(q));
+  }
+};
+
+// NT weight rows (w, w + rb, ...; rb bytes each) against MT activation rows.
+template <class Fmt, int NT, int MT, bool kPrefetchW>
+inline void tile(const float* x, int64_t ldx, const uint8_t* w, int64_t rb, int64_t K,
+                 const float* bias, float* out, int64_t ldo) {
   __m256 acc[NT][MT];
   for (int n = 0; n < NT; ++n)
     for (int m = 0; m < MT; ++m) acc[n][m] = _mm256_setzero_ps();
@@ -39,20 +79,29 @@ inline void tile(const float* x, int64_t ldx, const float* w, int64_t K, const f
     __m256 xv[MT];
     for (int m = 0; m < MT; ++m) xv[m] = _mm256_loadu_ps(x + m * ldx + k);
     for (int n = 0; n < NT; ++n) {
-      if (kPrefetchW && (k & 15) == 0) _mm_prefetch(reinterpret_cast<const char*>(
-                                                         w + n * K + k + kPrefetch),
-                                                     _MM_HINT_T0);
-      __m256 wv = _mm256_loadu_ps(w + n * K + k);
+      if constexpr (kPrefetchW) {
+        // float32: a line per 16 weights, kPrefetch weights ahead in the row; quantized: a
+        // line per block, the same byte distance ahead in the weight stream.
+        if (!Fmt::kQuant && (k & 15) == 0)
+          _mm_prefetch(reinterpret_cast<const char*>(w + n * rb) + 4 * (k + kPrefetch),
+                       _MM_HINT_T0);
+        if (Fmt::kQuant && (k & 31) == 0)
+          _mm_prefetch(reinterpret_cast<const char*>(w + n * rb) + 4 * kPrefetch +
+                           (k >> 5) * 64, _MM_HINT_T0);
+      }
+      __m256 wv = Fmt::load(w + n * rb, k);
       for (int m = 0; m < MT; ++m) acc[n][m] = _mm256_fmadd_ps(wv, xv[m], acc[n][m]);
     }
   }
-  if (k < K) {  // K % 8 tail: masked loads read zeros past the end, never touching it.
-    __m256i mask = tail_mask(K - k);
-    __m256 xv[MT];
-    for (int m = 0; m < MT; ++m) xv[m] = _mm256_maskload_ps(x + m * ldx + k, mask);
-    for (int n = 0; n < NT; ++n) {
-      __m256 wv = _mm256_maskload_ps(w + n * K + k, mask);
-      for (int m = 0; m < MT; ++m) acc[n][m] = _mm256_fmadd_ps(wv, xv[m], acc[n][m]);
+  if constexpr (!Fmt::kQuant) {
+    if (k < K) {  // K % 8 tail: masked loads read zeros past the end, never touching it.
+      __m256i mask = tail_mask(K - k);
+      __m256 xv[MT];
+      for (int m = 0; m < MT; ++m) xv[m] = _mm256_maskload_ps(x + m * ldx + k, mask);
+      for (int n = 0; n < NT; ++n) {
+        __m256 wv = _mm256_maskload_ps(reinterpret_cast<const float*>(w + n * rb) + k, mask);
+        for (int m = 0; m < MT; ++m) acc[n][m] = _mm256_fmadd_ps(wv, xv[m], acc[n][m]);
+      }
     }
   }
 
@@ -76,28 +125,29 @@ inline void tile(const float* x, int64_t ldx, const float* w, int64_t K, const f
 }
 
 // All M activation rows against NT weight rows starting at w; MT rows per register tile.
-template <int NT, int MT>
-inline void row_tile(const float* x, int64_t ldx, const float* w, int64_t K, const float* bias,
-                     float* out, int64_t ldo, int64_t M) {
+template <class Fmt, int NT, int MT>
+inline void row_tile(const float* x, int64_t ldx, const uint8_t* w, int64_t rb, int64_t K,
+                     const float* bias, float* out, int64_t ldo, int64_t M) {
   int64_t m = 0;
   // The first pass streams the rows from DRAM (prefetch helps); later passes hit L1.
   bool first = true;
   for (; m + MT <= M; m += MT) {
-    if (first) tile<NT, MT, true>(x + m * ldx, ldx, w, K, bias, out + m * ldo, ldo);
-    else tile<NT, MT, false>(x + m * ldx, ldx, w, K, bias, out + m * ldo, ldo);
+    if (first) tile<Fmt, NT, MT, true>(x + m * ldx, ldx, w, rb, K, bias, out + m * ldo, ldo);
+    else tile<Fmt, NT, MT, false>(x + m * ldx, ldx, w, rb, K, bias, out + m * ldo, ldo);
     first = false;
   }
   if constexpr (MT > 1) {
     const int64_t rest = M - m;
-    if (rest == 2) tile<NT, 2, true>(x + m * ldx, ldx, w, K, bias, out + m * ldo, ldo);
-    else if (rest == 1) tile<NT, 1, true>(x + m * ldx, ldx, w, K, bias, out + m * ldo, ldo);
+    if (rest == 2) tile<Fmt, NT, 2, true>(x + m * ldx, ldx, w, rb, K, bias, out + m * ldo, ldo);
+    else if (rest == 1)
+      tile<Fmt, NT, 1, true>(x + m * ldx, ldx, w, rb, K, bias, out + m * ldo, ldo);
     static_assert(MT <= 3, "the remainder switch above covers MT <= 3");
   }
 }
 
-template <int NT, int MT>
-void run(const float* x, int64_t ldx, const float* w, const float* bias, float* out, int64_t M,
-         int64_t N, int64_t K, int nthreads) {
+template <class Fmt, int NT, int MT>
+void run(const float* x, int64_t ldx, const uint8_t* w, int64_t rb, const float* bias,
+         float* out, int64_t M, int64_t N, int64_t K, int nthreads) {
   const int64_t tiles = N / NT;
   // Activation rows per pass over a thread's weight slab: ~256 KB of x stays in L2 while the
   // slab streams by. Small M is one pass, so weights leave DRAM once; larger M re-reads the
@@ -114,29 +164,74 @@ void run(const float* x, int64_t ldx, const float* w, const float* bias, float* 
       const int64_t mb = std::min(m_block, M - m0);
       for (int64_t t = t_begin; t < t_end; ++t) {
         const int64_t n = t * NT;
-        row_tile<NT, MT>(x + m0 * ldx, ldx, w + n * K, K, bias ? bias + n : nullptr,
-                         out + m0 * N + n, N, mb);
+        row_tile<Fmt, NT, MT>(x + m0 * ldx, ldx, w + n * rb, rb, K,
+                              bias ? bias + n : nullptr, out + m0 * N + n, N, mb);
       }
     }
   }
   for (int64_t n = tiles * NT; n < N; ++n)  // N % NT leftover rows, one at a time
-    row_tile<1, MT>(x, ldx, w + n * K, K, bias ? bias + n : nullptr, out + n, N, M);
+    row_tile<Fmt, 1, MT>(x, ldx, w + n * rb, rb, K, bias ? bias + n : nullptr, out + n, N, M);
+}
+
+template <class Fmt>
+void run_fmt(const float* x, int64_t ldx, const uint8_t* w, int64_t rb, const float* bias,
+             float* out, int64_t M, int64_t N, int64_t K, int nthreads) {
+  if (M == 1) run<Fmt, 8, 1>(x, ldx, w, rb, bias, out, M, N, K, nthreads);
+  else run<Fmt, 4, 3>(x, ldx, w, rb, bias, out, M, N, K, nthreads);
 }
 
 #endif  // KVS_AVX2
 
+// One weight of a quantized row, exactly as the vector loads compute it.
+inline float dequant_one(const uint8_t* row, WType wt, int64_t k) {
+  if (wt == WType::Q4_1) {
+    const uint8_t* b = row + (k >> 5) * 20;
+    const uint8_t q = b[4 + (k & 15)];
+    const float d = half_to_float(load_u16(b)), mn = half_to_float(load_u16(b + 2));
+    return d * static_cast<float>((k & 16) ? q >> 4 : q & 15) + mn;
+  }
+  const uint8_t* b = row + (k >> 5) * 34;
+  return half_to_float(load_u16(b)) * static_cast<float>(static_cast<int8_t>(b[2 + (k & 31)]));
+}
+
 }  // namespace
 
-void linear_small_m(const float* x, int64_t ldx, const float* w, const float* bias, float* out,
-                    int64_t M, int64_t N, int64_t K, int nthreads) {
+int64_t row_bytes(WType wt, int64_t K) {
+  switch (wt) {
+    case WType::Q4_1: return K / 32 * 20;
+    case WType::Q8_0: return K / 32 * 34;
+    default: return K * 4;
+  }
+}
+
+void dequantize_rows(const void* w, WType wt, float* out, int64_t N, int64_t K, int nthreads) {
+  const auto* base = static_cast<const uint8_t*>(w);
+  const int64_t rb = row_bytes(wt, K);
+#pragma omp parallel for schedule(static) num_threads(nthreads)
+  for (int64_t n = 0; n < N; ++n)
+    for (int64_t k = 0; k < K; ++k) out[n * K + k] = dequant_one(base + n * rb, wt, k);
+}
+
+void linear_small_m(const float* x, int64_t ldx, const void* w, WType wt, const float* bias,
+                    float* out, int64_t M, int64_t N, int64_t K, int nthreads) {
+  const auto* wb = static_cast<const uint8_t*>(w);
+  const int64_t rb = row_bytes(wt, K);
 #if KVS_AVX2
-  if (M == 1) run<8, 1>(x, ldx, w, bias, out, M, N, K, nthreads);
-  else run<4, 3>(x, ldx, w, bias, out, M, N, K, nthreads);
+  switch (wt) {
+    case WType::Q4_1: return run_fmt<Q41>(x, ldx, wb, rb, bias, out, M, N, K, nthreads);
+    case WType::Q8_0: return run_fmt<Q80>(x, ldx, wb, rb, bias, out, M, N, K, nthreads);
+    default: return run_fmt<F32>(x, ldx, wb, rb, bias, out, M, N, K, nthreads);
+  }
 #else
 #pragma omp parallel for schedule(static) num_threads(nthreads)
   for (int64_t n = 0; n < N; ++n)
-    for (int64_t m = 0; m < M; ++m)
-      out[m * N + n] = dot_scalar(x + m * ldx, w + n * K, K) + (bias ? bias[n] : 0.f);
+    for (int64_t m = 0; m < M; ++m) {
+      float s = 0.f;
+      for (int64_t k = 0; k < K; ++k)
+        s += x[m * ldx + k] * (wt == WType::F32 ? reinterpret_cast<const float*>(wb + n * rb)[k]
+                                                : dequant_one(wb + n * rb, wt, k));
+      out[m * N + n] = s + (bias ? bias[n] : 0.f);
+    }
 #endif
 }
 

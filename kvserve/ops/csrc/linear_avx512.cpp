@@ -18,8 +18,10 @@
 #include <omp.h>
 
 #include <cstdint>
+#include <cstdlib>
 
 #include "kernels.h"
+#include "simd.h"
 
 #pragma GCC push_options
 #pragma GCC target("avx512f")
@@ -99,72 +101,183 @@ inline void reduce_store(const __m512 (&acc)[NT][MT], const float* bias, float* 
   }
 }
 
-// NT weight rows (w, w + K, ...) against MT activation rows. kPf: prefetch the weight bytes
-// that lie kPrefetchBytes past this tile (the next tiles of the same slab).
-template <int NT, int MT, bool kPf>
-inline void tile(const float* x, int64_t ldx, const float* w, int64_t K, const float* bias,
-                 float* out, int64_t ldo) {
+// Weight format policies: load(row, k) = float32 weights k..k+15 of the row at `row`; the
+// quantized ones dequantize in registers exactly as gguf-py does (see kernels.h), so the FMA
+// chain sees the float32 weights' values and the result is the float32 one bit for bit.
+// kStep: weight-stream bytes consumed per 16 weights, which paces the prefetch.
+struct F32 {
+  static constexpr bool kQuant = false;
+  static constexpr int64_t kStep = 64;
+  static __m512 load(const uint8_t* row, int64_t k) {
+    return _mm512_loadu_ps(reinterpret_cast<const float*>(row) + k);
+  }
+};
+
+struct Q41 {  // k % 16 == 0: the block's 16 nibble bytes, low (k % 32 == 0) or high half
+  static constexpr bool kQuant = true;
+  static constexpr int64_t kBlockBytes = 20, kStep = 10;
+  static __m512 load(const uint8_t* row, int64_t k) {
+    const uint8_t* b = row + (k >> 5) * kBlockBytes;
+    __m512i q = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 4)));
+    q = (k & 16) ? _mm512_srli_epi32(q, 4) : _mm512_and_si512(q, _mm512_set1_epi32(15));
+    const __m512 f = _mm512_mul_ps(_mm512_set1_ps(half_to_float(load_u16(b))),
+                                   _mm512_cvtepi32_ps(q));
+    return _mm512_add_ps(f, _mm512_set1_ps(half_to_float(load_u16(b + 2))));
+  }
+  // The whole block at k (k % 32 == 0): weights k..k+15 and k+16..k+31, one d/m decode.
+  static void load2(const uint8_t* row, int64_t k, __m512& w0, __m512& w1) {
+    const uint8_t* b = row + (k >> 5) * kBlockBytes;
+    const __m512 d = _mm512_set1_ps(half_to_float(load_u16(b)));
+    const __m512 m = _mm512_set1_ps(half_to_float(load_u16(b + 2)));
+    const __m512i q = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 4)));
+    w0 = _mm512_add_ps(_mm512_mul_ps(d, _mm512_cvtepi32_ps(
+                                            _mm512_and_si512(q, _mm512_set1_epi32(15)))), m);
+    w1 = _mm512_add_ps(_mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_srli_epi32(q, 4))), m);
+  }
+};
+
+struct Q80 {
+  static constexpr bool kQuant = true;
+  static constexpr int64_t kBlockBytes = 34, kStep = 17;
+  static __m512 load(const uint8_t* row, int64_t k) {
+    const uint8_t* b = row + (k >> 5) * kBlockBytes;
+    const __m512i q = _mm512_cvtepi8_epi32(
+        _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 2 + (k & 31))));
+    return _mm512_mul_ps(_mm512_set1_ps(half_to_float(load_u16(b))), _mm512_cvtepi32_ps(q));
+  }
+  static void load2(const uint8_t* row, int64_t k, __m512& w0, __m512& w1) {
+    const uint8_t* b = row + (k >> 5) * kBlockBytes;
+    const __m512 d = _mm512_set1_ps(half_to_float(load_u16(b)));
+    w0 = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
+                              _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 2)))));
+    w1 = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
+                              _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 18)))));
+  }
+};
+
+// NT weight rows (w, w + rb, ...; rb bytes each) against MT activation rows. kPf: prefetch
+// the weight bytes that lie kPrefetchBytes past this tile (the next tiles of the same slab).
+template <class Fmt, int NT, int MT, bool kPf>
+inline void tile(const float* x, int64_t ldx, const uint8_t* w, int64_t rb, int64_t K,
+                 const float* bias, float* out, int64_t ldo) {
   __m512 acc[NT][MT];
   for (int n = 0; n < NT; ++n)
     for (int m = 0; m < MT; ++m) acc[n][m] = _mm512_setzero_ps();
-  // Step j prefetches NT lines at pf + j * NT * 64: over ceil(K / 16) steps that covers
-  // NT * K * 4 bytes, one tile's worth, kPrefetchBytes ahead.
+  // The tile consumes NT * Fmt::kStep bytes per step; a line is prefetched, kPrefetchBytes
+  // ahead, each time that running count crosses a 64-byte boundary, which covers one tile's
+  // worth of the stream (float32: NT lines per step, as before).
   const char* pf = reinterpret_cast<const char*>(w) + kPrefetchBytes;
+  int64_t consumed = 0;
 
   int64_t k = 0;
-  for (; k + 16 <= K; k += 16, pf += NT * 64) {
+  if constexpr (Fmt::kQuant) {  // a block (32 weights) per step; the same FMA order
+    for (; k < K; k += 32) {
+      __m512 xa[MT], xb[MT];
+      for (int m = 0; m < MT; ++m) {
+        xa[m] = _mm512_loadu_ps(x + m * ldx + k);
+        xb[m] = _mm512_loadu_ps(x + m * ldx + k + 16);
+      }
+      for (int n = 0; n < NT; ++n) {
+        if constexpr (kPf) {
+          if (((consumed + 2 * Fmt::kStep) >> 6) != (consumed >> 6))
+            _mm_prefetch(pf + (consumed & ~int64_t{63}), _MM_HINT_T0);
+          consumed += 2 * Fmt::kStep;
+        }
+        __m512 w0, w1;
+        Fmt::load2(w + n * rb, k, w0, w1);
+        for (int m = 0; m < MT; ++m) acc[n][m] = _mm512_fmadd_ps(w0, xa[m], acc[n][m]);
+        for (int m = 0; m < MT; ++m) acc[n][m] = _mm512_fmadd_ps(w1, xb[m], acc[n][m]);
+      }
+    }
+  }
+  for (; k + 16 <= K; k += 16) {  // float32
     __m512 xv[MT];
     for (int m = 0; m < MT; ++m) xv[m] = _mm512_loadu_ps(x + m * ldx + k);
     for (int n = 0; n < NT; ++n) {
-      if (kPf) _mm_prefetch(pf + n * 64, _MM_HINT_T0);
-      __m512 wv = _mm512_loadu_ps(w + n * K + k);
+      if constexpr (kPf) {
+        _mm_prefetch(pf + consumed, _MM_HINT_T0);
+        consumed += 64;
+      }
+      __m512 wv = Fmt::load(w + n * rb, k);
       for (int m = 0; m < MT; ++m) acc[n][m] = _mm512_fmadd_ps(wv, xv[m], acc[n][m]);
     }
   }
-  if (k < K) {  // K % 16 tail: masked lanes load as zero and never touch memory.
-    const __mmask16 mask = static_cast<__mmask16>((1u << (K - k)) - 1);
-    __m512 xv[MT];
-    for (int m = 0; m < MT; ++m) xv[m] = _mm512_maskz_loadu_ps(mask, x + m * ldx + k);
-    for (int n = 0; n < NT; ++n) {
-      if (kPf) _mm_prefetch(pf + n * 64, _MM_HINT_T0);
-      __m512 wv = _mm512_maskz_loadu_ps(mask, w + n * K + k);
-      for (int m = 0; m < MT; ++m) acc[n][m] = _mm512_fmadd_ps(wv, xv[m], acc[n][m]);
+  if constexpr (!Fmt::kQuant) {
+    if (k < K) {  // K % 16 tail: masked lanes load as zero and never touch memory.
+      const __mmask16 mask = static_cast<__mmask16>((1u << (K - k)) - 1);
+      __m512 xv[MT];
+      for (int m = 0; m < MT; ++m) xv[m] = _mm512_maskz_loadu_ps(mask, x + m * ldx + k);
+      for (int n = 0; n < NT; ++n) {
+        if constexpr (kPf) {
+          _mm_prefetch(pf + consumed, _MM_HINT_T0);
+          consumed += 64;
+        }
+        __m512 wv = _mm512_maskz_loadu_ps(mask, reinterpret_cast<const float*>(w + n * rb) + k);
+        for (int m = 0; m < MT; ++m) acc[n][m] = _mm512_fmadd_ps(wv, xv[m], acc[n][m]);
+      }
     }
   }
   reduce_store<NT, MT>(acc, bias, out, ldo);
 }
 
 // The M % MT leftover rows of a row_tile, as one tile of `rest` rows (1 <= rest < MT).
-template <int NT, int MT>
-inline void rest_tile(int64_t rest, const float* x, int64_t ldx, const float* w, int64_t K,
-                      const float* bias, float* out, int64_t ldo, bool pf) {
+template <class Fmt, int NT, int MT>
+inline void rest_tile(int64_t rest, const float* x, int64_t ldx, const uint8_t* w, int64_t rb,
+                      int64_t K, const float* bias, float* out, int64_t ldo, bool pf) {
   if constexpr (MT > 1) {
     if (rest == MT - 1) {
-      if (pf) tile<NT, MT - 1, true>(x, ldx, w, K, bias, out, ldo);
-      else tile<NT, MT - 1, false>(x, ldx, w, K, bias, out, ldo);
+      if (pf) tile<Fmt, NT, MT - 1, true>(x, ldx, w, rb, K, bias, out, ldo);
+      else tile<Fmt, NT, MT - 1, false>(x, ldx, w, rb, K, bias, out, ldo);
     } else {
-      rest_tile<NT, MT - 1>(rest, x, ldx, w, K, bias, out, ldo, pf);
+      rest_tile<Fmt, NT, MT - 1>(rest, x, ldx, w, rb, K, bias, out, ldo, pf);
     }
   }
 }
 
 // All M activation rows against NT weight rows starting at w, MT rows per register tile.
-template <int NT, int MT>
-inline void row_tile(const float* x, int64_t ldx, const float* w, int64_t K, const float* bias,
-                     float* out, int64_t ldo, int64_t M) {
+template <class Fmt, int NT, int MT>
+inline void row_tile(const float* x, int64_t ldx, const uint8_t* w, int64_t rb, int64_t K,
+                     const float* bias, float* out, int64_t ldo, int64_t M) {
+  if constexpr (Fmt::kQuant) {
+    if (M > 2 * MT) {
+      // Many activation rows: dequantize the NT weight rows once into an L1-sized scratch
+      // and run the float32 tiles over it (same values, same order: same result), instead of
+      // dequantizing again for every group of MT rows.
+      // (malloc, not std::vector: no template may be instantiated under the AVX-512 pragma.)
+      thread_local float* buf = nullptr;
+      thread_local int64_t cap = 0;
+      if (cap < NT * K) {
+        std::free(buf);
+        buf = static_cast<float*>(std::malloc(sizeof(float) * NT * K));
+        cap = NT * K;
+      }
+      for (int n = 0; n < NT; ++n)
+        for (int64_t k = 0; k < K; k += 32) {
+          __m512 w0, w1;
+          Fmt::load2(w + n * rb, k, w0, w1);
+          _mm512_storeu_ps(buf + n * K + k, w0);
+          _mm512_storeu_ps(buf + n * K + k + 16, w1);
+        }
+      row_tile<F32, NT, MT>(x, ldx, reinterpret_cast<const uint8_t*>(buf), K * 4, K, bias, out,
+                            ldo, M);
+      return;
+    }
+  }
   // The first pass streams the weight rows from DRAM (prefetch ahead); later passes hit L1.
   int64_t m = 0;
   if (M >= MT) {
-    tile<NT, MT, true>(x, ldx, w, K, bias, out, ldo);
+    tile<Fmt, NT, MT, true>(x, ldx, w, rb, K, bias, out, ldo);
     for (m = MT; m + MT <= M; m += MT)
-      tile<NT, MT, false>(x + m * ldx, ldx, w, K, bias, out + m * ldo, ldo);
+      tile<Fmt, NT, MT, false>(x + m * ldx, ldx, w, rb, K, bias, out + m * ldo, ldo);
   }
-  if (m < M) rest_tile<NT, MT>(M - m, x + m * ldx, ldx, w, K, bias, out + m * ldo, ldo, m == 0);
+  if (m < M)
+    rest_tile<Fmt, NT, MT>(M - m, x + m * ldx, ldx, w, rb, K, bias, out + m * ldo, ldo,
+                           m == 0);
 }
 
-template <int NT, int MT>
-void run(const float* x, int64_t ldx, const float* w, const float* bias, float* out, int64_t M,
-         int64_t N, int64_t K, int nthreads) {
+template <class Fmt, int NT, int MT>
+void run(const float* x, int64_t ldx, const uint8_t* w, int64_t rb, const float* bias,
+         float* out, int64_t M, int64_t N, int64_t K, int nthreads) {
   const int64_t tiles = N / NT;
   // Activation rows per pass over a thread's weight slab: ~256 KB of x stays in L2 while the
   // slab streams by (see linear.cpp).
@@ -180,24 +293,37 @@ void run(const float* x, int64_t ldx, const float* w, const float* bias, float* 
       const int64_t mb = min64(m_block, M - m0);
       for (int64_t t = t_begin; t < t_end; ++t) {
         const int64_t n = t * NT;
-        row_tile<NT, MT>(x + m0 * ldx, ldx, w + n * K, K, bias ? bias + n : nullptr,
-                         out + m0 * N + n, N, mb);
+        row_tile<Fmt, NT, MT>(x + m0 * ldx, ldx, w + n * rb, rb, K,
+                              bias ? bias + n : nullptr, out + m0 * N + n, N, mb);
       }
     }
   }
   for (int64_t n = tiles * NT; n < N; ++n)  // N % NT leftover rows, one at a time
-    row_tile<1, MT>(x, ldx, w + n * K, K, bias ? bias + n : nullptr, out + n, N, M);
+    row_tile<Fmt, 1, MT>(x, ldx, w + n * rb, rb, K, bias ? bias + n : nullptr, out + n, N, M);
+}
+
+template <class Fmt>
+void run_fmt(const float* x, int64_t ldx, const uint8_t* w, int64_t rb, const float* bias,
+             float* out, int64_t M, int64_t N, int64_t K, int nthreads) {
+  // Tile shapes (32 zmm): NT * MT accumulators + MT activation vectors + 1 weight vector.
+  //   M == 1: 16 x 1 (16 FMA chains; one reduce16 per tile)
+  //   M >= 2: 4 x 6  (24 + 6 + 1 registers; 0.42 loads per FMA)
+  if (M == 1) run<Fmt, 16, 1>(x, ldx, w, rb, bias, out, M, N, K, nthreads);
+  else run<Fmt, 4, 6>(x, ldx, w, rb, bias, out, M, N, K, nthreads);
 }
 
 }  // namespace
 
-void linear_small_m_avx512(const float* x, int64_t ldx, const float* w, const float* bias,
-                           float* out, int64_t M, int64_t N, int64_t K, int nthreads) {
-  // Tile shapes (32 zmm): NT * MT accumulators + MT activation vectors + 1 weight vector.
-  //   M == 1: 16 x 1 (16 FMA chains; one reduce16 per tile)
-  //   M >= 2: 4 x 6  (24 + 6 + 1 registers; 0.42 loads per FMA)
-  if (M == 1) run<16, 1>(x, ldx, w, bias, out, M, N, K, nthreads);
-  else run<4, 6>(x, ldx, w, bias, out, M, N, K, nthreads);
+void linear_small_m_avx512(const float* x, int64_t ldx, const void* w, WType wt,
+                           const float* bias, float* out, int64_t M, int64_t N, int64_t K,
+                           int nthreads) {
+  const auto* wb = static_cast<const uint8_t*>(w);
+  const int64_t rb = row_bytes(wt, K);
+  switch (wt) {
+    case WType::Q4_1: return run_fmt<Q41>(x, ldx, wb, rb, bias, out, M, N, K, nthreads);
+    case WType::Q8_0: return run_fmt<Q80>(x, ldx, wb, rb, bias, out, M, N, K, nthreads);
+    default: return run_fmt<F32>(x, ldx, wb, rb, bias, out, M, N, K, nthreads);
+  }
 }
 
 }  // namespace kvs

@@ -89,6 +89,36 @@ inline __m256 exp(__m256 x) {
 
 #endif  // KVS_AVX2
 
+// IEEE half -> float (exact). F16C where the build has it, else bit arithmetic.
+inline float half_to_float(uint16_t h) {
+#if defined(__F16C__) && KVS_AVX2
+  return _cvtsh_ss(h);
+#else
+  const uint32_t sign = static_cast<uint32_t>(h & 0x8000) << 16;
+  uint32_t exp = (h >> 10) & 0x1f, man = h & 0x3ff, bits;
+  if (exp == 0x1f) {
+    bits = sign | 0x7f800000u | (man << 13);  // inf / nan
+  } else if (exp != 0) {
+    bits = sign | ((exp + 112) << 23) | (man << 13);
+  } else if (man == 0) {
+    bits = sign;
+  } else {  // subnormal half: normalize
+    exp = 113;
+    while (!(man & 0x400)) { man <<= 1; --exp; }
+    bits = sign | (exp << 23) | ((man & 0x3ff) << 13);
+  }
+  float f;
+  __builtin_memcpy(&f, &bits, 4);
+  return f;
+#endif
+}
+
+inline uint16_t load_u16(const uint8_t* p) {
+  uint16_t v;
+  __builtin_memcpy(&v, p, 2);
+  return v;
+}
+
 // Scalar twins, used for tails and by the non-AVX2 build.
 inline float dot_scalar(const float* a, const float* b, int64_t n) {
   float s = 0.f;

@@ -1,0 +1,36 @@
+"""EngineArgs -> EngineConfig: the quantization and ops defaults a user gets, and clear errors
+for combinations that cannot run."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvserve.config import ModelConfig
+from kvserve.engine_args import EngineArgs
+
+MC = ModelConfig(architecture="LlamaForCausalLM", vocab_size=64, hidden_size=32,
+                 intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                 num_key_value_heads=1, head_dim=16, max_position_embeddings=128)
+
+
+def config(path: str = "m.gguf", **kw: object):  # noqa: ANN201
+    return EngineArgs.from_kwargs(**kw).create_engine_config(path, MC)
+
+
+def test_gguf_on_cpu_runs_its_blocks_by_default() -> None:
+    assert config(device="cpu").quantization == "gguf"
+    assert config(device="cpu", quantization="none").quantization == "none"
+    # Not on the kernels' terms: dequantize at load.
+    assert config("hf_dir", device="cpu").quantization == "none"
+    assert config(device="cpu", dtype="bfloat16").quantization == "none"
+    assert config(device="cpu", ops_backend="reference").quantization == "none"
+    assert config(device="cuda").quantization == "none"
+
+
+def test_impossible_quantizations_name_the_field() -> None:
+    with pytest.raises(ValueError, match="quantization 'gguf' needs a .gguf model file"):
+        config("hf_dir", device="cpu", quantization="gguf")
+    with pytest.raises(ValueError, match="dtype must be float32, got 'bfloat16'"):
+        config(device="cpu", dtype="bfloat16", quantization="gguf")
+    with pytest.raises(ValueError, match="quantization must be one of gguf, none, got 'awq'"):
+        config(device="cpu", quantization="awq")

@@ -1,0 +1,150 @@
+"""GGUF Q4_1 / Q8_0 weights run as stored (kvserve/quant/gguf.py, ops/csrc/linear*.cpp).
+
+References: gguf-py's own dequantize (the format's reference implementation) for our torch
+dequantize, and the float32 kernel on the dequantized weights for the block kernels, which
+must match it bit for bit (the same floats in the same FMA order), on every ISA.
+"""
+
+from __future__ import annotations
+
+import gguf
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+from kvserve.layers.linear import Linear
+from kvserve.ops.cpu import ISAS, CpuOps, cpu_has_avx2_fma
+from kvserve.ops.reference import ReferenceOps
+from kvserve.quant.gguf import (
+    BLOCK_BYTES,
+    Q4_1,
+    Q8_0,
+    GGUFLinearMethod,
+    GGUFWeight,
+    dequantize,
+    qtype_of,
+)
+
+needs_kernels = pytest.mark.skipif(not cpu_has_avx2_fma(), reason="needs an AVX2+FMA CPU")
+
+
+def random_blocks(qtype: int, n: int, k: int, seed: int = 0) -> torch.Tensor:
+    """n rows of k weights: random quants, realistic fp16 scales (and mins) of both signs."""
+    rng = np.random.default_rng(seed)
+    nb = k // 32
+    raw = rng.integers(0, 256, size=(n, nb, BLOCK_BYTES[qtype]), dtype=np.uint8)
+    raw[..., 0:2] = (rng.standard_normal((n, nb)) * 0.02).astype(np.float16).view(
+        np.uint8).reshape(n, nb, 2)
+    if qtype == Q4_1:
+        raw[..., 2:4] = (rng.standard_normal((n, nb)) * 0.1).astype(np.float16).view(
+            np.uint8).reshape(n, nb, 2)
+    return torch.from_numpy(raw.reshape(n, -1))
+
+
+@pytest.mark.parametrize("qtype", [Q4_1, Q8_0])
+def test_dequantize_equals_gguf_py(qtype: int) -> None:
+    raw = random_blocks(qtype, 37, 96, seed=qtype)
+    ref = gguf.quants.dequantize(raw.numpy(), gguf.GGMLQuantizationType(qtype))
+    ours = dequantize(raw, qtype, 96)
+    assert ours.dtype == torch.float32
+    assert torch.equal(ours, torch.from_numpy(np.ascontiguousarray(ref, np.float32)))
+    assert qtype_of(raw, 96) == qtype
+
+
+def test_qtype_of_rejects_other_row_lengths() -> None:
+    with pytest.raises(ValueError, match="neither Q4_1 nor Q8_0"):
+        qtype_of(torch.zeros(4, 19, dtype=torch.uint8), 32)
+
+
+@pytest.fixture(scope="module", params=ISAS)
+def isa_ops(request: pytest.FixtureRequest) -> CpuOps:
+    if not cpu_has_avx2_fma():
+        pytest.skip("needs an AVX2+FMA CPU")
+    ops = CpuOps(isa="avx2") if request.param == "avx2" else CpuOps()
+    if request.param == "avx512" and ops.isa != "avx512":
+        pytest.skip("needs an AVX-512F CPU")
+    return ops
+
+
+@pytest.mark.parametrize("qtype", [Q4_1, Q8_0])
+@pytest.mark.parametrize("n,k", [(96, 576), (37, 1536), (16, 32)])
+def test_block_kernel_equals_float_kernel_bit_for_bit(isa_ops: CpuOps, qtype: int, n: int,
+                                                      k: int) -> None:
+    raw = random_blocks(qtype, n, k, seed=n + k)
+    floats = dequantize(raw, qtype, k)
+    assert torch.equal(isa_ops._ext.dequantize(raw, k), floats)
+    bias = torch.randn(n)
+    g = torch.Generator().manual_seed(k)
+    # 1: the M == 1 tile; 2..12: blocks dequantized in registers per tile of rows; 13 and up:
+    # a weight tile dequantized once into scratch; leftover rows (N % tile) in each.
+    for m in (1, 2, 3, 5, 6, 7, 8, 12, 13, 31, 100):
+        x = torch.randn(m, k, generator=g)
+        for b in (None, bias):
+            ours = isa_ops._ext.linear(x, raw, b, isa_ops._avx512)
+            assert torch.equal(ours, isa_ops._ext.linear(x, floats, b, isa_ops._avx512)), m
+            torch.testing.assert_close(ours, F.linear(x, floats, b), rtol=1e-4, atol=1e-4)
+
+
+@needs_kernels
+def test_block_kernel_is_batch_invariant() -> None:
+    ops = CpuOps()
+    raw = random_blocks(Q4_1, 64, 576, seed=3)
+    x = torch.randn(40, 576)
+    alone = torch.cat([ops.linear(x[i:i + 1], raw) for i in range(40)])
+    assert torch.equal(ops.linear(x, raw), alone)
+
+
+@needs_kernels
+def test_large_m_goes_through_dequantized_gemm() -> None:
+    ops = CpuOps()
+    raw = random_blocks(Q8_0, 24, 64, seed=4)
+    x = torch.randn(ops.small_m + 3, 64)
+    torch.testing.assert_close(ops.linear(x, raw), F.linear(x, dequantize(raw, Q8_0, 64)),
+                               rtol=1e-5, atol=1e-5)
+
+
+@needs_kernels
+def test_kernel_rejects_bad_block_rows() -> None:
+    ops = CpuOps()
+    with pytest.raises(RuntimeError, match="neither Q4_1 nor Q8_0"):
+        ops._ext.linear(torch.randn(1, 64), torch.zeros(4, 30, dtype=torch.uint8), None, False)
+    with pytest.raises(RuntimeError, match="K % 32"):
+        ops._ext.linear(torch.randn(1, 48), torch.zeros(4, 30, dtype=torch.uint8), None, False)
+
+
+def test_reference_linear_dequantizes_blocks() -> None:
+    raw = random_blocks(Q4_1, 8, 64, seed=5)
+    x = torch.randn(3, 64)
+    assert torch.equal(ReferenceOps.linear(x, raw), F.linear(x, dequantize(raw, Q4_1, 64)))
+
+
+def _linear(shards: tuple[int, ...]) -> Linear:
+    return Linear(64, sum(shards), bias=False, ops=ReferenceOps(), dtype=torch.float32,
+                  shard_sizes=shards, quant_method=GGUFLinearMethod())
+
+
+def test_linear_method_stacks_shards_of_one_format() -> None:
+    lin = _linear((8, 4, 4))
+    parts = [random_blocks(Q4_1, n, 64, seed=i) for i, n in enumerate((8, 4, 4))]
+    for i, p in enumerate(parts):
+        lin.load_shard("weight", i, GGUFWeight(p, Q4_1, 64))
+    lin.process_weights_after_loading()
+    assert lin.weight.dtype == torch.uint8 and torch.equal(lin.weight, torch.cat(parts))
+    x = torch.randn(2, 64)
+    ref = F.linear(x, torch.cat([dequantize(p, Q4_1, 64) for p in parts]))
+    torch.testing.assert_close(lin(x), ref, rtol=1e-5, atol=1e-5)
+
+
+def test_linear_method_dequantizes_mixed_formats_and_floats() -> None:
+    lin = _linear((8, 4, 4))
+    q4, q8, f = random_blocks(Q4_1, 8, 64), random_blocks(Q8_0, 4, 64), torch.randn(4, 64)
+    lin.load_shard("weight", 0, GGUFWeight(q4, Q4_1, 64))
+    lin.load_shard("weight", 1, GGUFWeight(q8, Q8_0, 64))
+    lin.load_shard("weight", 2, f)
+    lin.process_weights_after_loading()
+    assert lin.weight.dtype == torch.float32
+    assert torch.equal(lin.weight, torch.cat([dequantize(q4, Q4_1, 64),
+                                              dequantize(q8, Q8_0, 64), f]))
+    with pytest.raises(ValueError, match="does not fit shard 1"):
+        lin.load_shard("weight", 1, GGUFWeight(q8[:3], Q8_0, 64))

@@ -85,7 +85,9 @@ class LLMEngine:
         ckpt = load_checkpoint(path)
         config = args.create_engine_config(path, ckpt.model_config)
         threads = configure_threads(config.device)
+        t_ckpt = time.perf_counter()
         ops = get_ops(config.ops_backend, config.device)
+        t_ops = time.perf_counter()
         mc = config.model_config
         model_cls = get_model_class(mc.architecture)
         dtype = torch_dtype(config.dtype)
@@ -93,13 +95,17 @@ class LLMEngine:
                           quantization=config.quantization)
         model.load_weights(ckpt.weights(keep_quantized=config.quantization == "gguf"))
         model = model.to(config.device).eval()
+        t_weights = time.perf_counter()
         num_blocks = cls.num_kv_blocks(config)
         engine = cls(config, ckpt.tokenizer, model, num_blocks)
+        t_end = time.perf_counter()
         bs = config.cache.block_size
-        logger.info("loaded %s (%s, %s, quantization=%s, ops=%s, %d threads) in %.1fs; KV "
-                    "cache: %d blocks x %d tokens = %d tokens", path, mc.architecture,
-                    config.dtype, config.quantization, ops.name, threads,
-                    time.perf_counter() - t0, num_blocks - 1, bs, (num_blocks - 1) * bs)
+        logger.info("loaded %s (%s, %s, quantization=%s, ops=%s, %d threads) in %.1fs "
+                    "(checkpoint %.1fs, ops %.1fs, weights %.1fs, KV cache %.1fs); KV cache: %d "
+                    "blocks x %d tokens = %d tokens", path, mc.architecture, config.dtype,
+                    config.quantization, ops.name, threads, t_end - t0, t_ckpt - t0,
+                    t_ops - t_ckpt, t_weights - t_ops, t_end - t_weights, num_blocks - 1, bs,
+                    (num_blocks - 1) * bs)
         return engine
 
     @staticmethod

@@ -40,52 +40,77 @@ struct Item {
   int64_t b, q0, qn, g0, ng, cost;
 };
 
-// s[j] = q . k_j for j < n (n rounded up to 8; kp[] is padded with valid pointers).
-inline void scores(const float* q, const float* const* kp, int64_t n, int64_t D, float* s) {
+// R query rows (q, q + D, ...) that share one kv head go through a key tile together: each
+// K and V vector is loaded once for all R rows instead of once per row, which is what bounds
+// a decode row (GQA gives every kv head G = H / Hkv rows). s holds a row of kScoreStride
+// scores per query row; kp[] is padded with valid pointers up to round8(n).
+constexpr int64_t kScoreStride = kKeyTile + 8;
+
+template <int R>
+inline void scores_rows(const float* q, const float* const* kp, int64_t n, int64_t D,
+                        float* s) {
 #if KVS_AVX2
-  for (int64_t j0 = 0; j0 < n; j0 += 8) {
-    __m256 acc[8];
-    for (int j = 0; j < 8; ++j) acc[j] = _mm256_setzero_ps();
+  for (int64_t j0 = 0; j0 < n; j0 += 4) {  // kp[] is padded with valid pointers to round8(n)
+    __m256 acc[R][4];
+    for (int r = 0; r < R; ++r)
+      for (int c = 0; c < 4; ++c) acc[r][c] = _mm256_setzero_ps();
     for (int64_t d = 0; d < D; d += 8) {
-      __m256 qv = _mm256_loadu_ps(q + d);
-      for (int j = 0; j < 8; ++j)
-        acc[j] = _mm256_fmadd_ps(qv, _mm256_loadu_ps(kp[j0 + j] + d), acc[j]);
+      __m256 kv[4];
+      for (int c = 0; c < 4; ++c) kv[c] = _mm256_loadu_ps(kp[j0 + c] + d);
+      for (int r = 0; r < R; ++r) {
+        const __m256 qv = _mm256_loadu_ps(q + r * D + d);
+        for (int c = 0; c < 4; ++c) acc[r][c] = _mm256_fmadd_ps(qv, kv[c], acc[r][c]);
+      }
     }
-    _mm256_storeu_ps(s + j0, reduce8(acc));
+    for (int r = 0; r < R; ++r)
+      _mm_storeu_ps(s + r * kScoreStride + j0, reduce4(acc[r][0], acc[r][1], acc[r][2],
+                                                       acc[r][3]));
   }
 #else
-  for (int64_t j = 0; j < n; ++j) s[j] = dot_scalar(q, kp[j], D);
+  for (int r = 0; r < R; ++r)
+    for (int64_t j = 0; j < n; ++j) s[r * kScoreStride + j] = dot_scalar(q + r * D, kp[j], D);
 #endif
 }
 
-// acc[0:NV*8] = acc * corr + sum_j p[j] * v_j[0:NV*8]; the NV vectors stay in registers.
-template <int NV>
-inline void pv_chunk(float* acc, float corr, const float* p, const float* const* vp, int64_t n,
-                     int64_t d0) {
+// acc rows [R][D] (stride D): acc[r] = acc[r] * corr[r] + sum_j p[r][j] * v_j, NV vectors of
+// dims at a time, each V vector loaded once for the R rows.
+template <int R, int NV>
+inline void pv_rows(float* acc, int64_t D, const float* corr, const float* p,
+                    const float* const* vp, int64_t n, int64_t d0) {
 #if KVS_AVX2
-  __m256 a[NV];
-  const __m256 c = _mm256_set1_ps(corr);
-  for (int v = 0; v < NV; ++v) a[v] = _mm256_mul_ps(_mm256_loadu_ps(acc + d0 + v * 8), c);
+  __m256 a[R][NV];
+  for (int r = 0; r < R; ++r) {
+    const __m256 c = _mm256_set1_ps(corr[r]);
+    for (int v = 0; v < NV; ++v)
+      a[r][v] = _mm256_mul_ps(_mm256_loadu_ps(acc + r * D + d0 + v * 8), c);
+  }
   for (int64_t j = 0; j < n; ++j) {
-    const __m256 pj = _mm256_set1_ps(p[j]);
     const float* vj = vp[j] + d0;
-    for (int v = 0; v < NV; ++v) a[v] = _mm256_fmadd_ps(pj, _mm256_loadu_ps(vj + v * 8), a[v]);
+    for (int v = 0; v < NV; ++v) {
+      const __m256 vv = _mm256_loadu_ps(vj + v * 8);
+      for (int r = 0; r < R; ++r)
+        a[r][v] = _mm256_fmadd_ps(_mm256_set1_ps(p[r * kScoreStride + j]), vv, a[r][v]);
+    }
   }
-  for (int v = 0; v < NV; ++v) _mm256_storeu_ps(acc + d0 + v * 8, a[v]);
+  for (int r = 0; r < R; ++r)
+    for (int v = 0; v < NV; ++v) _mm256_storeu_ps(acc + r * D + d0 + v * 8, a[r][v]);
 #else
-  for (int64_t d = d0; d < d0 + NV * 8; ++d) {
-    float x = acc[d] * corr;
-    for (int64_t j = 0; j < n; ++j) x += p[j] * vp[j][d];
-    acc[d] = x;
-  }
+  for (int r = 0; r < R; ++r)
+    for (int64_t d = d0; d < d0 + NV * 8; ++d) {
+      float x = acc[r * D + d] * corr[r];
+      for (int64_t j = 0; j < n; ++j) x += p[r * kScoreStride + j] * vp[j][d];
+      acc[r * D + d] = x;
+    }
 #endif
 }
 
-// One key tile for one row: s[0:n] are its scores (lanes n..round8(n) are scratch).
-inline void online_update(float& m, float& l, float* acc, float* s, const float* const* vp,
-                          int64_t n, int64_t D) {
+// One row's online-softmax step over a tile: s[0:n] -> exp(s - m_new) in place (lanes
+// n..round8(n) are scratch), l and m updated; returns corr = exp(m - m_new), by which the
+// row's accumulator is rescaled. Keys start at position 0, which every row sees, so the max
+// is finite; m = -inf on the first tile gives corr = 0.
+inline float softmax_tile(float& m, float& l, float* s, int64_t n) {
   const int64_t n8 = (n + 7) & ~int64_t{7};
-  for (int64_t j = n; j < n8; ++j) s[j] = kNegInf;  // masked lanes: exp(-inf) = 0
+  for (int64_t j = n; j < n8; ++j) s[j] = kNegInf;
   float mx = kNegInf;
 #if KVS_AVX2
   __m256 vmx = _mm256_set1_ps(kNegInf);
@@ -94,9 +119,8 @@ inline void online_update(float& m, float& l, float* acc, float* s, const float*
 #else
   for (int64_t j = 0; j < n; ++j) mx = std::max(mx, s[j]);
 #endif
-  // Keys start at position 0, which every row sees, so mx and m_new are finite here.
   const float m_new = std::max(m, mx);
-  const float corr = std::exp(m - m_new);  // m = -inf on the first tile -> 0
+  const float corr = std::exp(m - m_new);
   float sum = 0.f;
 #if KVS_AVX2
   const __m256 vm = _mm256_set1_ps(m_new);
@@ -115,9 +139,20 @@ inline void online_update(float& m, float& l, float* acc, float* s, const float*
 #endif
   l = l * corr + sum;
   m = m_new;
+  return corr;
+}
+
+template <int R>
+inline void update_rows(float* m, float* l, float* acc, const float* q,
+                        const float* const* kp, const float* const* vp, int64_t n, int64_t D,
+                        float* s) {
+  scores_rows<R>(q, kp, n, D, s);
+  float corr[R];
+  for (int r = 0; r < R; ++r) corr[r] = softmax_tile(m[r], l[r], s + r * kScoreStride, n);
+  constexpr int NV = R <= 3 ? 4 : 2;  // R * NV accumulators + R broadcasts + 1 V in 16 ymm
   int64_t d0 = 0;
-  for (; d0 + 64 <= D; d0 += 64) pv_chunk<8>(acc, corr, s, vp, n, d0);
-  for (; d0 < D; d0 += 8) pv_chunk<1>(acc, corr, s, vp, n, d0);
+  for (; d0 + NV * 8 <= D; d0 += NV * 8) pv_rows<R, NV>(acc, D, corr, s, vp, n, d0);
+  for (; d0 < D; d0 += 8) pv_rows<R, 1>(acc, D, corr, s, vp, n, d0);
 }
 
 // Row offsets (in floats) of kv head g for keys [begin, begin + n) of one request, walking
@@ -165,7 +200,7 @@ void attend(const AttentionArgs& a, const Item& it, std::vector<float>& scratch)
   const int32_t* bt = a.block_tables + it.b * a.bt_stride;
   auto out_row = [&](int64_t r) { return (q_begin + it.q0 + r / HG) * a.H + it.g0 * G + r % HG; };
 
-  scratch.resize(R * D * 2 + R * 2 + kKeyTile);
+  scratch.resize(R * D * 2 + R * 2 + 4 * kScoreStride);
   float* qs = scratch.data();  // scaled queries, so scores need no extra multiply
   float* acc = qs + R * D;
   float* m = acc + R * D;
@@ -200,12 +235,19 @@ void attend(const AttentionArgs& a, const Item& it, std::vector<float>& scratch)
       }
       for (int64_t j = n; j < ((n + 7) & ~int64_t{7}); ++j) kp[j] = kp[0];
       // Query i sees keys up to its own position pos0 + i: tile lanes [0, nv). Queries
-      // before t0 - pos0 see none of this tile (it lies in their future).
+      // before t0 - pos0 see none of this tile (it lies in their future). Its G rows on this
+      // kv head go through the tile together, up to 4 at a time.
       for (int64_t i = std::max<int64_t>(0, t0 - pos0); i < it.qn; ++i) {
         const int64_t nv = std::min(n, pos0 + i + 1 - t0);
-        for (int64_t r = i * HG + gl * G; r < i * HG + (gl + 1) * G; ++r) {
-          scores(qs + r * D, kp, nv, D, s);
-          online_update(m[r], l[r], acc + r * D, s, vp, nv, D);
+        const int64_t r_end = i * HG + (gl + 1) * G;
+        for (int64_t r = i * HG + gl * G; r < r_end;) {
+          const int64_t rn = std::min<int64_t>(4, r_end - r);
+          const float* qr = qs + r * D;
+          if (rn == 4) update_rows<4>(m + r, l + r, acc + r * D, qr, kp, vp, nv, D, s);
+          else if (rn == 3) update_rows<3>(m + r, l + r, acc + r * D, qr, kp, vp, nv, D, s);
+          else if (rn == 2) update_rows<2>(m + r, l + r, acc + r * D, qr, kp, vp, nv, D, s);
+          else update_rows<1>(m + r, l + r, acc + r * D, qr, kp, vp, nv, D, s);
+          r += rn;
         }
       }
     }

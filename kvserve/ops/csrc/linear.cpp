@@ -20,6 +20,7 @@
 #include <omp.h>
 
 #include <algorithm>
+#include <vector>
 
 #include "kernels.h"
 #include "simd.h"
@@ -53,6 +54,20 @@ struct Q41 {  // k % 8 == 0: bytes (k % 16) .. +7 of the block's nibbles, low or
                                    _mm256_cvtepi32_ps(q));
     return _mm256_add_ps(f, _mm256_set1_ps(half_to_float(load_u16(b + 2))));
   }
+  // The whole block at k (k % 32 == 0) as w[0..3] = weights k..k+31, one d/m decode.
+  static void load4(const uint8_t* row, int64_t k, __m256* w) {
+    const uint8_t* b = row + (k >> 5) * kBlockBytes;
+    const __m256 d = _mm256_set1_ps(half_to_float(load_u16(b)));
+    const __m256 m = _mm256_set1_ps(half_to_float(load_u16(b + 2)));
+    const __m128i qs = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 4));
+    const __m256i lo = _mm256_cvtepu8_epi32(qs), hi = _mm256_cvtepu8_epi32(
+                                                     _mm_unpackhi_epi64(qs, qs));
+    const __m256i nib = _mm256_set1_epi32(15);
+    const __m256i q[4] = {_mm256_and_si256(lo, nib), _mm256_and_si256(hi, nib),
+                          _mm256_srli_epi32(lo, 4), _mm256_srli_epi32(hi, 4)};
+    for (int c = 0; c < 4; ++c)
+      w[c] = _mm256_add_ps(_mm256_mul_ps(d, _mm256_cvtepi32_ps(q[c])), m);
+  }
 };
 
 struct Q80 {
@@ -63,6 +78,13 @@ struct Q80 {
     const __m256i q = _mm256_cvtepi8_epi32(
         _mm_loadl_epi64(reinterpret_cast<const __m128i*>(b + 2 + (k & 31))));
     return _mm256_mul_ps(_mm256_set1_ps(half_to_float(load_u16(b))), _mm256_cvtepi32_ps(q));
+  }
+  static void load4(const uint8_t* row, int64_t k, __m256* w) {
+    const uint8_t* b = row + (k >> 5) * kBlockBytes;
+    const __m256 d = _mm256_set1_ps(half_to_float(load_u16(b)));
+    for (int c = 0; c < 4; ++c)
+      w[c] = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(
+                                  _mm_loadl_epi64(reinterpret_cast<const __m128i*>(b + 2 + 8 * c)))));
   }
 };
 
@@ -75,20 +97,30 @@ inline void tile(const float* x, int64_t ldx, const uint8_t* w, int64_t rb, int6
     for (int m = 0; m < MT; ++m) acc[n][m] = _mm256_setzero_ps();
 
   int64_t k = 0;
-  for (; k + 8 <= K; k += 8) {
+  if constexpr (Fmt::kQuant) {  // a block (32 weights) per step; the same FMA order
+    for (; k < K; k += 32) {
+      for (int n = 0; n < NT; ++n) {
+        if constexpr (kPrefetchW)
+          _mm_prefetch(reinterpret_cast<const char*>(w + n * rb) + 4 * kPrefetch +
+                           (k >> 5) * 64, _MM_HINT_T0);
+        __m256 wv[4];
+        Fmt::load4(w + n * rb, k, wv);
+        for (int m = 0; m < MT; ++m)
+          for (int c = 0; c < 4; ++c)
+            acc[n][m] = _mm256_fmadd_ps(wv[c], _mm256_loadu_ps(x + m * ldx + k + 8 * c),
+                                        acc[n][m]);
+      }
+    }
+  }
+  for (; k + 8 <= K; k += 8) {  // float32
     __m256 xv[MT];
     for (int m = 0; m < MT; ++m) xv[m] = _mm256_loadu_ps(x + m * ldx + k);
     for (int n = 0; n < NT; ++n) {
-      if constexpr (kPrefetchW) {
-        // float32: a line per 16 weights, kPrefetch weights ahead in the row; quantized: a
-        // line per block, the same byte distance ahead in the weight stream.
-        if (!Fmt::kQuant && (k & 15) == 0)
-          _mm_prefetch(reinterpret_cast<const char*>(w + n * rb) + 4 * (k + kPrefetch),
-                       _MM_HINT_T0);
-        if (Fmt::kQuant && (k & 31) == 0)
-          _mm_prefetch(reinterpret_cast<const char*>(w + n * rb) + 4 * kPrefetch +
-                           (k >> 5) * 64, _MM_HINT_T0);
-      }
+      // A line per 16 weights, kPrefetch weights ahead in the row (quantized rows: a line
+      // per block, the same byte distance ahead in the weight stream, above).
+      if (kPrefetchW && (k & 15) == 0)
+        _mm_prefetch(reinterpret_cast<const char*>(w + n * rb) + 4 * (k + kPrefetch),
+                     _MM_HINT_T0);
       __m256 wv = Fmt::load(w + n * rb, k);
       for (int m = 0; m < MT; ++m) acc[n][m] = _mm256_fmadd_ps(wv, xv[m], acc[n][m]);
     }
@@ -128,6 +160,25 @@ inline void tile(const float* x, int64_t ldx, const uint8_t* w, int64_t rb, int6
 template <class Fmt, int NT, int MT>
 inline void row_tile(const float* x, int64_t ldx, const uint8_t* w, int64_t rb, int64_t K,
                      const float* bias, float* out, int64_t ldo, int64_t M) {
+  if constexpr (Fmt::kQuant) {
+    if (M > 2 * MT) {
+      // Many activation rows: dequantize the NT weight rows once into an L1-sized scratch
+      // and run the float32 tiles over it (same values, same order: same result) instead of
+      // dequantizing again for every group of MT rows.
+      thread_local std::vector<float> scratch;
+      if (scratch.size() < static_cast<size_t>(NT * K)) scratch.resize(NT * K);
+      float* buf = scratch.data();
+      for (int n = 0; n < NT; ++n)
+        for (int64_t k = 0; k < K; k += 32) {
+          __m256 t[4];
+          Fmt::load4(w + n * rb, k, t);
+          for (int c = 0; c < 4; ++c) _mm256_storeu_ps(buf + n * K + k + 8 * c, t[c]);
+        }
+      row_tile<F32, NT, MT>(x, ldx, reinterpret_cast<const uint8_t*>(buf), K * 4, K, bias, out,
+                            ldo, M);
+      return;
+    }
+  }
   int64_t m = 0;
   // The first pass streams the rows from DRAM (prefetch helps); later passes hit L1.
   bool first = true;

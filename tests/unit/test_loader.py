@@ -168,6 +168,29 @@ def tiny_gguf(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str,
     return path, write_gguf(path)
 
 
+def _assert_same_as_gguf_reader(path: str) -> None:
+    from kvserve.loader.gguf_reader import GGUFFile
+
+    ours, ref = GGUFFile(path), gguf.GGUFReader(path)
+    want = {k: f.contents() for k, f in ref.fields.items() if not k.startswith("GGUF.")}
+    assert ours.metadata == want
+    assert [t.name for t in ours.tensors] == [t.name for t in ref.tensors]
+    for a, b in zip(ours.tensors, ref.tensors):
+        assert (a.tensor_type, a.n_bytes, a.data_offset) == (b.tensor_type, b.n_bytes,
+                                                             b.data_offset)
+        assert a.shape.tolist() == b.shape.tolist()
+        assert a.data.dtype == b.data.dtype and a.data.shape == b.data.shape
+        assert np.array_equal(a.data, b.data), a.name
+
+
+def test_header_reader_equals_gguf_reader(tiny_gguf: tuple[Path, dict[str, Any]]) -> None:
+    """kvserve.loader.gguf_reader against gguf-py's GGUFReader (the format's reference
+    reader): same metadata values, tensor infos and data views, on the default model (every
+    metadata type it uses, a 49k-token vocabulary) and on a tiny file with F16/Q types."""
+    _assert_same_as_gguf_reader(resolve_model(None))
+    _assert_same_as_gguf_reader(str(tiny_gguf[0]))
+
+
 def test_gguf_config(tiny_gguf: tuple[Path, dict[str, Any]]) -> None:
     ck = load_checkpoint(str(tiny_gguf[0]))
     c = ck.model_config

@@ -308,8 +308,9 @@ void run_fmt(const float* x, int64_t ldx, const uint8_t* w, int64_t rb, const fl
   // Tile shapes (32 zmm): NT * MT accumulators + MT activation vectors + 1 weight vector.
   //   M == 1: 16 x 1 (16 FMA chains; one reduce16 per tile)
   //   M >= 2: 4 x 6  (24 + 6 + 1 registers; 0.42 loads per FMA)
-  //   blocks, 2 <= M <= 8: 2 x 8 (16 accumulators; each block dequantized once for all rows)
+  //   blocks, 2 <= M <= 4: 4 x 4; 5 <= M <= 8: 2 x 8 (each block dequantized once per step)
   if (M == 1) run<Fmt, 16, 1>(x, ldx, w, rb, bias, out, M, N, K, nthreads);
+  else if (Fmt::kQuant && M <= 4) run<Fmt, 4, 4>(x, ldx, w, rb, bias, out, M, N, K, nthreads);
   else if (Fmt::kQuant && M <= 8) run<Fmt, 2, 8>(x, ldx, w, rb, bias, out, M, N, K, nthreads);
   else run<Fmt, 4, 6>(x, ldx, w, rb, bias, out, M, N, K, nthreads);
 }

@@ -11,6 +11,8 @@
 // Registers (16 ymm): NT*MT accumulators + MT activation vectors + 1 weight vector.
 //   M == 1: NT = 8, MT = 1 -> 8 + 1 + 1   (8 independent FMA chains hide FMA latency)
 //   M >= 2: NT = 4, MT = 3 -> 12 + 3 + 1  (0.58 loads per FMA)
+//   blocks, 4 <= M <= 6: 2 x 6, 7 <= M <= 8: 1 x 8 (a block is dequantized once per step);
+//   blocks, M > 2 * MT: a dequantized scratch tile, then the float32 tiles
 //
 // Weight formats (kernels.h WType): the tile reads its weight vectors through a format policy
 // (F32, Q4_1, Q8_0) whose load(row, k) returns the 8 float32 weights k..k+7 of a row. The
@@ -156,6 +158,16 @@ inline void tile(const float* x, int64_t ldx, const uint8_t* w, int64_t rb, int6
   }
 }
 
+// The M % MT leftover rows of a row_tile, as one tile of `rest` rows (1 <= rest < MT).
+template <class Fmt, int NT, int MT>
+inline void rest_tile(int64_t rest, const float* x, int64_t ldx, const uint8_t* w, int64_t rb,
+                      int64_t K, const float* bias, float* out, int64_t ldo) {
+  if constexpr (MT > 1) {
+    if (rest == MT - 1) tile<Fmt, NT, MT - 1, true>(x, ldx, w, rb, K, bias, out, ldo);
+    else rest_tile<Fmt, NT, MT - 1>(rest, x, ldx, w, rb, K, bias, out, ldo);
+  }
+}
+
 // All M activation rows against NT weight rows starting at w; MT rows per register tile.
 template <class Fmt, int NT, int MT>
 inline void row_tile(const float* x, int64_t ldx, const uint8_t* w, int64_t rb, int64_t K,
@@ -187,13 +199,7 @@ inline void row_tile(const float* x, int64_t ldx, const uint8_t* w, int64_t rb, 
     else tile<Fmt, NT, MT, false>(x + m * ldx, ldx, w, rb, K, bias, out + m * ldo, ldo);
     first = false;
   }
-  if constexpr (MT > 1) {
-    const int64_t rest = M - m;
-    if (rest == 2) tile<Fmt, NT, 2, true>(x + m * ldx, ldx, w, rb, K, bias, out + m * ldo, ldo);
-    else if (rest == 1)
-      tile<Fmt, NT, 1, true>(x + m * ldx, ldx, w, rb, K, bias, out + m * ldo, ldo);
-    static_assert(MT <= 3, "the remainder switch above covers MT <= 3");
-  }
+  if (m < M) rest_tile<Fmt, NT, MT>(M - m, x + m * ldx, ldx, w, rb, K, bias, out + m * ldo, ldo);
 }
 
 template <class Fmt, int NT, int MT>
@@ -228,6 +234,10 @@ template <class Fmt>
 void run_fmt(const float* x, int64_t ldx, const uint8_t* w, int64_t rb, const float* bias,
              float* out, int64_t M, int64_t N, int64_t K, int nthreads) {
   if (M == 1) run<Fmt, 8, 1>(x, ldx, w, rb, bias, out, M, N, K, nthreads);
+  else if (Fmt::kQuant && M >= 4 && M <= 6)
+    run<Fmt, 2, 6>(x, ldx, w, rb, bias, out, M, N, K, nthreads);
+  else if (Fmt::kQuant && M >= 7 && M <= 8)
+    run<Fmt, 1, 8>(x, ldx, w, rb, bias, out, M, N, K, nthreads);
   else run<Fmt, 4, 3>(x, ldx, w, rb, bias, out, M, N, K, nthreads);
 }
 

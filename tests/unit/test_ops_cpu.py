@@ -190,6 +190,29 @@ def test_paged_attention_any_thread_count(ops: CpuOps, threads: int) -> None:
     close(mine, REF.paged_attention(*args), atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("threads", [2, 3])
+@pytest.mark.parametrize("q_lens,seq_lens,heads,kv_heads", [
+    ([1], [300], 9, 3),             # one decode row: its keys split into parts
+    ([1, 1], [700, 64], 4, 4),      # a long row split, a short one whole
+    ([1, 5], [1000, 40], 6, 2),     # a split decode beside a prefill chunk (never split)
+    ([17], [1000], 9, 3),           # the chunk's last query (qn = 1) is split too
+])
+def test_paged_attention_split_decode_matches_reference(ops: CpuOps, threads: int,
+                                                        q_lens: list[int], seq_lens: list[int],
+                                                        heads: int, kv_heads: int) -> None:
+    """Few decode rows with long contexts are split along the keys and merged afterwards
+    (flash-decoding), which only happens with more than one thread."""
+    q, cache, tables, sl, qsl = make_batch(q_lens, seq_lens, heads, kv_heads, 64, 16, seed=7)
+    args = (q, cache, tables, sl, qsl, 0.125, max(q_lens), max(seq_lens))
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(threads)
+        mine = ops.paged_attention(*args)
+    finally:
+        torch.set_num_threads(before)
+    close(mine, REF.paged_attention(*args), atol=1e-5, rtol=1e-5)
+
+
 @pytest.mark.parametrize("d", [16, 128])
 def test_paged_attention_sharp_softmax_and_head_dims(ops: CpuOps, d: int) -> None:
     # scale 1 makes scores ~N(0, d): the running max moves often, exercising the rescale.

@@ -22,6 +22,7 @@
 #include <omp.h>
 
 #include <algorithm>
+#include <cstdint>
 #include <limits>
 #include <vector>
 
@@ -33,11 +34,16 @@ namespace {
 
 constexpr int64_t kQueryTile = 16;  // queries per item: K/V reuse vs items to balance
 constexpr int64_t kKeyTile = 32;    // keys per softmax update; a multiple of 8
+constexpr int64_t kMinSplitKeys = 64;  // fewest keys per part of a split decode row
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 
 // Queries [q0, q0+qn) of request b against kv heads [g0, g0+ng).
+// Keys [k_lo, k_hi) only (a split decode item, see paged_attention), its unnormalized rows
+// (m, l, acc) going to `partial` (R * (D + 2) floats) instead of the output.
 struct Item {
   int64_t b, q0, qn, g0, ng, cost;
+  int64_t k_lo = 0, k_hi = INT64_MAX;
+  float* partial = nullptr;
 };
 
 // R query rows (q, q + D, ...) that share one kv head go through a key tile together: each
@@ -194,7 +200,7 @@ void attend(const AttentionArgs& a, const Item& it, std::vector<float>& scratch)
   const int64_t q_begin = a.query_start_loc[it.b];
   const int64_t q_len = a.query_start_loc[it.b + 1] - q_begin;
   const int64_t pos0 = seq_len - q_len + it.q0;  // position of the item's first query
-  const int64_t kv_end = pos0 + it.qn;           // keys [0, kv_end) cover every row
+  const int64_t kv_end = std::min(pos0 + it.qn, it.k_hi);  // keys [k_lo, kv_end) are read
   // Row r = query r / HG, head g0*G + r % HG, whose kv head is g0 + (r % HG) / G.
   const int64_t R = it.qn * HG;
   const int32_t* bt = a.block_tables + it.b * a.bt_stride;
@@ -217,11 +223,11 @@ void attend(const AttentionArgs& a, const Item& it, std::vector<float>& scratch)
   // Offsets (of kv head g0) of the current tile and of the next one, double-buffered: the
   // next tile's rows are prefetched while this one computes.
   int64_t offs[2][kKeyTile];
-  key_offsets(a, bt, it.g0, 0, std::min(kKeyTile, kv_end), offs[0]);
-  prefetch_rows(a, offs[0], std::min(kKeyTile, kv_end), it.ng);
+  key_offsets(a, bt, it.g0, it.k_lo, std::min(kKeyTile, kv_end - it.k_lo), offs[0]);
+  prefetch_rows(a, offs[0], std::min(kKeyTile, kv_end - it.k_lo), it.ng);
   const float* kp[kKeyTile];
   const float* vp[kKeyTile];
-  for (int64_t t0 = 0, cur = 0; t0 < kv_end; t0 += kKeyTile, cur ^= 1) {
+  for (int64_t t0 = it.k_lo, cur = 0; t0 < kv_end; t0 += kKeyTile, cur ^= 1) {
     const int64_t n = std::min(kKeyTile, kv_end - t0);
     const int64_t n_next = std::min(kKeyTile, kv_end - t0 - n);
     if (n_next > 0) {
@@ -253,11 +259,37 @@ void attend(const AttentionArgs& a, const Item& it, std::vector<float>& scratch)
     }
   }
 
+  if (it.partial) {  // a split item: its rows stay unnormalized for combine()
+    for (int64_t r = 0; r < R; ++r) {
+      float* p = it.partial + r * (D + 2);
+      p[0] = m[r];
+      p[1] = l[r];
+      std::copy(acc + r * D, acc + (r + 1) * D, p + 2);
+    }
+    return;
+  }
   for (int64_t r = 0; r < R; ++r) {
     float* dst = a.out + out_row(r) * D;
     const float inv = 1.f / l[r];
     for (int64_t d = 0; d < D; ++d) dst[d] = acc[r * D + d] * inv;
   }
+}
+
+// The parts of one split decode row (a query head of a request), each (m, l, acc[D]) over
+// its own key range, merged as flash-decoding does: rescale each by exp(m_p - max m).
+void combine(const float* parts, int64_t n_parts, int64_t stride, int64_t D, float* out) {
+  float mx = kNegInf;
+  for (int64_t p = 0; p < n_parts; ++p) mx = std::max(mx, parts[p * stride]);
+  float l = 0.f;
+  std::fill(out, out + D, 0.f);
+  for (int64_t p = 0; p < n_parts; ++p) {
+    const float* part = parts + p * stride;
+    const float w = std::exp(part[0] - mx);
+    l += part[1] * w;
+    for (int64_t d = 0; d < D; ++d) out[d] += part[2 + d] * w;
+  }
+  const float inv = 1.f / l;
+  for (int64_t d = 0; d < D; ++d) out[d] *= inv;
 }
 
 }  // namespace
@@ -283,9 +315,63 @@ void paged_attention(const AttentionArgs& a, int nthreads) {
       for (int64_t g0 = 0; g0 < a.Hkv; g0 += ng) items.push_back({b, q0, qn, g0, ng, cost});
     }
   }
+  // Fewer items than ~4 per thread (a small decode batch) leave threads idle or waiting on
+  // one long context: single-query items are split along their keys (flash-decoding) into
+  // parts of at least kMinSplitKeys, each part keeps its rows unnormalized, and combine()
+  // merges them after the loop.
+  struct Split {
+    int64_t item_rows, base, n_parts;  // the parts' rows lie at base + (part, row) * (D + 2)
+    int64_t out_row0;                  // output row of row 0 (rows are contiguous heads)
+  };
+  std::vector<Split> splits;
+  std::vector<float> partials;
+  const int64_t target = 4 * nthreads, G = a.H / a.Hkv, row_floats = a.D + 2;
+  if (nthreads > 1 && static_cast<int64_t>(items.size()) < target) {
+    const int64_t per = (target + static_cast<int64_t>(items.size()) - 1) /
+                        static_cast<int64_t>(items.size());
+    std::vector<Item> kept;
+    std::vector<std::pair<Item, int64_t>> parts;  // (part, index of its split)
+    int64_t floats = 0;
+    for (const Item& it : items) {
+      const int64_t q_len = a.query_start_loc[it.b + 1] - a.query_start_loc[it.b];
+      const int64_t keys = a.seq_lens[it.b] - q_len + it.q0 + 1;  // the one query sees these
+      const int64_t n_parts = it.qn == 1 ? std::min(per, keys / kMinSplitKeys) : 1;
+      if (n_parts < 2) {
+        kept.push_back(it);
+        continue;
+      }
+      const int64_t chunk = ((keys + n_parts - 1) / n_parts + kKeyTile - 1) / kKeyTile * kKeyTile;
+      const int64_t rows = it.ng * G;
+      Split sp{rows, floats, 0,
+               (a.query_start_loc[it.b] + it.q0) * a.H + it.g0 * G};
+      for (int64_t k_lo = 0; k_lo < keys; k_lo += chunk) {
+        Item part = it;
+        part.k_lo = k_lo;
+        part.k_hi = std::min(keys, k_lo + chunk);
+        part.cost = it.ng * (part.k_hi - part.k_lo);
+        parts.push_back({part, static_cast<int64_t>(splits.size())});
+        ++sp.n_parts;
+        floats += rows * row_floats;
+      }
+      splits.push_back(sp);
+    }
+    partials.resize(floats);
+    std::vector<int64_t> next_part(splits.size(), 0);
+    for (auto& [part, si] : parts) {
+      const Split& sp = splits[si];
+      part.partial = partials.data() + sp.base + next_part[si]++ * sp.item_rows * row_floats;
+      kept.push_back(part);
+    }
+    items.swap(kept);
+  }
   std::stable_sort(items.begin(), items.end(),
                    [](const Item& x, const Item& y) { return x.cost > y.cost; });
   const int64_t n_items = static_cast<int64_t>(items.size());
+  // (split index, row) pairs to combine, one per output row of a split item.
+  std::vector<std::pair<int64_t, int64_t>> merges;
+  for (int64_t si = 0; si < static_cast<int64_t>(splits.size()); ++si)
+    for (int64_t r = 0; r < splits[si].item_rows; ++r) merges.push_back({si, r});
+  const int64_t n_merges = static_cast<int64_t>(merges.size());
   const int64_t total_cost = [&] {
     int64_t c = 0;
     for (const Item& it : items) c += it.cost;
@@ -298,6 +384,14 @@ void paged_attention(const AttentionArgs& a, int nthreads) {
     std::vector<float> scratch;
 #pragma omp for schedule(dynamic, 1)
     for (int64_t i = 0; i < n_items; ++i) attend(a, items[i], scratch);
+    // (the loop's barrier: every part is written before any merge reads it)
+#pragma omp for schedule(static)
+    for (int64_t i = 0; i < n_merges; ++i) {
+      const Split& sp = splits[merges[i].first];
+      const int64_t r = merges[i].second;
+      combine(partials.data() + sp.base + r * row_floats, sp.n_parts,
+              sp.item_rows * row_floats, a.D, a.out + (sp.out_row0 + r) * a.D);
+    }
   }
 }
 

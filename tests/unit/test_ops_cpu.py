@@ -176,18 +176,22 @@ def test_paged_attention_matches_reference(ops: CpuOps, q_lens: list[int], seq_l
     close(ops.paged_attention(*args), REF.paged_attention(*args), atol=1e-5, rtol=1e-5)
 
 
+def attention_on_threads(ops: CpuOps, args: tuple, threads: int) -> torch.Tensor:
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(threads)
+        return ops.paged_attention(*args)
+    finally:
+        torch.set_num_threads(before)
+
+
 @pytest.mark.parametrize("threads", [1, 3, 8])
 def test_paged_attention_any_thread_count(ops: CpuOps, threads: int) -> None:
     # The kernel splits work by kv head only when requests are few per thread: both layouts.
     q, cache, tables, sl, qsl = make_batch([1, 1, 9, 1], [33, 64, 20, 5], 9, 3, 64, 4, seed=9)
     args = (q, cache, tables, sl, qsl, 0.125, 9, 64)
-    before = torch.get_num_threads()
-    try:
-        torch.set_num_threads(threads)
-        mine = ops.paged_attention(*args)
-    finally:
-        torch.set_num_threads(before)
-    close(mine, REF.paged_attention(*args), atol=1e-5, rtol=1e-5)
+    close(attention_on_threads(ops, args, threads), REF.paged_attention(*args), atol=1e-5,
+          rtol=1e-5)
 
 
 @pytest.mark.parametrize("threads", [2, 3])
@@ -204,13 +208,8 @@ def test_paged_attention_split_decode_matches_reference(ops: CpuOps, threads: in
     (flash-decoding), which only happens with more than one thread."""
     q, cache, tables, sl, qsl = make_batch(q_lens, seq_lens, heads, kv_heads, 64, 16, seed=7)
     args = (q, cache, tables, sl, qsl, 0.125, max(q_lens), max(seq_lens))
-    before = torch.get_num_threads()
-    try:
-        torch.set_num_threads(threads)
-        mine = ops.paged_attention(*args)
-    finally:
-        torch.set_num_threads(before)
-    close(mine, REF.paged_attention(*args), atol=1e-5, rtol=1e-5)
+    close(attention_on_threads(ops, args, threads), REF.paged_attention(*args), atol=1e-5,
+          rtol=1e-5)
 
 
 @pytest.mark.parametrize("d", [16, 128])

@@ -60,6 +60,8 @@ class GGUFFile:
         self._pos = 4
         version, n_tensors, n_kv = self._unpack("<IQQ")
         if version not in (2, 3):
+            if int.from_bytes(version.to_bytes(4, "little"), "big") in (2, 3):
+                raise ValueError("a big-endian GGUF file; kvserve reads little-endian ones")
             raise ValueError(f"unsupported GGUF version {version}")
         self.version = version
         self.metadata: dict[str, Any] = {}

@@ -507,3 +507,15 @@ def test_gguf_blocks_kept_where_the_kernels_read_them(
         out = runner.forward({seq: [5, 9, 2, 7, 1, 3]})[0]
         logits.append(torch.cat([out, runner.forward({seq: [4]})[0]]))
     assert torch.equal(logits[0], logits[1])
+
+
+@pytest.mark.parametrize("header,message", [
+    (b"GGUF" + (3).to_bytes(4, "big") + bytes(16), "big-endian GGUF file"),
+    (b"GGUF" + (7).to_bytes(4, "little") + bytes(16), "unsupported GGUF version 7"),
+    (b"GGUF" + (3).to_bytes(4, "little") + (1).to_bytes(8, "little"), "inside its header"),
+])
+def test_header_reader_errors(tmp_path: Path, header: bytes, message: str) -> None:
+    path = tmp_path / "bad.gguf"
+    path.write_bytes(header)
+    with pytest.raises(CheckpointError, match=message):
+        load_checkpoint(str(path))

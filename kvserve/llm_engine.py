@@ -87,6 +87,15 @@ class LLMEngine:
         threads = configure_threads(config.device)
         t_ckpt = time.perf_counter()
         ops = get_ops(config.ops_backend, config.device)
+        if config.quantization == "gguf" and not getattr(ops, "uses_kernels", False):
+            # Only kvserve's CPU kernels read blocks as stored; anywhere else every forward
+            # would dequantize every matrix again.
+            if args.quantization is None:
+                config = config.replace(quantization="none")
+            else:
+                logger.warning("quantization 'gguf' without kvserve's CPU kernels (ops=%s): "
+                               "every linear dequantizes its blocks on each call; "
+                               "--quantization none is faster here", ops.name)
         t_ops = time.perf_counter()
         mc = config.model_config
         model_cls = get_model_class(mc.architecture)

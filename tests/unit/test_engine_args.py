@@ -34,3 +34,21 @@ def test_impossible_quantizations_name_the_field() -> None:
         config(device="cpu", dtype="bfloat16", quantization="gguf")
     with pytest.raises(ValueError, match="quantization must be one of gguf, none, got 'awq'"):
         config(device="cpu", quantization="awq")
+
+
+def test_auto_gguf_falls_back_without_the_kernels(monkeypatch: pytest.MonkeyPatch,
+                                                  caplog: pytest.LogCaptureFixture) -> None:
+    """No CPU kernels (no compiler, no AVX2): the blocks would be dequantized on every call,
+    so auto picks "none"; an explicit "gguf" is kept, with a warning."""
+    import kvserve.llm_engine as le
+    from kvserve.ops.reference import ReferenceOps
+
+    monkeypatch.setattr(le, "get_ops", lambda *a: ReferenceOps())
+    args = dict(model=None, device="cpu", kv_cache_memory="16MiB")
+    engine = le.LLMEngine.from_engine_args(EngineArgs.from_kwargs(**args))
+    assert engine.config.quantization == "none"
+    with caplog.at_level("WARNING", logger="kvserve"):
+        engine = le.LLMEngine.from_engine_args(EngineArgs.from_kwargs(**args,
+                                                                      quantization="gguf"))
+    assert engine.config.quantization == "gguf"
+    assert "without kvserve's CPU kernels" in caplog.text

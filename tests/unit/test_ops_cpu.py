@@ -204,12 +204,39 @@ def test_paged_attention_any_thread_count(ops: CpuOps, threads: int) -> None:
 def test_paged_attention_split_decode_matches_reference(ops: CpuOps, threads: int,
                                                         q_lens: list[int], seq_lens: list[int],
                                                         heads: int, kv_heads: int) -> None:
-    """Few decode rows with long contexts are split along the keys and merged afterwards
-    (flash-decoding), which only happens with more than one thread."""
+    """Few decode rows with long contexts are split along the keys across threads and their
+    segments merged afterwards (flash-decoding); a split needs more than one thread."""
     q, cache, tables, sl, qsl = make_batch(q_lens, seq_lens, heads, kv_heads, 64, 16, seed=7)
     args = (q, cache, tables, sl, qsl, 0.125, max(q_lens), max(seq_lens))
     close(attention_on_threads(ops, args, threads), REF.paged_attention(*args), atol=1e-5,
           rtol=1e-5)
+
+
+def test_paged_attention_row_is_batch_invariant(ops: CpuOps) -> None:
+    """A row's output depends on its own context only, bit for bit: alone on 1 or 2 threads
+    (split across threads), beside 9 other decodes (not split), and as the last query of a
+    prefill chunk. The engine's greedy batch invariance rests on this."""
+    seq_len, hkv = 700, 3
+    q, cache, tables, sl, qsl = make_batch([9], [seq_len], 9, hkv, 64, 16, seed=12)
+    chunk = ops.paged_attention(q, cache, tables, sl, qsl, 0.125, 9, seq_len)
+    last = q[-1:]  # the chunk's last query is a decode at position seq_len - 1
+    one = (last, cache, tables[:1], sl[:1], torch.tensor([0, 1], dtype=torch.int32), 0.125,
+           1, seq_len)
+    alone2 = attention_on_threads(ops, one, 2)
+    alone1 = attention_on_threads(ops, one, 1)
+    others = make_batch([1] * 9, [100 + 37 * i for i in range(9)], 9, hkv, 64, 16, seed=13)
+    # The row again, first of 10 decodes, its blocks appended to the others' cache.
+    n_blocks = others[1].shape[1]
+    cache10 = torch.cat([others[1], cache], dim=1)
+    tables10 = torch.zeros(10, max(others[2].shape[1], tables.shape[1]), dtype=torch.int32)
+    tables10[0, :tables.shape[1]] = tables[0] + n_blocks
+    tables10[1:, :others[2].shape[1]] = others[2]
+    sl10 = torch.cat([sl[:1], others[3]])
+    qsl10 = torch.arange(11, dtype=torch.int32)
+    batched = attention_on_threads(ops, (torch.cat([last, others[0]]), cache10, tables10, sl10,
+                                         qsl10, 0.125, 1, seq_len), 2)
+    for out in (alone2, alone1, batched[:1]):
+        assert torch.equal(out, chunk[-1:])
 
 
 @pytest.mark.parametrize("d", [16, 128])

@@ -76,8 +76,9 @@ def test_block_kernel_equals_float_kernel_bit_for_bit(isa_ops: CpuOps, qtype: in
     assert torch.equal(isa_ops._ext.dequantize(raw, k), floats)
     bias = torch.randn(n)
     g = torch.Generator().manual_seed(k)
-    # 1: the M == 1 tile; 2..12: blocks dequantized in registers per tile of rows; 13 and up:
-    # a weight tile dequantized once into scratch; leftover rows (N % tile) in each.
+    # 1: the M == 1 tile; then tiles that dequantize blocks in registers (AVX-512 up to 12
+    # rows, AVX2 up to 6), and past that a weight tile dequantized once into scratch;
+    # leftover rows (N % tile) in each.
     for m in (1, 2, 3, 5, 6, 7, 8, 12, 13, 31, 100):
         x = torch.randn(m, k, generator=g)
         for b in (None, bias):

@@ -34,12 +34,16 @@ namespace {
 
 constexpr int64_t kQueryTile = 16;  // queries per item: K/V reuse vs items to balance
 constexpr int64_t kKeyTile = 32;    // keys per softmax update; a multiple of 8
-constexpr int64_t kMinSplitKeys = 64;  // fewest keys per part of a split decode row
+// Keys per softmax segment. Every row runs its online softmax separately over keys
+// [0, 256), [256, 512), ... and merges the segments at the end (combine()), whatever the
+// batch: a segment is the unit a decode row is split by across threads, and a row's
+// arithmetic depends on its own context length only, so outputs stay batch invariant.
+constexpr int64_t kSegment = 256;  // a multiple of kKeyTile
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 
 // Queries [q0, q0+qn) of request b against kv heads [g0, g0+ng).
-// Keys [k_lo, k_hi) only (a split decode item, see paged_attention), its unnormalized rows
-// (m, l, acc) going to `partial` (R * (D + 2) floats) instead of the output.
+// Keys [k_lo, k_hi) only (a split decode item, see paged_attention; k_lo a multiple of
+// kSegment), its unnormalized segments (m, l, acc) going to `partial` instead of the output.
 struct Item {
   int64_t b, q0, qn, g0, ng, cost;
   int64_t k_lo = 0, k_hi = INT64_MAX;
@@ -193,6 +197,24 @@ inline void prefetch_rows(const AttentionArgs& a, const int64_t* off, int64_t n,
 #endif
 }
 
+// One row's segments, each (m, l, acc[D]) over its own keys, merged as flash-decoding does:
+// rescale each by exp(m_p - max m), in segment order. A segment the row sees no key of
+// (m = -inf, l = 0, acc = 0) adds exact zeros; a single segment gives acc / l exactly.
+void combine(const float* parts, int64_t n_parts, int64_t stride, int64_t D, float* out) {
+  float mx = kNegInf;
+  for (int64_t p = 0; p < n_parts; ++p) mx = std::max(mx, parts[p * stride]);
+  float l = 0.f;
+  std::fill(out, out + D, 0.f);
+  for (int64_t p = 0; p < n_parts; ++p) {
+    const float* part = parts + p * stride;
+    const float w = std::exp(part[0] - mx);
+    l += part[1] * w;
+    for (int64_t d = 0; d < D; ++d) out[d] += part[2 + d] * w;
+  }
+  const float inv = 1.f / l;
+  for (int64_t d = 0; d < D; ++d) out[d] *= inv;
+}
+
 void attend(const AttentionArgs& a, const Item& it, std::vector<float>& scratch) {
   const int64_t G = a.H / a.Hkv, D = a.D;
   const int64_t HG = it.ng * G;  // query heads of the item
@@ -206,12 +228,27 @@ void attend(const AttentionArgs& a, const Item& it, std::vector<float>& scratch)
   const int32_t* bt = a.block_tables + it.b * a.bt_stride;
   auto out_row = [&](int64_t r) { return (q_begin + it.q0 + r / HG) * a.H + it.g0 * G + r % HG; };
 
-  scratch.resize(R * D * 2 + R * 2 + 4 * kScoreStride);
+  const int64_t n_seg = (kv_end - it.k_lo + kSegment - 1) / kSegment;
+  const int64_t seg_floats = R * (D + 2);  // segment si of row r at segs + si*seg_floats + r*(D+2)
+  scratch.resize(R * D * 2 + R * 2 + 4 * kScoreStride + n_seg * seg_floats);
   float* qs = scratch.data();  // scaled queries, so scores need no extra multiply
   float* acc = qs + R * D;
   float* m = acc + R * D;
   float* l = m + R;
   float* s = l + R;
+  float* segs = s + 4 * kScoreStride;
+  // Ends a segment: its rows' (m, l, acc) to slot si, and the rows start afresh.
+  auto flush = [&](int64_t si) {
+    for (int64_t r = 0; r < R; ++r) {
+      float* p = segs + si * seg_floats + r * (D + 2);
+      p[0] = m[r];
+      p[1] = l[r];
+      std::copy(acc + r * D, acc + (r + 1) * D, p + 2);
+      std::fill(acc + r * D, acc + (r + 1) * D, 0.f);
+      m[r] = kNegInf;
+      l[r] = 0.f;
+    }
+  };
   for (int64_t r = 0; r < R; ++r) {
     const float* src = a.q + (q_begin + it.q0 + r / HG) * a.q_st + (it.g0 * G + r % HG) * a.q_sh;
     for (int64_t d = 0; d < D; ++d) qs[r * D + d] = src[d] * a.scale;
@@ -228,6 +265,7 @@ void attend(const AttentionArgs& a, const Item& it, std::vector<float>& scratch)
   const float* kp[kKeyTile];
   const float* vp[kKeyTile];
   for (int64_t t0 = it.k_lo, cur = 0; t0 < kv_end; t0 += kKeyTile, cur ^= 1) {
+    if (t0 > it.k_lo && t0 % kSegment == 0) flush((t0 - it.k_lo) / kSegment - 1);
     const int64_t n = std::min(kKeyTile, kv_end - t0);
     const int64_t n_next = std::min(kKeyTile, kv_end - t0 - n);
     if (n_next > 0) {
@@ -259,37 +297,13 @@ void attend(const AttentionArgs& a, const Item& it, std::vector<float>& scratch)
     }
   }
 
-  if (it.partial) {  // a split item: its rows stay unnormalized for combine()
-    for (int64_t r = 0; r < R; ++r) {
-      float* p = it.partial + r * (D + 2);
-      p[0] = m[r];
-      p[1] = l[r];
-      std::copy(acc + r * D, acc + (r + 1) * D, p + 2);
-    }
+  flush(n_seg - 1);
+  if (it.partial) {  // a split item: the rows' segments are merged after the loop
+    std::copy(segs, segs + n_seg * seg_floats, it.partial);
     return;
   }
-  for (int64_t r = 0; r < R; ++r) {
-    float* dst = a.out + out_row(r) * D;
-    const float inv = 1.f / l[r];
-    for (int64_t d = 0; d < D; ++d) dst[d] = acc[r * D + d] * inv;
-  }
-}
-
-// The parts of one split decode row (a query head of a request), each (m, l, acc[D]) over
-// its own key range, merged as flash-decoding does: rescale each by exp(m_p - max m).
-void combine(const float* parts, int64_t n_parts, int64_t stride, int64_t D, float* out) {
-  float mx = kNegInf;
-  for (int64_t p = 0; p < n_parts; ++p) mx = std::max(mx, parts[p * stride]);
-  float l = 0.f;
-  std::fill(out, out + D, 0.f);
-  for (int64_t p = 0; p < n_parts; ++p) {
-    const float* part = parts + p * stride;
-    const float w = std::exp(part[0] - mx);
-    l += part[1] * w;
-    for (int64_t d = 0; d < D; ++d) out[d] += part[2 + d] * w;
-  }
-  const float inv = 1.f / l;
-  for (int64_t d = 0; d < D; ++d) out[d] *= inv;
+  for (int64_t r = 0; r < R; ++r)
+    combine(segs + r * (D + 2), n_seg, seg_floats, D, a.out + out_row(r) * D);
 }
 
 }  // namespace
@@ -316,17 +330,17 @@ void paged_attention(const AttentionArgs& a, int nthreads) {
     }
   }
   // Fewer items than ~4 per thread (a small decode batch) leave threads idle or waiting on
-  // one long context: single-query items are split along their keys (flash-decoding) into
-  // parts of at least kMinSplitKeys, each part keeps its rows unnormalized, and combine()
-  // merges them after the loop.
+  // one long context: single-query items are split along their keys at segment boundaries
+  // (flash-decoding). Each part writes its rows' segments to `partials`, and the rows are
+  // merged after the loop, exactly as an unsplit item merges its segments itself.
   struct Split {
-    int64_t item_rows, base, n_parts;  // the parts' rows lie at base + (part, row) * (D + 2)
-    int64_t out_row0;                  // output row of row 0 (rows are contiguous heads)
+    int64_t rows, base, n_seg;  // segment si of row r at base + (si * rows + r) * (D + 2)
+    int64_t out_row0;           // output row of row 0 (the rows are contiguous heads)
   };
   std::vector<Split> splits;
   std::vector<float> partials;
   const int64_t target = 4 * nthreads, G = a.H / a.Hkv, row_floats = a.D + 2;
-  if (nthreads > 1 && static_cast<int64_t>(items.size()) < target) {
+  if (nthreads > 1 && !items.empty() && static_cast<int64_t>(items.size()) < target) {
     const int64_t per = (target + static_cast<int64_t>(items.size()) - 1) /
                         static_cast<int64_t>(items.size());
     std::vector<Item> kept;
@@ -335,31 +349,29 @@ void paged_attention(const AttentionArgs& a, int nthreads) {
     for (const Item& it : items) {
       const int64_t q_len = a.query_start_loc[it.b + 1] - a.query_start_loc[it.b];
       const int64_t keys = a.seq_lens[it.b] - q_len + it.q0 + 1;  // the one query sees these
-      const int64_t n_parts = it.qn == 1 ? std::min(per, keys / kMinSplitKeys) : 1;
+      const int64_t n_seg = (keys + kSegment - 1) / kSegment;
+      const int64_t n_parts = it.qn == 1 ? std::min(per, n_seg) : 1;
       if (n_parts < 2) {
         kept.push_back(it);
         continue;
       }
-      const int64_t chunk = ((keys + n_parts - 1) / n_parts + kKeyTile - 1) / kKeyTile * kKeyTile;
+      const int64_t chunk = (n_seg + n_parts - 1) / n_parts * kSegment;
       const int64_t rows = it.ng * G;
-      Split sp{rows, floats, 0,
-               (a.query_start_loc[it.b] + it.q0) * a.H + it.g0 * G};
+      splits.push_back({rows, floats, n_seg,
+                        (a.query_start_loc[it.b] + it.q0) * a.H + it.g0 * G});
       for (int64_t k_lo = 0; k_lo < keys; k_lo += chunk) {
         Item part = it;
         part.k_lo = k_lo;
         part.k_hi = std::min(keys, k_lo + chunk);
         part.cost = it.ng * (part.k_hi - part.k_lo);
-        parts.push_back({part, static_cast<int64_t>(splits.size())});
-        ++sp.n_parts;
-        floats += rows * row_floats;
+        parts.push_back({part, static_cast<int64_t>(splits.size()) - 1});
       }
-      splits.push_back(sp);
+      floats += n_seg * rows * row_floats;
     }
     partials.resize(floats);
-    std::vector<int64_t> next_part(splits.size(), 0);
     for (auto& [part, si] : parts) {
       const Split& sp = splits[si];
-      part.partial = partials.data() + sp.base + next_part[si]++ * sp.item_rows * row_floats;
+      part.partial = partials.data() + sp.base + part.k_lo / kSegment * sp.rows * row_floats;
       kept.push_back(part);
     }
     items.swap(kept);
@@ -370,7 +382,7 @@ void paged_attention(const AttentionArgs& a, int nthreads) {
   // (split index, row) pairs to combine, one per output row of a split item.
   std::vector<std::pair<int64_t, int64_t>> merges;
   for (int64_t si = 0; si < static_cast<int64_t>(splits.size()); ++si)
-    for (int64_t r = 0; r < splits[si].item_rows; ++r) merges.push_back({si, r});
+    for (int64_t r = 0; r < splits[si].rows; ++r) merges.push_back({si, r});
   const int64_t n_merges = static_cast<int64_t>(merges.size());
   const int64_t total_cost = [&] {
     int64_t c = 0;
@@ -389,8 +401,8 @@ void paged_attention(const AttentionArgs& a, int nthreads) {
     for (int64_t i = 0; i < n_merges; ++i) {
       const Split& sp = splits[merges[i].first];
       const int64_t r = merges[i].second;
-      combine(partials.data() + sp.base + r * row_floats, sp.n_parts,
-              sp.item_rows * row_floats, a.D, a.out + (sp.out_row0 + r) * a.D);
+      combine(partials.data() + sp.base + r * row_floats, sp.n_seg, sp.rows * row_floats, a.D,
+              a.out + (sp.out_row0 + r) * a.D);
     }
   }
 }

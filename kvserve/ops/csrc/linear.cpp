@@ -102,9 +102,9 @@ inline void tile(const float* x, int64_t ldx, const uint8_t* w, int64_t rb, int6
   if constexpr (Fmt::kQuant) {  // a block (32 weights) per step; the same FMA order
     for (; k < K; k += 32) {
       for (int n = 0; n < NT; ++n) {
-        if constexpr (kPrefetchW)
+        if constexpr (kPrefetchW)  // the line 2 KB ahead of this block in the stream
           _mm_prefetch(reinterpret_cast<const char*>(w + n * rb) + 4 * kPrefetch +
-                           (k >> 5) * 64, _MM_HINT_T0);
+                           (k >> 5) * Fmt::kBlockBytes, _MM_HINT_T0);
         __m256 wv[4];
         Fmt::load4(w + n * rb, k, wv);
         for (int m = 0; m < MT; ++m)
@@ -118,8 +118,8 @@ inline void tile(const float* x, int64_t ldx, const uint8_t* w, int64_t rb, int6
     __m256 xv[MT];
     for (int m = 0; m < MT; ++m) xv[m] = _mm256_loadu_ps(x + m * ldx + k);
     for (int n = 0; n < NT; ++n) {
-      // A line per 16 weights, kPrefetch weights ahead in the row (quantized rows: a line
-      // per block, the same byte distance ahead in the weight stream, above).
+      // A line per 16 weights, kPrefetch weights (2 KB) ahead in the row (quantized rows:
+      // the line 2 KB ahead of each block, above).
       if (kPrefetchW && (k & 15) == 0)
         _mm_prefetch(reinterpret_cast<const char*>(w + n * rb) + 4 * (k + kPrefetch),
                      _MM_HINT_T0);

@@ -249,8 +249,9 @@ inline void row_tile(const float* x, int64_t ldx, const uint8_t* w, int64_t rb, 
       if (cap < NT * K) {
         std::free(buf);
         buf = static_cast<float*>(std::malloc(sizeof(float) * NT * K));
-        cap = NT * K;
+        cap = buf ? NT * K : 0;
       }
+      if (!buf) std::abort();  // out of memory for a few KB: nothing sensible is left to do
       for (int n = 0; n < NT; ++n)
         for (int64_t k = 0; k < K; k += 32) {
           __m512 w0, w1;

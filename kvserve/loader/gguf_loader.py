@@ -295,28 +295,26 @@ class GGUFCheckpoint:
         """(HF name, float32 tensor) pairs; with keep_quantized, the Q4_1 / Q8_0 matrices come
         as GGUFWeight blocks instead (rows un-permuted like the floats), for the model's
         GGUFLinearMethod layers to keep and the rest to dequantize."""
-        c = self.model_config
         for t in self.reader.tensors:
             if t.name in _NON_WEIGHTS:
                 continue
             shape = tuple(int(d) for d in reversed(t.shape.tolist()))
+            # np.array copies out of the read-only memmap, so torch gets memory it owns.
             if keep_quantized and int(t.tensor_type) in BLOCK_BYTES and len(shape) == 2 \
                     and shape[1] % 32 == 0:
-                # np.array copies out of the read-only memmap, so torch gets memory it owns.
                 raw = torch.from_numpy(np.array(t.data, dtype=np.uint8).reshape(shape[0], -1))
-                if self.permuted_qk:
-                    if ".attn_q." in t.name:
-                        raw = unpermute_qk(raw, c.num_attention_heads)
-                    elif ".attn_k." in t.name:
-                        raw = unpermute_qk(raw, c.num_key_value_heads)
-                yield gguf_to_hf_name(t.name), GGUFWeight(raw.contiguous(),
+                yield gguf_to_hf_name(t.name), GGUFWeight(self._hf_rows(t.name, raw),
                                                           int(t.tensor_type), shape[1])
                 continue
             w = torch.from_numpy(np.array(gguf.quants.dequantize(t.data, t.tensor_type),
                                           dtype=np.float32).reshape(shape))
-            if self.permuted_qk:
-                if ".attn_q." in t.name:
-                    w = unpermute_qk(w, c.num_attention_heads)
-                elif ".attn_k." in t.name:
-                    w = unpermute_qk(w, c.num_key_value_heads)
-            yield gguf_to_hf_name(t.name), w.contiguous()
+            yield gguf_to_hf_name(t.name), self._hf_rows(t.name, w)
+
+    def _hf_rows(self, name: str, w: torch.Tensor) -> torch.Tensor:
+        """The tensor's rows in HF's order: llama.cpp's q/k permutation undone (rows of blocks
+        move like rows of floats)."""
+        if self.permuted_qk and ".attn_q." in name:
+            w = unpermute_qk(w, self.model_config.num_attention_heads)
+        elif self.permuted_qk and ".attn_k." in name:
+            w = unpermute_qk(w, self.model_config.num_key_value_heads)
+        return w.contiguous()

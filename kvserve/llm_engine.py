@@ -25,7 +25,7 @@ from kvserve.kv.layout import bytes_per_block
 from kvserve.loader import load_checkpoint, resolve_model
 from kvserve.loader.tokenizer import Tokenizer
 from kvserve.model_runner import ModelRunner, torch_dtype
-from kvserve.models import get_model_class
+from kvserve.models import build_model
 from kvserve.ops import get_ops
 from kvserve.outputs import CompletionOutput, PositionLogprobs, RequestOutput
 from kvserve.platform import available_memory, configure_threads
@@ -98,12 +98,8 @@ class LLMEngine:
                                "--quantization none is faster here", ops.name)
         t_ops = time.perf_counter()
         mc = config.model_config
-        model_cls = get_model_class(mc.architecture)
-        dtype = torch_dtype(config.dtype)
-        model = model_cls(mc, ops, dtype, max_positions=config.scheduler.max_model_len,
-                          quantization=config.quantization)
-        model.load_weights(ckpt.weights(keep_quantized=config.quantization == "gguf"))
-        model = model.to(config.device).eval()
+        model = build_model(ckpt, ops, torch_dtype(config.dtype), config.quantization,
+                            config.scheduler.max_model_len).to(config.device)
         t_weights = time.perf_counter()
         num_blocks = cls.num_kv_blocks(config)
         engine = cls(config, ckpt.tokenizer, model, num_blocks)

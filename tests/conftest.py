@@ -12,7 +12,7 @@ import torch
 from kvserve.engine_args import EngineArgs
 from kvserve.llm_engine import LLMEngine
 from kvserve.loader import load_checkpoint, resolve_model
-from kvserve.models import get_model_class
+from kvserve.models import build_model
 from kvserve.ops import get_ops
 
 REFERENCE_DIR = Path(__file__).resolve().parents[1].parent / "shared" / "reference"
@@ -23,21 +23,13 @@ def gpl_text() -> str:
     return (REFERENCE_DIR / "GPL-3.txt").read_text()
 
 
-def build_smollm2(ckpt: Any, quantization: str) -> Any:
-    mc = ckpt.model_config
-    model = get_model_class(mc.architecture)(mc, get_ops("auto"), torch.float32,
-                                             quantization=quantization)
-    model.load_weights(ckpt.weights(keep_quantized=quantization == "gguf"))
-    return model.eval()
-
-
 @pytest.fixture(scope="session")
 def smollm2() -> Any:
     """(path, checkpoint, kvserve model) as the engine builds it by default: the default ops
     backend, the GGUF's Q4_1 / Q8_0 weights kept as blocks (quantization "gguf")."""
     path = resolve_model(None)
     ckpt = load_checkpoint(path)
-    return path, ckpt, build_smollm2(ckpt, "gguf")
+    return path, ckpt, build_model(ckpt, get_ops("auto"), torch.float32, "gguf")
 
 
 @pytest.fixture(scope="session")

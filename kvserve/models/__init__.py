@@ -6,6 +6,10 @@ Adding an architecture is a file in this folder plus a line here.
 from __future__ import annotations
 
 import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import torch
 
 _MODELS: dict[str, str] = {
     "LlamaForCausalLM": "kvserve.models.llama:LlamaForCausalLM",
@@ -16,6 +20,17 @@ _MODELS: dict[str, str] = {
 
 def supported_architectures() -> list[str]:
     return sorted(_MODELS)
+
+
+def build_model(ckpt: Any, ops: Any, dtype: torch.dtype, quantization: str = "none",
+                max_positions: int | None = None) -> Any:
+    """A checkpoint's model with its weights loaded, in eval mode, on the CPU.
+    quantization "gguf" keeps a GGUF file's Q4_1 / Q8_0 matrices as blocks (kvserve/quant/)."""
+    mc = ckpt.model_config
+    model = get_model_class(mc.architecture)(mc, ops, dtype, max_positions=max_positions,
+                                             quantization=quantization)
+    model.load_weights(ckpt.weights(keep_quantized=quantization == "gguf"))
+    return model.eval()
 
 
 def get_model_class(architecture: str) -> type:

@@ -15,8 +15,10 @@ import pytest
 import torch
 
 from kvserve.loader.hf_reference import hf_model_from_checkpoint
+from kvserve.models import build_model
+from kvserve.ops import get_ops
 from kvserve.sampling_params import SamplingParams
-from tests.conftest import build_smollm2, run_all
+from tests.conftest import run_all
 from tests.helpers import PagedSequence
 
 PROMPTS = [
@@ -72,7 +74,7 @@ def test_block_weights_equal_float32_weights_bit_for_bit(smollm2: Any) -> None:
     assert model.layers[0].mlp.down_proj.weight.dtype == torch.uint8  # Q4_1 blocks
     assert model.lm_head.weight.dtype == torch.uint8  # the tied embedding's Q8_0 blocks
     assert model.embed_tokens.dtype == torch.float32
-    f32 = build_smollm2(ckpt, "none")
+    f32 = build_model(ckpt, get_ops("auto"), torch.float32, "none")
     assert f32.layers[0].mlp.down_proj.weight.dtype == torch.float32
     ids = ckpt.tokenizer.encode(PROMPTS[1])
     outs = []

@@ -484,18 +484,12 @@ def test_gguf_blocks_kept_where_the_kernels_read_them(
     """quantization "gguf" on a file mixing 14 tensor types: a Q8_0 matrix stays in blocks,
     a fused projection whose shards mix formats (q Q4_0, k Q4_1, v Q5_0) and every other type
     are dequantized; the logits equal the all-float model's bit for bit."""
-    from kvserve.models import get_model_class
+    from kvserve.models import build_model
     from kvserve.ops import get_ops
     from tests.helpers import PagedSequence
 
     ck = load_checkpoint(str(tiny_gguf[0]))
-    mc = ck.model_config
-    models = {}
-    for quant in ("gguf", "none"):
-        m = get_model_class(mc.architecture)(mc, get_ops("auto"), torch.float32,
-                                             quantization=quant)
-        m.load_weights(ck.weights(keep_quantized=quant == "gguf"))
-        models[quant] = m.eval()
+    models = {q: build_model(ck, get_ops("auto"), torch.float32, q) for q in ("gguf", "none")}
     q = models["gguf"]
     assert q.layers[1].mlp.down_proj.weight.dtype == torch.uint8  # Q8_0, kept
     assert q.layers[0].self_attn.qkv_proj.weight.dtype == torch.float32  # mixed shards

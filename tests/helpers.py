@@ -12,6 +12,13 @@ from kvserve.models import get_model_class
 from kvserve.outputs import ModelInput
 
 
+def assert_logits_close(ours: torch.Tensor, ref: torch.Tensor, rel: float = 1e-4) -> None:
+    """Within rel of ref's largest magnitude (and rel relatively), compared on the CPU in
+    float32: the tolerance test_parity_tiny.py explains."""
+    scale = ref.abs().max().item()
+    torch.testing.assert_close(ours.float().cpu(), ref.float().cpu(), rtol=rel, atol=rel * scale)
+
+
 def tiny_hf_model(arch: str, seed: int = 0, **overrides: Any) -> Any:
     """A tiny random HF model in float32, with GQA (4 heads / 2 kv heads)."""
     import transformers

@@ -38,26 +38,22 @@ class _EngineCollector(Collector):
     def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
         s = self._stats()
         labels = ["model_name"]
-        for name, doc, value in (
-                ("vllm:num_requests_running", "Requests in model execution batches.",
-                 s.num_running),
-                ("vllm:num_requests_waiting", "Requests waiting to be processed.",
-                 s.num_waiting),
-                ("vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.",
-                 s.kv_cache_usage)):
-            g = GaugeMetricFamily(name, doc, labels=labels)
-            g.add_metric([self._model], float(value))
-            yield g
-        for name, doc, value in (
-                ("vllm:prefix_cache_queries", "Prefix cache queries, in queried tokens.",
-                 s.prefix_cache_queries),
-                ("vllm:prefix_cache_hits", "Prefix cache hits, in cached tokens.",
-                 s.prefix_cache_hits),
-                ("vllm:num_preemptions", "Cumulative number of preemptions.",
-                 s.num_preemptions)):
-            c = CounterMetricFamily(name, doc, labels=labels)
-            c.add_metric([self._model], float(value))
-            yield c
+        for family, name, doc, value in (
+                (GaugeMetricFamily, "vllm:num_requests_running",
+                 "Requests in model execution batches.", s.num_running),
+                (GaugeMetricFamily, "vllm:num_requests_waiting",
+                 "Requests waiting to be processed.", s.num_waiting),
+                (GaugeMetricFamily, "vllm:kv_cache_usage_perc",
+                 "KV-cache usage. 1 means 100 percent usage.", s.kv_cache_usage),
+                (CounterMetricFamily, "vllm:prefix_cache_queries",
+                 "Prefix cache queries, in queried tokens.", s.prefix_cache_queries),
+                (CounterMetricFamily, "vllm:prefix_cache_hits",
+                 "Prefix cache hits, in cached tokens.", s.prefix_cache_hits),
+                (CounterMetricFamily, "vllm:num_preemptions",
+                 "Cumulative number of preemptions.", s.num_preemptions)):
+            metric = family(name, doc, labels=labels)
+            metric.add_metric([self._model], float(value))
+            yield metric
 
 
 class ServerMetrics:

@@ -24,7 +24,7 @@ from kvserve.loader import load_checkpoint, resolve_model
 from kvserve.ops import get_ops
 from kvserve.ops.reference import ReferenceOps
 from kvserve.sampling_params import SamplingParams
-from tests.helpers import PagedSequence, kvserve_model_from_hf, tiny_hf_model
+from tests.helpers import PagedSequence, assert_logits_close, kvserve_model_from_hf, tiny_hf_model
 from tests.unit.test_ops_cpu import ATTN_CASES, make_batch
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -33,12 +33,6 @@ DEV = "cuda"
 PROMPTS = ["The capital of France is", "def fibonacci(n):\n    ",
            "<|im_start|>user\nWrite a haiku about the sea.<|im_end|>\n<|im_start|>assistant\n",
            "In 1969, Neil Armstrong"]
-
-
-def _close(ours: torch.Tensor, ref: torch.Tensor, rel: float) -> None:
-    scale = ref.abs().max().item()
-    torch.testing.assert_close(ours.float().cpu(), ref.float().cpu(), rtol=rel,
-                               atol=rel * scale)
 
 
 @pytest.mark.parametrize("q_lens,seq_lens", ATTN_CASES)
@@ -52,7 +46,7 @@ def test_paged_attention_on_cuda_matches_reference(q_lens: list[int],
     ours = ops.paged_attention(*(a.to(DEV) if isinstance(a, torch.Tensor) else a
                                  for a in args))
     assert ours.device.type == "cuda"
-    _close(ours, ref, 1e-5)
+    assert_logits_close(ours, ref, 1e-5)
 
 
 @pytest.mark.parametrize("arch,architecture", [("llama", "LlamaForCausalLM"),
@@ -72,7 +66,7 @@ def test_tiny_model_on_cuda_matches_hf(arch: str, architecture: str, dtype: torc
     with torch.no_grad():
         ref = hf(torch.tensor([tokens])).logits[0]
     assert logits.device.type == "cuda" and logits.dtype == torch.float32
-    _close(torch.cat([logits, step]), ref, rel)
+    assert_logits_close(torch.cat([logits, step]), ref, rel)
 
 
 # ---- the engine on the default model -----------------------------------------------------

@@ -13,15 +13,16 @@ import torch
 
 from kvserve.models import get_model_class
 from kvserve.ops import get_ops
-from tests.helpers import PagedSequence, kvserve_model_from_hf, model_config_from_hf, tiny_hf_model
+from tests.helpers import (
+    PagedSequence,
+    assert_logits_close,
+    kvserve_model_from_hf,
+    model_config_from_hf,
+    tiny_hf_model,
+)
 
 ARCHS = [("llama", "LlamaForCausalLM"), ("mistral", "MistralForCausalLM"),
          ("qwen2", "Qwen2ForCausalLM")]
-
-
-def assert_logits_close(ours: torch.Tensor, ref: torch.Tensor) -> None:
-    scale = ref.abs().max().item()
-    torch.testing.assert_close(ours, ref, rtol=1e-4, atol=1e-4 * scale)
 
 
 @pytest.mark.parametrize("ops_name", ["reference", "auto", "torch"])

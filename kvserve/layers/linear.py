@@ -11,6 +11,8 @@ from typing import Any, Protocol
 import torch
 from torch import nn
 
+from kvserve.quant.gguf import GGUFWeight
+
 
 class LinearMethod(Protocol):
     def create_weights(self, layer: Linear, dtype: torch.dtype) -> None: ...
@@ -52,8 +54,6 @@ class Linear(nn.Module):
         """Copy one checkpoint tensor (weight or bias) into output-row shard `shard`. A GGUF
         block tensor (kvserve.quant.gguf.GGUFWeight) goes to a quant method that keeps it, or
         is dequantized here."""
-        from kvserve.quant.gguf import GGUFWeight
-
         if isinstance(tensor, GGUFWeight):
             if name == "weight" and hasattr(self.quant_method, "load_quantized"):
                 self.quant_method.load_quantized(self, shard, tensor)

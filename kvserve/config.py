@@ -128,7 +128,7 @@ class SchedulerConfig:
                  f"({self.max_model_len})")
 
 
-QUANTIZATIONS = ("gguf", "none")
+QUANTIZATIONS = ("gguf", "gguf_exact", "none")
 
 
 @dataclass(frozen=True)
@@ -141,8 +141,10 @@ class EngineConfig:
     device: str = "cpu"
     seed: int = 0
     ops_backend: str = "auto"  # "auto" | "reference" | "cpu" | "torch" (kvserve.ops registry)
-    # "gguf": Q4_1 / Q8_0 linear weights of a GGUF file stay in their blocks (kvserve/quant/
-    # gguf.py); "none": every weight is dequantized to `dtype` at load.
+    # Q4_1 / Q8_0 linear weights of a GGUF file (kvserve/quant/gguf.py): "gguf" keeps their
+    # bytes (repacked) and multiplies them by int8-quantized activations, llama.cpp's
+    # arithmetic; "gguf_exact" keeps the blocks as stored and computes in float32, the float32
+    # model's output bit for bit; "none" dequantizes every weight to `dtype` at load.
     quantization: str = "none"
 
     def __post_init__(self) -> None:
@@ -151,11 +153,13 @@ class EngineConfig:
         _require(self.quantization in QUANTIZATIONS,
                  f"quantization must be one of {', '.join(QUANTIZATIONS)}, got "
                  f"{self.quantization!r}")
-        _require(self.quantization != "gguf" or self.model.lower().endswith(".gguf"),
-                 f"quantization 'gguf' needs a .gguf model file, got {self.model!r}")
-        _require(self.quantization != "gguf" or self.dtype == "float32",
-                 f"quantization 'gguf' computes in float32; dtype must be float32, got "
-                 f"{self.dtype!r}")
+        gguf = self.quantization != "none"
+        _require(not gguf or self.model.lower().endswith(".gguf"),
+                 f"quantization {self.quantization!r} needs a .gguf model file, got "
+                 f"{self.model!r}")
+        _require(not gguf or self.dtype == "float32",
+                 f"quantization {self.quantization!r} computes in float32; dtype must be "
+                 f"float32, got {self.dtype!r}")
         _require(self.scheduler.max_model_len <= self.model_config.max_position_embeddings,
                  f"max_model_len ({self.scheduler.max_model_len}) must be <= the model's "
                  f"context length ({self.model_config.max_position_embeddings})")

@@ -10,7 +10,14 @@ import argparse
 import dataclasses
 from dataclasses import dataclass
 
-from kvserve.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig, parse_memory
+from kvserve.config import (
+    QUANTIZATIONS,
+    CacheConfig,
+    EngineConfig,
+    ModelConfig,
+    SchedulerConfig,
+    parse_memory,
+)
 from kvserve.platform import default_device
 
 
@@ -96,9 +103,12 @@ class EngineArgs:
                        action="store_false")
         p.add_argument("--seed", type=int, default=d.seed)
         p.add_argument("--quantization", "-q", default=d.quantization,
-                       choices=["gguf", "none"],
-                       help="gguf: run a GGUF file's Q4_1 / Q8_0 weights as stored (default "
-                       "for .gguf files on the CPU); none: dequantize every weight at load")
+                       choices=list(QUANTIZATIONS),
+                       help="for a GGUF file's Q4_1 / Q8_0 weights. gguf (default for .gguf "
+                       "files on the CPU): keep their bytes and multiply them by activations "
+                       "quantized to int8 per 32 values, as llama.cpp does; gguf_exact: keep "
+                       "the blocks and compute in float32 (the float32 model's output bit for "
+                       "bit, ~3-6x more compute); none: dequantize every weight at load")
         p.add_argument("--ops-backend", default=d.ops_backend,
                        help="auto (cpu kernels on CPU, torch elsewhere), cpu, torch or "
                        "reference (the pure-torch oracle)")

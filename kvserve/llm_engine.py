@@ -87,15 +87,16 @@ class LLMEngine:
         threads = configure_threads(config.device)
         t_ckpt = time.perf_counter()
         ops = get_ops(config.ops_backend, config.device)
-        if config.quantization == "gguf" and not getattr(ops, "uses_kernels", False):
+        if config.quantization != "none" and not getattr(ops, "uses_kernels", False):
             # Only kvserve's CPU kernels read blocks as stored; anywhere else every forward
             # would dequantize every matrix again.
             if args.quantization is None:
                 config = config.replace(quantization="none")
             else:
-                logger.warning("quantization 'gguf' without kvserve's CPU kernels (ops=%s): "
-                               "every linear dequantizes its blocks on each call; "
-                               "--quantization none is faster here", ops.name)
+                logger.warning("quantization %r without kvserve's CPU kernels (ops=%s): "
+                               "every linear runs the pure-torch reference on its blocks; "
+                               "--quantization none is faster here", config.quantization,
+                               ops.name)
         t_ops = time.perf_counter()
         mc = config.model_config
         model = build_model(ckpt, ops, torch_dtype(config.dtype), config.quantization,

@@ -26,21 +26,34 @@ def gpl_text() -> str:
 @pytest.fixture(scope="session")
 def smollm2() -> Any:
     """(path, checkpoint, kvserve model) as the engine builds it by default: the default ops
-    backend, the GGUF's Q4_1 / Q8_0 weights kept as blocks (quantization "gguf")."""
+    backend, the GGUF's Q4_1 / Q8_0 weights repacked and run against int8-quantized
+    activations (quantization "gguf", llama.cpp's arithmetic)."""
     path = resolve_model(None)
     ckpt = load_checkpoint(path)
     return path, ckpt, build_model(ckpt, get_ops("auto"), torch.float32, "gguf")
 
 
 @pytest.fixture(scope="session")
-def make_engine(smollm2: Any) -> Callable[..., LLMEngine]:
-    """Builds an engine over the shared model with the given EngineArgs fields."""
-    path, ckpt, model = smollm2
+def smollm2_exact(smollm2: Any) -> Any:
+    """The same weights with quantization "gguf_exact": blocks as stored, float32 compute,
+    so the output is the float32 model's bit for bit (what HF parity holds to 1e-4)."""
+    path, ckpt, _ = smollm2
+    return path, ckpt, build_model(ckpt, get_ops("auto"), torch.float32, "gguf_exact")
+
+
+@pytest.fixture(scope="session")
+def make_engine(smollm2: Any, request: pytest.FixtureRequest) -> Callable[..., LLMEngine]:
+    """Builds an engine over the shared model with the given EngineArgs fields
+    (quantization="gguf_exact" picks the smollm2_exact model)."""
+    path, ckpt, _ = smollm2
 
     def make(**kwargs: Any) -> LLMEngine:
         kwargs.setdefault("kv_cache_memory", "256MiB")  # ~5,600 tokens; keeps tests light
         args = EngineArgs.from_kwargs(model=path, **kwargs)
         config = args.create_engine_config(path, ckpt.model_config)
+        fixture = "smollm2_exact" if config.quantization == "gguf_exact" else "smollm2"
+        assert config.quantization in ("gguf", "gguf_exact"), config.quantization
+        model = request.getfixturevalue(fixture)[2]
         return LLMEngine(config, ckpt.tokenizer, model, LLMEngine.num_kv_blocks(config))
 
     return make

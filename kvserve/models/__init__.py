@@ -25,11 +25,12 @@ def supported_architectures() -> list[str]:
 def build_model(ckpt: Any, ops: Any, dtype: torch.dtype, quantization: str = "none",
                 max_positions: int | None = None) -> Any:
     """A checkpoint's model with its weights loaded, in eval mode, on the CPU.
-    quantization "gguf" keeps a GGUF file's Q4_1 / Q8_0 matrices as blocks (kvserve/quant/)."""
+    quantization "gguf" / "gguf_exact" keeps a GGUF file's Q4_1 / Q8_0 matrices as blocks
+    (kvserve/quant/gguf.py)."""
     mc = ckpt.model_config
     model = get_model_class(mc.architecture)(mc, ops, dtype, max_positions=max_positions,
                                              quantization=quantization)
-    model.load_weights(ckpt.weights(keep_quantized=quantization == "gguf"))
+    model.load_weights(ckpt.weights(keep_quantized=quantization != "none"))
     return model.eval()
 
 

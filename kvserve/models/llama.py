@@ -36,7 +36,9 @@ class RMSNorm(nn.Module):
 
 def linear_method(quantization: str) -> LinearMethod | None:
     """The LinearMethod of every linear layer for a quantization (EngineConfig.quantization)."""
-    return GGUFLinearMethod() if quantization == "gguf" else None
+    if quantization == "none":
+        return None
+    return GGUFLinearMethod(int8_activations=quantization == "gguf")
 
 
 class LlamaAttention(nn.Module):
@@ -122,8 +124,8 @@ class LlamaForCausalLM(nn.Module):
 
     def __init__(self, cfg: ModelConfig, ops: Any, dtype: torch.dtype = torch.float32,
                  max_positions: int | None = None, quantization: str = "none") -> None:
-        """quantization: "gguf" keeps a GGUF file's Q4_1 / Q8_0 linear weights (lm_head
-        included, tied or not) as blocks; the embedding lookup always uses floats."""
+        """quantization: "gguf" / "gguf_exact" keeps a GGUF file's Q4_1 / Q8_0 linear weights
+        (lm_head included, tied or not) as blocks; the embedding lookup always uses floats."""
         super().__init__()
         self.config = cfg
         self.ops = ops

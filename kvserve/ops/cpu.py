@@ -32,8 +32,8 @@ import torch.nn.functional as F
 from kvserve.ops.reference import ReferenceOps
 
 _CSRC = Path(__file__).parent / "csrc"
-_SOURCES = ("bindings.cpp", "linear.cpp", "linear_avx512.cpp", "attention.cpp",
-            "elementwise.cpp")
+_SOURCES = ("bindings.cpp", "linear.cpp", "linear_avx512.cpp", "qlinear.cpp",
+            "qlinear_avx512.cpp", "attention.cpp", "elementwise.cpp")
 _HEADERS = ("kernels.h", "simd.h")
 # -ffp-contract=off: the kernels ask for FMAs explicitly; elsewhere (RoPE, norm scaling) it
 # keeps the reference's separate roundings, so those ops match torch bit for bit.
@@ -133,6 +133,8 @@ class CpuOps(ReferenceOps):
             raise ValueError("isa='avx512' needs a CPU with AVX-512F; this one has AVX2 only")
         self.isa = isa or ("avx512" if has_avx512 else "avx2")
         self._avx512 = self.isa == "avx512" and has_avx512
+        # qlinear's AVX-512 kernel needs VNNI as well; without it the AVX2 twin runs (same bits).
+        self._vnni = self._avx512 and self._ext.cpu_has_avx512_vnni()
         self.small_m = SMALL_M_AVX512 if self._avx512 else SMALL_M
         self.fuse_layers = fuse_layers and self._ext is not None
         # layer -> its weights for the fused kernel, or None when it cannot be fused.
@@ -160,6 +162,17 @@ class CpuOps(ReferenceOps):
             return F.linear(x, weight, bias)
         out = self._ext.linear(x2, weight, bias, self._avx512)
         return out.view(*x.shape[:-1], weight.shape[0])
+
+    def qlinear(self, x: torch.Tensor, weight: torch.Tensor, n: int,
+                bias: torch.Tensor | None = None) -> torch.Tensor:
+        """weight: packed GGUF groups (kvserve/quant/gguf.py pack); x is quantized to int8 per
+        32 values and the kernels (csrc/qlinear*.cpp) give qlinear_reference's bits at any M."""
+        if (self._ext is None or x.dtype != torch.float32 or x.dim() == 0
+                or (bias is not None and (bias.dtype != torch.float32
+                                          or not bias.is_contiguous()))):
+            return super().qlinear(x, weight, n, bias)
+        x2 = self._rows(x)
+        return self._ext.qlinear(x2, weight, n, bias, self._vnni).view(*x.shape[:-1], n)
 
     def fused_llama_layer(self, layer: Any, x: torch.Tensor, residual: torch.Tensor | None,
                           inp: Any, kv_cache: torch.Tensor, cos_sin: torch.Tensor

@@ -34,6 +34,15 @@ class ReferenceOps:
         return F.linear(x, weight, bias)
 
     @staticmethod
+    def qlinear(x: torch.Tensor, weight: torch.Tensor, n: int,
+                bias: torch.Tensor | None = None) -> torch.Tensor:
+        """weight: packed GGUF groups [ceil(n / 16), K / 32, record bytes]; x quantized to int8
+        per 32 values, as llama.cpp does (kvserve/quant/gguf.py qlinear_reference)."""
+        from kvserve.quant.gguf import qlinear_reference
+
+        return qlinear_reference(x, weight, n, bias).to(x.dtype)
+
+    @staticmethod
     def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         xf = x.float()
         y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)

@@ -11,6 +11,18 @@ instead of 32. `dequantize` below is the pure-torch reference, itself tested aga
     Q8_0 (ggml type 8), 34 bytes: fp16 d, 32 int8 q; weight j = d * q[j]
 
 Other GGUF types are dequantized to the model's dtype at load, as before.
+
+Two ways to run the blocks (EngineConfig.quantization):
+
+- "gguf" (the default on the CPU): llama.cpp's arithmetic. The weights are repacked at load
+  (`pack`, same bytes) into groups of 16 rows whose int4/int8 quants interleave 4 at a time,
+  and each activation row is quantized to int8 per 32 values (`quantize_activations`, the
+  Q8_1 scheme llama.cpp applies before its quantized dot products). The kernels
+  (ops/csrc/qlinear*.cpp) then sum int8 products exactly in int32 per block, with VNNI or
+  AVX2, and scale per block in float32: ~4x less compute per weight than dequantizing, and a
+  result that `qlinear_reference` below reproduces bit for bit on every ISA.
+- "gguf_exact": the blocks as stored, dequantized in registers (ops/csrc/linear*.cpp): the
+  float32 model's output bit for bit, at the cost of float32 compute.
 """
 
 from __future__ import annotations
@@ -24,6 +36,15 @@ Q4_1, Q8_0 = 3, 8  # ggml type ids
 BLOCK = 32
 BLOCK_BYTES = {Q4_1: 20, Q8_0: 34}
 TYPE_NAMES = {Q4_1: "Q4_1", Q8_0: "Q8_0"}
+# The packed layout: weight rows in groups of GROUP; per (group, block) one record of
+# GROUP * BLOCK_BYTES bytes, so packing costs no memory and the ceiling stays the same:
+#   Q4_1 (320 bytes): d fp16[16], m fp16[16], then 4 chunks c of 64 bytes; byte 4r + j of
+#        chunk c holds row r's quant 4c + j in its low nibble and quant 16 + 4c + j in its high.
+#   Q8_0 (544 bytes): d fp16[16], then 8 chunks c of 64 bytes; byte 4r + j of chunk c is row
+#        r's quant 4c + j plus 128, as uint8 (VNNI multiplies unsigned by signed bytes).
+# One 64-byte chunk is one vpdpbusd: 16 rows x 4 quants against 4 activation bytes broadcast.
+GROUP = 16
+PACKED_BYTES = {q: GROUP * b for q, b in BLOCK_BYTES.items()}
 
 
 class GGUFWeight(NamedTuple):
@@ -59,9 +80,14 @@ class GGUFLinearMethod:
     Each output shard (q/k/v of a fused qkv, gate/up) is loaded on its own; once all have
     arrived, shards of one kernel format are concatenated row-wise into a uint8 weight
     (rows of blocks stack like rows of floats). Anything else — a float tensor, mixed formats,
-    K not a multiple of 32 — ends up dequantized into the usual float weight."""
+    K not a multiple of 32 — ends up dequantized into the usual float weight.
 
-    def __init__(self) -> None:
+    int8_activations: the concatenated blocks are repacked (`pack`) into a 3-D weight that
+    `ops.qlinear` multiplies by int8-quantized activations; otherwise they stay as stored
+    (2-D) and `ops.linear` dequantizes them in registers."""
+
+    def __init__(self, int8_activations: bool = True) -> None:
+        self.int8_activations = int8_activations
         self.shards: dict[int, GGUFWeight] = {}
 
     def create_weights(self, layer: Any, dtype: torch.dtype) -> None:
@@ -82,8 +108,10 @@ class GGUFLinearMethod:
         self.shards = {}
         if all(s is not None for s in shards) and len({s.qtype for s in shards}) == 1 \
                 and layer.in_features % BLOCK == 0:
-            layer.weight = nn.Parameter(torch.cat([s.data for s in shards]).contiguous(),
-                                        requires_grad=False)
+            data = torch.cat([s.data for s in shards]).contiguous()
+            if self.int8_activations:
+                data = pack(data, shards[0].qtype, layer.in_features)
+            layer.weight = nn.Parameter(data, requires_grad=False)
             return
         start = 0
         for i, s in enumerate(shards):
@@ -93,6 +121,8 @@ class GGUFLinearMethod:
             start += size
 
     def apply(self, layer: Any, x: torch.Tensor) -> torch.Tensor:
+        if layer.weight.dim() == 3:
+            return layer.ops.qlinear(x, layer.weight, layer.out_features, layer.bias)
         return layer.ops.linear(x, layer.weight, layer.bias)
 
 
@@ -111,3 +141,92 @@ def dequantize_any(weight: torch.Tensor, k: int) -> torch.Tensor:
     if weight.dtype != torch.uint8:
         return weight
     return dequantize(weight, qtype_of(weight, k), k)
+
+
+def pack(data: torch.Tensor, qtype: int, k: int) -> torch.Tensor:
+    """uint8 blocks [N, K // 32 * block bytes] -> the packed layout [ceil(N / 16), K // 32,
+    packed bytes]. Rows past N (to fill the last group) are zero blocks: they compute zeros."""
+    n, nb = data.shape[0], k // BLOCK
+    groups = -(-n // GROUP)
+    blocks = torch.zeros(groups * GROUP, nb, BLOCK_BYTES[qtype], dtype=torch.uint8)
+    blocks[:n] = data.reshape(n, nb, BLOCK_BYTES[qtype])
+    blocks = blocks.reshape(groups, GROUP, nb, -1).transpose(1, 2)  # [G, nb, 16, bytes]
+    if qtype == Q4_1:
+        scales = blocks[..., 0:4].reshape(groups, nb, GROUP, 2, 2).transpose(2, 3)
+        qs = blocks[..., 4:].reshape(groups, nb, GROUP, 4, 4)  # [.., r, c, j] = quants 4c + j
+        quants = (qs & 15) | ((qs >> 4) << 4)  # the byte already pairs quant i with 16 + i
+        chunks = quants.transpose(2, 3)  # [G, nb, c, r, j]
+    else:
+        scales = blocks[..., 0:2]
+        qs = (blocks[..., 2:].view(torch.int8).to(torch.int16) + 128).to(torch.uint8)
+        chunks = qs.reshape(groups, nb, GROUP, 8, 4).transpose(2, 3)
+    return torch.cat([scales.reshape(groups, nb, -1), chunks.reshape(groups, nb, -1)],
+                     dim=-1).contiguous()
+
+
+def qtype_of_packed(packed: torch.Tensor) -> int:
+    """The format of a packed weight [G, nb, record bytes], read off its record size."""
+    for qtype, nbytes in PACKED_BYTES.items():
+        if packed.dim() == 3 and packed.shape[-1] == nbytes:
+            return qtype
+    raise ValueError(f"packed weight of shape {tuple(packed.shape)} is neither Q4_1 "
+                     f"({PACKED_BYTES[Q4_1]}-byte) nor Q8_0 ({PACKED_BYTES[Q8_0]}-byte) records")
+
+
+def unpack(packed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """packed -> (quants int32 [G*16, nb, 32], d float32 [G*16, nb], m float32 or None): the
+    integers and scales the kernels compute with (Q8_0 quants signed again)."""
+    qtype = qtype_of_packed(packed)
+    groups, nb = packed.shape[:2]
+
+    def half(lo: int) -> torch.Tensor:  # 16 fp16 at byte lo -> [G*16, nb]
+        h = packed[..., lo:lo + 2 * GROUP].contiguous().view(torch.float16).float()
+        return h.transpose(1, 2).reshape(groups * GROUP, nb)
+
+    if qtype == Q4_1:
+        chunks = packed[..., 64:].reshape(groups, nb, 4, GROUP, 4).to(torch.int32)
+        lo, hi = chunks & 15, chunks >> 4  # [G, nb, c, r, j]
+        q = torch.cat([lo, hi], dim=2).permute(0, 3, 1, 2, 4)  # [G, r, nb, 8, 4]
+        return q.reshape(groups * GROUP, nb, BLOCK), half(0), half(32)
+    chunks = packed[..., 32:].reshape(groups, nb, 8, GROUP, 4).to(torch.int32) - 128
+    q = chunks.permute(0, 3, 1, 2, 4).reshape(groups * GROUP, nb, BLOCK)
+    return q, half(0), None
+
+
+def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """float32 [M, K] -> (q int8 [M, K], d [M, nb], s [M, nb], sum int32 [M, nb]) per block of
+    32 values, as llama.cpp's quantize_row_q8_1: d = amax / 127, q = round-half-even(x * (127 /
+    amax)) (q = 0 when amax = 0), sum = sum(q), s = d * sum."""
+    m, k = x.shape
+    xb = x.float().reshape(m, k // BLOCK, BLOCK)
+    amax = xb.abs().amax(-1)
+    d = amax / 127
+    # A tensor divided by a tensor: `127 / amax` would be 127 * (1 / amax) in torch, which
+    # can be an ulp off and flip a round-half-even tie.
+    inv = torch.where(amax > 0, torch.full_like(amax, 127) / torch.where(amax > 0, amax, 1), 0)
+    q = torch.round(xb * inv[..., None]).to(torch.int8)
+    total = q.to(torch.int32).sum(-1, dtype=torch.int32)
+    return q.reshape(m, k), d, d * total.float(), total
+
+
+def qlinear_reference(x: torch.Tensor, packed: torch.Tensor, n: int,
+                      bias: torch.Tensor | None = None) -> torch.Tensor:
+    """The packed kernels' result, bit for bit: per output (m, n), blocks b in order,
+        acc = acc + float(sum_i qw[n, b, i] * qx[m, b, i]) * (dw[n, b] * dx[m, b])
+        acc = acc + mw[n, b] * s[m, b]                                (Q4_1 only)
+    then + bias[n]. The int sums are exact (float64 holds them), so only the float32
+    operations above, one rounding each, decide the bits."""
+    qw, dw, mw = unpack(packed)
+    lead, k = x.shape[:-1], x.shape[-1]
+    qx, dx, sx, _ = quantize_activations(x.reshape(-1, k))
+    qx = qx.reshape(qx.shape[0], -1, BLOCK).double()
+    qw = qw[:n].double()
+    acc = torch.zeros(qx.shape[0], n)
+    for b in range(k // BLOCK):
+        isum = (qx[:, b] @ qw[:, b].T).float()
+        acc = acc + isum * (dw[None, :n, b] * dx[:, b, None])
+        if mw is not None:
+            acc = acc + mw[None, :n, b] * sx[:, b, None]
+    if bias is not None:
+        acc = acc + bias
+    return acc.reshape(*lead, n)

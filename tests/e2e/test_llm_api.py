@@ -14,8 +14,12 @@ from tests.conftest import run_all
 
 @pytest.fixture(scope="module")
 def llm() -> LLM:
+    # The float32-exact path: its greedy answers are HF's (test_parity_smollm2), so the
+    # content checks below ("Paris") are about the API, not about int8 rounding. (On the
+    # default int8 path this 135M model, like llama.cpp on the same file, answers the chat
+    # question with "L'Étoile, la ...".)
     return LLM(model="smollm2-135m", dtype="float32", kv_cache_memory="128MiB",
-               max_num_batched_tokens=256)
+               max_num_batched_tokens=256, quantization="gguf_exact")
 
 
 def test_generate_strings_and_token_prompts(llm: LLM, make_engine: Any) -> None:
@@ -26,7 +30,7 @@ def test_generate_strings_and_token_prompts(llm: LLM, make_engine: Any) -> None:
     assert [o.prompt_token_ids for o in outs] == [tok.encode("The capital of France is"),
                                                    tok.encode("Water boils at")]
     # Independent of the LLM wrapper: the engine on its own gives the same tokens.
-    engine = make_engine()
+    engine = make_engine(quantization="gguf_exact")
     engine.add_request("a", "The capital of France is", sp)
     ref = run_all(engine)["a"].outputs[0]
     assert outs[0].outputs[0].token_ids == ref.token_ids

@@ -2,9 +2,11 @@
 
 HF's LlamaForCausalLM is the independent reference: we hand it the weights our loader
 dequantized (HF's own GGUF path differs in its tokenizer, not its math). Tolerance as in
-test_parity_tiny: 1e-4 of the logits' scale. The model under test is the engine's default:
-its linears read the file's Q4_1 / Q8_0 blocks; the float32 model (quantization "none") must
-give the same logits bit for bit.
+test_parity_tiny: 1e-4 of the logits' scale, for quantization "gguf_exact", whose linears
+read the file's Q4_1 / Q8_0 blocks in float32: the float32 model (quantization "none") must
+give the same logits bit for bit. The engine's default, "gguf", also quantizes activations to
+int8 per 32 values (as llama.cpp does); it is held to HF within a quantization-sized bound
+here, and to llama.cpp's own perplexity on the Q4_1 file in test_perplexity.
 """
 
 from __future__ import annotations
@@ -34,8 +36,8 @@ def hf_smollm2(smollm2: Any) -> Any:
     return hf_model_from_checkpoint(smollm2[1])
 
 
-def test_logits_match_hf_at_prefill_and_decode(smollm2: Any, hf_smollm2: Any) -> None:
-    _, ckpt, model = smollm2
+def test_logits_match_hf_at_prefill_and_decode(smollm2_exact: Any, hf_smollm2: Any) -> None:
+    _, ckpt, model = smollm2_exact
     ids = ckpt.tokenizer.encode(PROMPTS[0])
     runner = PagedSequence(model, num_blocks=16, block_size=16)
     seq = runner.new_seq()
@@ -56,7 +58,7 @@ def test_logits_match_hf_at_prefill_and_decode(smollm2: Any, hf_smollm2: Any) ->
 
 def test_greedy_generation_equals_hf(make_engine: Any, smollm2: Any, hf_smollm2: Any) -> None:
     tok = smollm2[1].tokenizer
-    engine = make_engine()
+    engine = make_engine(quantization="gguf_exact")
     sp = SamplingParams(temperature=0, max_tokens=64, ignore_eos=True)
     for i, p in enumerate(PROMPTS):
         engine.add_request(str(i), p, sp)
@@ -69,8 +71,8 @@ def test_greedy_generation_equals_hf(make_engine: Any, smollm2: Any, hf_smollm2:
         assert ours[str(i)].outputs[0].token_ids == ref, f"prompt {i}: {p!r}"
 
 
-def test_block_weights_equal_float32_weights_bit_for_bit(smollm2: Any) -> None:
-    _, ckpt, model = smollm2
+def test_block_weights_equal_float32_weights_bit_for_bit(smollm2_exact: Any) -> None:
+    _, ckpt, model = smollm2_exact
     assert model.layers[0].mlp.down_proj.weight.dtype == torch.uint8  # Q4_1 blocks
     assert model.lm_head.weight.dtype == torch.uint8  # the tied embedding's Q8_0 blocks
     assert model.embed_tokens.dtype == torch.float32
@@ -88,3 +90,33 @@ def test_block_weights_equal_float32_weights_bit_for_bit(smollm2: Any) -> None:
             steps.append(runner.forward({seq: tokens[-1:]})[0])
         outs.append(torch.cat(steps))
     assert torch.equal(outs[0], outs[1])
+
+
+def test_int8_activations_stay_near_hf(smollm2: Any, hf_smollm2: Any) -> None:
+    """The default path (int8 activations, packed weights) against HF on the float weights,
+    at prefill and over 16 decode steps that follow HF's greedy tokens: every logit within
+    10% of the logits' scale (measured: at most 6.8%), and our top token never more than 3%
+    of the scale below HF's best (measured: 1.4%; a swap of near-tied tokens is what
+    quantization may do, a wrong token is not), swapped in at most 8 of the 64 steps
+    (measured: 4)."""
+    _, ckpt, model = smollm2
+    assert model.layers[0].mlp.down_proj.weight.dim() == 3  # packed Q4_1 groups
+    assert model.lm_head.weight.dim() == 3  # the tied embedding's packed Q8_0 groups
+    swaps = 0
+    for prompt in PROMPTS:
+        ids = ckpt.tokenizer.encode(prompt)
+        runner = PagedSequence(model, num_blocks=16, block_size=16)
+        seq = runner.new_seq()
+        (logits,) = runner.forward({seq: ids})
+        tokens = list(ids)
+        for _ in range(16):
+            with torch.no_grad():
+                ref = hf_smollm2(torch.tensor([tokens])).logits[0, -1]
+            scale = ref.abs().max().item()
+            err = (logits[-1] - ref).abs().max().item() / scale
+            regret = (ref.max() - ref[logits[-1].argmax()]).item() / scale
+            assert err < 0.1 and regret < 0.03, (prompt, len(tokens), err, regret)
+            swaps += regret > 0
+            tokens.append(int(ref.argmax()))
+            (logits,) = runner.forward({seq: tokens[-1:]})
+    assert swaps <= 8, swaps

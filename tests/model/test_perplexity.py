@@ -1,22 +1,27 @@
 """Perplexity of the default model on GPL-3 at ctx 512, the way llama-perplexity computes it:
 non-overlapping 512-token chunks, each scoring its second half (tokens 257..511 given their
-prefix). llama.cpp reports PPL 18.30 for these weights dequantized to float32
-(../shared/reference/README.md). The engine's prompt_logprobs path produces the numbers."""
+prefix). The engine's prompt_logprobs path produces the numbers.
+
+References, both from llama.cpp on the same token ids:
+- 18.30: llama-perplexity on these weights dequantized to float32
+  (../shared/reference/README.md); llama-cpp-python on the F32 GGUF gives 18.2998.
+- 18.354: llama-cpp-python 0.3.36 on the shipped Q4_1 GGUF itself, where llama.cpp quantizes
+  the activations to int8 per 32 values before each quantized matmul, as kvserve's default
+  "gguf" path does (benchmarks/peers/llama_cpp_perplexity.py).
+"""
 
 from __future__ import annotations
 
 import math
 from typing import Any
 
+import pytest
+
 from kvserve.sampling_params import SamplingParams
 from tests.conftest import run_all
 
 
-def test_gpl3_perplexity_matches_llama_cpp(make_engine: Any, smollm2: Any,
-                                           gpl_text: str) -> None:
-    ids = smollm2[1].tokenizer.encode(gpl_text)
-    n_ctx = 512
-    engine = make_engine(max_num_batched_tokens=n_ctx)
+def perplexity(engine: Any, ids: list[int], n_ctx: int = 512) -> float:
     for c in range(len(ids) // n_ctx):
         engine.add_request(str(c), {"prompt_token_ids": ids[c * n_ctx:(c + 1) * n_ctx]},
                            SamplingParams(max_tokens=1, prompt_logprobs=0))
@@ -28,6 +33,16 @@ def test_gpl3_perplexity_matches_llama_cpp(make_engine: Any, smollm2: Any,
         for i in range(n_ctx // 2 + 1, n_ctx):
             nll -= out.prompt_logprobs[i][out.prompt_token_ids[i]].logprob
             count += 1
-    ppl = math.exp(nll / count)
-    # llama.cpp prints two decimals; float32 summation-order differences move the 4th.
-    assert abs(ppl - 18.30) < 0.01, ppl
+    return math.exp(nll / count)
+
+
+# float32 summation-order differences move the 4th digit; the int8 path rounds activations
+# differently in detail from llama.cpp (fp32 vs fp16 block scales), ~0.1% of PPL here.
+@pytest.mark.parametrize("quantization,llama_cpp,tol", [("gguf_exact", 18.30, 0.01),
+                                                        ("gguf", 18.354, 0.05)])
+def test_gpl3_perplexity_matches_llama_cpp(make_engine: Any, smollm2: Any, gpl_text: str,
+                                           quantization: str, llama_cpp: float,
+                                           tol: float) -> None:
+    engine = make_engine(max_num_batched_tokens=512, quantization=quantization)
+    ppl = perplexity(engine, smollm2[1].tokenizer.encode(gpl_text))
+    assert abs(ppl - llama_cpp) < tol, ppl

@@ -32,7 +32,10 @@ def test_impossible_quantizations_name_the_field() -> None:
         config("hf_dir", device="cpu", quantization="gguf")
     with pytest.raises(ValueError, match="dtype must be float32, got 'bfloat16'"):
         config(device="cpu", dtype="bfloat16", quantization="gguf")
-    with pytest.raises(ValueError, match="quantization must be one of gguf, none, got 'awq'"):
+    with pytest.raises(ValueError, match="quantization 'gguf_exact' needs a .gguf model"):
+        config("hf_dir", device="cpu", quantization="gguf_exact")
+    with pytest.raises(ValueError,
+                       match="quantization must be one of gguf, gguf_exact, none, got 'awq'"):
         config(device="cpu", quantization="awq")
 
 

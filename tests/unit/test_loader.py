@@ -481,16 +481,22 @@ def test_default_model_weights_predict_paris() -> None:
 
 def test_gguf_blocks_kept_where_the_kernels_read_them(
         tiny_gguf: tuple[Path, dict[str, Any]]) -> None:
-    """quantization "gguf" on a file mixing 14 tensor types: a Q8_0 matrix stays in blocks,
-    a fused projection whose shards mix formats (q Q4_0, k Q4_1, v Q5_0) and every other type
-    are dequantized; the logits equal the all-float model's bit for bit."""
+    """quantization "gguf_exact" on a file mixing 14 tensor types: a Q8_0 matrix stays in
+    blocks, a fused projection whose shards mix formats (q Q4_0, k Q4_1, v Q5_0) and every
+    other type are dequantized; the logits equal the all-float model's bit for bit. With
+    "gguf" the same Q8_0 matrix is packed (3-D) and the rest is the same floats."""
     from kvserve.models import build_model
     from kvserve.ops import get_ops
     from tests.helpers import PagedSequence
 
     ck = load_checkpoint(str(tiny_gguf[0]))
-    models = {q: build_model(ck, get_ops("auto"), torch.float32, q) for q in ("gguf", "none")}
-    q = models["gguf"]
+    models = {q: build_model(ck, get_ops("auto"), torch.float32, q)
+              for q in ("gguf_exact", "none")}
+    packed = build_model(ck, get_ops("auto"), torch.float32, "gguf")
+    assert packed.layers[1].mlp.down_proj.weight.dim() == 3
+    assert torch.equal(packed.layers[0].self_attn.qkv_proj.weight,
+                       models["none"].layers[0].self_attn.qkv_proj.weight)
+    q = models["gguf_exact"]
     assert q.layers[1].mlp.down_proj.weight.dtype == torch.uint8  # Q8_0, kept
     assert q.layers[0].self_attn.qkv_proj.weight.dtype == torch.float32  # mixed shards
     assert q.layers[0].mlp.gate_up_proj.weight.dtype == torch.float32  # Q8_0 + BF16

@@ -23,7 +23,12 @@ from kvserve.quant.gguf import (
     GGUFLinearMethod,
     GGUFWeight,
     dequantize,
+    pack,
+    qlinear_reference,
     qtype_of,
+    qtype_of_packed,
+    quantize_activations,
+    unpack,
 )
 
 needs_kernels = pytest.mark.skipif(not cpu_has_avx2_fma(), reason="needs an AVX2+FMA CPU")
@@ -120,9 +125,10 @@ def test_reference_linear_dequantizes_blocks() -> None:
     assert torch.equal(ReferenceOps.linear(x, raw), F.linear(x, dequantize(raw, Q4_1, 64)))
 
 
-def _linear(shards: tuple[int, ...]) -> Linear:
+def _linear(shards: tuple[int, ...], int8_activations: bool = False) -> Linear:
     return Linear(64, sum(shards), bias=False, ops=ReferenceOps(), dtype=torch.float32,
-                  shard_sizes=shards, quant_method=GGUFLinearMethod())
+                  shard_sizes=shards,
+                  quant_method=GGUFLinearMethod(int8_activations=int8_activations))
 
 
 def test_linear_method_stacks_shards_of_one_format() -> None:
@@ -149,3 +155,129 @@ def test_linear_method_dequantizes_mixed_formats_and_floats() -> None:
                                               dequantize(q8, Q8_0, 64), f]))
     with pytest.raises(ValueError, match="does not fit shard 1"):
         lin.load_shard("weight", 1, GGUFWeight(q8[:3], Q8_0, 64))
+
+
+# --- int8 activations on packed weights (quantization "gguf", ops/csrc/qlinear*.cpp) ---
+#
+# References: an independent numpy transcription of llama.cpp's activation quantization
+# (its AVX path: d = amax / 127, q = round-half-even(x * (127 / amax))); dequantize() (tested
+# against gguf-py above) for what pack/unpack must preserve; and qlinear_reference, the
+# torch oracle the kernels must equal bit for bit on every ISA.
+
+
+@pytest.mark.parametrize("qtype", [Q4_1, Q8_0])
+@pytest.mark.parametrize("n", [16, 37, 96])
+def test_pack_keeps_every_weight_and_scale(qtype: int, n: int) -> None:
+    raw = random_blocks(qtype, n, 96, seed=n)
+    packed = pack(raw, qtype, 96)
+    assert packed.shape == (-(-n // 16), 3, 16 * BLOCK_BYTES[qtype])
+    assert packed.numel() == -(-n // 16) * 16 * raw.shape[1]  # the same bytes, padded rows aside
+    assert qtype_of_packed(packed) == qtype
+    q, d, m = unpack(packed)
+    weights = d[..., None] * q.float() + (m[..., None] if m is not None else 0)
+    assert torch.equal(weights[:n].reshape(n, 96), dequantize(raw, qtype, 96))
+    assert not q[n:].any() and not d[n:].any()  # padding rows are zero blocks
+
+
+def test_qtype_of_packed_rejects_other_records() -> None:
+    with pytest.raises(ValueError, match="neither Q4_1"):
+        qtype_of_packed(torch.zeros(2, 3, 100, dtype=torch.uint8))
+
+
+def _llama_cpp_q8(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """llama.cpp's quantize_row_q8_1 (AVX path) on one row, in numpy float32."""
+    blocks = x.astype(np.float32).reshape(-1, 32)
+    amax = np.abs(blocks).max(axis=1)
+    inv = np.where(amax > 0, np.float32(127) / np.where(amax > 0, amax, 1), 0).astype(np.float32)
+    return np.rint(blocks * inv[:, None]).astype(np.int8).reshape(-1), amax / np.float32(127)
+
+
+@needs_kernels
+def test_activation_quantization_is_llama_cpps() -> None:
+    ops = CpuOps()
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(9, 576, generator=g) * 4
+    x[0, :32] = 0  # an all-zero block: d = 0, q = 0
+    x[1, :32] = torch.arange(32) - 15.5  # halves: x * 127 / amax lands on .5 ties
+    ours = ops._ext.quantize_acts(x)
+    ref = quantize_activations(x)
+    assert all(torch.equal(a, b) for a, b in zip(ours, ref))
+    for i in range(9):
+        q, d = _llama_cpp_q8(x[i].numpy())
+        assert np.array_equal(ref[0][i].numpy(), q) and np.array_equal(ref[1][i].numpy(), d)
+    assert int(ref[0].abs().max()) == 127
+    assert torch.equal(ref[3], ref[0].reshape(9, -1, 32).sum(-1, dtype=torch.int32))
+    assert torch.equal(ref[2], ref[1] * ref[3].float())
+
+
+@pytest.fixture(scope="module", params=ISAS)
+def qlinear_ops(request: pytest.FixtureRequest) -> CpuOps:
+    """CpuOps whose qlinear runs the AVX-512 VNNI kernel, or the AVX2 one."""
+    if not cpu_has_avx2_fma():
+        pytest.skip("needs an AVX2+FMA CPU")
+    ops = CpuOps(isa=request.param) if request.param == "avx2" else CpuOps()
+    if request.param == "avx512" and not ops._vnni:
+        pytest.skip("needs an AVX-512 VNNI CPU")
+    return ops
+
+
+@pytest.mark.parametrize("qtype", [Q4_1, Q8_0])
+@pytest.mark.parametrize("n,k", [(16, 32), (37, 96), (96, 576), (960, 576), (40, 1536)])
+def test_qlinear_kernel_equals_reference_bit_for_bit(qlinear_ops: CpuOps, qtype: int, n: int,
+                                                     k: int) -> None:
+    packed = pack(random_blocks(qtype, n, k, seed=n + k), qtype, k)
+    bias = torch.randn(n)
+    g = torch.Generator().manual_seed(n * k)
+    # every tile height of both kernels and their leftovers, and a prefill-sized M
+    for m in (1, 2, 3, 4, 5, 7, 8, 9, 13, 17, 300):
+        x = torch.randn(m, k, generator=g) * 2
+        for b in (None, bias):
+            ours = qlinear_ops.qlinear(x, packed, n, b)
+            assert torch.equal(ours, qlinear_reference(x, packed, n, b)), (m, b is None)
+
+
+@needs_kernels
+def test_qlinear_is_batch_invariant_and_isa_invariant() -> None:
+    """The int sums are exact and the float steps fixed, so a row's output is the same bits
+    alone, in any batch, and on either ISA."""
+    ops, avx2 = CpuOps(), CpuOps(isa="avx2")
+    packed = pack(random_blocks(Q4_1, 64, 576, seed=3), Q4_1, 576)
+    x = torch.randn(40, 576)
+    alone = torch.cat([ops.qlinear(x[i:i + 1], packed, 64) for i in range(40)])
+    assert torch.equal(ops.qlinear(x, packed, 64), alone)
+    assert torch.equal(avx2.qlinear(x, packed, 64), alone)
+    assert torch.equal(ReferenceOps.qlinear(x, packed, 64), alone)
+
+
+@pytest.mark.parametrize("qtype", [Q4_1, Q8_0])
+def test_qlinear_is_close_to_the_float_linear(qtype: int) -> None:
+    """What int8 activations cost: ~1% of the output's scale against float32 activations."""
+    raw = random_blocks(qtype, 64, 576, seed=6)
+    x = torch.randn(8, 576)
+    ref = F.linear(x, dequantize(raw, qtype, 576))
+    err = (qlinear_reference(x, pack(raw, qtype, 576), 64) - ref).abs().max()
+    assert err < 0.02 * ref.abs().max(), err
+
+
+@needs_kernels
+def test_qlinear_rejects_bad_shapes() -> None:
+    ext = CpuOps()._ext
+    packed = pack(random_blocks(Q8_0, 20, 64, seed=7), Q8_0, 64)
+    with pytest.raises(RuntimeError, match="K = 64"):
+        ext.qlinear(torch.randn(1, 96), packed, 20, None, False)
+    with pytest.raises(RuntimeError, match="does not fit"):
+        ext.qlinear(torch.randn(1, 64), packed, 33, None, False)
+    with pytest.raises(RuntimeError, match="neither Q4_1"):
+        ext.qlinear(torch.randn(1, 64), torch.zeros(2, 2, 100, dtype=torch.uint8), 20, None,
+                    False)
+
+
+def test_linear_method_packs_for_int8_activations() -> None:
+    lin = _linear((8, 4, 4), int8_activations=True)
+    parts = [random_blocks(Q8_0, n, 64, seed=i) for i, n in enumerate((8, 4, 4))]
+    for i, p in enumerate(parts):
+        lin.load_shard("weight", i, GGUFWeight(p, Q8_0, 64))
+    lin.process_weights_after_loading()
+    assert torch.equal(lin.weight, pack(torch.cat(parts), Q8_0, 64))
+    x = torch.randn(2, 64)
+    assert torch.equal(lin(x), qlinear_reference(x, lin.weight, 16))

@@ -70,6 +70,60 @@ torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& weight,
   return out;
 }
 
+// x [M, K] float32 -> (q int8 [M, K], d, s float32 [M, K / 32], sum int32 [M, K / 32]).
+std::vector<torch::Tensor> quantize_acts(const torch::Tensor& x) {
+  check_f32(x, "x");
+  TORCH_CHECK(x.dim() == 2 && x.size(1) % 32 == 0, "x must be [M, K] with K % 32 == 0, got ",
+              x.sizes());
+  check_inner(x, "x");
+  const int64_t M = x.size(0), K = x.size(1);
+  auto q = torch::empty({M, K}, x.options().dtype(torch::kInt8));
+  auto d = torch::empty({M, K / 32}, x.options());
+  auto s = torch::empty({M, K / 32}, x.options());
+  auto sum = torch::empty({M, K / 32}, x.options().dtype(torch::kInt32));
+  kvs::quantize_acts(x.data_ptr<float>(), x.stride(0), M, K, q.data_ptr<int8_t>(),
+                     d.data_ptr<float>(), s.data_ptr<float>(), sum.data_ptr<int32_t>(),
+                     at::get_num_threads());
+  return {q, d, s, sum};
+}
+
+// x [M, K] float32 against a packed GGUF weight [ceil(N / 16), K / 32, 320 (Q4_1) or 544
+// (Q8_0)] (kvserve/quant/gguf.py pack) -> [M, N]: x quantized to int8 per 32 values, then
+// the exact int dot products scaled per block (kernels.h qlinear). avx512: the VNNI kernel.
+torch::Tensor qlinear(const torch::Tensor& x, const torch::Tensor& weight, int64_t N,
+                      const c10::optional<torch::Tensor>& bias, bool avx512) {
+  TORCH_CHECK(weight.device().is_cpu() && weight.scalar_type() == torch::kUInt8 &&
+                  weight.dim() == 3 && weight.is_contiguous(),
+              "a packed weight is a contiguous uint8 [groups, K / 32, record bytes] tensor, got ",
+              weight.scalar_type(), " ", weight.sizes());
+  const int64_t rb = weight.size(2);
+  TORCH_CHECK(rb == 16 * kvs::row_bytes(kvs::WType::Q4_1, 32) ||
+                  rb == 16 * kvs::row_bytes(kvs::WType::Q8_0, 32),
+              "packed records of ", rb, " bytes are neither Q4_1 (320) nor Q8_0 (544)");
+  const kvs::WType wt = rb == 320 ? kvs::WType::Q4_1 : kvs::WType::Q8_0;
+  TORCH_CHECK(x.dim() == 2 && x.size(1) == weight.size(1) * 32, "x [M, K] must have K = ",
+              weight.size(1) * 32, " for this packed weight, got ", x.sizes());
+  TORCH_CHECK(N > 16 * (weight.size(0) - 1) && N <= 16 * weight.size(0), "N=", N,
+              " does not fit ", weight.size(0), " groups of 16 rows");
+  const float* b = nullptr;
+  if (bias.has_value()) {
+    check_f32(*bias, "bias");
+    TORCH_CHECK(bias->is_contiguous() && bias->numel() == N, "bias must be [N]");
+    b = bias->data_ptr<float>();
+  }
+  TORCH_CHECK(!avx512 || kvs::cpu_has_avx512_vnni(),
+              "qlinear(avx512=True) on a CPU without AVX-512 VNNI");
+  const int64_t M = x.size(0), K = x.size(1);
+  auto out = torch::empty({M, N}, x.options());
+  if (M == 0) return out;
+  auto qa = quantize_acts(x);
+  const kvs::QActs a{qa[0].data_ptr<int8_t>(), qa[1].data_ptr<float>(), qa[2].data_ptr<float>(),
+                     qa[3].data_ptr<int32_t>(), M, K};
+  auto kernel = avx512 ? kvs::qlinear_avx512 : kvs::qlinear;
+  kernel(a, weight.data_ptr<uint8_t>(), wt, b, out.data_ptr<float>(), N, at::get_num_threads());
+  return out;
+}
+
 // uint8 GGUF rows (Q4_1 / Q8_0) of K weights -> float32 [N, K], the kernels' values.
 torch::Tensor dequantize(const torch::Tensor& weight, int64_t K) {
   TORCH_CHECK(weight.device().is_cpu() && weight.dim() == 2 && weight.is_contiguous(),
@@ -258,8 +312,11 @@ std::tuple<torch::Tensor, torch::Tensor> llama_layer(
     const torch::Tensor& cos_sin, torch::Tensor& kv_cache, const torch::Tensor& slot_mapping,
     const torch::Tensor& block_tables, const torch::Tensor& seq_lens,
     const torch::Tensor& query_start_loc, double scale, bool avx512, int64_t small_m) {
+  // A packed weight (3-D) goes to qlinear at every M; its output count N is not in its shape
+  // (the last group may be padded), so each call names it.
   auto lin = [&](const torch::Tensor& a, const torch::Tensor& w,
-                 const c10::optional<torch::Tensor>& b) {
+                 const c10::optional<torch::Tensor>& b, int64_t n) {
+    if (w.dim() == 3) return qlinear(a, w, n, b, avx512 && kvs::cpu_has_avx512_vnni());
     if (a.size(0) <= small_m) return linear(a, w, b, avx512);
     return at::linear(a, w.scalar_type() == torch::kUInt8 ? dequantize(w, a.size(1)) : w, b);
   };
@@ -271,7 +328,9 @@ std::tuple<torch::Tensor, torch::Tensor> llama_layer(
     res = x;
   }
   const int64_t T = x.size(0), q_size = n_heads * head_dim, kv_size = n_kv_heads * head_dim;
-  auto qkv = lin(h, qkv_w, qkv_b);
+  const int64_t hidden = x.size(1);
+  const int64_t inter = down_w.dim() == 3 ? down_w.size(1) * 32 : down_w.size(1);
+  auto qkv = lin(h, qkv_w, qkv_b, q_size + 2 * kv_size);
   auto q = qkv.narrow(1, 0, q_size).view({T, n_heads, head_dim});
   auto k = qkv.narrow(1, q_size, kv_size).view({T, n_kv_heads, head_dim});
   auto v = qkv.narrow(1, q_size + kv_size, kv_size).view({T, n_kv_heads, head_dim});
@@ -279,10 +338,11 @@ std::tuple<torch::Tensor, torch::Tensor> llama_layer(
   std::tie(qr, kr) = rotary(q, k, positions, cos_sin);
   write_kv(kr, v, kv_cache, slot_mapping);
   auto o = paged_attention(qr, kv_cache, block_tables, seq_lens, query_start_loc, scale);
-  auto attn = lin(o.reshape({T, q_size}), o_w, c10::nullopt);
+  auto attn = lin(o.reshape({T, q_size}), o_w, c10::nullopt, hidden);
   torch::Tensor h2, res2;
   std::tie(h2, res2) = add_rms_norm(attn, res, post_norm, eps);
-  auto mlp = lin(silu_and_mul(lin(h2, gate_up_w, c10::nullopt)), down_w, c10::nullopt);
+  auto mlp = lin(silu_and_mul(lin(h2, gate_up_w, c10::nullopt, 2 * inter)), down_w,
+                 c10::nullopt, hidden);
   return {mlp, res2};
 }
 
@@ -293,6 +353,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   using nogil = py::call_guard<py::gil_scoped_release>;
   m.def("linear", &linear, "small-M linear", py::arg("x"), py::arg("weight"), py::arg("bias"),
         py::arg("avx512") = false, nogil());
+  m.def("qlinear", &qlinear, "packed GGUF weight x int8-quantized activations",
+        py::arg("x"), py::arg("weight"), py::arg("N"), py::arg("bias"),
+        py::arg("avx512") = false, nogil());
+  m.def("quantize_acts", &quantize_acts, "activations -> int8 per 32 (q, d, s, sum)", nogil());
+  m.def("cpu_has_avx512_vnni", &kvs::cpu_has_avx512_vnni, "AVX-512 VNNI + BW usable");
   m.def("dequantize", &dequantize, "GGUF Q4_1 / Q8_0 rows -> float32", py::arg("weight"),
         py::arg("K"), nogil());
   m.def("cpu_has_avx512", &kvs::cpu_has_avx512, "AVX-512F usable (CPU and OS)");

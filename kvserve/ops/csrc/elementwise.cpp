@@ -177,3 +177,63 @@ void write_kv(const float* key, int64_t k_st, int64_t k_sh, const float* value, 
 }
 
 }  // namespace kvs
+
+namespace kvs {
+
+// One block of 32 values -> 32 int8 quants; returns amax. Scalar and vector paths agree bit
+// for bit: max and the int conversions are exact, and both compute x * (127 / amax) with one
+// fp32 multiply rounded half to even (nearbyintf under the default rounding mode).
+static float quantize_block(const float* x, int8_t* q, int32_t* sum) {
+#if KVS_AVX2
+  const __m256 sign = _mm256_set1_ps(-0.f);
+  __m256 v[4];
+  __m256 mx = _mm256_setzero_ps();
+  for (int i = 0; i < 4; ++i) {
+    v[i] = _mm256_loadu_ps(x + 8 * i);
+    mx = _mm256_max_ps(mx, _mm256_andnot_ps(sign, v[i]));
+  }
+  const float amax = hmax(mx);
+  const __m256 inv = _mm256_set1_ps(amax > 0.f ? 127.f / amax : 0.f);
+  __m256i r[4];
+  for (int i = 0; i < 4; ++i)
+    r[i] = _mm256_cvtps_epi32(_mm256_round_ps(_mm256_mul_ps(v[i], inv),
+                                              _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+  // int32 -> int8 keeping order: the packs interleave 128-bit lanes, the permute undoes it.
+  const __m256i p = _mm256_packs_epi16(_mm256_packs_epi32(r[0], r[1]),
+                                       _mm256_packs_epi32(r[2], r[3]));
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(q),
+                      _mm256_permutevar8x32_epi32(p, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
+  __m256i s = _mm256_add_epi32(_mm256_add_epi32(r[0], r[1]), _mm256_add_epi32(r[2], r[3]));
+  __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(s), _mm256_extracti128_si256(s, 1));
+  s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, _MM_SHUFFLE(1, 0, 3, 2)));
+  s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, _MM_SHUFFLE(2, 3, 0, 1)));
+  *sum = _mm_cvtsi128_si32(s4);
+  return amax;
+#else
+  float amax = 0.f;
+  for (int i = 0; i < 32; ++i) amax = std::max(amax, std::fabs(x[i]));
+  const float inv = amax > 0.f ? 127.f / amax : 0.f;
+  int32_t total = 0;
+  for (int i = 0; i < 32; ++i) {
+    q[i] = static_cast<int8_t>(std::nearbyint(x[i] * inv));
+    total += q[i];
+  }
+  *sum = total;
+  return amax;
+#endif
+}
+
+void quantize_acts(const float* x, int64_t ldx, int64_t M, int64_t K, int8_t* q, float* d,
+                   float* s, int32_t* sum, int nthreads) {
+  const int64_t nb = K / 32;
+#pragma omp parallel for num_threads(nthreads) if (go_parallel(nthreads, M, M * K))
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t b = 0; b < nb; ++b) {
+      const int64_t i = m * nb + b;
+      const float amax = quantize_block(x + m * ldx + 32 * b, q + m * K + 32 * b, sum + i);
+      d[i] = amax / 127.f;
+      s[i] = d[i] * static_cast<float>(sum[i]);
+    }
+}
+
+}  // namespace kvs

@@ -31,6 +31,34 @@ bool cpu_has_avx512();
 // N quantized rows -> float32 [N, K], the values the kernels compute with.
 void dequantize_rows(const void* w, WType wt, float* out, int64_t N, int64_t K, int nthreads);
 
+// Activation rows quantized per block of 32 values (llama.cpp's Q8_1 scheme), for qlinear:
+// d = amax / 127, q = round-half-even(x * (127 / amax)) (0 when amax == 0), sum = sum(q),
+// s = d * (float)sum. See quantize_activations in kvserve/quant/gguf.py. The quants lie in
+// [-127, 127] (never -128), which the AVX2 kernel's sign trick relies on.
+struct QActs {
+  const int8_t* q;     // [M, K]
+  const float* d;      // [M, K / 32]
+  const float* s;      // [M, K / 32]
+  const int32_t* sum;  // [M, K / 32]
+  int64_t M, K;
+};
+void quantize_acts(const float* x, int64_t ldx, int64_t M, int64_t K, int8_t* q, float* d,
+                   float* s, int32_t* sum, int nthreads);
+
+// out[m, n] (n < N; out [M, N] contiguous) from a packed weight w: ceil(N / 16) groups of 16
+// rows, each K / 32 records of 16 * 20 (Q4_1) or 16 * 34 (Q8_0) bytes (the layout is in
+// kvserve/quant/gguf.py). Per (m, n), over blocks b in order, one fp32 rounding per op:
+//   isum = sum_i qw[n, b, i] * q[m, b, i]   (exact, int32)
+//   acc  = acc + (float)isum * (dw[n, b] * d[m, b])
+//   acc  = acc + mw[n, b] * s[m, b]          (Q4_1 only)
+// then out = acc + bias[n] when bias is given. Every tile shape and ISA gives these bits, so
+// the result depends on neither M nor the CPU.
+void qlinear(const QActs& a, const uint8_t* w, WType wt, const float* bias, float* out,
+             int64_t N, int nthreads);  // AVX2 (qlinear.cpp)
+void qlinear_avx512(const QActs& a, const uint8_t* w, WType wt, const float* bias, float* out,
+                    int64_t N, int nthreads);  // AVX-512 VNNI (qlinear_avx512.cpp)
+bool cpu_has_avx512_vnni();
+
 struct AttentionArgs {
   const float* q;        // q[t*q_st + h*q_sh + d]
   int64_t q_st, q_sh;

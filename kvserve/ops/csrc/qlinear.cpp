@@ -1,0 +1,272 @@
+// Quantized linear on packed GGUF weights, AVX2: out[M, N] = x W^T with x quantized to int8
+// per block of 32 (QActs) and W in the 16-row packed layout of kvserve/quant/gguf.py (`pack`).
+//
+// One record (group g of 16 weight rows, block b of 32 weights) at w + (g * K/32 + b) * RB:
+//
+//   Q4_1, RB = 320:  d fp16[16] | m fp16[16] | chunk 0 | chunk 1 | chunk 2 | chunk 3
+//   Q8_0, RB = 544:  d fp16[16] | chunk 0 | ... | chunk 7
+//   chunk c, 64 bytes:  byte 4r + j (row r = 0..15, j = 0..3) =
+//     Q4_1: quant 4c + j (low nibble), quant 16 + 4c + j (high nibble), unsigned 0..15
+//     Q8_0: quant 4c + j + 128, as uint8
+//
+// A chunk is two ymm, rows 0..7 and rows 8..15, multiplied against the 4 activation bytes
+// of its quants broadcast to all 8 lanes: maddubs (u8 x s8 -> int16 pairs) then madd with
+// ones (-> int32 per row) gives every row its 4-product sum in its own lane. The int sums are
+// exact in any order; the float part follows kernels.h's order exactly, one rounding per
+// mul or add (-ffp-contract=off, no FMA), so every tile shape here and the VNNI twin agree.
+//
+// Parallel split: threads take contiguous ranges of groups (each streams its own slab of the
+// weight); when there are fewer groups than threads, the spare threads split the rows too.
+// Per thread, the activation rows go in passes of ~256 KB of int8 (kept in L2); per group,
+// the pass's rows go in register tiles of MT rows, the first tile pulling the group's
+// records from memory (prefetched ahead) and the others re-reading them from L1 (a group is
+// K/32 * RB bytes: 5.8 KB at K = 576 for Q4_1, 26 KB at K = 1536 for Q8_0).
+#include <omp.h>
+
+#include <algorithm>
+#include <cstring>
+
+#include "kernels.h"
+#include "simd.h"
+
+namespace kvs {
+namespace {
+
+constexpr int64_t kGroup = 16;
+
+#if KVS_AVX2
+
+// How far ahead of the record being read its stream is prefetched. Measured on one EPYC core
+// streaming 84-142 MB at M = 1: 8 KB draws ~45 GB/s against ~34 with none or 4 KB; still a
+// quarter of a 32 KB L1, which holds the group being read for the row tiles after the first.
+constexpr int64_t kPrefetchBytes = 8192;
+
+inline __m256i bcast4(const int8_t* p) {  // the 4 activation bytes at p, in every lane
+  int32_t v;
+  std::memcpy(&v, p, 4);
+  return _mm256_set1_epi32(v);
+}
+
+inline __m256i load256(const uint8_t* p) {
+  return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+}
+
+inline __m256 load_halves8(const uint8_t* p) {  // 8 fp16 -> fp32, exact
+  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+}
+
+// Format policies. dot<MT>(rec, x, isum): isum[m][h] = int32 lane r = sum over the block of
+// row (8h + r)'s quants times x[m][0..31] (x[m] = activation row m at the block's start).
+struct Q41 {
+  static constexpr int64_t kRecord = 320;
+  static constexpr bool kMin = true;
+  template <int MT>
+  static inline void dot(const uint8_t* rec, const int8_t* const* x, __m256i (*isum)[2]) {
+    const __m256i nib = _mm256_set1_epi8(15);
+    // Summed in int16 before widening: an int16 lane gathers 8 maddubs pairs, 16 products
+    // of |q| <= 15 by |x| <= 128, so |sum| <= 30720 < 2^15 (no wrap, no saturation).
+    __m256i acc[MT][2];
+    for (int m = 0; m < MT; ++m) acc[m][0] = acc[m][1] = _mm256_setzero_si256();
+    for (int c = 0; c < 4; ++c) {
+      const __m256i r0 = load256(rec + 64 + 64 * c), r1 = load256(rec + 96 + 64 * c);
+      const __m256i lo0 = _mm256_and_si256(r0, nib), lo1 = _mm256_and_si256(r1, nib);
+      const __m256i hi0 = _mm256_and_si256(_mm256_srli_epi16(r0, 4), nib);
+      const __m256i hi1 = _mm256_and_si256(_mm256_srli_epi16(r1, 4), nib);
+      for (int m = 0; m < MT; ++m) {
+        const __m256i xl = bcast4(x[m] + 4 * c), xh = bcast4(x[m] + 16 + 4 * c);
+        acc[m][0] = _mm256_add_epi16(acc[m][0], _mm256_add_epi16(_mm256_maddubs_epi16(lo0, xl),
+                                                                 _mm256_maddubs_epi16(hi0, xh)));
+        acc[m][1] = _mm256_add_epi16(acc[m][1], _mm256_add_epi16(_mm256_maddubs_epi16(lo1, xl),
+                                                                 _mm256_maddubs_epi16(hi1, xh)));
+      }
+    }
+    const __m256i ones = _mm256_set1_epi16(1);
+    for (int m = 0; m < MT; ++m)
+      for (int h = 0; h < 2; ++h) isum[m][h] = _mm256_madd_epi16(acc[m][h], ones);
+  }
+};
+
+struct Q80 {
+  static constexpr int64_t kRecord = 544;
+  static constexpr bool kMin = false;
+  template <int MT>
+  static inline void dot(const uint8_t* rec, const int8_t* const* x, __m256i (*isum)[2]) {
+    // The stored byte (q + 128, up to 255) times x would saturate maddubs' int16 pairs, so
+    // multiply |q| (<= 128, unsigned) by x carrying q's sign: pairs |sum| <= 2 * 128 * 127.
+    const __m256i flip = _mm256_set1_epi8(static_cast<char>(0x80));
+    const __m256i ones = _mm256_set1_epi16(1);
+    for (int m = 0; m < MT; ++m) isum[m][0] = isum[m][1] = _mm256_setzero_si256();
+    for (int c = 0; c < 8; ++c) {
+      const __m256i w0 = _mm256_xor_si256(load256(rec + 32 + 64 * c), flip);
+      const __m256i w1 = _mm256_xor_si256(load256(rec + 64 + 64 * c), flip);
+      const __m256i a0 = _mm256_abs_epi8(w0), a1 = _mm256_abs_epi8(w1);
+      for (int m = 0; m < MT; ++m) {
+        const __m256i xb = bcast4(x[m] + 4 * c);
+        isum[m][0] = _mm256_add_epi32(isum[m][0], _mm256_madd_epi16(
+            _mm256_maddubs_epi16(a0, _mm256_sign_epi8(xb, w0)), ones));
+        isum[m][1] = _mm256_add_epi32(isum[m][1], _mm256_madd_epi16(
+            _mm256_maddubs_epi16(a1, _mm256_sign_epi8(xb, w1)), ones));
+      }
+    }
+  }
+};
+
+// Activation rows m0 .. m0 + MT - 1 against one group (records from gw) -> out columns
+// 0 .. cols - 1 of those rows (out points at the group's first column, rows N apart).
+template <class Fmt, int MT, bool kPrefetchW>
+inline void tile(const QActs& a, int64_t m0, const uint8_t* gw, const float* bias, float* out,
+                 int64_t N, int64_t cols) {
+  const int64_t K = a.K, nb = K / 32;
+  __m256 acc[MT][2];
+  for (int m = 0; m < MT; ++m) acc[m][0] = acc[m][1] = _mm256_setzero_ps();
+  for (int64_t b = 0; b < nb; ++b) {
+    const uint8_t* rec = gw + b * Fmt::kRecord;
+    if constexpr (kPrefetchW)
+      for (int64_t off = 0; off < Fmt::kRecord; off += 64)
+        _mm_prefetch(reinterpret_cast<const char*>(rec) + kPrefetchBytes + off, _MM_HINT_T0);
+    const int8_t* x[MT];
+    for (int m = 0; m < MT; ++m) x[m] = a.q + (m0 + m) * K + b * 32;
+    __m256i isum[MT][2];
+    Fmt::template dot<MT>(rec, x, isum);
+    const __m256 dw[2] = {load_halves8(rec), load_halves8(rec + 16)};
+    for (int m = 0; m < MT; ++m) {
+      const __m256 dx = _mm256_set1_ps(a.d[(m0 + m) * nb + b]);
+      for (int h = 0; h < 2; ++h)
+        acc[m][h] = _mm256_add_ps(acc[m][h], _mm256_mul_ps(_mm256_cvtepi32_ps(isum[m][h]),
+                                                           _mm256_mul_ps(dw[h], dx)));
+    }
+    if constexpr (Fmt::kMin) {
+      const __m256 mw[2] = {load_halves8(rec + 32), load_halves8(rec + 48)};
+      for (int m = 0; m < MT; ++m) {
+        const __m256 s = _mm256_set1_ps(a.s[(m0 + m) * nb + b]);
+        for (int h = 0; h < 2; ++h)
+          acc[m][h] = _mm256_add_ps(acc[m][h], _mm256_mul_ps(mw[h], s));
+      }
+    }
+  }
+  if (cols == kGroup) {
+    for (int m = 0; m < MT; ++m) {
+      float* o = out + (m0 + m) * N;
+      for (int h = 0; h < 2; ++h) {
+        __m256 v = acc[m][h];
+        if (bias) v = _mm256_add_ps(v, _mm256_loadu_ps(bias + 8 * h));
+        _mm256_storeu_ps(o + 8 * h, v);
+      }
+    }
+  } else {  // the last group of N % 16 columns: masked, nothing read or written past N
+    const __m256i mask[2] = {tail_mask(std::min<int64_t>(cols, 8)),
+                             tail_mask(std::max<int64_t>(cols - 8, 0))};
+    for (int m = 0; m < MT; ++m) {
+      float* o = out + (m0 + m) * N;
+      for (int h = 0; h < 2; ++h) {
+        __m256 v = acc[m][h];
+        if (bias) v = _mm256_add_ps(v, _mm256_maskload_ps(bias + 8 * h, mask[h]));
+        _mm256_maskstore_ps(o + 8 * h, mask[h], v);
+      }
+    }
+  }
+}
+
+// The rest (1 <= rest < MT) rows at m0 as one smaller tile.
+template <class Fmt, int MT>
+inline void rest_tile(int64_t rest, bool prefetch, const QActs& a, int64_t m0,
+                      const uint8_t* gw, const float* bias, float* out, int64_t N, int64_t cols) {
+  if constexpr (MT > 1) {
+    if (rest == MT - 1) {
+      if (prefetch) tile<Fmt, MT - 1, true>(a, m0, gw, bias, out, N, cols);
+      else tile<Fmt, MT - 1, false>(a, m0, gw, bias, out, N, cols);
+    } else {
+      rest_tile<Fmt, MT - 1>(rest, prefetch, a, m0, gw, bias, out, N, cols);
+    }
+  }
+}
+
+template <class Fmt, int MT>
+void run(const QActs& a, const uint8_t* w, const float* bias, float* out, int64_t N,
+         int nthreads) {
+  const int64_t M = a.M, K = a.K, groups = (N + kGroup - 1) / kGroup;
+  if (M == 0 || groups == 0) return;
+  const int64_t group_bytes = K / 32 * Fmt::kRecord;
+  const int64_t row_tiles = (M + MT - 1) / MT;
+  // Rows per pass over the slab: ~256 KB of int8 activations stay in L2 while it streams.
+  const int64_t m_block = std::max<int64_t>(MT, (1 << 18) / std::max<int64_t>(K, 1) / MT * MT);
+  // Below ~64K multiply-adds the fork/join (~2 us) costs more than it saves.
+  const bool parallel = nthreads > 1 && M * N * K >= (1 << 16);
+#pragma omp parallel num_threads(nthreads) if (parallel)
+  {
+    const int64_t nth = omp_get_num_threads(), tid = omp_get_thread_num();
+    const int64_t tg = std::min(nth, groups);
+    const int64_t tm = std::min(std::max<int64_t>(nth / tg, 1), row_tiles);
+    if (tid < tg * tm) {
+      const int64_t gi = tid % tg, mi = tid / tg;
+      const int64_t g_begin = groups * gi / tg, g_end = groups * (gi + 1) / tg;
+      const int64_t m_begin = row_tiles * mi / tm * MT;
+      const int64_t m_end = std::min(M, row_tiles * (mi + 1) / tm * MT);
+      for (int64_t p0 = m_begin; p0 < m_end; p0 += m_block) {
+        const int64_t p1 = std::min(p0 + m_block, m_end);
+        for (int64_t g = g_begin; g < g_end; ++g) {
+          const uint8_t* gw = w + g * group_bytes;
+          const int64_t n0 = g * kGroup, cols = std::min(kGroup, N - n0);
+          const float* bg = bias ? bias + n0 : nullptr;
+          // The first tile streams the group from memory (prefetch); the others hit L1.
+          int64_t m = p0;
+          if (m + MT <= p1) {
+            tile<Fmt, MT, true>(a, m, gw, bg, out + n0, N, cols);
+            for (m += MT; m + MT <= p1; m += MT)
+              tile<Fmt, MT, false>(a, m, gw, bg, out + n0, N, cols);
+          }
+          if (m < p1) rest_tile<Fmt, MT>(p1 - m, m == p0, a, m, gw, bg, out + n0, N, cols);
+        }
+      }
+    }
+  }
+}
+
+template <class Fmt>
+void run_fmt(const QActs& a, const uint8_t* w, const float* bias, float* out, int64_t N,
+             int nthreads) {
+  // Tile rows: accumulators take 4 ymm per row (2 float, 2 int). MT = 3 leaves 4 for the
+  // weight chunk and broadcasts; MT = 4 spills and measured ~5% slower (MT = 2 about equal).
+  if (a.M == 1) run<Fmt, 1>(a, w, bias, out, N, nthreads);
+  else run<Fmt, 3>(a, w, bias, out, N, nthreads);
+}
+
+#endif  // KVS_AVX2
+
+}  // namespace
+
+void qlinear(const QActs& a, const uint8_t* w, WType wt, const float* bias, float* out,
+             int64_t N, int nthreads) {
+#if KVS_AVX2
+  if (wt == WType::Q4_1) run_fmt<Q41>(a, w, bias, out, N, nthreads);
+  else run_fmt<Q80>(a, w, bias, out, N, nthreads);
+#else
+  // Scalar: the same integers and the same float operations in the same order.
+  const bool q41 = wt == WType::Q4_1;
+  const int64_t M = a.M, K = a.K, nb = K / 32, rb = q41 ? 320 : 544;
+#pragma omp parallel for schedule(static) num_threads(nthreads)
+  for (int64_t n = 0; n < N; ++n) {
+    const int64_t g = n / kGroup, r = n % kGroup;
+    for (int64_t m = 0; m < M; ++m) {
+      float acc = 0.f;
+      for (int64_t b = 0; b < nb; ++b) {
+        const uint8_t* rec = w + (g * nb + b) * rb;
+        const int8_t* x = a.q + m * K + b * 32;
+        int32_t isum = 0;
+        for (int64_t i = 0; i < 32; ++i) {
+          const int64_t c = i % 16 / 4, j = i % 4;
+          const int32_t q = q41 ? (rec[64 + 64 * c + 4 * r + j] >> (i < 16 ? 0 : 4)) & 15
+                                : rec[32 + 64 * (i / 4) + 4 * r + j] - 128;
+          isum += q * x[i];
+        }
+        acc = acc + static_cast<float>(isum) *
+                        (half_to_float(load_u16(rec + 2 * r)) * a.d[m * nb + b]);
+        if (q41) acc = acc + half_to_float(load_u16(rec + 32 + 2 * r)) * a.s[m * nb + b];
+      }
+      out[m * N + n] = bias ? acc + bias[n] : acc;
+    }
+  }
+#endif
+}
+
+}  // namespace kvs

@@ -1,0 +1,205 @@
+// AVX-512 VNNI kernel for packed GGUF weights against int8-quantized activations (the spec is
+// in kernels.h, the layout in kvserve/quant/gguf.py): out[m, n] = sum over blocks of the exact
+// int32 dot product of the block's quants, scaled per block in float32.
+//
+// Why it is fast: a 64-byte chunk of a record is 16 weight rows x 4 quants, and one vpdpbusd
+// multiplies it by 4 activation bytes broadcast to every lane: 64 multiply-adds, landing in
+// 16 int32 lanes that are 16 output rows. No horizontal reduction is ever needed, and the
+// float work (convert, scale, add) happens once per 32 weights instead of per weight.
+//
+// Every tile shape gives the same bits: the int sums are exact, and the float operations per
+// (m, n, block) are fixed by the spec. So the result depends neither on M nor on the ISA
+// (qlinear.cpp, the AVX2 twin, gives the same bits), and prefill, decode and any batch agree.
+//
+// As in linear_avx512.cpp, the target pragma covers only this file's code after the system
+// headers, everything is internal except qlinear_avx512(), and bindings.cpp calls it only
+// when cpu_has_avx512_vnni().
+#include <immintrin.h>
+#include <omp.h>
+
+#include <cstdint>
+
+#include "kernels.h"
+
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512bw,avx512vnni")
+
+namespace kvs {
+namespace {
+
+// Weight-stream prefetch distance (bytes ahead of the record being multiplied), as in
+// linear_avx512.cpp.
+constexpr int64_t kPrefetchBytes = 8192;
+
+inline int64_t min64(int64_t a, int64_t b) { return a < b ? a : b; }
+inline int64_t max64(int64_t a, int64_t b) { return a > b ? a : b; }
+
+inline __m512i bcast4(const int8_t* p) {  // 4 activation bytes to every 32-bit lane
+  int32_t v;
+  __builtin_memcpy(&v, p, 4);
+  return _mm512_set1_epi32(v);
+}
+
+// G consecutive groups (16 rows each) against MT activation rows m0.. of `a`.
+//   w: the first group's records; gbytes: bytes per group (K / 32 records)
+//   out: out + m0 * ldo + first column; cols: valid columns from there (the last group may be
+//   partial); bias: bias + first column or nullptr.
+template <bool kQ41, int G, int MT, bool kPf>
+inline void tile(const QActs& a, int64_t m0, const uint8_t* w, int64_t gbytes,
+                 const float* bias, float* out, int64_t ldo, int64_t cols) {
+  constexpr int64_t kRB = kQ41 ? 320 : 544;
+  const int64_t K = a.K, nb = K / 32;
+  __m512 acc[G][MT];
+  for (int g = 0; g < G; ++g)
+    for (int m = 0; m < MT; ++m) acc[g][m] = _mm512_setzero_ps();
+  const __m512i nib = _mm512_set1_epi8(15);
+
+  for (int64_t b = 0; b < nb; ++b) {
+    __m512i lo[G][MT], hi[G][MT];  // two int chains per output vector (hide vpdpbusd latency)
+    for (int g = 0; g < G; ++g)
+      for (int m = 0; m < MT; ++m) lo[g][m] = hi[g][m] = _mm512_setzero_si512();
+    const int8_t* xq = a.q + m0 * K + b * 32;
+    for (int g = 0; g < G; ++g) {
+      const uint8_t* r = w + g * gbytes + b * kRB;
+      if constexpr (kPf)
+        for (int64_t o = 0; o < kRB; o += 64) _mm_prefetch(reinterpret_cast<const char*>(r) +
+                                                           kPrefetchBytes + o, _MM_HINT_T0);
+      if constexpr (kQ41) {
+        for (int c = 0; c < 4; ++c) {
+          const __m512i v = _mm512_loadu_si512(r + 64 + 64 * c);
+          const __m512i wl = _mm512_and_si512(v, nib);
+          const __m512i wh = _mm512_and_si512(_mm512_srli_epi16(v, 4), nib);
+          for (int m = 0; m < MT; ++m) {
+            lo[g][m] = _mm512_dpbusd_epi32(lo[g][m], wl, bcast4(xq + m * K + 4 * c));
+            hi[g][m] = _mm512_dpbusd_epi32(hi[g][m], wh, bcast4(xq + m * K + 16 + 4 * c));
+          }
+        }
+      } else {
+        for (int c = 0; c < 8; c += 2) {
+          const __m512i v0 = _mm512_loadu_si512(r + 32 + 64 * c);
+          const __m512i v1 = _mm512_loadu_si512(r + 96 + 64 * c);
+          for (int m = 0; m < MT; ++m) {
+            lo[g][m] = _mm512_dpbusd_epi32(lo[g][m], v0, bcast4(xq + m * K + 4 * c));
+            hi[g][m] = _mm512_dpbusd_epi32(hi[g][m], v1, bcast4(xq + m * K + 4 * c + 4));
+          }
+        }
+      }
+    }
+    for (int g = 0; g < G; ++g) {
+      const uint8_t* r = w + g * gbytes + b * kRB;
+      const __m512 dw = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(r)));
+      for (int m = 0; m < MT; ++m) {
+        const int64_t mb = (m0 + m) * nb + b;
+        __m512i isum = _mm512_add_epi32(lo[g][m], hi[g][m]);
+        // Q8_0 quants were stored + 128: take back 128 * sum(activation quants).
+        if constexpr (!kQ41) isum = _mm512_sub_epi32(isum, _mm512_set1_epi32(128 * a.sum[mb]));
+        const __m512 scale = _mm512_mul_ps(dw, _mm512_set1_ps(a.d[mb]));
+        acc[g][m] = _mm512_add_ps(acc[g][m], _mm512_mul_ps(_mm512_cvtepi32_ps(isum), scale));
+      }
+      if constexpr (kQ41) {
+        const __m512 mw =
+            _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(r + 32)));
+        for (int m = 0; m < MT; ++m)
+          acc[g][m] = _mm512_add_ps(
+              acc[g][m], _mm512_mul_ps(mw, _mm512_set1_ps(a.s[(m0 + m) * nb + b])));
+      }
+    }
+  }
+  for (int g = 0; g < G; ++g) {
+    const int64_t c = cols - 16 * g;
+    if (c <= 0) break;
+    const __mmask16 mask = c >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << c) - 1);
+    const __m512 bv = bias ? _mm512_maskz_loadu_ps(mask, bias + 16 * g) : _mm512_setzero_ps();
+    for (int m = 0; m < MT; ++m) {
+      const __m512 v = bias ? _mm512_add_ps(acc[g][m], bv) : acc[g][m];
+      _mm512_mask_storeu_ps(out + m * ldo + 16 * g, mask, v);
+    }
+  }
+}
+
+// Rows m0 .. m0 + rows - 1 against G groups, MT rows per tile; the first tile streams the
+// weights from DRAM (prefetching), the rest re-read them from L1.
+template <bool kQ41, int G, int MT>
+inline void row_tiles(const QActs& a, int64_t m0, int64_t rows, const uint8_t* w,
+                      int64_t gbytes, const float* bias, float* out, int64_t ldo,
+                      int64_t cols) {
+  int64_t m = 0;
+  for (; m + MT <= rows; m += MT) {
+    if (m == 0) tile<kQ41, G, MT, true>(a, m0, w, gbytes, bias, out, ldo, cols);
+    else tile<kQ41, G, MT, false>(a, m0 + m, w, gbytes, bias, out + m * ldo, ldo, cols);
+  }
+  if constexpr (MT > 1) {
+    if (m < rows)
+      row_tiles<kQ41, G, MT - 1>(a, m0 + m, rows - m, w, gbytes, bias, out + m * ldo, ldo,
+                                 cols);
+  }
+}
+
+template <bool kQ41, int G, int MT>
+void run(const QActs& a, const uint8_t* w, const float* bias, float* out, int64_t N,
+         int nthreads) {
+  constexpr int64_t kRB = kQ41 ? 320 : 544;
+  const int64_t M = a.M, K = a.K, gbytes = K / 32 * kRB;
+  const int64_t groups = (N + 15) / 16, tiles = (groups + G - 1) / G;
+  // Activation rows per pass over a thread's weight slab: ~256 KB of quants stay in L2.
+  const int64_t m_block = max64(MT, (262144 / max64(K, 1)) / MT * MT);
+  const bool parallel = nthreads > 1 && N * K >= (1 << 16);
+#pragma omp parallel num_threads(nthreads) if (parallel)
+  {
+    const int64_t nth = omp_get_num_threads(), tid = omp_get_thread_num();
+    const int64_t t_begin = tiles * tid / nth, t_end = tiles * (tid + 1) / nth;
+    for (int64_t m0 = 0; m0 < M; m0 += m_block) {
+      const int64_t mb = min64(m_block, M - m0);
+      for (int64_t t = t_begin; t < t_end; ++t) {
+        const int64_t g0 = t * G, n0 = g0 * 16;
+        const uint8_t* wt = w + g0 * gbytes;
+        const float* bt = bias ? bias + n0 : nullptr;
+        float* ot = out + m0 * N + n0;
+        if (g0 + G <= groups) {
+          row_tiles<kQ41, G, MT>(a, m0, mb, wt, gbytes, bt, ot, N, N - n0);
+        } else {  // the last, short tile: one group at a time
+          for (int64_t g = g0; g < groups; ++g)
+            row_tiles<kQ41, 1, MT>(a, m0, mb, w + g * gbytes, gbytes,
+                                   bias ? bias + g * 16 : nullptr, out + m0 * N + g * 16, N,
+                                   N - g * 16);
+        }
+      }
+    }
+  }
+}
+
+template <bool kQ41>
+void run_fmt(const QActs& a, const uint8_t* w, const float* bias, float* out, int64_t N,
+             int nthreads) {
+  // Tiles (32 zmm): 3 * G * MT accumulators (two int chains and a float sum per output
+  // vector) + 2 weight vectors. M == 1: 4 groups, 8 int chains; M < 8: 2 groups x 4 rows;
+  // otherwise 1 group x 8 rows, its records re-read from L1 for every 8 rows.
+  if (a.M == 1) run<kQ41, 4, 1>(a, w, bias, out, N, nthreads);
+  else if (a.M < 8) run<kQ41, 2, 4>(a, w, bias, out, N, nthreads);
+  else run<kQ41, 1, 8>(a, w, bias, out, N, nthreads);
+}
+
+}  // namespace
+
+void qlinear_avx512(const QActs& a, const uint8_t* w, WType wt, const float* bias, float* out,
+                    int64_t N, int nthreads) {
+  if (wt == WType::Q4_1) run_fmt<true>(a, w, bias, out, N, nthreads);
+  else run_fmt<false>(a, w, bias, out, N, nthreads);
+}
+
+}  // namespace kvs
+
+#pragma GCC pop_options
+
+namespace kvs {
+
+bool cpu_has_avx512_vnni() {
+  static const bool ok = [] {
+    __builtin_cpu_init();
+    return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+           __builtin_cpu_supports("avx512vnni");
+  }();
+  return ok;
+}
+
+}  // namespace kvs

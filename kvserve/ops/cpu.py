@@ -7,7 +7,8 @@ rebuilds instead of loading a stale binary.
 
 Routing, decided per call here and never inside the kernels:
 - a CPU without AVX2+FMA, or CpuOps(use_kernels=False): every op is ReferenceOps' (exact);
-- non-float32 inputs, or shapes a kernel does not cover: that op is ReferenceOps';
+- non-float32 inputs (a float16 KV cache excepted: KV_CACHE_DTYPES), or shapes a kernel does
+  not cover: that op is ReferenceOps';
 - linear with more than SMALL_M rows (SMALL_M_AVX512 for the AVX-512 kernel): torch's
   F.linear (MKL's GEMM wins at large M);
 - linear's kernel: the AVX-512 one when the CPU has AVX-512F, else the AVX2 one; the
@@ -49,6 +50,11 @@ SMALL_M = 256
 # torch 2.13 at M = 256..1024, i.e. 1.5-2x; M <= 2048 stays on it, which also keeps prefill
 # chunks that size batch invariant.
 SMALL_M_AVX512 = 2048
+# KV cache dtypes the attention / write_kv kernels read and write (queries and outputs stay
+# float32). float16 halves the DRAM a decode streams; it is widened exactly, so the kernels
+# compute what they would on a float32 cache holding the same values. Others (bfloat16): the
+# reference.
+KV_CACHE_DTYPES = (torch.float32, torch.float16)
 
 
 def cpu_has_avx2_fma() -> bool:
@@ -184,7 +190,8 @@ class CpuOps(ReferenceOps):
         if layer not in self._layer_args:
             self._layer_args[layer] = self._fusable(layer, cos_sin)
         args = self._layer_args[layer]
-        if args is None or kv_cache.dtype != torch.float32 or not kv_cache.is_contiguous():
+        if (args is None or kv_cache.dtype not in KV_CACHE_DTYPES
+                or not kv_cache.is_contiguous()):
             return None
         (in_norm, post_norm, eps, qkv_w, qkv_b, o_w, gate_up_w, down_w, heads, kv_heads,
          head_dim, scale) = args
@@ -225,7 +232,7 @@ class CpuOps(ReferenceOps):
                         block_tables: torch.Tensor, seq_lens: torch.Tensor,
                         query_start_loc: torch.Tensor, scale: float, max_query_len: int,
                         max_seq_len: int) -> torch.Tensor:
-        if (self._ext is None or q.dtype != torch.float32 or kv_cache.dtype != torch.float32
+        if (self._ext is None or q.dtype != torch.float32 or kv_cache.dtype not in KV_CACHE_DTYPES
                 or q.shape[-1] % 8 != 0 or q.stride(-1) != 1 or not kv_cache.is_contiguous()):
             return super().paged_attention(q, kv_cache, block_tables, seq_lens, query_start_loc,
                                            scale, max_query_len, max_seq_len)
@@ -235,7 +242,7 @@ class CpuOps(ReferenceOps):
     def write_kv(self, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
                  slot_mapping: torch.Tensor) -> None:
         if (self._ext is None or key.dtype != torch.float32 or value.dtype != torch.float32
-                or kv_cache.dtype != torch.float32 or not kv_cache.is_contiguous()
+                or kv_cache.dtype not in KV_CACHE_DTYPES or not kv_cache.is_contiguous()
                 or key.stride(-1) != 1 or value.stride(-1) != 1):
             return super().write_kv(key, value, kv_cache, slot_mapping)
         self._ext.write_kv(key, value, kv_cache, slot_mapping)

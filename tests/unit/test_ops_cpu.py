@@ -9,6 +9,9 @@ Tolerances, all fp32 with a different summation order than torch's:
 - silu_and_mul: our exp() is within ~2 ulp of libm's -> 1e-6 / 1e-5.
 - rotary, write_kv and the residual of add_rms_norm do the reference's exact roundings, so
   they must match bit for bit.
+- a float16 KV cache: the kernels widen each half exactly and run the float32 arithmetic, so
+  attention on it equals attention on a float32 cache holding the same values bit for bit
+  (and the reference within the float32 tolerance); write_kv rounds as torch's cast does.
 """
 
 from __future__ import annotations
@@ -176,6 +179,25 @@ def test_paged_attention_matches_reference(ops: CpuOps, q_lens: list[int], seq_l
     close(ops.paged_attention(*args), REF.paged_attention(*args), atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("q_lens,seq_lens", ATTN_CASES)
+@pytest.mark.parametrize("heads,kv_heads", [(4, 4), (9, 3)])
+def test_paged_attention_fp16_cache(ops: CpuOps, q_lens: list[int], seq_lens: list[int],
+                                    heads: int, kv_heads: int) -> None:
+    """A float16 cache: within float32 tolerance of the reference (which upcasts the cache),
+    and bit for bit the output of a float32 cache holding the same values, on 1 to 3 threads
+    (which split long decodes differently)."""
+    d = 64
+    q, cache, tables, sl, qsl = make_batch(q_lens, seq_lens, heads, kv_heads, d, 16,
+                                           seed=sum(seq_lens) + heads)
+    half = cache.half()
+    args = (q, half, tables, sl, qsl, d**-0.5, max(q_lens), max(seq_lens))
+    close(ops.paged_attention(*args), REF.paged_attention(*args), atol=1e-5, rtol=1e-5)
+    as_f32 = (q, half.float()) + args[2:]
+    for threads in (1, 2, 3):
+        assert torch.equal(attention_on_threads(ops, args, threads),
+                           attention_on_threads(ops, as_f32, threads)), threads
+
+
 def attention_on_threads(ops: CpuOps, args: tuple, threads: int) -> torch.Tensor:
     before = torch.get_num_threads()
     try:
@@ -194,6 +216,7 @@ def test_paged_attention_any_thread_count(ops: CpuOps, threads: int) -> None:
           rtol=1e-5)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("threads", [2, 3])
 @pytest.mark.parametrize("q_lens,seq_lens,heads,kv_heads", [
     ([1], [300], 9, 3),             # one decode row: its keys split into parts
@@ -203,21 +226,24 @@ def test_paged_attention_any_thread_count(ops: CpuOps, threads: int) -> None:
 ])
 def test_paged_attention_split_decode_matches_reference(ops: CpuOps, threads: int,
                                                         q_lens: list[int], seq_lens: list[int],
-                                                        heads: int, kv_heads: int) -> None:
+                                                        heads: int, kv_heads: int,
+                                                        dtype: torch.dtype) -> None:
     """Few decode rows with long contexts are split along the keys across threads and their
     segments merged afterwards (flash-decoding); a split needs more than one thread."""
     q, cache, tables, sl, qsl = make_batch(q_lens, seq_lens, heads, kv_heads, 64, 16, seed=7)
-    args = (q, cache, tables, sl, qsl, 0.125, max(q_lens), max(seq_lens))
+    args = (q, cache.to(dtype), tables, sl, qsl, 0.125, max(q_lens), max(seq_lens))
     close(attention_on_threads(ops, args, threads), REF.paged_attention(*args), atol=1e-5,
           rtol=1e-5)
 
 
-def test_paged_attention_row_is_batch_invariant(ops: CpuOps) -> None:
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_paged_attention_row_is_batch_invariant(ops: CpuOps, dtype: torch.dtype) -> None:
     """A row's output depends on its own context only, bit for bit: alone on 1 or 2 threads
     (split across threads), beside 9 other decodes (not split), and as the last query of a
     prefill chunk. The engine's greedy batch invariance rests on this."""
     seq_len, hkv = 700, 3
     q, cache, tables, sl, qsl = make_batch([9], [seq_len], 9, hkv, 64, 16, seed=12)
+    cache = cache.to(dtype)
     chunk = ops.paged_attention(q, cache, tables, sl, qsl, 0.125, 9, seq_len)
     last = q[-1:]  # the chunk's last query is a decode at position seq_len - 1
     one = (last, cache, tables[:1], sl[:1], torch.tensor([0, 1], dtype=torch.int32), 0.125,
@@ -227,7 +253,7 @@ def test_paged_attention_row_is_batch_invariant(ops: CpuOps) -> None:
     others = make_batch([1] * 9, [100 + 37 * i for i in range(9)], 9, hkv, 64, 16, seed=13)
     # The row again, first of 10 decodes, its blocks appended to the others' cache.
     n_blocks = others[1].shape[1]
-    cache10 = torch.cat([others[1], cache], dim=1)
+    cache10 = torch.cat([others[1].to(dtype), cache], dim=1)
     tables10 = torch.zeros(10, max(others[2].shape[1], tables.shape[1]), dtype=torch.int32)
     tables10[0, :tables.shape[1]] = tables[0] + n_blocks
     tables10[1:, :others[2].shape[1]] = others[2]
@@ -259,22 +285,60 @@ def test_paged_attention_int64_metadata_and_odd_head_dim(ops: CpuOps) -> None:
 # ------------------------------------------------------------------------------- write_kv
 
 
-def test_write_kv_matches_reference(ops: CpuOps) -> None:
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("d", [64, 13])
+def test_write_kv_matches_reference(ops: CpuOps, dtype: torch.dtype, d: int) -> None:
+    """float32 and float16 caches take the kernel (float16: round to nearest even, as the
+    reference's cast), bfloat16 the reference; d = 13 runs the float16 scalar tail too."""
     g = torch.Generator().manual_seed(3)
-    t, hkv, d = 7, 3, 64
+    t, hkv = 7, 3
     kv = torch.randn(t, 2 * hkv * d, generator=g)
     key = kv[:, :hkv * d].view(t, hkv, d)  # strided views, as split from qkv
     value = kv[:, hkv * d:].view(t, hkv, d)
     slots = torch.tensor([5, -1, 17, 40, -1, 0, 63])
-    mine = torch.randn(2, 4, 16, hkv, d, generator=g)
+    mine = torch.randn(2, 4, 16, hkv, d, generator=g).to(dtype)
     ref = mine.clone()
     ops.write_kv(key, value, mine, slots)
     REF.write_kv(key, value, ref, slots)
-    assert torch.equal(mine, ref)
+    assert torch.equal(mine.view(torch.int16), ref.view(torch.int16))
 
 
-def test_write_kv_layer_view_of_model_cache(ops: CpuOps) -> None:
-    full = torch.zeros(3, 2, 4, 4, 2, 8)
+def fp16_rounding_cases() -> torch.Tensor:
+    """float32 values over every range a float -> half cast meets: random bit patterns (all
+    exponents, float subnormals), exact ties between neighbouring halves and their float32
+    neighbours (round half to even), half subnormals, the overflow threshold 65520, +-0, inf."""
+    g = torch.Generator().manual_seed(16)
+    bits = torch.randint(-2**31, 2**31, (4000,), generator=g, dtype=torch.int64)
+    rnd = bits.to(torch.int32).view(torch.float32)
+    rnd = rnd[~rnd.isnan()]
+    halves = torch.randint(0, 0x7bff, (2000,), generator=g, dtype=torch.int16)  # finite, >= 0
+    lo = halves.view(torch.float16).float()
+    hi = (halves + 1).view(torch.float16).float()
+    ties = (lo + hi) / 2  # exact in float32
+    up, down = torch.full_like(ties, math.inf), torch.full_like(ties, -math.inf)
+    special = torch.tensor([0.0, -0.0, math.inf, -math.inf, 65504.0, 65519.99, 65520.0, 65536.0,
+                            2.0**-24, 2.0**-25, 2.0**-25 * 1.0000001, 2.0**-26, 3 * 2.0**-25,
+                            2.0**-14, 2.0**-14 * 0.99999, 1e-30, 1.5e-45])
+    vals = torch.cat([rnd, ties, torch.nextafter(ties, up), torch.nextafter(ties, down),
+                      special])
+    return torch.cat([vals, -vals])
+
+
+@pytest.mark.parametrize("d", [8, 5, 13])  # F16C lanes only, scalar only, both
+def test_write_kv_fp16_rounds_as_torch(ops: CpuOps, d: int) -> None:
+    vals = fp16_rounding_cases()
+    t = -(-vals.numel() // d)
+    key = torch.cat([vals, torch.zeros(t * d - vals.numel())]).view(t, 1, d)
+    cache = torch.zeros(2, -(-t // 16), 16, 1, d, dtype=torch.float16)
+    ops.write_kv(key, -key, cache, torch.arange(t))
+    for i, src in enumerate((key, -key)):
+        got = cache[i].reshape(-1, d)[:t].view(torch.int16)
+        assert torch.equal(got, src.view(t, d).half().view(torch.int16)), i
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_write_kv_layer_view_of_model_cache(ops: CpuOps, dtype: torch.dtype) -> None:
+    full = torch.zeros(3, 2, 4, 4, 2, 8, dtype=dtype)
     ref = full.clone()
     key, value = torch.randn(2, 2, 8), torch.randn(2, 2, 8)
     slots = torch.tensor([3, 9])
@@ -338,6 +402,24 @@ def test_unsupported_dtypes_use_reference(ops: CpuOps) -> None:
     w = torch.ones(32).half()
     assert torch.equal(ops.rms_norm(x, w, 1e-6), REF.rms_norm(x, w, 1e-6))
     assert torch.equal(ops.silu_and_mul(x), REF.silu_and_mul(x))
+
+
+@pytest.mark.skipif(not cpu_has_avx2_fma(), reason="needs an AVX2+FMA CPU")
+def test_kv_cache_dtypes_route(ops: CpuOps, monkeypatch: pytest.MonkeyPatch) -> None:
+    """float32 and float16 caches go to the kernels, any other (bfloat16) to the reference."""
+    used = []
+    for name in ("paged_attention", "write_kv"):
+        def spy(*args: object, _name: str = name, _f: object = getattr(REF, name)) -> object:
+            used.append((_name, args[1 if _name == "paged_attention" else 2].dtype))
+            return _f(*args)
+
+        monkeypatch.setattr(ReferenceOps, name, staticmethod(spy))
+    q, cache, tables, sl, qsl = make_batch([3, 1], [10, 37], 4, 2, 64, 4, seed=5)
+    for dtype in (torch.float32, torch.float16, torch.bfloat16):
+        c = cache.to(dtype)
+        ops.write_kv(q[:, :2], q[:, 2:], c, torch.tensor([1, 2, 3, 5]))
+        ops.paged_attention(q, c, tables, sl, qsl, 0.125, 3, 37)
+    assert used == [("write_kv", torch.bfloat16), ("paged_attention", torch.bfloat16)]
 
 
 def test_reference_mode_is_the_reference() -> None:
@@ -417,3 +499,54 @@ def test_decoder_layer_sequence_matches_reference() -> None:
     for a, b in zip(mine, out1 + out2):
         close(a, b, atol=1e-5, rtol=1e-5)
     assert torch.allclose(caches[id(cpu)], caches[id(REF)], atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_fused_layer_equals_python_layer(dtype: torch.dtype) -> None:
+    """CpuOps.fused_llama_layer (one C++ call) against LlamaDecoderLayer's Python forward on
+    the unfused kernels, bit for bit, outputs and KV cache: a prefill step of two requests,
+    then a decode beside a prefill chunk."""
+    from kvserve.config import ModelConfig
+    from kvserve.layers.rotary import rope_cos_sin
+    from kvserve.models.llama import LlamaDecoderLayer
+    from kvserve.outputs import ModelInput
+
+    fused, plain = CpuOps(fuse_layers=True), CpuOps(fuse_layers=False)
+    if not fused.fuse_layers:
+        pytest.skip("no AVX2/FMA kernels on this CPU: nothing to fuse")
+    cfg = ModelConfig(architecture="LlamaForCausalLM", vocab_size=256, hidden_size=64,
+                      intermediate_size=96, num_hidden_layers=1, num_attention_heads=4,
+                      num_key_value_heads=2, head_dim=16, max_position_embeddings=64)
+    g = torch.Generator().manual_seed(2)
+    layers = [LlamaDecoderLayer(cfg, 0, o, torch.float32) for o in (fused, plain)]
+    for p_f, p_p in zip(layers[0].parameters(), layers[1].parameters()):
+        w = torch.randn(p_f.shape, generator=g) / math.sqrt(p_f.shape[-1])
+        p_f.data.copy_(w + 1 if p_f.dim() == 1 else w)  # norm weights near 1
+        p_p.data.copy_(p_f.data)
+    cos_sin = rope_cos_sin(16, 64, 10000.0, None)
+    bs = 4
+    tables = torch.tensor([[3, 7, 1, 0], [10, 2, 5, 0]], dtype=torch.int32)
+    caches = [torch.zeros(1, 2, 12, bs, 2, 16, dtype=dtype) for _ in layers]
+
+    def model_input(seq_lens: list[int], q_lens: list[int]) -> ModelInput:
+        pos = [p for s, q in zip(seq_lens, q_lens) for p in range(s - q, s)]
+        rows = [b for b, q in enumerate(q_lens) for _ in range(q)]
+        slots = [int(tables[b, p // bs]) * bs + p % bs for b, p in zip(rows, pos)]
+        qsl = torch.tensor([0] + torch.tensor(q_lens).cumsum(0).tolist(), dtype=torch.int32)
+        return ModelInput(input_ids=torch.zeros(len(pos), dtype=torch.int64),
+                          positions=torch.tensor(pos), slot_mapping=torch.tensor(slots),
+                          block_tables=tables, seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
+                          query_start_loc=qsl, logits_indices=torch.arange(len(pos)),
+                          max_query_len=max(q_lens), max_seq_len=max(seq_lens))
+
+    # The first layer of a model gets no residual; a later one gets the stream so far.
+    for seq_lens, q_lens, with_residual in (([5, 9], [5, 9], False), ([6, 12], [1, 3], True)):
+        inp = model_input(seq_lens, q_lens)
+        x = torch.randn(sum(q_lens), 64, generator=g)
+        residual = torch.randn(x.shape, generator=g) if with_residual else None
+        out_f = fused.fused_llama_layer(layers[0], x, residual, inp, caches[0][0], cos_sin)
+        assert out_f is not None  # the fused kernel took this cache dtype
+        out_p = layers[1](x, residual, inp, caches[1], cos_sin)
+        for a, b in zip(out_f, out_p):
+            assert torch.equal(a, b)
+    assert torch.equal(caches[0], caches[1]) and caches[0].abs().sum() > 0

@@ -18,7 +18,9 @@
 //
 // Per row the softmax is online (flash-attention): running max m, running sum l, and an
 // unnormalized accumulator acc[D]; a key tile with new max m' rescales l and acc by
-// exp(m - m'). Everything is fp32.
+// exp(m - m'). Everything is fp32. The K/V cache holds float or IEEE half (torch.float16)
+// elements; a half is widened to float exactly as it is loaded, so an fp16 cache runs this
+// very arithmetic on its values: same output bits as an fp32 cache holding the same values.
 #include <omp.h>
 
 #include <algorithm>
@@ -50,15 +52,31 @@ struct Item {
   float* partial = nullptr;
 };
 
+// K/V elements T: float, or uint16_t bits of an IEEE half. load8 reads 8 of them as floats,
+// to_float one; both are exact.
+#if KVS_AVX2
+inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 load8(const uint16_t* p) {
+#if defined(__F16C__)
+  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+#else
+  alignas(32) float f[8];
+  for (int i = 0; i < 8; ++i) f[i] = half_to_float(p[i]);
+  return _mm256_load_ps(f);
+#endif
+}
+#endif
+inline float to_float(float x) { return x; }
+inline float to_float(uint16_t h) { return half_to_float(h); }
+
 // R query rows (q, q + D, ...) that share one kv head go through a key tile together: each
 // K and V vector is loaded once for all R rows instead of once per row, which is what bounds
 // a decode row (GQA gives every kv head G = H / Hkv rows). s holds a row of kScoreStride
 // scores per query row; kp[] is padded with valid pointers up to round8(n).
 constexpr int64_t kScoreStride = kKeyTile + 8;
 
-template <int R>
-inline void scores_rows(const float* q, const float* const* kp, int64_t n, int64_t D,
-                        float* s) {
+template <int R, typename T>
+inline void scores_rows(const float* q, const T* const* kp, int64_t n, int64_t D, float* s) {
 #if KVS_AVX2
   for (int64_t j0 = 0; j0 < n; j0 += 4) {  // kp[] is padded with valid pointers to round8(n)
     __m256 acc[R][4];
@@ -66,7 +84,7 @@ inline void scores_rows(const float* q, const float* const* kp, int64_t n, int64
       for (int c = 0; c < 4; ++c) acc[r][c] = _mm256_setzero_ps();
     for (int64_t d = 0; d < D; d += 8) {
       __m256 kv[4];
-      for (int c = 0; c < 4; ++c) kv[c] = _mm256_loadu_ps(kp[j0 + c] + d);
+      for (int c = 0; c < 4; ++c) kv[c] = load8(kp[j0 + c] + d);
       for (int r = 0; r < R; ++r) {
         const __m256 qv = _mm256_loadu_ps(q + r * D + d);
         for (int c = 0; c < 4; ++c) acc[r][c] = _mm256_fmadd_ps(qv, kv[c], acc[r][c]);
@@ -78,15 +96,19 @@ inline void scores_rows(const float* q, const float* const* kp, int64_t n, int64
   }
 #else
   for (int r = 0; r < R; ++r)
-    for (int64_t j = 0; j < n; ++j) s[r * kScoreStride + j] = dot_scalar(q + r * D, kp[j], D);
+    for (int64_t j = 0; j < n; ++j) {
+      float x = 0.f;  // dot_scalar's order, on the widened keys
+      for (int64_t d = 0; d < D; ++d) x += q[r * D + d] * to_float(kp[j][d]);
+      s[r * kScoreStride + j] = x;
+    }
 #endif
 }
 
 // acc rows [R][D] (stride D): acc[r] = acc[r] * corr[r] + sum_j p[r][j] * v_j, NV vectors of
 // dims at a time, each V vector loaded once for the R rows.
-template <int R, int NV>
+template <int R, int NV, typename T>
 inline void pv_rows(float* acc, int64_t D, const float* corr, const float* p,
-                    const float* const* vp, int64_t n, int64_t d0) {
+                    const T* const* vp, int64_t n, int64_t d0) {
 #if KVS_AVX2
   __m256 a[R][NV];
   for (int r = 0; r < R; ++r) {
@@ -95,9 +117,9 @@ inline void pv_rows(float* acc, int64_t D, const float* corr, const float* p,
       a[r][v] = _mm256_mul_ps(_mm256_loadu_ps(acc + r * D + d0 + v * 8), c);
   }
   for (int64_t j = 0; j < n; ++j) {
-    const float* vj = vp[j] + d0;
+    const T* vj = vp[j] + d0;
     for (int v = 0; v < NV; ++v) {
-      const __m256 vv = _mm256_loadu_ps(vj + v * 8);
+      const __m256 vv = load8(vj + v * 8);
       for (int r = 0; r < R; ++r)
         a[r][v] = _mm256_fmadd_ps(_mm256_set1_ps(p[r * kScoreStride + j]), vv, a[r][v]);
     }
@@ -108,7 +130,7 @@ inline void pv_rows(float* acc, int64_t D, const float* corr, const float* p,
   for (int r = 0; r < R; ++r)
     for (int64_t d = d0; d < d0 + NV * 8; ++d) {
       float x = acc[r * D + d] * corr[r];
-      for (int64_t j = 0; j < n; ++j) x += p[r * kScoreStride + j] * vp[j][d];
+      for (int64_t j = 0; j < n; ++j) x += p[r * kScoreStride + j] * to_float(vp[j][d]);
       acc[r * D + d] = x;
     }
 #endif
@@ -152,10 +174,9 @@ inline float softmax_tile(float& m, float& l, float* s, int64_t n) {
   return corr;
 }
 
-template <int R>
-inline void update_rows(float* m, float* l, float* acc, const float* q,
-                        const float* const* kp, const float* const* vp, int64_t n, int64_t D,
-                        float* s) {
+template <int R, typename T>
+inline void update_rows(float* m, float* l, float* acc, const float* q, const T* const* kp,
+                        const T* const* vp, int64_t n, int64_t D, float* s) {
   scores_rows<R>(q, kp, n, D, s);
   float corr[R];
   for (int r = 0; r < R; ++r) corr[r] = softmax_tile(m[r], l[r], s + r * kScoreStride, n);
@@ -165,7 +186,7 @@ inline void update_rows(float* m, float* l, float* acc, const float* q,
   for (; d0 < D; d0 += 8) pv_rows<R, 1>(acc, D, corr, s, vp, n, d0);
 }
 
-// Row offsets (in floats) of kv head g for keys [begin, begin + n) of one request, walking
+// Row offsets (in elements) of kv head g for keys [begin, begin + n) of one request, walking
 // the block table without a division per key.
 inline void key_offsets(const AttentionArgs& a, const int32_t* bt, int64_t g, int64_t begin,
                         int64_t n, int64_t* off) {
@@ -185,15 +206,18 @@ inline void key_offsets(const AttentionArgs& a, const int32_t* bt, int64_t g, in
 // Asks for the K/V rows at off[0:n] (ng heads each) while the current tile computes.
 // Blocks sit anywhere in the cache, so the hardware prefetcher cannot guess where the next
 // one is; without this a decode waits on DRAM latency rather than bandwidth.
-inline void prefetch_rows(const AttentionArgs& a, const int64_t* off, int64_t n, int64_t ng) {
+template <typename T>
+inline void prefetch_rows(const T* k_cache, const T* v_cache, int64_t D, const int64_t* off,
+                          int64_t n, int64_t ng) {
 #if KVS_AVX2
+  constexpr int64_t kLine = 64 / sizeof(T);  // elements per 64-byte line: 16 floats, 32 halves
   for (int64_t j = 0; j < n; ++j)
-    for (int64_t d = 0; d < ng * a.D; d += 16) {  // one 64-byte line per 16 floats
-      _mm_prefetch(reinterpret_cast<const char*>(a.k_cache + off[j] + d), _MM_HINT_T0);
-      _mm_prefetch(reinterpret_cast<const char*>(a.v_cache + off[j] + d), _MM_HINT_T0);
+    for (int64_t d = 0; d < ng * D; d += kLine) {
+      _mm_prefetch(reinterpret_cast<const char*>(k_cache + off[j] + d), _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(v_cache + off[j] + d), _MM_HINT_T0);
     }
 #else
-  (void)a, (void)off, (void)n, (void)ng;
+  (void)k_cache, (void)v_cache, (void)D, (void)off, (void)n, (void)ng;
 #endif
 }
 
@@ -215,7 +239,10 @@ void combine(const float* parts, int64_t n_parts, int64_t stride, int64_t D, flo
   for (int64_t d = 0; d < D; ++d) out[d] *= inv;
 }
 
+template <typename T>
 void attend(const AttentionArgs& a, const Item& it, std::vector<float>& scratch) {
+  const T* k_cache = static_cast<const T*>(a.k_cache);
+  const T* v_cache = static_cast<const T*>(a.v_cache);
   const int64_t G = a.H / a.Hkv, D = a.D;
   const int64_t HG = it.ng * G;  // query heads of the item
   const int64_t seq_len = a.seq_lens[it.b];
@@ -261,21 +288,21 @@ void attend(const AttentionArgs& a, const Item& it, std::vector<float>& scratch)
   // next tile's rows are prefetched while this one computes.
   int64_t offs[2][kKeyTile];
   key_offsets(a, bt, it.g0, it.k_lo, std::min(kKeyTile, kv_end - it.k_lo), offs[0]);
-  prefetch_rows(a, offs[0], std::min(kKeyTile, kv_end - it.k_lo), it.ng);
-  const float* kp[kKeyTile];
-  const float* vp[kKeyTile];
+  prefetch_rows(k_cache, v_cache, D, offs[0], std::min(kKeyTile, kv_end - it.k_lo), it.ng);
+  const T* kp[kKeyTile];
+  const T* vp[kKeyTile];
   for (int64_t t0 = it.k_lo, cur = 0; t0 < kv_end; t0 += kKeyTile, cur ^= 1) {
     if (t0 > it.k_lo && t0 % kSegment == 0) flush((t0 - it.k_lo) / kSegment - 1);
     const int64_t n = std::min(kKeyTile, kv_end - t0);
     const int64_t n_next = std::min(kKeyTile, kv_end - t0 - n);
     if (n_next > 0) {
       key_offsets(a, bt, it.g0, t0 + n, n_next, offs[cur ^ 1]);
-      prefetch_rows(a, offs[cur ^ 1], n_next, it.ng);
+      prefetch_rows(k_cache, v_cache, D, offs[cur ^ 1], n_next, it.ng);
     }
     for (int64_t gl = 0; gl < it.ng; ++gl) {
       for (int64_t j = 0; j < n; ++j) {
-        kp[j] = a.k_cache + offs[cur][j] + gl * D;
-        vp[j] = a.v_cache + offs[cur][j] + gl * D;
+        kp[j] = k_cache + offs[cur][j] + gl * D;
+        vp[j] = v_cache + offs[cur][j] + gl * D;
       }
       for (int64_t j = n; j < ((n + 7) & ~int64_t{7}); ++j) kp[j] = kp[0];
       // Query i sees keys up to its own position pos0 + i: tile lanes [0, nv). Queries
@@ -395,7 +422,10 @@ void paged_attention(const AttentionArgs& a, int nthreads) {
   {
     std::vector<float> scratch;
 #pragma omp for schedule(dynamic, 1)
-    for (int64_t i = 0; i < n_items; ++i) attend(a, items[i], scratch);
+    for (int64_t i = 0; i < n_items; ++i) {
+      if (a.kv_f16) attend<uint16_t>(a, items[i], scratch);
+      else attend<float>(a, items[i], scratch);
+    }
     // (the loop's barrier: every part is written before any merge reads it)
 #pragma omp for schedule(static)
     for (int64_t i = 0; i < n_merges; ++i) {

@@ -17,6 +17,24 @@ void check_inner(const torch::Tensor& t, const char* name) {
   TORCH_CHECK(t.stride(-1) == 1, name, " must be contiguous in its last dimension");
 }
 
+// One layer of the paged cache, [2, num_blocks, block_size, Hkv, D], float32 or float16
+// (kernels.h AttentionArgs); returns whether it is float16.
+bool check_kv_cache(const torch::Tensor& kv_cache) {
+  TORCH_CHECK(kv_cache.device().is_cpu() && (kv_cache.scalar_type() == torch::kFloat32 ||
+                                             kv_cache.scalar_type() == torch::kFloat16),
+              "kv_cache must be a float32 or float16 CPU tensor, got ", kv_cache.scalar_type(),
+              " on ", kv_cache.device());
+  TORCH_CHECK(kv_cache.dim() == 5 && kv_cache.size(0) == 2 && kv_cache.is_contiguous(),
+              "kv_cache must be one contiguous layer [2, num_blocks, block_size, Hkv, D], got ",
+              kv_cache.sizes());
+  return kv_cache.scalar_type() == torch::kFloat16;
+}
+
+// The V half of a checked kv_cache layer: K's data pointer plus stride(0) elements.
+void* v_cache_ptr(const torch::Tensor& kv_cache) {
+  return static_cast<char*>(kv_cache.data_ptr()) + kv_cache.stride(0) * kv_cache.element_size();
+}
+
 torch::Tensor as_int32(const torch::Tensor& t) {
   return t.scalar_type() == torch::kInt32 ? t.contiguous() : t.to(torch::kInt32).contiguous();
 }
@@ -140,12 +158,9 @@ torch::Tensor paged_attention(const torch::Tensor& q, const torch::Tensor& kv_ca
                               const torch::Tensor& block_tables, const torch::Tensor& seq_lens,
                               const torch::Tensor& query_start_loc, double scale) {
   check_f32(q, "q");
-  check_f32(kv_cache, "kv_cache");
+  const bool kv_f16 = check_kv_cache(kv_cache);
   TORCH_CHECK(q.dim() == 3, "q must be [T, H, D], got ", q.sizes());
   check_inner(q, "q");
-  TORCH_CHECK(kv_cache.dim() == 5 && kv_cache.size(0) == 2 && kv_cache.is_contiguous(),
-              "kv_cache must be one contiguous layer [2, num_blocks, block_size, Hkv, D], got ",
-              kv_cache.sizes());
   const int64_t H = q.size(1), D = q.size(2), Hkv = kv_cache.size(3);
   TORCH_CHECK(kv_cache.size(4) == D, "kv_cache head_dim ", kv_cache.size(4), " != q's ", D);
   TORCH_CHECK(Hkv > 0 && H % Hkv == 0, "num heads ", H, " must be a multiple of kv heads ", Hkv);
@@ -173,8 +188,9 @@ torch::Tensor paged_attention(const torch::Tensor& q, const torch::Tensor& kv_ca
   a.q = q.data_ptr<float>();
   a.q_st = q.stride(0);
   a.q_sh = q.stride(1);
-  a.k_cache = kv_cache.data_ptr<float>();
-  a.v_cache = a.k_cache + kv_cache.stride(0);
+  a.k_cache = kv_cache.data_ptr();
+  a.v_cache = v_cache_ptr(kv_cache);
+  a.kv_f16 = kv_f16;
   a.block_tables = bt.data_ptr<int32_t>();
   a.bt_stride = bt.stride(0);
   a.seq_lens = s;
@@ -194,9 +210,7 @@ void write_kv(const torch::Tensor& key, const torch::Tensor& value, torch::Tenso
               const torch::Tensor& slot_mapping) {
   check_f32(key, "key");
   check_f32(value, "value");
-  check_f32(kv_cache, "kv_cache");
-  TORCH_CHECK(kv_cache.dim() == 5 && kv_cache.size(0) == 2 && kv_cache.is_contiguous(),
-              "kv_cache must be one contiguous layer [2, num_blocks, block_size, Hkv, D]");
+  const bool kv_f16 = check_kv_cache(kv_cache);
   const int64_t Hkv = kv_cache.size(3), D = kv_cache.size(4);
   TORCH_CHECK(key.dim() == 3 && key.sizes() == value.sizes() && key.size(1) == Hkv &&
                   key.size(2) == D,
@@ -212,9 +226,9 @@ void write_kv(const torch::Tensor& key, const torch::Tensor& value, torch::Tenso
   const int64_t* sp = slots.data_ptr<int64_t>();
   for (int64_t t = 0; t < T; ++t)
     TORCH_CHECK(sp[t] < num_slots, "slot ", sp[t], " is past the cache's ", num_slots, " slots");
-  float* kc = kv_cache.data_ptr<float>();
   kvs::write_kv(key.data_ptr<float>(), key.stride(0), key.stride(1), value.data_ptr<float>(),
-                value.stride(0), value.stride(1), kc, kc + kv_cache.stride(0), sp, T, Hkv, D);
+                value.stride(0), value.stride(1), kv_cache.data_ptr(), v_cache_ptr(kv_cache),
+                kv_f16, sp, T, Hkv, D);
 }
 
 // x as [rows, n] with a row stride (cpu.py reshapes to 2-D, which stays a view when it can).
@@ -302,7 +316,8 @@ std::tuple<torch::Tensor, torch::Tensor> rotary(const torch::Tensor& q, const to
 // step on the 30-layer default model. Same kernels in the same order, so the result equals
 // the unfused path bit for bit. Linears with more than small_m rows go to at::linear (MKL),
 // as CpuOps.linear does (a quantized weight dequantized first). Linear weights may be float32
-// or GGUF Q4_1 / Q8_0 blocks (see linear()).
+// or GGUF Q4_1 / Q8_0 blocks (see linear()); the kv_cache layer float32 or float16 (write_kv
+// and paged_attention check it).
 std::tuple<torch::Tensor, torch::Tensor> llama_layer(
     const torch::Tensor& x, const c10::optional<torch::Tensor>& residual,
     const torch::Tensor& input_norm, const torch::Tensor& post_norm, double eps,

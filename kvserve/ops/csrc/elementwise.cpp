@@ -158,20 +158,64 @@ void rotary(const float* x, int64_t st, int64_t sh, float* out, int64_t T, int64
   }
 }
 
+// float -> IEEE half bits, rounded to nearest even (overflow to inf, subnormals kept), the
+// rounding of torch's .to(float16) and of _mm256_cvtps_ph(_MM_FROUND_TO_NEAREST_INT). Plain
+// bit arithmetic, so the scalar tails need no F16C; tested against torch on every range.
+static uint16_t float_to_half(float f) {
+  uint32_t x;
+  std::memcpy(&x, &f, 4);
+  const uint16_t sign = static_cast<uint16_t>((x >> 16) & 0x8000);
+  x &= 0x7fffffffu;
+  if (x >= 0x7f800000u)  // inf, or nan kept quiet with its top payload bits
+    return sign | 0x7c00 | (x > 0x7f800000u ? 0x200 | ((x >> 13) & 0x3ff) : 0);
+  if (x >= 0x477ff000u) return sign | 0x7c00;  // >= 65520: past half of max's last ulp
+  if (x < 0x38800000u) {  // below 2^-14: a subnormal half, units of 2^-24
+    // |f| = m * 2^(e - 150) -> m * 2^(e - 126) units, i.e. m >> (126 - e), rounded.
+    const int shift = 126 - static_cast<int>(x >> 23);
+    if (shift > 24) return sign;  // < 2^-25 (float subnormals too): rounds to zero
+    const uint32_t m = (x & 0x7fffffu) | 0x800000u;
+    uint32_t q = m >> shift;
+    const uint32_t rem = m & ((1u << shift) - 1), half = 1u << (shift - 1);
+    if (rem > half || (rem == half && (q & 1))) ++q;  // q = 1024 is the smallest normal: right
+    return sign | static_cast<uint16_t>(q);
+  }
+  // Normal: rebias the exponent (127 -> 15), then round 23 mantissa bits to 10; a carry out
+  // of the mantissa bumps the exponent, which is the right result.
+  const uint32_t r = x - (112u << 23);
+  return sign | static_cast<uint16_t>((r + 0xfffu + ((r >> 13) & 1)) >> 13);
+}
+
+static void floats_to_halves(const float* src, uint16_t* dst, int64_t n) {
+  int64_t i = 0;
+#if KVS_AVX2 && defined(__F16C__)
+  for (; i + 8 <= n; i += 8)
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + i),
+                     _mm256_cvtps_ph(_mm256_loadu_ps(src + i),
+                                     _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+#endif
+  for (; i < n; ++i) dst[i] = float_to_half(src[i]);
+}
+
 void write_kv(const float* key, int64_t k_st, int64_t k_sh, const float* value, int64_t v_st,
-              int64_t v_sh, float* k_cache, float* v_cache, const int64_t* slots, int64_t T,
-              int64_t Hkv, int64_t D) {
+              int64_t v_sh, void* k_cache, void* v_cache, bool kv_f16, const int64_t* slots,
+              int64_t T, int64_t Hkv, int64_t D) {
   // A token's [Hkv, D] row is contiguous in the cache; the source may be a strided view
   // (k, v split from the fused qkv output), so copy head by head when it is not dense.
   const size_t head_bytes = static_cast<size_t>(D) * sizeof(float);
   for (int64_t t = 0; t < T; ++t) {
     const int64_t slot = slots[t];
     if (slot < 0) continue;  // PAD_SLOT_ID: no write
-    float* kd = k_cache + slot * Hkv * D;
-    float* vd = v_cache + slot * Hkv * D;
     for (int64_t h = 0; h < Hkv; ++h) {
-      std::memcpy(kd + h * D, key + t * k_st + h * k_sh, head_bytes);
-      std::memcpy(vd + h * D, value + t * v_st + h * v_sh, head_bytes);
+      const int64_t dst = (slot * Hkv + h) * D;  // in elements
+      const float* ks = key + t * k_st + h * k_sh;
+      const float* vs = value + t * v_st + h * v_sh;
+      if (kv_f16) {
+        floats_to_halves(ks, static_cast<uint16_t*>(k_cache) + dst, D);
+        floats_to_halves(vs, static_cast<uint16_t*>(v_cache) + dst, D);
+      } else {
+        std::memcpy(static_cast<float*>(k_cache) + dst, ks, head_bytes);
+        std::memcpy(static_cast<float*>(v_cache) + dst, vs, head_bytes);
+      }
     }
   }
 }

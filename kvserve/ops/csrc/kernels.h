@@ -62,8 +62,11 @@ bool cpu_has_avx512_vnni();
 struct AttentionArgs {
   const float* q;        // q[t*q_st + h*q_sh + d]
   int64_t q_st, q_sh;
-  const float* k_cache;  // [num_blocks, block_size, Hkv, D] contiguous
-  const float* v_cache;  // same shape
+  // [num_blocks, block_size, Hkv, D] contiguous, float or IEEE half (torch.float16) as
+  // kv_f16 says; a half is widened exactly, so it gives an fp32 cache's output on its values.
+  const void* k_cache;
+  const void* v_cache;  // same shape and type
+  bool kv_f16;
   const int32_t* block_tables;  // [B, bt_stride]
   int64_t bt_stride;
   const int32_t* seq_lens;         // [B]
@@ -74,10 +77,11 @@ struct AttentionArgs {
 };
 void paged_attention(const AttentionArgs& a, int nthreads);
 
-// dst[slot[t]] = src[t] for k and v, rows of Hkv*D floats; slot < 0 skipped.
+// dst[slot[t]] = src[t] for k and v, rows of Hkv*D elements; slot < 0 skipped. The cache
+// holds floats, or IEEE halves (kv_f16) rounded to nearest even as torch's .to(float16) does.
 void write_kv(const float* key, int64_t k_st, int64_t k_sh, const float* value, int64_t v_st,
-              int64_t v_sh, float* k_cache, float* v_cache, const int64_t* slots, int64_t T,
-              int64_t Hkv, int64_t D);
+              int64_t v_sh, void* k_cache, void* v_cache, bool kv_f16, const int64_t* slots,
+              int64_t T, int64_t Hkv, int64_t D);
 
 // Row-wise over [rows, n]; x rows have stride ldx, outputs are contiguous.
 void rms_norm(const float* x, int64_t ldx, const float* w, float* out, int64_t rows, int64_t n,

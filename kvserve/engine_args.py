@@ -34,7 +34,9 @@ class EngineArgs:
     num_gpu_blocks_override: int | None = None  # exact block count (tests, debugging)
     enable_prefix_caching: bool = True
     enable_chunked_prefill: bool = True
-    kv_cache_dtype: str = "auto"
+    # None: float16 with quantization "gguf" (llama.cpp's default KV type, and half the bytes
+    # a decode streams), else "auto" (the model dtype).
+    kv_cache_dtype: str | None = None
     max_waiting_requests: int | None = None
     seed: int = 0
     ops_backend: str = "auto"
@@ -55,6 +57,9 @@ class EngineArgs:
             raise ValueError(f"max_model_len ({max_len}) must be <= the model's sliding window "
                              f"({mc.sliding_window}): kvserve runs full attention")
         budget = self.max_num_batched_tokens or (512 if device == "cpu" else 2048)
+        quantization = self.quantization or (
+            "gguf" if model_path.lower().endswith(".gguf") and device == "cpu"
+            and dtype == "float32" and self.ops_backend in ("auto", "cpu") else "none")
         if not self.enable_chunked_prefill:
             budget = max(budget, max_len)
         return EngineConfig(
@@ -64,15 +69,14 @@ class EngineArgs:
                               kv_cache_memory=parse_memory(self.kv_cache_memory),
                               num_blocks_override=self.num_gpu_blocks_override,
                               enable_prefix_caching=self.enable_prefix_caching,
-                              kv_cache_dtype=self.kv_cache_dtype),
+                              kv_cache_dtype=self.kv_cache_dtype or (
+                                  "float16" if quantization == "gguf" else "auto")),
             scheduler=SchedulerConfig(max_num_seqs=self.max_num_seqs,
                                       max_num_batched_tokens=budget, max_model_len=max_len,
                                       enable_chunked_prefill=self.enable_chunked_prefill,
                                       max_waiting_requests=self.max_waiting_requests),
             dtype=dtype, device=device, seed=self.seed, ops_backend=self.ops_backend,
-            quantization=self.quantization or (
-                "gguf" if model_path.lower().endswith(".gguf") and device == "cpu"
-                and dtype == "float32" and self.ops_backend in ("auto", "cpu") else "none"))
+            quantization=quantization)
 
     @classmethod
     def from_kwargs(cls, **kwargs: object) -> EngineArgs:
@@ -101,6 +105,10 @@ class EngineArgs:
                        action="store_false")
         p.add_argument("--no-enable-chunked-prefill", dest="enable_chunked_prefill",
                        action="store_false")
+        p.add_argument("--kv-cache-dtype", default=None,
+                       choices=["auto", "float32", "float16", "bfloat16"],
+                       help="auto: the model dtype; default: float16 with --quantization gguf "
+                       "(as llama.cpp), else auto")
         p.add_argument("--seed", type=int, default=d.seed)
         p.add_argument("--quantization", "-q", default=d.quantization,
                        choices=list(QUANTIZATIONS),

@@ -92,6 +92,9 @@ class LLMEngine:
             # would dequantize every matrix again.
             if args.quantization is None:
                 config = config.replace(quantization="none")
+                if args.kv_cache_dtype is None:  # float16 came with "gguf"
+                    config = config.replace(cache=dataclasses.replace(config.cache,
+                                                                      kv_cache_dtype="auto"))
             else:
                 logger.warning("quantization %r without kvserve's CPU kernels (ops=%s): "
                                "every linear runs the pure-torch reference on its blocks; "

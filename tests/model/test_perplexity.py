@@ -36,8 +36,9 @@ def perplexity(engine: Any, ids: list[int], n_ctx: int = 512) -> float:
     return math.exp(nll / count)
 
 
-# float32 summation-order differences move the 4th digit; the int8 path rounds activations
-# differently in detail from llama.cpp (fp32 vs fp16 block scales), ~0.1% of PPL here.
+# float32 summation-order differences move the 4th digit. The int8 path (with its default
+# float16 KV cache, as llama.cpp's) measures 18.395: it rounds activations differently in
+# detail from llama.cpp (float32 vs float16 block scales), ~0.2% of PPL here.
 @pytest.mark.parametrize("quantization,llama_cpp,tol", [("gguf_exact", 18.30, 0.01),
                                                         ("gguf", 18.354, 0.05)])
 def test_gpl3_perplexity_matches_llama_cpp(make_engine: Any, smollm2: Any, gpl_text: str,

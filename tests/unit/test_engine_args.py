@@ -27,6 +27,15 @@ def test_gguf_on_cpu_runs_its_blocks_by_default() -> None:
     assert config(device="cuda").quantization == "none"
 
 
+def test_kv_cache_dtype_follows_the_arithmetic() -> None:
+    """float16 KV with llama.cpp's arithmetic ("gguf"), as llama.cpp; the model dtype
+    otherwise (the float32-exact path stays exact); an explicit choice always wins."""
+    assert config(device="cpu").cache.kv_cache_dtype == "float16"
+    assert config(device="cpu", quantization="gguf_exact").cache.kv_cache_dtype == "auto"
+    assert config("hf_dir", device="cpu").cache.kv_cache_dtype == "auto"
+    assert config(device="cpu", kv_cache_dtype="float32").cache.kv_cache_dtype == "float32"
+
+
 def test_impossible_quantizations_name_the_field() -> None:
     with pytest.raises(ValueError, match="quantization 'gguf' needs a .gguf model file"):
         config("hf_dir", device="cpu", quantization="gguf")
@@ -50,6 +59,7 @@ def test_auto_gguf_falls_back_without_the_kernels(monkeypatch: pytest.MonkeyPatc
     args = dict(model=None, device="cpu", kv_cache_memory="16MiB")
     engine = le.LLMEngine.from_engine_args(EngineArgs.from_kwargs(**args))
     assert engine.config.quantization == "none"
+    assert engine.config.cache.kv_cache_dtype == "auto"  # float16 came with "gguf"
     with caplog.at_level("WARNING", logger="kvserve"):
         engine = le.LLMEngine.from_engine_args(EngineArgs.from_kwargs(**args,
                                                                       quantization="gguf"))

@@ -134,9 +134,20 @@ torch::Tensor qlinear(const torch::Tensor& x, const torch::Tensor& weight, int64
   const int64_t M = x.size(0), K = x.size(1);
   auto out = torch::empty({M, N}, x.options());
   if (M == 0) return out;
-  auto qa = quantize_acts(x);
-  const kvs::QActs a{qa[0].data_ptr<int8_t>(), qa[1].data_ptr<float>(), qa[2].data_ptr<float>(),
-                     qa[3].data_ptr<int32_t>(), M, K};
+  // The quantized activations live in per-thread buffers that only grow: a decode step makes
+  // ~120 of these calls, and four tensor allocations each cost more than quantizing a row.
+  thread_local std::vector<int8_t> q;
+  thread_local std::vector<float> d, s;
+  thread_local std::vector<int32_t> sum;
+  if (static_cast<int64_t>(q.size()) < M * K) q.resize(M * K);
+  if (static_cast<int64_t>(d.size()) < M * K / 32) {
+    d.resize(M * K / 32);
+    s.resize(M * K / 32);
+    sum.resize(M * K / 32);
+  }
+  kvs::quantize_acts(x.data_ptr<float>(), x.stride(0), M, K, q.data(), d.data(), s.data(),
+                     sum.data(), at::get_num_threads());
+  const kvs::QActs a{q.data(), d.data(), s.data(), sum.data(), M, K};
   auto kernel = avx512 ? kvs::qlinear_avx512 : kvs::qlinear;
   kernel(a, weight.data_ptr<uint8_t>(), wt, b, out.data_ptr<float>(), N, at::get_num_threads());
   return out;

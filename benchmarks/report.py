@@ -70,7 +70,8 @@ class Report:
         self.results = results
         self.man = _load(results, "manifest") or {}
         self.machine = _load(results, "machine")
-        # kvserve as it runs by default (the GGUF's blocks as stored) and on float32 weights.
+        # kvserve as it runs by default (the GGUF's blocks, int8 activations) and on float32
+        # weights.
         self.lat = _load(results, "kvserve_latency")
         self.lat_f32 = _load(results, "kvserve_latency_f32")
         self.thr = _load(results, "kvserve_throughput")
@@ -144,8 +145,9 @@ class Report:
             f"{v.get('transformers')}, llama-cpp-python {v.get('llama_cpp_python')}, "
             f"llama-server `{v.get('llama_server')}`"),
             (f"- Weights: by default kvserve runs the shipped GGUF's **{self.file_format()} "
-            f"blocks as stored** (`--quantization gguf`: its kernels dequantize in registers "
-            f"and give the float32 result bit for bit), like llama.cpp on the same file. Both "
+            f"blocks with llama.cpp's arithmetic** (`--quantization gguf`: the same bytes, "
+            f"repacked at load; activations quantized to int8 per 32 values; a float16 KV "
+            f"cache), as llama.cpp runs the same file. Both "
             f"are also measured on float32 weights: kvserve with `--quantization none`, "
             f"llama.cpp on an all-F32 GGUF converted from the same file "
             f"(`benchmarks/to_f32_gguf.py`: bit-identical weights). Every ratio compares the "

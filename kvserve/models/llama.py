@@ -149,9 +149,14 @@ class LlamaForCausalLM(nn.Module):
     def forward(self, inp: ModelInput, kv_cache: torch.Tensor) -> torch.Tensor:
         """Hidden states [T, hidden] of every token in the step (after the final norm)."""
         x = self.embed_tokens[inp.input_ids]
-        residual = None
-        for layer in self.layers:
-            x, residual = layer(x, residual, inp, kv_cache, self.cos_sin)
+        stack = getattr(self.ops, "fused_llama_stack", None)
+        fused = stack(self.layers, x, inp, kv_cache, self.cos_sin) if stack else None
+        if fused is not None:
+            x, residual = fused
+        else:
+            residual = None
+            for layer in self.layers:
+                x, residual = layer(x, residual, inp, kv_cache, self.cos_sin)
         x, _ = self.norm(x, residual)
         return x
 

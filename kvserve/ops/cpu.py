@@ -145,6 +145,10 @@ class CpuOps(ReferenceOps):
         self.fuse_layers = fuse_layers and self._ext is not None
         # layer -> its weights for the fused kernel, or None when it cannot be fused.
         self._layer_args: dict[Any, tuple | None] = {}
+        # id(layer list) -> (the list, kept alive so the id stays its own; the per-layer args,
+        # or None when some layer cannot be fused); and the last KV cache's per-layer views.
+        self._stacks: dict[int, tuple[Any, list | None]] = {}
+        self._kv_views: tuple[Any, tuple] = (None, ())
 
     @property
     def uses_kernels(self) -> bool:
@@ -193,6 +197,38 @@ class CpuOps(ReferenceOps):
         if (args is None or kv_cache.dtype not in KV_CACHE_DTYPES
                 or not kv_cache.is_contiguous()):
             return None
+        return self._run_layer(args, x, residual, inp, kv_cache, cos_sin)
+
+    def fused_llama_stack(self, layers: Any, x: torch.Tensor, inp: Any, kv_cache: torch.Tensor,
+                          cos_sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """Every decoder layer through llama_layer in one loop here: what fused_llama_layer
+        does per layer (the same calls, so the same bits), minus each layer's module dispatch
+        and cache slicing (~0.2 ms of a ~3.4 ms batch-1 step on the default model). kv_cache:
+        all layers, [L, 2, ...]. None when some layer cannot be fused."""
+        if (not self.fuse_layers or x.dtype != torch.float32 or x.dim() != 2
+                or kv_cache.dtype not in KV_CACHE_DTYPES or not kv_cache.is_contiguous()):
+            return None
+        key = id(layers)
+        if key not in self._stacks:
+            plan = []
+            for layer in layers:
+                if layer not in self._layer_args:
+                    self._layer_args[layer] = self._fusable(layer, cos_sin)
+                plan.append(self._layer_args[layer])
+            self._stacks[key] = (layers, None if None in plan else plan)
+        plan = self._stacks[key][1]
+        if plan is None:
+            return None
+        if self._kv_views[0] is not kv_cache:  # one view per layer, made once per cache
+            self._kv_views = (kv_cache, kv_cache.unbind(0))
+        residual = None
+        for args, kv in zip(plan, self._kv_views[1], strict=True):
+            x, residual = self._run_layer(args, x, residual, inp, kv, cos_sin)
+        return x, residual
+
+    def _run_layer(self, args: tuple, x: torch.Tensor, residual: torch.Tensor | None, inp: Any,
+                   kv_cache: torch.Tensor, cos_sin: torch.Tensor
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
         (in_norm, post_norm, eps, qkv_w, qkv_b, o_w, gate_up_w, down_w, heads, kv_heads,
          head_dim, scale) = args
         return self._ext.llama_layer(

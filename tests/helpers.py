@@ -12,6 +12,13 @@ from kvserve.models import get_model_class
 from kvserve.outputs import ModelInput
 
 
+def assert_close_exact_dtype(actual: torch.Tensor, expected: torch.Tensor, atol: float,
+                             rtol: float) -> None:
+    """assert_close that also requires the same shape and dtype (no silent promotion)."""
+    assert actual.shape == expected.shape and actual.dtype == expected.dtype
+    torch.testing.assert_close(actual, expected, atol=atol, rtol=rtol)
+
+
 def assert_logits_close(ours: torch.Tensor, ref: torch.Tensor, rel: float = 1e-4) -> None:
     """Within rel of ref's largest magnitude (and rel relatively), compared on the CPU in
     float32: the tolerance test_parity_tiny.py explains."""

@@ -25,7 +25,7 @@ from kvserve.ops import get_ops
 from kvserve.ops.reference import ReferenceOps
 from kvserve.sampling_params import SamplingParams
 from tests.helpers import PagedSequence, assert_logits_close, kvserve_model_from_hf, tiny_hf_model
-from tests.unit.test_ops_cpu import ATTN_CASES, make_batch
+from tests.unit.test_attention_cpu import ATTN_CASES, make_batch
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 

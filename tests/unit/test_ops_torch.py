@@ -13,7 +13,7 @@ import torch
 from kvserve.ops import get_ops
 from kvserve.ops.reference import ReferenceOps
 from kvserve.ops.torch_ops import TorchOps
-from tests.unit.test_ops_cpu import ATTN_CASES, make_batch
+from tests.unit.test_attention_cpu import ATTN_CASES, make_batch
 
 REF = ReferenceOps()
 OPS = TorchOps()

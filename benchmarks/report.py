@@ -148,7 +148,8 @@ class Report:
             f"blocks with llama.cpp's arithmetic** (`--quantization gguf`: the same bytes, "
             f"repacked at load; activations quantized to int8 per 32 values; a float16 KV "
             f"cache), as llama.cpp runs the same file. Both "
-            f"are also measured on float32 weights: kvserve with `--quantization none`, "
+            f"are also measured on float32 weights: kvserve with `--quantization none "
+            f"--kv-cache-dtype float16` (llama.cpp's KV type, as in every llama.cpp run here), "
             f"llama.cpp on an all-F32 GGUF converted from the same file "
             f"(`benchmarks/to_f32_gguf.py`: bit-identical weights). Every ratio compares the "
             f"same format, except HF transformers, which runs float32 only. The servers run "
@@ -222,7 +223,7 @@ class Report:
              _get(kq, "decode_tok_s"), c_file, None),
             (f"llama.cpp, {fmt} as shipped", _get(self.lc_file, "single", "prefill_tok_s"),
              _get(self.lc_file, "single", "decode_tok_s"), c_file, kq),
-            ("kvserve (float32, `--quantization none`)", _get(kf, "prefill_tok_s"),
+            ("kvserve (float32, `--quantization none`, float16 KV)", _get(kf, "prefill_tok_s"),
              _get(kf, "decode_tok_s"), c_f32, None),
             ("llama.cpp, F32 GGUF", _get(self.lc_f32, "single", "prefill_tok_s"),
              _get(self.lc_f32, "single", "decode_tok_s"), c_f32, kf),

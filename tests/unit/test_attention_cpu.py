@@ -108,8 +108,8 @@ def test_paged_attention_any_thread_count(ops: CpuOps, threads: int) -> None:
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("threads", [2, 3])
 @pytest.mark.parametrize("q_lens,seq_lens,heads,kv_heads", [
-    ([1], [300], 9, 3),             # one decode row: its keys split into parts
-    ([1, 1], [700, 64], 4, 4),      # a long row split, a short one whole
+    ([1], [300], 9, 3),             # one decode row: its keys split into parts, per kv head
+    ([1, 1], [700, 64], 4, 4),      # a long row split (all kv heads per part), a short one
     ([1, 5], [1000, 40], 6, 2),     # a split decode beside a prefill chunk (never split)
     ([17], [1000], 9, 3),           # the chunk's last query (qn = 1) is split too
 ])

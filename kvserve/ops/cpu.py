@@ -13,6 +13,9 @@ Routing, decided per call here and never inside the kernels:
   F.linear (MKL's GEMM wins at large M);
 - linear's kernel: the AVX-512 one when the CPU has AVX-512F, else the AVX2 one; the
   environment variable KVSERVE_CPU_ISA=avx2 (or CpuOps(isa="avx2")) forces the AVX2 one.
+- qlinear (packed GGUF weights x int8 activations, quantization "gguf"): the kernel at every
+  M, the VNNI one where the AVX-512 ISA is chosen and the CPU has VNNI, else the AVX2 one
+  (the same bits either way).
 - otherwise the kernel, with the semantics of the reference docstrings.
 """
 

@@ -265,6 +265,10 @@ def test_qlinear_rejects_bad_shapes() -> None:
     packed = pack(random_blocks(Q8_0, 20, 64, seed=7), Q8_0, 64)
     with pytest.raises(RuntimeError, match="K = 64"):
         ext.qlinear(torch.randn(1, 96), packed, 20, None, False)
+    with pytest.raises(RuntimeError, match="x must be a float32"):
+        ext.qlinear(torch.randn(1, 64, dtype=torch.float64), packed, 20, None, False)
+    with pytest.raises(RuntimeError, match="contiguous in its last dimension"):
+        ext.qlinear(torch.randn(1, 128)[:, ::2], packed, 20, None, False)
     with pytest.raises(RuntimeError, match="does not fit"):
         ext.qlinear(torch.randn(1, 64), packed, 33, None, False)
     with pytest.raises(RuntimeError, match="neither Q4_1"):

@@ -110,6 +110,7 @@ std::vector<torch::Tensor> quantize_acts(const torch::Tensor& x) {
 // the exact int dot products scaled per block (kernels.h qlinear). avx512: the VNNI kernel.
 torch::Tensor qlinear(const torch::Tensor& x, const torch::Tensor& weight, int64_t N,
                       const c10::optional<torch::Tensor>& bias, bool avx512) {
+  check_f32(x, "x");
   TORCH_CHECK(weight.device().is_cpu() && weight.scalar_type() == torch::kUInt8 &&
                   weight.dim() == 3 && weight.is_contiguous(),
               "a packed weight is a contiguous uint8 [groups, K / 32, record bytes] tensor, got ",
@@ -121,6 +122,7 @@ torch::Tensor qlinear(const torch::Tensor& x, const torch::Tensor& weight, int64
   const kvs::WType wt = rb == 320 ? kvs::WType::Q4_1 : kvs::WType::Q8_0;
   TORCH_CHECK(x.dim() == 2 && x.size(1) == weight.size(1) * 32, "x [M, K] must have K = ",
               weight.size(1) * 32, " for this packed weight, got ", x.sizes());
+  check_inner(x, "x");
   TORCH_CHECK(N > 16 * (weight.size(0) - 1) && N <= 16 * weight.size(0), "N=", N,
               " does not fit ", weight.size(0), " groups of 16 rows");
   const float* b = nullptr;

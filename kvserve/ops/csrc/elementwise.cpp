@@ -220,10 +220,6 @@ void write_kv(const float* key, int64_t k_st, int64_t k_sh, const float* value, 
   }
 }
 
-}  // namespace kvs
-
-namespace kvs {
-
 // One block of 32 values -> 32 int8 quants; returns amax. Scalar and vector paths agree bit
 // for bit: max and the int conversions are exact, and both compute x * (127 / amax) with one
 // fp32 multiply rounded half to even (nearbyintf under the default rounding mode).

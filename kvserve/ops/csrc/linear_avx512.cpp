@@ -36,9 +36,6 @@ namespace {
 // ~50 GB/s for a bare 2-thread streaming read); without any prefetch M = 1 loses ~5%.
 constexpr int64_t kPrefetchBytes = 8192;
 
-inline int64_t min64(int64_t a, int64_t b) { return a < b ? a : b; }
-inline int64_t max64(int64_t a, int64_t b) { return a > b ? a : b; }
-
 // One vector's sum with the tree described at the top.
 inline float hsum(__m512 v) {
   __m256 a = _mm256_add_ps(_mm512_castps512_ps256(v),

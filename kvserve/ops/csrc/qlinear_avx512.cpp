@@ -20,6 +20,7 @@
 #include <cstdint>
 
 #include "kernels.h"
+#include "simd.h"
 
 #pragma GCC push_options
 #pragma GCC target("avx512f,avx512bw,avx512vnni")
@@ -30,9 +31,6 @@ namespace {
 // Weight-stream prefetch distance (bytes ahead of the record being multiplied), as in
 // linear_avx512.cpp.
 constexpr int64_t kPrefetchBytes = 8192;
-
-inline int64_t min64(int64_t a, int64_t b) { return a < b ? a : b; }
-inline int64_t max64(int64_t a, int64_t b) { return a > b ? a : b; }
 
 inline __m512i bcast4(const int8_t* p) {  // 4 activation bytes to every 32-bit lane
   int32_t v;

@@ -15,6 +15,11 @@
 
 namespace kvs {
 
+// int64 min/max for the AVX-512 files: std::min / std::max would be template instances made
+// under their target pragma (see linear_avx512.cpp); these are compiled here, for the base ISA.
+inline int64_t min64(int64_t a, int64_t b) { return a < b ? a : b; }
+inline int64_t max64(int64_t a, int64_t b) { return a > b ? a : b; }
+
 #if KVS_AVX2
 
 // Mask selecting the first n (0..8) lanes: 8 ones then 8 zeros, read at offset 8 - n.

@@ -153,9 +153,10 @@ def pack(data: torch.Tensor, qtype: int, k: int) -> torch.Tensor:
     blocks = blocks.reshape(groups, GROUP, nb, -1).transpose(1, 2)  # [G, nb, 16, bytes]
     if qtype == Q4_1:
         scales = blocks[..., 0:4].reshape(groups, nb, GROUP, 2, 2).transpose(2, 3)
-        qs = blocks[..., 4:].reshape(groups, nb, GROUP, 4, 4)  # [.., r, c, j] = quants 4c + j
-        quants = (qs & 15) | ((qs >> 4) << 4)  # the byte already pairs quant i with 16 + i
-        chunks = quants.transpose(2, 3)  # [G, nb, c, r, j]
+        # [.., r, c, j]: byte 4c + j, which already holds quant 4c + j (low nibble) and
+        # 16 + 4c + j (high), as a packed byte must
+        qs = blocks[..., 4:].reshape(groups, nb, GROUP, 4, 4)
+        chunks = qs.transpose(2, 3)  # [G, nb, c, r, j]
     else:
         scales = blocks[..., 0:2]
         qs = (blocks[..., 2:].view(torch.int8).to(torch.int16) + 128).to(torch.uint8)

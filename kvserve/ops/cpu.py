@@ -148,9 +148,9 @@ class CpuOps(ReferenceOps):
         self.fuse_layers = fuse_layers and self._ext is not None
         # layer -> its weights for the fused kernel, or None when it cannot be fused.
         self._layer_args: dict[Any, tuple | None] = {}
-        # id(layer list) -> (the list, kept alive so the id stays its own; the per-layer args,
-        # or None when some layer cannot be fused); and the last KV cache's per-layer views.
-        self._stacks: dict[int, tuple[Any, list | None]] = {}
+        # layer list -> its layers' args, or None when some layer cannot be fused; and the last
+        # KV cache's per-layer views.
+        self._stacks: dict[Any, list | None] = {}
         self._kv_views: tuple[Any, tuple] = (None, ())
 
     @property
@@ -194,9 +194,7 @@ class CpuOps(ReferenceOps):
         kernels in the same order as the Python layer, minus ~12 round trips."""
         if not self.fuse_layers or x.dtype != torch.float32 or x.dim() != 2:
             return None
-        if layer not in self._layer_args:
-            self._layer_args[layer] = self._fusable(layer, cos_sin)
-        args = self._layer_args[layer]
+        args = self._args(layer, cos_sin)
         if (args is None or kv_cache.dtype not in KV_CACHE_DTYPES
                 or not kv_cache.is_contiguous()):
             return None
@@ -211,15 +209,10 @@ class CpuOps(ReferenceOps):
         if (not self.fuse_layers or x.dtype != torch.float32 or x.dim() != 2
                 or kv_cache.dtype not in KV_CACHE_DTYPES or not kv_cache.is_contiguous()):
             return None
-        key = id(layers)
-        if key not in self._stacks:
-            plan = []
-            for layer in layers:
-                if layer not in self._layer_args:
-                    self._layer_args[layer] = self._fusable(layer, cos_sin)
-                plan.append(self._layer_args[layer])
-            self._stacks[key] = (layers, None if None in plan else plan)
-        plan = self._stacks[key][1]
+        if layers not in self._stacks:
+            plan = [self._args(layer, cos_sin) for layer in layers]
+            self._stacks[layers] = None if None in plan else plan
+        plan = self._stacks[layers]
         if plan is None:
             return None
         if self._kv_views[0] is not kv_cache:  # one view per layer, made once per cache
@@ -228,6 +221,12 @@ class CpuOps(ReferenceOps):
         for args, kv in zip(plan, self._kv_views[1], strict=True):
             x, residual = self._run_layer(args, x, residual, inp, kv, cos_sin)
         return x, residual
+
+    def _args(self, layer: Any, cos_sin: torch.Tensor) -> tuple | None:
+        """The layer's fused-kernel arguments (_fusable), worked out once per layer."""
+        if layer not in self._layer_args:
+            self._layer_args[layer] = self._fusable(layer, cos_sin)
+        return self._layer_args[layer]
 
     def _run_layer(self, args: tuple, x: torch.Tensor, residual: torch.Tensor | None, inp: Any,
                    kv_cache: torch.Tensor, cos_sin: torch.Tensor

@@ -91,10 +91,10 @@ class LLMEngine:
             # Only kvserve's CPU kernels read blocks as stored; anywhere else every forward
             # would dequantize every matrix again.
             if args.quantization is None:
-                config = config.replace(quantization="none")
-                if args.kv_cache_dtype is None:  # float16 came with "gguf"
-                    config = config.replace(cache=dataclasses.replace(config.cache,
-                                                                      kv_cache_dtype="auto"))
+                # Derived again from the args, so every default that follows the quantization
+                # (the KV cache dtype) follows it here too.
+                args = dataclasses.replace(args, quantization="none")
+                config = args.create_engine_config(path, ckpt.model_config)
             else:
                 logger.warning("quantization %r without kvserve's CPU kernels (ops=%s): "
                                "every linear runs the pure-torch reference on its blocks; "

@@ -435,25 +435,19 @@ void paged_attention(const AttentionArgs& a, int nthreads) {
   // kv heads: a token's K (and V) rows for every head are one contiguous Hkv*D run, and a
   // block one contiguous block_size*Hkv*D run, which DRAM streams best. With few units (a
   // small decode batch) items split by kv head instead, so every thread has work.
-  int64_t units = 0;
+  // A small decode batch with long rows is the exception: the key split below (whole
+  // 256-key segments) already gives every thread work, so its items keep all kv heads and
+  // stream contiguous blocks too (batch 1 at 600 keys: the step's attention ~0.6 -> ~0.3 ms).
+  // The rows' arithmetic does not depend on ng.
+  int64_t units = 0, segs = 0;
+  bool decode = true;
   for (int64_t b = 0; b < a.B; ++b) {
     const int64_t q_len = a.query_start_loc[b + 1] - a.query_start_loc[b];
     units += (q_len + kQueryTile - 1) / kQueryTile;
+    segs += (a.seq_lens[b] + kSegment - 1) / kSegment;
+    decode &= q_len == 1;
   }
-  int64_t ng = units >= 2 * nthreads ? a.Hkv : 1;
-  if (ng == 1) {
-    // A small decode batch with long rows: the split below (whole 256-key segments) already
-    // gives every thread work, so items keep all kv heads and stream contiguous blocks
-    // (batch 1 at 600 keys: the step's attention ~0.6 -> ~0.3 ms). The rows' arithmetic does
-    // not depend on ng.
-    int64_t segs = 0;
-    bool decode = true;
-    for (int64_t b = 0; b < a.B; ++b) {
-      decode &= a.query_start_loc[b + 1] - a.query_start_loc[b] == 1;
-      segs += (a.seq_lens[b] + kSegment - 1) / kSegment;
-    }
-    if (decode && segs > nthreads) ng = a.Hkv;
-  }
+  const int64_t ng = units >= 2 * nthreads || (decode && segs > nthreads) ? a.Hkv : 1;
   std::vector<Item> items;
   for (int64_t b = 0; b < a.B; ++b) {
     const int64_t q_len = a.query_start_loc[b + 1] - a.query_start_loc[b];

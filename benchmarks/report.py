@@ -46,6 +46,21 @@ def _ratio(a: float | None, b: float | None) -> float | None:
     return a / b if a is not None and b else None
 
 
+def _peer(lat: Any, lc: Any, kind: str) -> float | None:
+    """llama.cpp's batch-1 tok/s (kind: prefill | decode): from the paired rounds of the
+    latency step, else from a separate llama_cpp_bench run (results of older runs)."""
+    got = _get(lat, "paired", f"peer_{kind}_tok_s")
+    return got if got is not None else _get(lc, "single", f"{kind}_tok_s")
+
+
+def _vs_peer(lat: Any, lc: Any, kind: str) -> float | None:
+    """kvserve / llama.cpp at batch 1: the median of the per-round ratios when the two ran in
+    paired rounds, else the ratio of the medians."""
+    got = _get(lat, "paired", f"{kind}_ratio")
+    return got if got is not None else _ratio(_get(lat, f"{kind}_tok_s"),
+                                              _get(lc, "single", f"{kind}_tok_s"))
+
+
 def _pct(part: float | None, whole: float | None) -> str:
     return "n/a" if not part or not whole else f"{100 * part / whole:.0f}%"
 
@@ -217,34 +232,51 @@ class Report:
                                 self.prefill_ceiling())
         fmt = self.file_format()
         kq, kf = self.lat, self.lat_f32
-        # (engine, prefill, decode, its decode ceiling, the kvserve run of the same format)
+        hf_dec = _get(self.hf, "decode_tok_s")
+        # (engine, prefill, decode, its decode ceiling, kvserve / this for prefill and decode)
         rows = [
             (f"kvserve ({fmt} blocks, default)", _get(kq, "prefill_tok_s"),
-             _get(kq, "decode_tok_s"), c_file, None),
-            (f"llama.cpp, {fmt} as shipped", _get(self.lc_file, "single", "prefill_tok_s"),
-             _get(self.lc_file, "single", "decode_tok_s"), c_file, kq),
+             _get(kq, "decode_tok_s"), c_file, None, None),
+            (f"llama.cpp, {fmt} as shipped", _peer(kq, self.lc_file, "prefill"),
+             _peer(kq, self.lc_file, "decode"), c_file, _vs_peer(kq, self.lc_file, "prefill"),
+             _vs_peer(kq, self.lc_file, "decode")),
             ("kvserve (float32, `--quantization none`, float16 KV)", _get(kf, "prefill_tok_s"),
-             _get(kf, "decode_tok_s"), c_f32, None),
-            ("llama.cpp, F32 GGUF", _get(self.lc_f32, "single", "prefill_tok_s"),
-             _get(self.lc_f32, "single", "decode_tok_s"), c_f32, kf),
-            ("HF transformers (float32)", None, _get(self.hf, "decode_tok_s"), c_f32, kf),
+             _get(kf, "decode_tok_s"), c_f32, None, None),
+            ("llama.cpp, F32 GGUF", _peer(kf, self.lc_f32, "prefill"),
+             _peer(kf, self.lc_f32, "decode"), c_f32, _vs_peer(kf, self.lc_f32, "prefill"),
+             _vs_peer(kf, self.lc_f32, "decode")),
+            ("HF transformers (float32)", None, hf_dec, c_f32, None,
+             _ratio(_get(kf, "decode_tok_s"), hf_dec)),
         ]
         n_pre = _get(kq, "input_len") or _get(self.lc_f32, "single", "prefill_len")
+        rounds = _get(kq, "paired", "rounds")
+        how = (f"kvserve and llama.cpp ran in {rounds} paired rounds: both loaded side by "
+               f"side, one timed run at a time, the order swapped every round; figures are "
+               f"medians over the rounds, and *kvserve / this* is the median of the "
+               f"{rounds} per-round ratios, so that this shared machine's drift between "
+               f"moments (20-30%) hits both engines alike. HF: median of several runs."
+               if rounds else "Medians of several runs.")
         lines = [
             "## Batch 1: prefill and decode", "",
             (f"Prefill: one {n_pre}-token prompt, tok/s = prompt tokens / time to the first "
-            f"token. Decode: tok/s of the tokens after the first. Medians of several runs; "
-            f"ceilings as above. *kvserve / this* compares kvserve on the same weight format."),
+            f"token. Decode: tok/s of the tokens after the first. {how} Ceilings as above; "
+            f"*kvserve / this* compares kvserve on the same weight format."),
             "",
             (f"| engine | prefill {n_pre} (tok/s) | % of ceiling {_f(c_pre, 0)} | "
             f"kvserve / this | decode (tok/s) | % of its bandwidth ceiling | kvserve / this |"),
             "|---|---:|---:|---:|---:|---:|---:|",
         ]
-        for name, pre, dec, ceil, same in rows:
-            vs_pre = _x(_ratio(_get(same, "prefill_tok_s"), pre)) if same else ""
-            vs_dec = _x(_ratio(_get(same, "decode_tok_s"), dec)) if same else ""
-            lines.append(f"| {name} | {_f(pre)} | {_pct(pre, c_pre)} | {vs_pre} | {_f(dec)} | "
-                         f"{_pct(dec, ceil)} of {_f(ceil, 0)} | {vs_dec} |")
+        for name, pre, dec, ceil, vs_pre, vs_dec in rows:
+            first = vs_pre is None and vs_dec is None
+            lines.append(f"| {name} | {_f(pre)} | {_pct(pre, c_pre)} | "
+                         f"{'' if first else _x(vs_pre) if pre else 'n/a'} | {_f(dec)} | "
+                         f"{_pct(dec, ceil)} of {_f(ceil, 0)} | {'' if first else _x(vs_dec)} |")
+        for kind, lat in (("file", kq), ("F32", kf)):
+            dec, pre = (_get(lat, "paired", f"{k}_ratio_runs") for k in ("decode", "prefill"))
+            if dec and pre:
+                lines += ["", (f"Per-round kvserve / llama.cpp ({kind}): decode "
+                              f"{', '.join(f'{x:.2f}' for x in dec)}; prefill "
+                              f"{', '.join(f'{x:.2f}' for x in pre)}.")]
         for label, lat in ((f"{fmt} blocks", kq), ("float32", kf)):
             if lat:
                 lines += ["", (f"kvserve start-up ({label}; model load + KV cache "
@@ -375,7 +407,7 @@ class Report:
         fmt = self.file_format()
         for label, lat, lc, ceil_fmt in ((f"{fmt}", self.lat, self.lc_file, "file"),
                                          ("F32", self.lat_f32, self.lc_f32, "f32")):
-            r = _ratio(_get(lat, "decode_tok_s"), _get(lc, "single", "decode_tok_s"))
+            r = _vs_peer(lat, lc, "decode")
             rows.append((f"batch-1 decode >= 1.0x llama.cpp ({label})", _x(r),
                          None if r is None else r >= 1.0))
             c = self.decode_ceiling(ceil_fmt)
@@ -384,7 +416,7 @@ class Report:
             rows.append((f"batch-1 decode >= 60% of the {label} bandwidth ceiling",
                          "n/a" if frac is None else f"{100 * frac:.0f}%",
                          None if frac is None else frac >= 0.6))
-            r = _ratio(_get(lat, "prefill_tok_s"), _get(lc, "single", "prefill_tok_s"))
+            r = _vs_peer(lat, lc, "prefill")
             n_pre = _get(lat, "input_len") or 512
             rows.append((f"prefill {n_pre} >= 1.0x llama.cpp ({label})", _x(r),
                          None if r is None else r >= 1.0))

@@ -6,6 +6,8 @@
     batch:  --batch-seqs sequences with --batch-prompt-len token prompts, then --decode-len
             decode steps of one llama_batch holding one token of every sequence; pure decode
             tok/s = batch_seqs * steps / their time.
+    paired: (--paired) one single-stream run per command on stdin, for benchmarks/compare to
+            alternate with kvserve's (`kvserve bench latency --paired` speaks the same lines).
 
 Prompts are random ids from the middle of the vocabulary (the same rule as `kvserve bench
 latency`). Each run starts from a cleared KV cache; the median of --num-iters runs after one
@@ -77,35 +79,62 @@ def _prompt(rng: random.Random, n: int, n_vocab: int) -> list[int]:
     return [rng.randrange(1000, n_vocab - 1000) for _ in range(n)]
 
 
+def prefill_once(c: Context, rng: random.Random, n: int) -> float:
+    """tok/s of one n-token prompt: one llama_decode call, logits of the last token only."""
+    c.clear()
+    ids = _prompt(rng, n, c.n_vocab)
+    t = time.perf_counter()
+    c.decode(ids, list(range(n)), [0] * n, [False] * (n - 1) + [True])
+    c.argmax(n - 1)
+    return n / (time.perf_counter() - t)
+
+
+def decode_once(c: Context, rng: random.Random, n: int) -> float:
+    """tok/s of n - 1 greedy decode steps after a 16-token prompt (whose logits give the
+    first token)."""
+    c.clear()
+    ids = _prompt(rng, 16, c.n_vocab)
+    c.decode(ids, list(range(16)), [0] * 16, [False] * 15 + [True])
+    tok = c.argmax(15)
+    t = time.perf_counter()
+    for step in range(n - 1):
+        c.decode([tok], [16 + step], [0], [True])
+        tok = c.argmax(0)
+    return (n - 1) / (time.perf_counter() - t)
+
+
 def single_stream(c: Context, prefill_len: int, decode_len: int, iters: int, seed: int
                   ) -> dict[str, object]:
     rng = random.Random(seed)
-    prefill, decode = [], []
-    for it in range(iters + 1):
-        c.clear()
-        ids = _prompt(rng, prefill_len, c.n_vocab)
-        t = time.perf_counter()
-        c.decode(ids, list(range(prefill_len)), [0] * prefill_len,
-                 [False] * (prefill_len - 1) + [True])
-        c.argmax(prefill_len - 1)
-        dt = time.perf_counter() - t
-        if it:
-            prefill.append(prefill_len / dt)
-    for it in range(iters + 1):
-        c.clear()
-        ids = _prompt(rng, 16, c.n_vocab)
-        c.decode(ids, list(range(16)), [0] * 16, [False] * 15 + [True])
-        tok = c.argmax(15)
-        t = time.perf_counter()
-        for step in range(decode_len - 1):
-            c.decode([tok], [16 + step], [0], [True])
-            tok = c.argmax(0)
-        dt = time.perf_counter() - t
-        if it:
-            decode.append((decode_len - 1) / dt)
+    prefill = [prefill_once(c, rng, prefill_len) for _ in range(iters + 1)][1:]
+    decode = [decode_once(c, rng, decode_len) for _ in range(iters + 1)][1:]
     return {"prefill_len": prefill_len, "decode_len": decode_len,
             "prefill_tok_s": statistics.median(prefill), "prefill_tok_s_runs": prefill,
             "decode_tok_s": statistics.median(decode), "decode_tok_s_runs": decode}
+
+
+def serve_paired(c: Context, prefill_len: int, decode_len: int, seed: int) -> int:
+    """--paired: the protocol of `kvserve bench latency --paired`. After a warm-up, one JSON
+    line {"ready": true, ...}; then one timed run per stdin line ("prefill" or "decode"), one
+    JSON line back each. End of input ends it."""
+    def say(obj: dict[str, object]) -> None:
+        sys.stdout.write(json.dumps(obj) + "\n")
+        sys.stdout.flush()
+
+    rng = random.Random(seed)
+    prefill_once(c, rng, prefill_len)
+    decode_once(c, rng, decode_len)
+    say({"ready": True, "prefill_len": prefill_len, "decode_len": decode_len})
+    for line in sys.stdin:
+        cmd = line.strip()
+        if cmd == "prefill":
+            say({"prefill_tok_s": prefill_once(c, rng, prefill_len)})
+        elif cmd == "decode":
+            say({"decode_tok_s": decode_once(c, rng, decode_len)})
+        else:
+            say({"error": f"unknown command {cmd!r}: expected 'prefill' or 'decode'"})
+            return 2
+    return 0
 
 
 def batched_decode(c: Context, seqs: int, prompt_len: int, decode_len: int, iters: int,
@@ -142,12 +171,16 @@ def main() -> None:
     p.add_argument("--batch-prompt-len", type=int, default=200)
     p.add_argument("--num-iters", type=int, default=3)
     p.add_argument("--skip-single", action="store_true")
+    p.add_argument("--paired", action="store_true",
+                   help="one timed single-stream run per stdin line ('prefill' or 'decode')")
     p.add_argument("--seed", type=int, default=0)
     ns = p.parse_args()
     n_seq = max(1, ns.batch_seqs)
     per_seq = max(ns.prefill_len, ns.batch_prompt_len + ns.decode_len, 16 + ns.decode_len)
     c = Context(ns.model, n_ctx=n_seq * (per_seq + 16), n_batch=max(ns.prefill_len,
                 ns.batch_prompt_len), n_seq_max=n_seq, threads=ns.threads)
+    if ns.paired:
+        sys.exit(serve_paired(c, ns.prefill_len, ns.decode_len, ns.seed))
     out: dict[str, object] = {
         "llama_cpp_python": lc.__version__,
         "system_info": lc.llama_print_system_info().decode(errors="replace").strip(),

@@ -9,6 +9,7 @@
 Every run uses a fresh random prompt, so a prefix-cache hit never shortens a later run.
 Reported: the median (and all runs) after --num-iters-warmup unmeasured runs, plus start-up
 time (engine construction: model load + KV allocation) and the first request's time.
+--paired instead times one run per command read from stdin (see serve_paired).
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ import statistics
 import sys
 import time
 from datetime import datetime, timezone
-from typing import Any
+from typing import IO, Any
 
 from kvserve.engine_args import EngineArgs
 
@@ -47,50 +48,98 @@ def _timed_request(engine: Any, rid: str, ids: list[int], max_tokens: int
     return t0, first, last, n
 
 
+class LatencyBench:
+    """One engine and the two timed runs; each run uses a fresh random prompt."""
+
+    def __init__(self, args: EngineArgs, input_len: int, output_len: int,
+                 decode_prompt_len: int, seed: int = 0) -> None:
+        from kvserve.llm_engine import LLMEngine
+
+        for name, v in (("input_len", input_len), ("output_len", output_len),
+                        ("decode_prompt_len", decode_prompt_len)):
+            if v < 1:
+                raise ValueError(f"{name} must be >= 1, got {v}")
+        if output_len < 2:
+            raise ValueError(f"output_len must be >= 2 to time decode, got {output_len}")
+        self.input_len, self.output_len = input_len, output_len
+        self.decode_prompt_len = decode_prompt_len
+        t0 = time.perf_counter()
+        self.engine = LLMEngine.from_engine_args(args)
+        self.startup_s = time.perf_counter() - t0
+        self.first_request_s: float | None = None
+        self._vocab = self.engine.config.model_config.vocab_size
+        self._rng = random.Random(seed)
+        self._runs = 0
+
+    def _prompt(self, n: int) -> list[int]:
+        # Ids from the middle of the vocabulary: ordinary tokens, no specials.
+        return [self._rng.randrange(1000, self._vocab - 1000) for _ in range(n)]
+
+    def prefill(self) -> float:
+        """tok/s of one prompt of input_len tokens: input_len / time to the first token."""
+        s, first, _, _ = _timed_request(self.engine, f"p{self._runs}",
+                                        self._prompt(self.input_len), 1)
+        self._runs += 1
+        if self.first_request_s is None:
+            self.first_request_s = first - s
+        return self.input_len / (first - s)
+
+    def decode(self) -> float:
+        """tok/s of the output_len - 1 tokens after the first, after a short prompt."""
+        _, first, last, n = _timed_request(self.engine, f"d{self._runs}",
+                                           self._prompt(self.decode_prompt_len),
+                                           self.output_len)
+        self._runs += 1
+        if n != self.output_len:
+            raise RuntimeError(f"decode run generated {n} tokens, expected {self.output_len}")
+        return (n - 1) / (last - first)
+
+
 def run_latency(args: EngineArgs, input_len: int, output_len: int, decode_prompt_len: int,
                 num_iters: int, num_iters_warmup: int, seed: int = 0) -> dict[str, Any]:
-    from kvserve.llm_engine import LLMEngine
-
-    for name, v in (("input_len", input_len), ("output_len", output_len),
-                    ("decode_prompt_len", decode_prompt_len), ("num_iters", num_iters)):
-        if v < 1:
-            raise ValueError(f"{name} must be >= 1, got {v}")
-    if output_len < 2:
-        raise ValueError(f"output_len must be >= 2 to time decode, got {output_len}")
-    t0 = time.perf_counter()
-    engine = LLMEngine.from_engine_args(args)
-    startup_s = time.perf_counter() - t0
-    vocab = engine.config.model_config.vocab_size
-    rng = random.Random(seed)
-    # Ids from the middle of the vocabulary: ordinary tokens, no specials.
-    def prompt(n: int) -> list[int]:
-        return [rng.randrange(1000, vocab - 1000) for _ in range(n)]
-
-    prefill_tps, decode_tps, first_request_s = [], [], None
-    for i in range(num_iters_warmup + num_iters):
-        s, first, _, _ = _timed_request(engine, f"p{i}", prompt(input_len), 1)
-        if first_request_s is None:
-            first_request_s = first - s
-        if i >= num_iters_warmup:
-            prefill_tps.append(input_len / (first - s))
-    for i in range(num_iters_warmup + num_iters):
-        _, first, last, n = _timed_request(engine, f"d{i}", prompt(decode_prompt_len),
-                                           output_len)
-        if n != output_len:
-            raise RuntimeError(f"decode run generated {n} tokens, expected {output_len}")
-        if i >= num_iters_warmup:
-            decode_tps.append((n - 1) / (last - first))
+    if num_iters < 1:
+        raise ValueError(f"num_iters must be >= 1, got {num_iters}")
+    b = LatencyBench(args, input_len, output_len, decode_prompt_len, seed)
+    prefill_tps = [b.prefill() for _ in range(num_iters_warmup + num_iters)][num_iters_warmup:]
+    decode_tps = [b.decode() for _ in range(num_iters_warmup + num_iters)][num_iters_warmup:]
     return {
         "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-        "model": engine.config.model, "dtype": engine.config.dtype,
-        "ops_backend": engine.config.ops_backend,
+        "model": b.engine.config.model, "dtype": b.engine.config.dtype,
+        "ops_backend": b.engine.config.ops_backend,
         "input_len": input_len, "output_len": output_len,
         "decode_prompt_len": decode_prompt_len, "num_iters": num_iters,
-        "startup_s": startup_s, "first_request_s": first_request_s,
+        "startup_s": b.startup_s, "first_request_s": b.first_request_s,
         "prefill_tok_s": statistics.median(prefill_tps), "prefill_tok_s_runs": prefill_tps,
         "decode_tok_s": statistics.median(decode_tps), "decode_tok_s_runs": decode_tps,
         "command": " ".join(sys.argv),
     }
+
+
+def serve_paired(b: LatencyBench, num_iters_warmup: int, stdin: IO[str], stdout: IO[str]
+                 ) -> int:
+    """--paired: one timed run per command line, so that a driver can alternate this engine's
+    runs with a peer's (benchmarks/compare). After the warm-up it prints one JSON line,
+    {"ready": true, "startup_s", "first_request_s", ...}; then each line "prefill" or
+    "decode" on stdin gets one JSON line back, {"prefill_tok_s": x} or {"decode_tok_s": x}.
+    End of input ends it; anything else gets {"error": ...} and exit status 2."""
+    def say(obj: dict[str, Any]) -> None:
+        stdout.write(json.dumps(obj) + "\n")
+        stdout.flush()
+
+    for _ in range(max(1, num_iters_warmup)):
+        b.prefill()
+        b.decode()
+    say({"ready": True, "startup_s": b.startup_s, "first_request_s": b.first_request_s,
+         "model": b.engine.config.model, "dtype": b.engine.config.dtype,
+         "ops_backend": b.engine.config.ops_backend, "input_len": b.input_len,
+         "output_len": b.output_len, "decode_prompt_len": b.decode_prompt_len})
+    for line in stdin:
+        cmd = line.strip()
+        if cmd not in ("prefill", "decode"):
+            say({"error": f"unknown command {cmd!r}: expected 'prefill' or 'decode'"})
+            return 2
+        say({f"{cmd}_tok_s": b.prefill() if cmd == "prefill" else b.decode()})
+    return 0
 
 
 def run(ns: argparse.Namespace) -> int:
@@ -98,6 +147,9 @@ def run(ns: argparse.Namespace) -> int:
     args.model = ns.model
     if args.max_num_batched_tokens is None or args.max_num_batched_tokens < ns.input_len:
         args.max_num_batched_tokens = ns.input_len
+    if ns.paired:
+        b = LatencyBench(args, ns.input_len, ns.output_len, ns.decode_prompt_len, ns.seed)
+        return serve_paired(b, ns.num_iters_warmup, sys.stdin, sys.stdout)
     r = run_latency(args, ns.input_len, ns.output_len, ns.decode_prompt_len, ns.num_iters,
                     ns.num_iters_warmup, ns.seed)
     print(f"start-up (load + KV allocation): {r['startup_s']:.2f} s; first request "
@@ -120,4 +172,8 @@ def add_cli_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--num-iters", type=int, default=5)
     p.add_argument("--num-iters-warmup", type=int, default=1)
     p.add_argument("--output-json", default=None)
+    p.add_argument("--paired", action="store_true",
+                   help="one timed run per stdin line ('prefill' or 'decode'), one JSON line "
+                        "back each: lets benchmarks/compare alternate kvserve's runs with a "
+                        "peer's, so the machine's drift hits both alike")
     EngineArgs.add_cli_args(p)

@@ -86,3 +86,31 @@ def test_ceilings_and_targets(tmp_path: Path, report: Any) -> None:
 def test_missing_results_say_not_measured(tmp_path: Path, report: Any) -> None:
     md = report.Report(tmp_path).markdown()
     assert "not measured" in md and "n/a" in md
+
+
+def test_paired_rounds_compare_round_by_round(tmp_path: Path, report: Any) -> None:
+    # kvserve and llama.cpp timed in alternating rounds while the machine slows down and
+    # speeds up: kvserve wins the fast round by a lot and loses both slow rounds. The ratio of
+    # the medians (100 / 90) would call it a win; the median of the per-round ratios, which
+    # compares runs seconds apart, is the honest 0.91x.
+    ours, theirs = [100.0, 60.0, 100.0], [90.0, 70.0, 110.0]
+    ratios = [a / b for a, b in zip(ours, theirs, strict=True)]
+    _write(tmp_path, "kvserve_latency_f32", {
+        "prefill_tok_s": 600.0, "decode_tok_s": 100.0, "decode_tok_s_runs": ours,
+        "input_len": 512,
+        "paired": {"rounds": 3, "peer_prefill_tok_s": 500.0, "peer_decode_tok_s": 90.0,
+                   "peer_decode_tok_s_runs": theirs, "prefill_ratio": 1.2,
+                   "prefill_ratio_runs": [1.2, 1.1, 1.3], "decode_ratio": sorted(ratios)[1],
+                   "decode_ratio_runs": ratios}})
+    # A separate single-stream run of llama.cpp (older results) must not be used instead.
+    _write(tmp_path, "llama_cpp_f32", {"single": {"prefill_tok_s": 1.0, "decode_tok_s": 1.0}})
+    rep = report.Report(tmp_path)
+    rows = {line.split(" | ")[0].lstrip("| "): line for line in rep.criteria()
+            if line.startswith("| ")}
+    assert "0.91x | not met" in rows["batch-1 decode >= 1.0x llama.cpp (F32)"]
+    assert "1.20x | **met**" in rows["prefill 512 >= 1.0x llama.cpp (F32)"]
+    table = {line.split(" | ")[0].lstrip("| "): line for line in rep.latency()
+             if line.startswith("| ")}
+    assert table["llama.cpp, F32 GGUF"].split(" | ")[1:] == [
+        "500.0", "n/a", "1.20x", "90.0", "n/a of n/a", "0.91x |"]
+    assert "decode 1.11, 0.86, 0.91" in "\n".join(rep.latency())

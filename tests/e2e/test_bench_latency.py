@@ -1,0 +1,37 @@
+"""`kvserve bench latency --paired`: the line protocol benchmarks/compare uses to alternate
+kvserve's timed runs with llama.cpp's (one run per command, one JSON line back)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_paired_protocol_times_one_run_per_command() -> None:
+    cmd = [sys.executable, "-m", "kvserve.cli", "bench", "latency", "--paired",
+           "--input-len", "24", "--output-len", "5", "--decode-prompt-len", "8"]
+    p = subprocess.run(cmd, input="decode\nprefill\ndecode\nwarp\nprefill\n", text=True,
+                       capture_output=True, cwd=ROOT, timeout=600, check=False)
+    lines = [json.loads(line) for line in p.stdout.splitlines()]  # stdout: JSON lines only
+    ready, *answers = lines
+    assert ready["ready"] is True and ready["startup_s"] > 0 and ready["input_len"] == 24
+    assert ready["output_len"] == 5 and ready["first_request_s"] > 0
+    # One answer per command, in order, until the unknown one; nothing after it runs.
+    assert [next(iter(a)) for a in answers] == ["decode_tok_s", "prefill_tok_s",
+                                                "decode_tok_s", "error"]
+    assert all(a[k] > 0 for a in answers[:3] for k in a)
+    assert "'warp'" in answers[3]["error"] and "'prefill' or 'decode'" in answers[3]["error"]
+    assert p.returncode == 2
+
+
+def test_paired_protocol_ends_cleanly_at_end_of_input() -> None:
+    cmd = [sys.executable, "-m", "kvserve.cli", "bench", "latency", "--paired",
+           "--input-len", "8", "--output-len", "2", "--decode-prompt-len", "4"]
+    p = subprocess.run(cmd, input="", text=True, capture_output=True, cwd=ROOT, timeout=600,
+                       check=False)
+    assert p.returncode == 0, p.stderr[-2000:]
+    assert [json.loads(line)["ready"] for line in p.stdout.splitlines()] == [True]

@@ -38,7 +38,7 @@ from kvserve.ops.reference import ReferenceOps
 _CSRC = Path(__file__).parent / "csrc"
 _SOURCES = ("bindings.cpp", "linear.cpp", "linear_avx512.cpp", "qlinear.cpp",
             "qlinear_avx512.cpp", "attention.cpp", "elementwise.cpp")
-_HEADERS = ("kernels.h", "simd.h")
+_HEADERS = ("kernels.h", "simd.h", "tiles.h")
 # -ffp-contract=off: the kernels ask for FMAs explicitly; elsewhere (RoPE, norm scaling) it
 # keeps the reference's separate roundings, so those ops match torch bit for bit.
 _CFLAGS = ("-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-ffp-contract=off", "-DNDEBUG")

@@ -21,6 +21,7 @@
 
 #include "kernels.h"
 #include "simd.h"
+#include "tiles.h"
 
 #pragma GCC push_options
 #pragma GCC target("avx512f,avx512bw,avx512vnni")
@@ -142,28 +143,22 @@ void run(const QActs& a, const uint8_t* w, const float* bias, float* out, int64_
   // Activation rows per pass over a thread's weight slab: ~256 KB of quants stay in L2.
   const int64_t m_block = max64(MT, (262144 / max64(K, 1)) / MT * MT);
   const bool parallel = nthreads > 1 && N * K >= (1 << 16);
-#pragma omp parallel num_threads(nthreads) if (parallel)
-  {
-    const int64_t nth = omp_get_num_threads(), tid = omp_get_thread_num();
-    const int64_t t_begin = tiles * tid / nth, t_end = tiles * (tid + 1) / nth;
-    for (int64_t m0 = 0; m0 < M; m0 += m_block) {
-      const int64_t mb = min64(m_block, M - m0);
-      for (int64_t t = t_begin; t < t_end; ++t) {
-        const int64_t g0 = t * G, n0 = g0 * 16;
-        const uint8_t* wt = w + g0 * gbytes;
-        const float* bt = bias ? bias + n0 : nullptr;
-        float* ot = out + m0 * N + n0;
-        if (g0 + G <= groups) {
-          row_tiles<kQ41, G, MT>(a, m0, mb, wt, gbytes, bt, ot, N, N - n0);
-        } else {  // the last, short tile: one group at a time
-          for (int64_t g = g0; g < groups; ++g)
-            row_tiles<kQ41, 1, MT>(a, m0, mb, w + g * gbytes, gbytes,
-                                   bias ? bias + g * 16 : nullptr, out + m0 * N + g * 16, N,
-                                   N - g * 16);
-        }
-      }
+  for_each_tile(tiles, (M + m_block - 1) / m_block, nthreads, parallel,
+                [&](int64_t pass, int64_t t) {
+    const int64_t m0 = pass * m_block, mb = min64(m_block, M - m0);
+    const int64_t g0 = t * G, n0 = g0 * 16;
+    const uint8_t* wt = w + g0 * gbytes;
+    const float* bt = bias ? bias + n0 : nullptr;
+    float* ot = out + m0 * N + n0;
+    if (g0 + G <= groups) {
+      row_tiles<kQ41, G, MT>(a, m0, mb, wt, gbytes, bt, ot, N, N - n0);
+    } else {  // the last, short tile: one group at a time
+      for (int64_t g = g0; g < groups; ++g)
+        row_tiles<kQ41, 1, MT>(a, m0, mb, w + g * gbytes, gbytes,
+                               bias ? bias + g * 16 : nullptr, out + m0 * N + g * 16, N,
+                               N - g * 16);
     }
-  }
+  });
 }
 
 template <bool kQ41>

@@ -11,6 +11,7 @@ KV blocks through the prefix cache; their outputs are gathered into one RequestO
 from __future__ import annotations
 
 import dataclasses
+import gc
 import logging
 import time
 from dataclasses import dataclass, field
@@ -115,6 +116,11 @@ class LLMEngine:
                     config.quantization, ops.name, threads, t_end - t0, t_ckpt - t0,
                     t_ops - t_ckpt, t_weights - t_ops, t_end - t_weights, num_blocks - 1, bs,
                     (num_blocks - 1) * bs)
+        # What start-up built (modules, parameters, tokenizer, cache views) lives until
+        # shutdown: frozen, the cyclic collector stops walking it on every full collection
+        # during serving (~1% of a decode step's CPU time otherwise), as vLLM and SGLang do.
+        gc.collect()
+        gc.freeze()
         return engine
 
     @staticmethod

@@ -5,59 +5,12 @@
 #include <torch/extension.h>
 
 #include "kernels.h"
+#include "llama_stack.h"
+#include "tensor_args.h"
 
 namespace {
 
-void check_f32(const torch::Tensor& t, const char* name) {
-  TORCH_CHECK(t.device().is_cpu() && t.scalar_type() == torch::kFloat32, name,
-              " must be a float32 CPU tensor, got ", t.scalar_type(), " on ", t.device());
-}
-
-void check_inner(const torch::Tensor& t, const char* name) {
-  TORCH_CHECK(t.stride(-1) == 1, name, " must be contiguous in its last dimension");
-}
-
-// One layer of the paged cache, [2, num_blocks, block_size, Hkv, D], float32 or float16
-// (kernels.h AttentionArgs); returns whether it is float16.
-bool check_kv_cache(const torch::Tensor& kv_cache) {
-  TORCH_CHECK(kv_cache.device().is_cpu() && (kv_cache.scalar_type() == torch::kFloat32 ||
-                                             kv_cache.scalar_type() == torch::kFloat16),
-              "kv_cache must be a float32 or float16 CPU tensor, got ", kv_cache.scalar_type(),
-              " on ", kv_cache.device());
-  TORCH_CHECK(kv_cache.dim() == 5 && kv_cache.size(0) == 2 && kv_cache.is_contiguous(),
-              "kv_cache must be one contiguous layer [2, num_blocks, block_size, Hkv, D], got ",
-              kv_cache.sizes());
-  return kv_cache.scalar_type() == torch::kFloat16;
-}
-
-// The V half of a checked kv_cache layer: K's data pointer plus stride(0) elements.
-void* v_cache_ptr(const torch::Tensor& kv_cache) {
-  return static_cast<char*>(kv_cache.data_ptr()) + kv_cache.stride(0) * kv_cache.element_size();
-}
-
-torch::Tensor as_int32(const torch::Tensor& t) {
-  return t.scalar_type() == torch::kInt32 ? t.contiguous() : t.to(torch::kInt32).contiguous();
-}
-
-torch::Tensor as_int64(const torch::Tensor& t) {
-  return t.scalar_type() == torch::kInt64 ? t.contiguous() : t.to(torch::kInt64).contiguous();
-}
-
-// A uint8 weight [N, row bytes] holds GGUF Q4_1 or Q8_0 rows; which one is read off the row
-// length (20 or 34 bytes per 32 weights), the only two quantized formats the kernels take.
-kvs::WType weight_type(const torch::Tensor& weight, int64_t K) {
-  if (weight.scalar_type() == torch::kFloat32) {
-    TORCH_CHECK(weight.size(1) == K, "weight [N, K] has K=", weight.size(1), ", x has ", K);
-    return kvs::WType::F32;
-  }
-  TORCH_CHECK(weight.scalar_type() == torch::kUInt8,
-              "weight must be float32 or uint8 (GGUF blocks), got ", weight.scalar_type());
-  TORCH_CHECK(K % 32 == 0, "a quantized weight needs K % 32 == 0, got K=", K);
-  for (auto wt : {kvs::WType::Q4_1, kvs::WType::Q8_0})
-    if (weight.size(1) == kvs::row_bytes(wt, K)) return wt;
-  TORCH_CHECK(false, "uint8 weight rows of ", weight.size(1), " bytes are neither Q4_1 nor Q8_0 "
-              "blocks for K=", K);
-}
+using namespace kvs_args;  // NOLINT: the checks shared with llama_stack.cpp
 
 // x [M, K] (rows may be strided), weight [N, K] float32 or [N, row bytes] uint8 (GGUF Q4_1 /
 // Q8_0), contiguous -> [M, N]. avx512: use the AVX-512 kernel; refused (not silently
@@ -72,12 +25,7 @@ torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& weight,
   TORCH_CHECK(weight.is_contiguous(), "weight must be contiguous");
   const int64_t M = x.size(0), N = weight.size(0), K = x.size(1);
   const kvs::WType wt = weight_type(weight, K);
-  const float* b = nullptr;
-  if (bias.has_value()) {
-    check_f32(*bias, "bias");
-    TORCH_CHECK(bias->is_contiguous() && bias->numel() == N, "bias must be [N]");
-    b = bias->data_ptr<float>();
-  }
+  const float* b = bias_ptr(bias, N);
   auto out = torch::empty({M, N}, x.options());
   TORCH_CHECK(!avx512 || kvs::cpu_has_avx512(), "linear(avx512=True) on a CPU without AVX-512F");
   if (M > 0 && N > 0) {
@@ -111,60 +59,20 @@ std::vector<torch::Tensor> quantize_acts(const torch::Tensor& x) {
 torch::Tensor qlinear(const torch::Tensor& x, const torch::Tensor& weight, int64_t N,
                       const c10::optional<torch::Tensor>& bias, bool avx512) {
   check_f32(x, "x");
-  TORCH_CHECK(weight.device().is_cpu() && weight.scalar_type() == torch::kUInt8 &&
-                  weight.dim() == 3 && weight.is_contiguous(),
-              "a packed weight is a contiguous uint8 [groups, K / 32, record bytes] tensor, got ",
-              weight.scalar_type(), " ", weight.sizes());
-  const int64_t rb = weight.size(2);
-  TORCH_CHECK(rb == 16 * kvs::row_bytes(kvs::WType::Q4_1, 32) ||
-                  rb == 16 * kvs::row_bytes(kvs::WType::Q8_0, 32),
-              "packed records of ", rb, " bytes are neither Q4_1 (320) nor Q8_0 (544)");
-  const kvs::WType wt = rb == 320 ? kvs::WType::Q4_1 : kvs::WType::Q8_0;
-  TORCH_CHECK(x.dim() == 2 && x.size(1) == weight.size(1) * 32, "x [M, K] must have K = ",
-              weight.size(1) * 32, " for this packed weight, got ", x.sizes());
+  TORCH_CHECK(x.dim() == 2, "x must be [M, K], got ", x.sizes());
   check_inner(x, "x");
-  TORCH_CHECK(N > 16 * (weight.size(0) - 1) && N <= 16 * weight.size(0), "N=", N,
-              " does not fit ", weight.size(0), " groups of 16 rows");
-  const float* b = nullptr;
-  if (bias.has_value()) {
-    check_f32(*bias, "bias");
-    TORCH_CHECK(bias->is_contiguous() && bias->numel() == N, "bias must be [N]");
-    b = bias->data_ptr<float>();
-  }
-  TORCH_CHECK(!avx512 || kvs::cpu_has_avx512_vnni(),
-              "qlinear(avx512=True) on a CPU without AVX-512 VNNI");
   const int64_t M = x.size(0), K = x.size(1);
+  const kvs::WType wt = packed_type(weight, K, N);
+  const float* b = bias_ptr(bias, N);
   auto out = torch::empty({M, N}, x.options());
-  if (M == 0) return out;
-  // The quantized activations live in per-thread buffers that only grow: a decode step makes
-  // ~120 of these calls, and four tensor allocations each cost more than quantizing a row.
-  thread_local std::vector<int8_t> q;
-  thread_local std::vector<float> d, s;
-  thread_local std::vector<int32_t> sum;
-  if (static_cast<int64_t>(q.size()) < M * K) q.resize(M * K);
-  if (static_cast<int64_t>(d.size()) < M * K / 32) {
-    d.resize(M * K / 32);
-    s.resize(M * K / 32);
-    sum.resize(M * K / 32);
-  }
-  kvs::quantize_acts(x.data_ptr<float>(), x.stride(0), M, K, q.data(), d.data(), s.data(),
-                     sum.data(), at::get_num_threads());
-  const kvs::QActs a{q.data(), d.data(), s.data(), sum.data(), M, K};
-  auto kernel = avx512 ? kvs::qlinear_avx512 : kvs::qlinear;
-  kernel(a, weight.data_ptr<uint8_t>(), wt, b, out.data_ptr<float>(), N, at::get_num_threads());
+  quantized_linear(x.data_ptr<float>(), x.stride(0), M, K, weight.data_ptr<uint8_t>(), wt, b,
+                   out.data_ptr<float>(), N, avx512, at::get_num_threads());
   return out;
 }
 
 // uint8 GGUF rows (Q4_1 / Q8_0) of K weights -> float32 [N, K], the kernels' values.
 torch::Tensor dequantize(const torch::Tensor& weight, int64_t K) {
-  TORCH_CHECK(weight.device().is_cpu() && weight.dim() == 2 && weight.is_contiguous(),
-              "weight must be a contiguous 2-D CPU tensor");
-  const kvs::WType wt = weight_type(weight, K);
-  if (wt == kvs::WType::F32) return weight;
-  auto out = torch::empty({weight.size(0), K}, weight.options().dtype(torch::kFloat32));
-  kvs::dequantize_rows(weight.data_ptr(), wt, out.data_ptr<float>(), weight.size(0), K,
-                       at::get_num_threads());
-  return out;
+  return dequantize_weight(weight, K);
 }
 
 torch::Tensor paged_attention(const torch::Tensor& q, const torch::Tensor& kv_cache,
@@ -177,44 +85,12 @@ torch::Tensor paged_attention(const torch::Tensor& q, const torch::Tensor& kv_ca
   const int64_t H = q.size(1), D = q.size(2), Hkv = kv_cache.size(3);
   TORCH_CHECK(kv_cache.size(4) == D, "kv_cache head_dim ", kv_cache.size(4), " != q's ", D);
   TORCH_CHECK(Hkv > 0 && H % Hkv == 0, "num heads ", H, " must be a multiple of kv heads ", Hkv);
-  auto bt = as_int32(block_tables);
-  auto sl = as_int32(seq_lens);
-  auto qsl = as_int32(query_start_loc);
-  const int64_t B = sl.numel();
-  TORCH_CHECK(bt.dim() == 2 && bt.size(0) >= B && qsl.numel() == B + 1,
-              "block_tables [B, max_blocks], seq_lens [B], query_start_loc [B+1] disagree: ",
-              bt.sizes(), ", ", sl.sizes(), ", ", qsl.sizes());
-  // The kernel trusts these bounds; checking them costs O(B) and saves a segfault.
-  const int32_t* s = sl.data_ptr<int32_t>();
-  const int32_t* qs = qsl.data_ptr<int32_t>();
-  TORCH_CHECK(qs[0] == 0 && qs[B] == q.size(0), "query_start_loc must run from 0 to T=",
-              q.size(0));
-  for (int64_t b = 0; b < B; ++b) {
-    const int64_t ql = qs[b + 1] - qs[b];
-    TORCH_CHECK(ql >= 0 && ql <= s[b], "request ", b, " has ", ql, " queries but seq_len ",
-                s[b]);
-    TORCH_CHECK((s[b] + kv_cache.size(2) - 1) / kv_cache.size(2) <= bt.size(1), "request ", b,
-                " seq_len ", s[b], " needs more blocks than block_tables has columns");
-  }
+  const auto meta = checked_attention_meta(block_tables, seq_lens, query_start_loc, q.size(0),
+                                           kv_cache.size(2));
   auto out = torch::empty({q.size(0), H, D}, q.options());
-  kvs::AttentionArgs a;
-  a.q = q.data_ptr<float>();
-  a.q_st = q.stride(0);
-  a.q_sh = q.stride(1);
-  a.k_cache = kv_cache.data_ptr();
-  a.v_cache = v_cache_ptr(kv_cache);
-  a.kv_f16 = kv_f16;
-  a.block_tables = bt.data_ptr<int32_t>();
-  a.bt_stride = bt.stride(0);
-  a.seq_lens = s;
-  a.query_start_loc = qs;
-  a.out = out.data_ptr<float>();
-  a.B = B;
-  a.H = H;
-  a.Hkv = Hkv;
-  a.D = D;
-  a.block_size = kv_cache.size(2);
-  a.scale = static_cast<float>(scale);
+  const auto a = attention_args(q.data_ptr<float>(), q.stride(0), q.stride(1),
+                                kv_cache.data_ptr(), v_cache_ptr(kv_cache), kv_f16, meta,
+                                out.data_ptr<float>(), H, Hkv, D, kv_cache.size(2), scale);
   kvs::paged_attention(a, at::get_num_threads());
   return out;
 }
@@ -231,14 +107,9 @@ void write_kv(const torch::Tensor& key, const torch::Tensor& value, torch::Tenso
               value.sizes());
   check_inner(key, "key");
   check_inner(value, "value");
-  auto slots = as_int64(slot_mapping);
   const int64_t T = key.size(0);
-  TORCH_CHECK(slots.numel() == T, "slot_mapping has ", slots.numel(), " slots for ", T,
-              " tokens");
-  const int64_t num_slots = kv_cache.size(1) * kv_cache.size(2);
+  const auto slots = checked_slots(slot_mapping, T, kv_cache.size(1) * kv_cache.size(2));
   const int64_t* sp = slots.data_ptr<int64_t>();
-  for (int64_t t = 0; t < T; ++t)
-    TORCH_CHECK(sp[t] < num_slots, "slot ", sp[t], " is past the cache's ", num_slots, " slots");
   kvs::write_kv(key.data_ptr<float>(), key.stride(0), key.stride(1), value.data_ptr<float>(),
                 value.stride(0), value.stride(1), kv_cache.data_ptr(), v_cache_ptr(kv_cache),
                 kv_f16, sp, T, Hkv, D);
@@ -308,16 +179,8 @@ torch::Tensor rotary_one(const torch::Tensor& x, const torch::Tensor& pos,
 std::tuple<torch::Tensor, torch::Tensor> rotary(const torch::Tensor& q, const torch::Tensor& k,
                                                 const torch::Tensor& positions,
                                                 const torch::Tensor& cos_sin) {
-  check_f32(cos_sin, "cos_sin");
-  TORCH_CHECK(cos_sin.dim() == 2 && cos_sin.is_contiguous() && cos_sin.size(1) % 2 == 0,
-              "cos_sin must be contiguous [max_pos, D] with D even");
-  auto pos = as_int64(positions);
-  TORCH_CHECK(pos.numel() == q.size(0) && pos.numel() == k.size(0), "positions has ",
-              pos.numel(), " entries for ", q.size(0), " tokens");
-  const int64_t* p = pos.data_ptr<int64_t>();
-  for (int64_t t = 0; t < pos.numel(); ++t)
-    TORCH_CHECK(p[t] >= 0 && p[t] < cos_sin.size(0), "position ", p[t], " outside [0, ",
-                cos_sin.size(0), ")");
+  TORCH_CHECK(q.size(0) == k.size(0), "q has ", q.size(0), " tokens, k ", k.size(0));
+  const auto pos = checked_positions(positions, q.size(0), cos_sin);
   return {rotary_one(q, pos, cos_sin), rotary_one(k, pos, cos_sin)};
 }
 
@@ -396,4 +259,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("silu_and_mul", &silu_and_mul, "fused SiLU(gate) * up", nogil());
   m.def("rotary", &rotary, "rotate-half RoPE", nogil());
   m.def("llama_layer", &llama_layer, "one fused Llama decoder layer", nogil());
+  py::class_<LlamaStack>(m, "LlamaStack", "all of a Llama model's decoder layers per call")
+      .def(py::init<const std::vector<LlamaStack::LayerArgs>&, bool, int64_t>(),
+           py::arg("layers"), py::arg("avx512"), py::arg("small_m"))
+      .def("forward", &LlamaStack::forward, "x through every layer -> (out, residual)",
+           nogil());
 }

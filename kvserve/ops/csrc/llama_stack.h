@@ -1,0 +1,53 @@
+// LlamaStack: all of a Llama model's decoder layers in one call (llama_stack.cpp).
+#pragma once
+
+#include <torch/extension.h>
+
+#include <tuple>
+#include <vector>
+
+#include "kernels.h"
+
+class LlamaStack {
+ public:
+  // One layer, as CpuOps._fusable gives it: (input norm, post-attention norm, eps, qkv weight,
+  // qkv bias, o, gate_up, down, heads, kv heads, head_dim, attention scale). Weights are
+  // float32 [N, K], GGUF Q4_1 / Q8_0 rows (uint8 [N, row bytes]) or packed groups (uint8
+  // [groups, K / 32, record bytes]); they are checked here, once, and kept alive.
+  using LayerArgs = std::tuple<torch::Tensor, torch::Tensor, double, torch::Tensor,
+                               c10::optional<torch::Tensor>, torch::Tensor, torch::Tensor,
+                               torch::Tensor, int64_t, int64_t, int64_t, double>;
+
+  LlamaStack(const std::vector<LayerArgs>& layers, bool avx512, int64_t small_m);
+
+  // x [T, hidden] through every layer -> (mlp out, residual) of the last one, as the Python
+  // layers return them; kv_cache holds every layer, [L, 2, num_blocks, block_size, Hkv, D].
+  std::tuple<torch::Tensor, torch::Tensor> forward(
+      const torch::Tensor& x, const torch::Tensor& positions, const torch::Tensor& cos_sin,
+      torch::Tensor& kv_cache, const torch::Tensor& slot_mapping,
+      const torch::Tensor& block_tables, const torch::Tensor& seq_lens,
+      const torch::Tensor& query_start_loc) const;
+
+ private:
+  struct Linear {
+    torch::Tensor w;
+    c10::optional<torch::Tensor> bias;
+    int64_t N, K;
+    bool packed;  // 16-row groups for qlinear, else rows for linear
+    kvs::WType wt;
+  };
+  struct Layer {
+    torch::Tensor in_norm, post_norm;
+    double eps, scale;
+    int64_t heads, kv_heads, head_dim, hidden, inter;
+    Linear qkv, o, gate_up, down;
+  };
+
+  static Linear make_linear(const torch::Tensor& w, const c10::optional<torch::Tensor>& b,
+                            int64_t N, int64_t K, const char* name);
+  void linear(const Linear& l, const float* x, int64_t M, float* out, int nthreads) const;
+
+  std::vector<Layer> layers_;
+  bool avx512_, vnni_;
+  int64_t small_m_;
+};

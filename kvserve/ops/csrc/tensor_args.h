@@ -1,0 +1,212 @@
+// Tensor-level argument checks and raw-kernel glue shared by bindings.cpp (one op per call)
+// and llama_stack.cpp (all of a model's decoder layers per call): every precondition the raw
+// kernels (kernels.h) rely on is checked here, once, with a message naming the argument.
+#pragma once
+
+#include <ATen/Parallel.h>
+#include <torch/extension.h>
+
+#include <vector>
+
+#include "kernels.h"
+
+namespace kvs_args {
+
+inline void check_f32(const torch::Tensor& t, const char* name) {
+  TORCH_CHECK(t.device().is_cpu() && t.scalar_type() == torch::kFloat32, name,
+              " must be a float32 CPU tensor, got ", t.scalar_type(), " on ", t.device());
+}
+
+inline void check_inner(const torch::Tensor& t, const char* name) {
+  TORCH_CHECK(t.stride(-1) == 1, name, " must be contiguous in its last dimension");
+}
+
+// One layer of the paged cache, [2, num_blocks, block_size, Hkv, D], float32 or float16
+// (kernels.h AttentionArgs); returns whether it is float16.
+inline bool check_kv_cache(const torch::Tensor& kv_cache) {
+  TORCH_CHECK(kv_cache.device().is_cpu() && (kv_cache.scalar_type() == torch::kFloat32 ||
+                                             kv_cache.scalar_type() == torch::kFloat16),
+              "kv_cache must be a float32 or float16 CPU tensor, got ", kv_cache.scalar_type(),
+              " on ", kv_cache.device());
+  TORCH_CHECK(kv_cache.dim() == 5 && kv_cache.size(0) == 2 && kv_cache.is_contiguous(),
+              "kv_cache must be one contiguous layer [2, num_blocks, block_size, Hkv, D], got ",
+              kv_cache.sizes());
+  return kv_cache.scalar_type() == torch::kFloat16;
+}
+
+// The V half of a checked kv_cache layer: K's data pointer plus stride(0) elements.
+inline void* v_cache_ptr(const torch::Tensor& kv_cache) {
+  return static_cast<char*>(kv_cache.data_ptr()) + kv_cache.stride(0) * kv_cache.element_size();
+}
+
+inline torch::Tensor as_int32(const torch::Tensor& t) {
+  return t.scalar_type() == torch::kInt32 ? t.contiguous() : t.to(torch::kInt32).contiguous();
+}
+
+inline torch::Tensor as_int64(const torch::Tensor& t) {
+  return t.scalar_type() == torch::kInt64 ? t.contiguous() : t.to(torch::kInt64).contiguous();
+}
+
+// A uint8 weight [N, row bytes] holds GGUF Q4_1 or Q8_0 rows; which one is read off the row
+// length (20 or 34 bytes per 32 weights), the only two quantized formats the kernels take.
+inline kvs::WType weight_type(const torch::Tensor& weight, int64_t K) {
+  if (weight.scalar_type() == torch::kFloat32) {
+    TORCH_CHECK(weight.size(1) == K, "weight [N, K] has K=", weight.size(1), ", x has ", K);
+    return kvs::WType::F32;
+  }
+  TORCH_CHECK(weight.scalar_type() == torch::kUInt8,
+              "weight must be float32 or uint8 (GGUF blocks), got ", weight.scalar_type());
+  TORCH_CHECK(K % 32 == 0, "a quantized weight needs K % 32 == 0, got K=", K);
+  for (auto wt : {kvs::WType::Q4_1, kvs::WType::Q8_0})
+    if (weight.size(1) == kvs::row_bytes(wt, K)) return wt;
+  TORCH_CHECK(false, "uint8 weight rows of ", weight.size(1), " bytes are neither Q4_1 nor Q8_0 "
+              "blocks for K=", K);
+}
+
+// A packed weight [ceil(N / 16), K / 32, 320 (Q4_1) or 544 (Q8_0)] (kvserve/quant/gguf.py
+// pack) for K inputs and N outputs: its block format.
+inline kvs::WType packed_type(const torch::Tensor& weight, int64_t K, int64_t N) {
+  TORCH_CHECK(weight.device().is_cpu() && weight.scalar_type() == torch::kUInt8 &&
+                  weight.dim() == 3 && weight.is_contiguous(),
+              "a packed weight is a contiguous uint8 [groups, K / 32, record bytes] tensor, got ",
+              weight.scalar_type(), " ", weight.sizes());
+  const int64_t rb = weight.size(2);
+  TORCH_CHECK(rb == 16 * kvs::row_bytes(kvs::WType::Q4_1, 32) ||
+                  rb == 16 * kvs::row_bytes(kvs::WType::Q8_0, 32),
+              "packed records of ", rb, " bytes are neither Q4_1 (320) nor Q8_0 (544)");
+  TORCH_CHECK(K == weight.size(1) * 32, "x [M, K] must have K = ", weight.size(1) * 32,
+              " for this packed weight, got K=", K);
+  TORCH_CHECK(N > 16 * (weight.size(0) - 1) && N <= 16 * weight.size(0), "N=", N,
+              " does not fit ", weight.size(0), " groups of 16 rows");
+  return rb == 320 ? kvs::WType::Q4_1 : kvs::WType::Q8_0;
+}
+
+// bias [N] float32 contiguous, or none.
+inline const float* bias_ptr(const c10::optional<torch::Tensor>& bias, int64_t N) {
+  if (!bias.has_value()) return nullptr;
+  check_f32(*bias, "bias");
+  TORCH_CHECK(bias->is_contiguous() && bias->numel() == N, "bias must be [", N, "]");
+  return bias->data_ptr<float>();
+}
+
+// out[M, N] = x (quantized to int8 per 32 values) times a checked packed weight (kernels.h
+// qlinear). The quantized activations live in per-thread buffers that only grow: a decode
+// step makes ~120 of these calls, and four tensor allocations each cost more than quantizing
+// a row.
+inline void quantized_linear(const float* x, int64_t ldx, int64_t M, int64_t K,
+                             const uint8_t* w, kvs::WType wt, const float* bias, float* out,
+                             int64_t N, bool avx512, int nthreads) {
+  TORCH_CHECK(!avx512 || kvs::cpu_has_avx512_vnni(),
+              "qlinear(avx512=True) on a CPU without AVX-512 VNNI");
+  if (M == 0) return;
+  thread_local std::vector<int8_t> q;
+  thread_local std::vector<float> d, s;
+  thread_local std::vector<int32_t> sum;
+  if (static_cast<int64_t>(q.size()) < M * K) q.resize(M * K);
+  if (static_cast<int64_t>(d.size()) < M * K / 32) {
+    d.resize(M * K / 32);
+    s.resize(M * K / 32);
+    sum.resize(M * K / 32);
+  }
+  kvs::quantize_acts(x, ldx, M, K, q.data(), d.data(), s.data(), sum.data(), nthreads);
+  const kvs::QActs a{q.data(), d.data(), s.data(), sum.data(), M, K};
+  (avx512 ? kvs::qlinear_avx512 : kvs::qlinear)(a, w, wt, bias, out, N, nthreads);
+}
+
+// uint8 GGUF rows (Q4_1 / Q8_0) of K weights -> float32 [N, K], the kernels' values; a float32
+// weight as it is.
+inline torch::Tensor dequantize_weight(const torch::Tensor& weight, int64_t K) {
+  TORCH_CHECK(weight.device().is_cpu() && weight.dim() == 2 && weight.is_contiguous(),
+              "weight must be a contiguous 2-D CPU tensor");
+  const kvs::WType wt = weight_type(weight, K);
+  if (wt == kvs::WType::F32) return weight;
+  auto out = torch::empty({weight.size(0), K}, weight.options().dtype(torch::kFloat32));
+  kvs::dequantize_rows(weight.data_ptr(), wt, out.data_ptr<float>(), weight.size(0), K,
+                       at::get_num_threads());
+  return out;
+}
+
+// Positions [T] (any integer type) as int64, each checked to lie in cos_sin's [max_pos, D].
+inline torch::Tensor checked_positions(const torch::Tensor& positions, int64_t T,
+                                       const torch::Tensor& cos_sin) {
+  check_f32(cos_sin, "cos_sin");
+  TORCH_CHECK(cos_sin.dim() == 2 && cos_sin.is_contiguous() && cos_sin.size(1) % 2 == 0,
+              "cos_sin must be contiguous [max_pos, D] with D even");
+  auto pos = as_int64(positions);
+  TORCH_CHECK(pos.numel() == T, "positions has ", pos.numel(), " entries for ", T, " tokens");
+  const int64_t* p = pos.data_ptr<int64_t>();
+  for (int64_t t = 0; t < T; ++t)
+    TORCH_CHECK(p[t] >= 0 && p[t] < cos_sin.size(0), "position ", p[t], " outside [0, ",
+                cos_sin.size(0), ")");
+  return pos;
+}
+
+// slot_mapping [T] as int64, each slot checked to lie below num_slots (negative: skipped).
+inline torch::Tensor checked_slots(const torch::Tensor& slot_mapping, int64_t T,
+                                   int64_t num_slots) {
+  auto slots = as_int64(slot_mapping);
+  TORCH_CHECK(slots.numel() == T, "slot_mapping has ", slots.numel(), " slots for ", T,
+              " tokens");
+  const int64_t* sp = slots.data_ptr<int64_t>();
+  for (int64_t t = 0; t < T; ++t)
+    TORCH_CHECK(sp[t] < num_slots, "slot ", sp[t], " is past the cache's ", num_slots, " slots");
+  return slots;
+}
+
+// The attention metadata of T query tokens, as int32, checked against each other and against
+// the block size: the kernel trusts these bounds, and checking them costs O(B).
+struct AttentionMeta {
+  torch::Tensor block_tables, seq_lens, query_start_loc;
+  int64_t B;
+};
+inline AttentionMeta checked_attention_meta(const torch::Tensor& block_tables,
+                                            const torch::Tensor& seq_lens,
+                                            const torch::Tensor& query_start_loc, int64_t T,
+                                            int64_t block_size) {
+  AttentionMeta m{as_int32(block_tables), as_int32(seq_lens), as_int32(query_start_loc), 0};
+  m.B = m.seq_lens.numel();
+  const auto& bt = m.block_tables;
+  TORCH_CHECK(bt.dim() == 2 && bt.size(0) >= m.B && m.query_start_loc.numel() == m.B + 1,
+              "block_tables [B, max_blocks], seq_lens [B], query_start_loc [B+1] disagree: ",
+              bt.sizes(), ", ", m.seq_lens.sizes(), ", ", m.query_start_loc.sizes());
+  const int32_t* s = m.seq_lens.data_ptr<int32_t>();
+  const int32_t* qs = m.query_start_loc.data_ptr<int32_t>();
+  TORCH_CHECK(qs[0] == 0 && qs[m.B] == T, "query_start_loc must run from 0 to T=", T);
+  for (int64_t b = 0; b < m.B; ++b) {
+    const int64_t ql = qs[b + 1] - qs[b];
+    TORCH_CHECK(ql >= 0 && ql <= s[b], "request ", b, " has ", ql, " queries but seq_len ",
+                s[b]);
+    TORCH_CHECK((s[b] + block_size - 1) / block_size <= bt.size(1), "request ", b,
+                " seq_len ", s[b], " needs more blocks than block_tables has columns");
+  }
+  return m;
+}
+
+// AttentionArgs for q (strides q_st, q_sh) over one cache layer's K and V halves.
+inline kvs::AttentionArgs attention_args(const float* q, int64_t q_st, int64_t q_sh,
+                                         const void* k_cache, const void* v_cache, bool kv_f16,
+                                         const AttentionMeta& m, float* out, int64_t H,
+                                         int64_t Hkv, int64_t D, int64_t block_size,
+                                         double scale) {
+  kvs::AttentionArgs a;
+  a.q = q;
+  a.q_st = q_st;
+  a.q_sh = q_sh;
+  a.k_cache = k_cache;
+  a.v_cache = v_cache;
+  a.kv_f16 = kv_f16;
+  a.block_tables = m.block_tables.data_ptr<int32_t>();
+  a.bt_stride = m.block_tables.stride(0);
+  a.seq_lens = m.seq_lens.data_ptr<int32_t>();
+  a.query_start_loc = m.query_start_loc.data_ptr<int32_t>();
+  a.out = out;
+  a.B = m.B;
+  a.H = H;
+  a.Hkv = Hkv;
+  a.D = D;
+  a.block_size = block_size;
+  a.scale = static_cast<float>(scale);
+  return a;
+}
+
+}  // namespace kvs_args

@@ -120,3 +120,31 @@ def test_int8_activations_stay_near_hf(smollm2: Any, hf_smollm2: Any) -> None:
             tokens.append(int(ref.argmax()))
             (logits,) = runner.forward({seq: tokens[-1:]})
     assert swaps <= 8, swaps
+
+
+@pytest.mark.parametrize("quantization", ["gguf", "gguf_exact"])
+def test_one_call_stack_equals_the_python_layers(smollm2: Any, quantization: str) -> None:
+    """CpuOps.fused_llama_stack (csrc/llama_stack.cpp: all 30 layers in one C++ call, over
+    packed int8 groups or GGUF rows) against LlamaDecoderLayer's Python forward on the same
+    kernels, bit for bit, on either ISA: logits and the whole KV cache, over a prefill of two
+    sequences, then a decode beside a prefill chunk."""
+    from kvserve.ops.cpu import CpuOps
+
+    ckpt = smollm2[1]
+    isas = ["avx512", "avx2"] if CpuOps().isa == "avx512" else ["avx2"]
+    if not CpuOps().fuse_layers:
+        pytest.skip("no AVX2/FMA kernels on this CPU: nothing to fuse")
+    for isa in isas:
+        outs = []
+        for fuse in (True, False):
+            ops = CpuOps(isa=isa, fuse_layers=fuse)
+            runner = PagedSequence(build_model(ckpt, ops, torch.float32, quantization),
+                                   num_blocks=32, block_size=16)
+            a, b = runner.new_seq(), runner.new_seq()
+            step1 = runner.forward({a: list(range(300, 340)), b: list(range(900, 917))})
+            step2 = runner.forward({a: [7], b: list(range(1200, 1210))})
+            outs.append((step1 + step2, runner.kv))
+            assert fuse == (len(ops._stacks) == 1 and None not in ops._stacks.values())
+        for x, y in zip(outs[0][0], outs[1][0], strict=True):
+            assert torch.equal(x, y), isa
+        assert torch.equal(outs[0][1], outs[1][1]), isa

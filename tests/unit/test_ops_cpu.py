@@ -303,3 +303,51 @@ def test_fused_layer_equals_python_layer(dtype: torch.dtype) -> None:
         for a, b in zip(out_f, out_p):
             assert torch.equal(a, b)
     assert torch.equal(caches[0], caches[1]) and caches[0].abs().sum() > 0
+
+
+def test_llama_stack_checks_its_inputs_once_with_clear_errors() -> None:
+    """LlamaStack checks the step's inputs once, not per layer: each bad one still gets a
+    message naming it, before anything is written to the cache."""
+    from kvserve.config import ModelConfig
+    from kvserve.layers.rotary import rope_cos_sin
+    from kvserve.models.llama import LlamaDecoderLayer
+
+    ops = CpuOps(fuse_layers=True)
+    if not ops.fuse_layers:
+        pytest.skip("no AVX2/FMA kernels on this CPU: nothing to fuse")
+    cfg = ModelConfig(architecture="LlamaForCausalLM", vocab_size=256, hidden_size=64,
+                      intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+                      num_key_value_heads=2, head_dim=16, max_position_embeddings=64)
+    layers = [LlamaDecoderLayer(cfg, i, ops, torch.float32) for i in range(2)]
+    g = torch.Generator().manual_seed(3)
+    for p in (p for la in layers for p in la.parameters()):
+        p.data.copy_(torch.randn(p.shape, generator=g) / math.sqrt(p.shape[-1]) + (p.dim() == 1))
+    cos_sin = rope_cos_sin(16, 64, 10000.0, None)
+    stack = ops._ext.LlamaStack([ops._fusable(la, cos_sin) for la in layers], ops._avx512,
+                                ops.small_m)
+    kv = torch.zeros(2, 2, 4, 4, 2, 16)
+    x = torch.randn(3, 64)
+    pos, slots = torch.tensor([0, 1, 2]), torch.tensor([4, 5, 6])
+    tables, lens = torch.tensor([[1]], dtype=torch.int32), torch.tensor([3], dtype=torch.int32)
+    qsl = torch.tensor([0, 3], dtype=torch.int32)
+    out, res = stack.forward(x, pos, cos_sin, kv, slots, tables, lens, qsl)
+    assert out.shape == res.shape == (3, 64) and out.isfinite().all()
+    assert kv[:, :, 1, :3].abs().sum() > 0 and kv[:, :, 1, 3:].abs().sum() == 0
+    bad = {
+        "positions has 2 entries": dict(positions=pos[:2]),
+        "position 64 outside": dict(positions=torch.tensor([0, 1, 64])),
+        "slot 16 is past": dict(slots=torch.tensor([4, 5, 16])),
+        "query_start_loc must run from 0 to T=3": dict(qsl=torch.tensor([0, 2], dtype=torch.int32)),
+        "needs more blocks": dict(lens=torch.tensor([5], dtype=torch.int32),
+                                  qsl=torch.tensor([0, 3], dtype=torch.int32)),
+        "kv_cache must be \\[2,": dict(kv=torch.zeros(1, 2, 4, 4, 2, 16)),
+        "do not match the cache": dict(kv=torch.zeros(2, 2, 4, 4, 1, 16)),
+    }
+    before = kv.clone()
+    for msg, change in bad.items():
+        args = dict(positions=pos, kv=kv, slots=slots, tables=tables, lens=lens, qsl=qsl)
+        args.update(change)
+        with pytest.raises(RuntimeError, match=msg):
+            stack.forward(x, args["positions"], cos_sin, args["kv"], args["slots"],
+                          args["tables"], args["lens"], args["qsl"])
+    assert torch.equal(kv, before)  # every check runs before the first layer writes

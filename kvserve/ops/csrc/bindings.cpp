@@ -259,7 +259,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("silu_and_mul", &silu_and_mul, "fused SiLU(gate) * up", nogil());
   m.def("rotary", &rotary, "rotate-half RoPE", nogil());
   m.def("llama_layer", &llama_layer, "one fused Llama decoder layer", nogil());
-  py::class_<LlamaStack>(m, "LlamaStack", "all of a Llama model's decoder layers per call")
+  // module_local: two builds of the extension (another source hash) may share a process.
+  py::class_<LlamaStack>(m, "LlamaStack", py::module_local(),
+                         "all of a Llama model's decoder layers per call")
       .def(py::init<const std::vector<LlamaStack::LayerArgs>&, bool, int64_t>(),
            py::arg("layers"), py::arg("avx512"), py::arg("small_m"))
       .def("forward", &LlamaStack::forward, "x through every layer -> (out, residual)",

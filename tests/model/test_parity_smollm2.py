@@ -125,8 +125,8 @@ def test_int8_activations_stay_near_hf(smollm2: Any, hf_smollm2: Any) -> None:
 @pytest.mark.parametrize("quantization", ["gguf", "gguf_exact"])
 def test_one_call_stack_equals_the_python_layers(smollm2: Any, quantization: str) -> None:
     """CpuOps.fused_llama_stack (csrc/llama_stack.cpp: all 30 layers in one C++ call, over
-    packed int8 groups or GGUF rows) against LlamaDecoderLayer's Python forward on the same
-    kernels, bit for bit, on either ISA: logits and the whole KV cache, over a prefill of two
+    packed int8 groups or GGUF rows, small-M kernels or torch's GEMM) against
+    LlamaDecoderLayer's Python forward on the same kernels, bit for bit, on either ISA: logits and the whole KV cache, over a prefill of two
     sequences, then a decode beside a prefill chunk."""
     from kvserve.ops.cpu import CpuOps
 
@@ -138,6 +138,7 @@ def test_one_call_stack_equals_the_python_layers(smollm2: Any, quantization: str
         outs = []
         for fuse in (True, False):
             ops = CpuOps(isa=isa, fuse_layers=fuse)
+            ops.small_m = 16  # the 40- and 17-token prefills take torch's GEMM (rows)
             runner = PagedSequence(build_model(ckpt, ops, torch.float32, quantization),
                                    num_blocks=32, block_size=16)
             a, b = runner.new_seq(), runner.new_seq()

@@ -97,8 +97,10 @@ def test_half_precision_weights_track_float32(dtype: torch.dtype) -> None:
     torch.testing.assert_close(torch.cat([logits, step]), ref, rtol=0, atol=5e-2 * scale)
 
 
+@pytest.mark.parametrize("small_m", [None, 4])  # 4: the prefill rows go to torch's GEMM
 @pytest.mark.parametrize("arch,architecture", [ARCHS[0], ARCHS[2]])  # Llama; Qwen2 (q/k/v bias)
-def test_fused_cpu_layer_equals_python_layer_bit_for_bit(arch: str, architecture: str) -> None:
+def test_fused_cpu_layer_equals_python_layer_bit_for_bit(arch: str, architecture: str,
+                                                          small_m: int | None) -> None:
     """The one-call C++ decoder layer runs the Python layer's kernels in the same order (the
     model's forward takes it for all layers at once: CpuOps.fused_llama_stack)."""
     from kvserve.ops.cpu import CpuOps
@@ -107,6 +109,8 @@ def test_fused_cpu_layer_equals_python_layer_bit_for_bit(arch: str, architecture
     fused_ops, plain_ops = CpuOps(fuse_layers=True), CpuOps(fuse_layers=False)
     if not fused_ops.fuse_layers:
         pytest.skip("no AVX2/FMA kernels on this CPU: nothing to fuse")
+    if small_m is not None:
+        fused_ops.small_m = plain_ops.small_m = small_m
     outs = []
     for ops in (fused_ops, plain_ops):
         runner = PagedSequence(kvserve_model_from_hf(hf, architecture, ops), block_size=4)

@@ -6,7 +6,8 @@
 // inputs checked again, and ~15 tensor allocations and views. Here the step's inputs
 // (positions, slots, attention metadata) are checked once, the layers' weights once when the
 // stack is built, and the intermediates live in one scratch allocation per call. On the
-// 2-core EPYC that glue was ~15 us of a layer, ~0.45 ms of a 30-layer decode step.
+// 2-core EPYC, batch 1, the default model's 30 layers went 2.00 -> 1.66 ms (int8 groups) and
+// 8.90 -> 8.34 ms (float32), the same bits (builds alternated in one process).
 #include <ATen/Parallel.h>
 #include <torch/extension.h>
 

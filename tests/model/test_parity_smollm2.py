@@ -126,8 +126,9 @@ def test_int8_activations_stay_near_hf(smollm2: Any, hf_smollm2: Any) -> None:
 def test_one_call_stack_equals_the_python_layers(smollm2: Any, quantization: str) -> None:
     """CpuOps.fused_llama_stack (csrc/llama_stack.cpp: all 30 layers in one C++ call, over
     packed int8 groups or GGUF rows, small-M kernels or torch's GEMM) against
-    LlamaDecoderLayer's Python forward on the same kernels, bit for bit, on either ISA: logits and the whole KV cache, over a prefill of two
-    sequences, then a decode beside a prefill chunk."""
+    LlamaDecoderLayer's Python forward on the same kernels, bit for bit, on either ISA:
+    logits and the whole KV cache, over a prefill of two sequences, then a decode beside a
+    prefill chunk."""
     from kvserve.ops.cpu import CpuOps
 
     ckpt = smollm2[1]

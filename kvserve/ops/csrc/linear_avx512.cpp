@@ -15,7 +15,6 @@
 //         C_0 + C_1  (reduce16() for 16 accumulators at once, hsum() for one);
 //   out = sum + bias[n]  (one scalar add).
 #include <immintrin.h>
-#include <omp.h>
 
 #include <cstdint>
 #include <cstdlib>

@@ -15,7 +15,6 @@
 // headers, everything is internal except qlinear_avx512(), and bindings.cpp calls it only
 // when cpu_has_avx512_vnni().
 #include <immintrin.h>
-#include <omp.h>
 
 #include <cstdint>
 

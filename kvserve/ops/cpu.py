@@ -148,7 +148,8 @@ class CpuOps(ReferenceOps):
         self.fuse_layers = fuse_layers and self._ext is not None
         # layer -> its weights for the fused kernel, or None when it cannot be fused.
         self._layer_args: dict[Any, tuple | None] = {}
-        # layer list -> its C++ LlamaStack, or None when some layer cannot be fused.
+        # layer list (fused_llama_stack) or layer (fused_llama_layer) -> its C++ LlamaStack,
+        # or None when some layer cannot be fused.
         self._stacks: dict[Any, Any] = {}
 
     @property
@@ -188,52 +189,48 @@ class CpuOps(ReferenceOps):
     def fused_llama_layer(self, layer: Any, x: torch.Tensor, residual: torch.Tensor | None,
                           inp: Any, kv_cache: torch.Tensor, cos_sin: torch.Tensor
                           ) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """The whole decoder layer in one C++ call (csrc/bindings.cpp llama_layer): the same
-        kernels in the same order as the Python layer, minus ~12 round trips."""
-        if not self.fuse_layers or x.dtype != torch.float32 or x.dim() != 2:
+        """The whole decoder layer in one C++ call (a one-layer csrc/llama_stack.cpp
+        LlamaStack): the same kernels in the same order as the Python layer, minus ~12 round
+        trips. kv_cache: this layer's, [2, ...]. None when the layer cannot be fused."""
+        stack = self._stack(layer, [layer], x, kv_cache, cos_sin)
+        if stack is None:
             return None
-        args = self._args(layer, cos_sin)
-        if (args is None or kv_cache.dtype not in KV_CACHE_DTYPES
-                or not kv_cache.is_contiguous()):
-            return None
-        return self._run_layer(args, x, residual, inp, kv_cache, cos_sin)
+        return stack.forward(x.contiguous(), None if residual is None else residual.contiguous(),
+                             inp.positions, cos_sin, kv_cache.unsqueeze(0), inp.slot_mapping,
+                             inp.block_tables, inp.seq_lens, inp.query_start_loc)
 
     def fused_llama_stack(self, layers: Any, x: torch.Tensor, inp: Any, kv_cache: torch.Tensor,
                           cos_sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
         """Every decoder layer in one C++ call (csrc/llama_stack.cpp LlamaStack): what
         fused_llama_layer does per layer (the same kernels in the same order, so the same
-        bits), minus each layer's Python call, input checks and tensor allocations (0.3-0.55
-        ms of a 30-layer batch-1 step). The stack is built, its weights checked, once per layer
-        list. kv_cache: all layers, [L, 2, ...]. None when some layer cannot be fused."""
+        bits), minus each layer's Python call, input checks and scratch (0.3-0.55 ms of a
+        30-layer batch-1 step). kv_cache: all layers, [L, 2, ...]. None when some layer cannot
+        be fused."""
+        stack = self._stack(layers, layers, x, kv_cache, cos_sin)
+        if stack is None:
+            return None
+        return stack.forward(x.contiguous(), None, inp.positions, cos_sin, kv_cache,
+                             inp.slot_mapping, inp.block_tables, inp.seq_lens,
+                             inp.query_start_loc)
+
+    def _stack(self, key: Any, layers: Any, x: torch.Tensor, kv_cache: torch.Tensor,
+               cos_sin: torch.Tensor) -> Any:
+        """The LlamaStack of these layers (built, its weights checked, once per key), or None
+        when this call or some layer cannot take the fused path."""
         if (not self.fuse_layers or x.dtype != torch.float32 or x.dim() != 2
                 or kv_cache.dtype not in KV_CACHE_DTYPES or not kv_cache.is_contiguous()):
             return None
-        if layers not in self._stacks:
+        if key not in self._stacks:
             plan = [self._args(layer, cos_sin) for layer in layers]
-            self._stacks[layers] = (None if None in plan else
-                                    self._ext.LlamaStack(plan, self._avx512, self.small_m))
-        stack = self._stacks[layers]
-        if stack is None:
-            return None
-        return stack.forward(x.contiguous(), inp.positions, cos_sin, kv_cache, inp.slot_mapping,
-                             inp.block_tables, inp.seq_lens, inp.query_start_loc)
+            self._stacks[key] = (None if None in plan else
+                                 self._ext.LlamaStack(plan, self._avx512, self.small_m))
+        return self._stacks[key]
 
     def _args(self, layer: Any, cos_sin: torch.Tensor) -> tuple | None:
         """The layer's fused-kernel arguments (_fusable), worked out once per layer."""
         if layer not in self._layer_args:
             self._layer_args[layer] = self._fusable(layer, cos_sin)
         return self._layer_args[layer]
-
-    def _run_layer(self, args: tuple, x: torch.Tensor, residual: torch.Tensor | None, inp: Any,
-                   kv_cache: torch.Tensor, cos_sin: torch.Tensor
-                   ) -> tuple[torch.Tensor, torch.Tensor]:
-        (in_norm, post_norm, eps, qkv_w, qkv_b, o_w, gate_up_w, down_w, heads, kv_heads,
-         head_dim, scale) = args
-        return self._ext.llama_layer(
-            x, residual, in_norm, post_norm, eps, qkv_w, qkv_b, o_w, gate_up_w, down_w, heads,
-            kv_heads, head_dim, inp.positions, cos_sin, kv_cache, inp.slot_mapping,
-            inp.block_tables, inp.seq_lens, inp.query_start_loc, scale, self._avx512,
-            self.small_m)
 
     @staticmethod
     def _fusable(layer: Any, cos_sin: torch.Tensor) -> tuple | None:

@@ -330,7 +330,7 @@ def test_llama_stack_checks_its_inputs_once_with_clear_errors() -> None:
     pos, slots = torch.tensor([0, 1, 2]), torch.tensor([4, 5, 6])
     tables, lens = torch.tensor([[1]], dtype=torch.int32), torch.tensor([3], dtype=torch.int32)
     qsl = torch.tensor([0, 3], dtype=torch.int32)
-    out, res = stack.forward(x, pos, cos_sin, kv, slots, tables, lens, qsl)
+    out, res = stack.forward(x, None, pos, cos_sin, kv, slots, tables, lens, qsl)
     assert out.shape == res.shape == (3, 64) and out.isfinite().all()
     assert kv[:, :, 1, :3].abs().sum() > 0 and kv[:, :, 1, 3:].abs().sum() == 0
     bad = {
@@ -342,12 +342,14 @@ def test_llama_stack_checks_its_inputs_once_with_clear_errors() -> None:
                                   qsl=torch.tensor([0, 3], dtype=torch.int32)),
         "kv_cache must be \\[2,": dict(kv=torch.zeros(1, 2, 4, 4, 2, 16)),
         "do not match the cache": dict(kv=torch.zeros(2, 2, 4, 4, 1, 16)),
+        "residual must be contiguous": dict(residual=torch.randn(2, 64)),
     }
     before = kv.clone()
     for msg, change in bad.items():
-        args = dict(positions=pos, kv=kv, slots=slots, tables=tables, lens=lens, qsl=qsl)
+        args = dict(residual=None, positions=pos, kv=kv, slots=slots, tables=tables, lens=lens,
+                    qsl=qsl)
         args.update(change)
         with pytest.raises(RuntimeError, match=msg):
-            stack.forward(x, args["positions"], cos_sin, args["kv"], args["slots"],
-                          args["tables"], args["lens"], args["qsl"])
+            stack.forward(x, args["residual"], args["positions"], cos_sin, args["kv"],
+                          args["slots"], args["tables"], args["lens"], args["qsl"])
     assert torch.equal(kv, before)  # every check runs before the first layer writes

@@ -186,57 +186,6 @@ std::tuple<torch::Tensor, torch::Tensor> rotary(const torch::Tensor& q, const to
 
 }  // namespace
 
-// One Llama decoder layer in a single call: pre-norm attention then SwiGLU MLP, exactly the
-// sequence of kvserve/models/llama.py (LlamaDecoderLayer.forward is the specification and the
-// fallback). It saves the ~12 Python->C++ round trips of a layer, about 2 ms of a 12 ms decode
-// step on the 30-layer default model. Same kernels in the same order, so the result equals
-// the unfused path bit for bit. Linears with more than small_m rows go to at::linear (MKL),
-// as CpuOps.linear does (a quantized weight dequantized first). Linear weights may be float32
-// or GGUF Q4_1 / Q8_0 blocks (see linear()); the kv_cache layer float32 or float16 (write_kv
-// and paged_attention check it).
-std::tuple<torch::Tensor, torch::Tensor> llama_layer(
-    const torch::Tensor& x, const c10::optional<torch::Tensor>& residual,
-    const torch::Tensor& input_norm, const torch::Tensor& post_norm, double eps,
-    const torch::Tensor& qkv_w, const c10::optional<torch::Tensor>& qkv_b,
-    const torch::Tensor& o_w, const torch::Tensor& gate_up_w, const torch::Tensor& down_w,
-    int64_t n_heads, int64_t n_kv_heads, int64_t head_dim, const torch::Tensor& positions,
-    const torch::Tensor& cos_sin, torch::Tensor& kv_cache, const torch::Tensor& slot_mapping,
-    const torch::Tensor& block_tables, const torch::Tensor& seq_lens,
-    const torch::Tensor& query_start_loc, double scale, bool avx512, int64_t small_m) {
-  // A packed weight (3-D) goes to qlinear at every M; its output count N is not in its shape
-  // (the last group may be padded), so each call names it.
-  auto lin = [&](const torch::Tensor& a, const torch::Tensor& w,
-                 const c10::optional<torch::Tensor>& b, int64_t n) {
-    if (w.dim() == 3) return qlinear(a, w, n, b, avx512 && kvs::cpu_has_avx512_vnni());
-    if (a.size(0) <= small_m) return linear(a, w, b, avx512);
-    return at::linear(a, w.scalar_type() == torch::kUInt8 ? dequantize(w, a.size(1)) : w, b);
-  };
-  torch::Tensor h, res;
-  if (residual.has_value()) {
-    std::tie(h, res) = add_rms_norm(x, *residual, input_norm, eps);
-  } else {
-    h = rms_norm(x, input_norm, eps);
-    res = x;
-  }
-  const int64_t T = x.size(0), q_size = n_heads * head_dim, kv_size = n_kv_heads * head_dim;
-  const int64_t hidden = x.size(1);
-  const int64_t inter = down_w.dim() == 3 ? down_w.size(1) * 32 : down_w.size(1);
-  auto qkv = lin(h, qkv_w, qkv_b, q_size + 2 * kv_size);
-  auto q = qkv.narrow(1, 0, q_size).view({T, n_heads, head_dim});
-  auto k = qkv.narrow(1, q_size, kv_size).view({T, n_kv_heads, head_dim});
-  auto v = qkv.narrow(1, q_size + kv_size, kv_size).view({T, n_kv_heads, head_dim});
-  torch::Tensor qr, kr;
-  std::tie(qr, kr) = rotary(q, k, positions, cos_sin);
-  write_kv(kr, v, kv_cache, slot_mapping);
-  auto o = paged_attention(qr, kv_cache, block_tables, seq_lens, query_start_loc, scale);
-  auto attn = lin(o.reshape({T, q_size}), o_w, c10::nullopt, hidden);
-  torch::Tensor h2, res2;
-  std::tie(h2, res2) = add_rms_norm(attn, res, post_norm, eps);
-  auto mlp = lin(silu_and_mul(lin(h2, gate_up_w, c10::nullopt, 2 * inter)), down_w,
-                 c10::nullopt, hidden);
-  return {mlp, res2};
-}
-
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "kvserve AVX2/FMA CPU kernels; see kvserve/ops/cpu.py";
   // Kernels run without the GIL: the server's event loop thread keeps answering HTTP while
@@ -258,12 +207,13 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("add_rms_norm", &add_rms_norm, "fused residual add + RMSNorm", nogil());
   m.def("silu_and_mul", &silu_and_mul, "fused SiLU(gate) * up", nogil());
   m.def("rotary", &rotary, "rotate-half RoPE", nogil());
-  m.def("llama_layer", &llama_layer, "one fused Llama decoder layer", nogil());
   // module_local: two builds of the extension (another source hash) may share a process.
   py::class_<LlamaStack>(m, "LlamaStack", py::module_local(),
-                         "all of a Llama model's decoder layers per call")
+                         "a run of a Llama model's decoder layers per call")
       .def(py::init<const std::vector<LlamaStack::LayerArgs>&, bool, int64_t>(),
            py::arg("layers"), py::arg("avx512"), py::arg("small_m"))
       .def("forward", &LlamaStack::forward, "x through every layer -> (out, residual)",
-           nogil());
+           py::arg("x"), py::arg("residual"), py::arg("positions"), py::arg("cos_sin"),
+           py::arg("kv_cache"), py::arg("slot_mapping"), py::arg("block_tables"),
+           py::arg("seq_lens"), py::arg("query_start_loc"), nogil());
 }

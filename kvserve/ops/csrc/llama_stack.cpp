@@ -1,13 +1,15 @@
-// All of a Llama model's decoder layers in one call (CpuOps.fused_llama_stack).
+// A run of a Llama model's decoder layers in one call: all of them for the model's forward
+// (CpuOps.fused_llama_stack), or one for a LlamaDecoderLayer (CpuOps.fused_llama_layer).
 //
-// It runs what bindings.cpp llama_layer runs for each layer, the same kernels in the same
-// order on the same values, so the result is the same bit for bit (tested against the Python
-// layers). What it saves is the per-layer glue: a Python call with ~24 arguments, the step's
-// inputs checked again, and ~15 tensor allocations and views. Here the step's inputs
-// (positions, slots, attention metadata) are checked once, the layers' weights once when the
-// stack is built, and the intermediates live in one scratch allocation per call. On the
-// 2-core EPYC, batch 1, the default model's 30 layers went 2.00 -> 1.66 ms (int8 groups) and
-// 8.90 -> 8.34 ms (float32), the same bits (builds alternated in one process).
+// LlamaDecoderLayer.forward (kvserve/models/llama.py) is the specification: the same kernels
+// in the same order on the same values, so the result is the same bit for bit (tested against
+// the Python layers). What one call saves is the glue of the per-op path: a Python round trip
+// per op, the step's inputs checked again by each op, and a tensor allocation per
+// intermediate. Here the step's inputs (positions, slots, attention metadata) are checked
+// once, the layers' weights once when the stack is built, and the intermediates live in one
+// scratch allocation per call. On the 2-core EPYC, batch 1, the default model's 30 layers went
+// 2.00 -> 1.66 ms (int8 groups) and 8.90 -> 8.34 ms (float32) against one such call per layer,
+// the same bits (builds alternated in one process).
 #include <ATen/Parallel.h>
 #include <torch/extension.h>
 
@@ -79,7 +81,8 @@ LlamaStack::LlamaStack(const std::vector<LayerArgs>& layers, bool avx512, int64_
   }
 }
 
-// llama_layer's `lin`: packed -> qlinear; M <= small_m -> the small-M kernel; else MKL.
+// CpuOps' routing: packed -> qlinear; M <= small_m -> the small-M kernel; else torch's GEMM
+// (CpuOps.linear's F.linear, a GGUF row weight dequantized first).
 void LlamaStack::linear(const Linear& l, const float* x, int64_t M, float* out,
                         int nthreads) const {
   const float* b = l.bias.has_value() ? l.bias->data_ptr<float>() : nullptr;
@@ -89,7 +92,7 @@ void LlamaStack::linear(const Linear& l, const float* x, int64_t M, float* out,
   } else if (M <= small_m_) {
     (avx512_ ? kvs::linear_small_m_avx512 : kvs::linear_small_m)(x, l.K, l.w.data_ptr(), l.wt,
                                                                    b, out, M, l.N, l.K, nthreads);
-  } else {  // exactly llama_layer's call, its result copied into the scratch
+  } else {  // the call CpuOps.linear makes, its result copied into the scratch
     auto xt = torch::from_blob(const_cast<float*>(x), {M, l.K}, torch::kFloat32);
     auto y = at::linear(xt, l.wt == kvs::WType::F32 ? l.w : dequantize_weight(l.w, l.K),
                         l.bias).contiguous();
@@ -98,8 +101,8 @@ void LlamaStack::linear(const Linear& l, const float* x, int64_t M, float* out,
 }
 
 std::tuple<torch::Tensor, torch::Tensor> LlamaStack::forward(
-    const torch::Tensor& x, const torch::Tensor& positions, const torch::Tensor& cos_sin,
-    torch::Tensor& kv_cache, const torch::Tensor& slot_mapping,
+    const torch::Tensor& x, const c10::optional<torch::Tensor>& residual,
+    const torch::Tensor& positions, const torch::Tensor& cos_sin, torch::Tensor& kv_cache, const torch::Tensor& slot_mapping,
     const torch::Tensor& block_tables, const torch::Tensor& seq_lens,
     const torch::Tensor& query_start_loc) const {
   const int64_t L = static_cast<int64_t>(layers_.size()), hidden = layers_[0].hidden;
@@ -107,6 +110,11 @@ std::tuple<torch::Tensor, torch::Tensor> LlamaStack::forward(
   TORCH_CHECK(x.dim() == 2 && x.size(1) == hidden && x.is_contiguous(),
               "x must be contiguous [T, ", hidden, "], got ", x.sizes());
   const int64_t T = x.size(0);
+  if (residual.has_value()) {
+    check_f32(*residual, "residual");
+    TORCH_CHECK(residual->sizes() == x.sizes() && residual->is_contiguous(),
+                "residual must be contiguous ", x.sizes(), ", got ", residual->sizes());
+  }
   // The cache of every layer: [L, 2, num_blocks, block_size, Hkv, D].
   TORCH_CHECK(kv_cache.dim() == 6 && kv_cache.size(0) == L, "kv_cache must be [", L,
               ", 2, num_blocks, block_size, Hkv, D], got ", kv_cache.sizes());
@@ -158,13 +166,16 @@ std::tuple<torch::Tensor, torch::Tensor> LlamaStack::forward(
     const float eps = static_cast<float>(l.eps);
     const int64_t H = l.heads, Hkv = l.kv_heads, D = l.head_dim;
     const int64_t q_size = H * D, kv_size = Hkv * D, nq = l.qkv.N;
-    // Residual stream: the first layer's is x itself; later ones add the last mlp to it.
+    // Residual stream: with none given, the first layer's is x itself; otherwise the layer
+    // adds its input to the stream so far.
+    const float* res_in = li > 0 ? res_b : residual.has_value() ? residual->data_ptr<float>()
+                                                                 : nullptr;
     const float* res;
-    if (li == 0) {
+    if (res_in == nullptr) {
       kvs::rms_norm(xin, hidden, l.in_norm.data_ptr<float>(), h, T, hidden, eps, nthreads);
       res = xin;
     } else {
-      kvs::add_rms_norm(xin, hidden, res_b, hidden, l.in_norm.data_ptr<float>(), h, res_a, T,
+      kvs::add_rms_norm(xin, hidden, res_in, hidden, l.in_norm.data_ptr<float>(), h, res_a, T,
                         hidden, eps, nthreads);
       res = res_a;
     }

@@ -1,4 +1,4 @@
-// LlamaStack: all of a Llama model's decoder layers in one call (llama_stack.cpp).
+// LlamaStack: a run of a Llama model's decoder layers in one call (llama_stack.cpp).
 #pragma once
 
 #include <torch/extension.h>
@@ -21,9 +21,11 @@ class LlamaStack {
   LlamaStack(const std::vector<LayerArgs>& layers, bool avx512, int64_t small_m);
 
   // x [T, hidden] through every layer -> (mlp out, residual) of the last one, as the Python
-  // layers return them; kv_cache holds every layer, [L, 2, num_blocks, block_size, Hkv, D].
+  // layers return them. residual: the stream so far (none before a model's first layer).
+  // kv_cache holds every layer of the stack, [L, 2, num_blocks, block_size, Hkv, D].
   std::tuple<torch::Tensor, torch::Tensor> forward(
-      const torch::Tensor& x, const torch::Tensor& positions, const torch::Tensor& cos_sin,
+      const torch::Tensor& x, const c10::optional<torch::Tensor>& residual,
+      const torch::Tensor& positions, const torch::Tensor& cos_sin,
       torch::Tensor& kv_cache, const torch::Tensor& slot_mapping,
       const torch::Tensor& block_tables, const torch::Tensor& seq_lens,
       const torch::Tensor& query_start_loc) const;

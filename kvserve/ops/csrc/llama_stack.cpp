@@ -77,6 +77,10 @@ LlamaStack::LlamaStack(const std::vector<LayerArgs>& layers, bool avx512, int64_
     l.gate_up = make_linear(gate_up_w, c10::nullopt, 2 * l.inter, l.hidden, "gate_up_proj");
     l.down = make_linear(down_w, c10::nullopt, l.hidden, l.inter, "down_proj");
     TORCH_CHECK(layers_.empty() || l.hidden == layers_[0].hidden, "layers disagree on hidden");
+    w_qkv_ = std::max(w_qkv_, l.qkv.N);
+    w_q_ = std::max(w_q_, q_size);
+    w_k_ = std::max(w_k_, kv_size);
+    w_i_ = std::max(w_i_, l.inter);
     layers_.push_back(std::move(l));
   }
 }
@@ -102,9 +106,9 @@ void LlamaStack::linear(const Linear& l, const float* x, int64_t M, float* out,
 
 std::tuple<torch::Tensor, torch::Tensor> LlamaStack::forward(
     const torch::Tensor& x, const c10::optional<torch::Tensor>& residual,
-    const torch::Tensor& positions, const torch::Tensor& cos_sin, torch::Tensor& kv_cache, const torch::Tensor& slot_mapping,
-    const torch::Tensor& block_tables, const torch::Tensor& seq_lens,
-    const torch::Tensor& query_start_loc) const {
+    const torch::Tensor& positions, const torch::Tensor& cos_sin, torch::Tensor& kv_cache,
+    const torch::Tensor& slot_mapping, const torch::Tensor& block_tables,
+    const torch::Tensor& seq_lens, const torch::Tensor& query_start_loc) const {
   const int64_t L = static_cast<int64_t>(layers_.size()), hidden = layers_[0].hidden;
   check_f32(x, "x");
   TORCH_CHECK(x.dim() == 2 && x.size(1) == hidden && x.is_contiguous(),
@@ -135,29 +139,24 @@ std::tuple<torch::Tensor, torch::Tensor> LlamaStack::forward(
   auto out = torch::empty({T, hidden}, x.options());
   auto res_out = torch::empty({T, hidden}, x.options());
   if (T == 0) return {out, res_out};
-  // Scratch, the widest layer's sizes: h, h2 [T, hidden]; qkv; q and k rotated; attention
-  // out; o; gate_up; its SiLU product; mlp out; the residual after each of the two norms.
-  int64_t w_qkv = 0, w_q = 0, w_k = 0, w_i = 0;
-  for (const auto& l : layers_) {
-    w_qkv = std::max(w_qkv, l.qkv.N);
-    w_q = std::max(w_q, l.heads * l.head_dim);
-    w_k = std::max(w_k, l.kv_heads * l.head_dim);
-    w_i = std::max(w_i, l.inter);
-  }
-  const int64_t sizes[] = {hidden, hidden, w_qkv, w_q, w_k, w_q, hidden, 2 * w_i, w_i, hidden,
-                           hidden, hidden};
+  // The last layer's outputs are the results: mlp out and the residual after the second
+  // norm live there for every layer. Scratch for the rest, the widest layer's sizes: h, h2
+  // [T, hidden]; qkv; q and k rotated; attention out; o; gate_up; its SiLU product; the
+  // residual after the first norm.
+  const int64_t sizes[] = {hidden, hidden, w_qkv_, w_q_, w_k_, w_q_, hidden, 2 * w_i_, w_i_,
+                           hidden};
   int64_t total = 0;
   for (int64_t n : sizes) total += aligned(T * n);
   auto scratch = torch::empty({total}, x.options());
-  float* bufs[12];
+  float* bufs[10];
   float* p = scratch.data_ptr<float>();
-  for (int i = 0; i < 12; ++i) {
+  for (int i = 0; i < 10; ++i) {
     bufs[i] = p;
     p += aligned(T * sizes[i]);
   }
   float *h = bufs[0], *h2 = bufs[1], *qkv = bufs[2], *qr = bufs[3], *kr = bufs[4];
-  float *att = bufs[5], *o = bufs[6], *gu = bufs[7], *act = bufs[8], *mlp = bufs[9];
-  float *res_a = bufs[10], *res_b = bufs[11];
+  float *att = bufs[5], *o = bufs[6], *gu = bufs[7], *act = bufs[8], *res_a = bufs[9];
+  float *mlp = out.data_ptr<float>(), *res_b = res_out.data_ptr<float>();
 
   const int nthreads = at::get_num_threads();
   const float* xin = x.data_ptr<float>();  // this layer's input: x, then the last mlp
@@ -200,7 +199,5 @@ std::tuple<torch::Tensor, torch::Tensor> LlamaStack::forward(
     linear(l.down, act, T, mlp, nthreads);
     xin = mlp;
   }
-  std::memcpy(out.data_ptr<float>(), mlp, sizeof(float) * T * hidden);
-  std::memcpy(res_out.data_ptr<float>(), res_b, sizeof(float) * T * hidden);
   return {out, res_out};
 }

@@ -50,6 +50,8 @@ class LlamaStack {
   void linear(const Linear& l, const float* x, int64_t M, float* out, int nthreads) const;
 
   std::vector<Layer> layers_;
+  // The widest layer's qkv, q, k and MLP widths: the scratch per token.
+  int64_t w_qkv_ = 0, w_q_ = 0, w_k_ = 0, w_i_ = 0;
   bool avx512_, vnni_;
   int64_t small_m_;
 };

@@ -19,13 +19,13 @@
 // quantized ones dequantize in registers, so a Q4_1 row streams 5 bits per weight instead of
 // 32, and since they produce the same floats in the same FMA chain, a quantized weight gives
 // the float32 result on its dequantized values bit for bit.
-#include <omp.h>
 
 #include <algorithm>
 #include <vector>
 
 #include "kernels.h"
 #include "simd.h"
+#include "tiles.h"
 
 namespace kvs {
 namespace {
@@ -212,20 +212,15 @@ void run(const float* x, int64_t ldx, const uint8_t* w, int64_t rb, const float*
   const int64_t m_block = std::max<int64_t>(MT, (65536 / std::max<int64_t>(K, 1)) / MT * MT);
   // Below ~64K weights the fork/join (~2 us) costs more than the streaming it splits.
   const bool parallel = nthreads > 1 && N * K >= (1 << 16);
-#pragma omp parallel num_threads(nthreads) if (parallel)
-  {
-    // Contiguous static split of the weight tiles: each thread streams one slab of rows.
-    const int64_t nth = omp_get_num_threads(), tid = omp_get_thread_num();
-    const int64_t t_begin = tiles * tid / nth, t_end = tiles * (tid + 1) / nth;
-    for (int64_t m0 = 0; m0 < M; m0 += m_block) {
-      const int64_t mb = std::min(m_block, M - m0);
-      for (int64_t t = t_begin; t < t_end; ++t) {
-        const int64_t n = t * NT;
-        row_tile<Fmt, NT, MT>(x + m0 * ldx, ldx, w + n * rb, rb, K,
-                              bias ? bias + n : nullptr, out + m0 * N + n, N, mb);
-      }
-    }
-  }
+  // One slab of weight tiles per thread, each streamed once per block of activation rows;
+  // a thread done early takes tiles from the back of another's (tiles.h).
+  for_each_tile(tiles, (M + m_block - 1) / m_block, nthreads, parallel,
+                [&](int64_t pass, int64_t t) {
+                  const int64_t m0 = pass * m_block, n = t * NT;
+                  row_tile<Fmt, NT, MT>(x + m0 * ldx, ldx, w + n * rb, rb, K,
+                                        bias ? bias + n : nullptr, out + m0 * N + n, N,
+                                        std::min(m_block, M - m0));
+                });
   for (int64_t n = tiles * NT; n < N; ++n)  // N % NT leftover rows, one at a time
     row_tile<Fmt, 1, MT>(x, ldx, w + n * rb, rb, K, bias ? bias + n : nullptr, out + n, N, M);
 }

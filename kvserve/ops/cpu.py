@@ -2,8 +2,10 @@
 
 The extension in kvserve/ops/csrc/ is compiled just in time (torch.utils.cpp_extension.load,
 ninja, g++) on first use and cached under ~/.cache/kvserve/torch_extensions, or under
-$KVSERVE_EXTENSIONS_DIR when set. Its name carries a hash of the sources and flags, so an edit
-rebuilds instead of loading a stale binary.
+$KVSERVE_EXTENSIONS_DIR when set. Its name carries a hash of the sources, flags and toolchain,
+so an edit rebuilds instead of loading a stale binary; the sources are built from a copy in the
+build directory, so installs of the same sources share one build (kvserve/ops/build.py says
+why, and how the build lock works).
 
 Routing, decided per call here and never inside the kernels:
 - a CPU without AVX2+FMA, or CpuOps(use_kernels=False): every op is ReferenceOps' (exact);
@@ -22,10 +24,11 @@ Routing, decided per call here and never inside the kernels:
 from __future__ import annotations
 
 import functools
-import hashlib
+import logging
 import os
 import platform
 import subprocess
+import time
 from pathlib import Path
 from types import ModuleType
 from typing import Any
@@ -33,7 +36,18 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from kvserve.ops.build import (
+    SRC_DIR,
+    build_key,
+    build_lock,
+    extensions_root,
+    read_sources,
+    stage_sources,
+    toolchain,
+)
 from kvserve.ops.reference import ReferenceOps
+
+logger = logging.getLogger("kvserve.ops")
 
 _CSRC = Path(__file__).parent / "csrc"
 _SOURCES = ("bindings.cpp", "llama_stack.cpp", "linear.cpp", "linear_avx512.cpp",
@@ -77,13 +91,16 @@ def cpu_has_avx2_fma() -> bool:
 
 
 def extension_name() -> str:
-    h = hashlib.sha256()
-    for name in _SOURCES + _HEADERS:
-        h.update(name.encode())
-        h.update((_CSRC / name).read_bytes())
-    h.update(" ".join(_CFLAGS).encode())
-    h.update(torch.__version__.encode())
-    return f"kvserve_cpu_{h.hexdigest()[:12]}"
+    return _name(read_sources(_CSRC, _SOURCES + _HEADERS))
+
+
+def build_directory() -> Path:
+    """Where this install's sources build (and are staged, in src/)."""
+    return extensions_root() / extension_name()
+
+
+def _name(files: dict[str, bytes]) -> str:
+    return f"kvserve_cpu_{build_key(files, _CFLAGS, toolchain())[:12]}"
 
 
 def load_extension() -> ModuleType:
@@ -101,15 +118,26 @@ def _build_once() -> ModuleType | RuntimeError:
     times, and a broken toolchain must cost one failed build, not one per call."""
     from torch.utils.cpp_extension import load
 
-    name = extension_name()
-    root = os.environ.get("KVSERVE_EXTENSIONS_DIR") or os.path.join(
-        os.path.expanduser("~"), ".cache", "kvserve", "torch_extensions")
-    build_dir = os.path.join(root, name)
+    files = read_sources(_CSRC, _SOURCES + _HEADERS)
+    name = _name(files)
+    build_dir = extensions_root() / name
     try:
-        os.makedirs(build_dir, exist_ok=True)
-        return load(name=name, sources=[str(_CSRC / s) for s in _SOURCES],
-                    extra_cflags=list(_CFLAGS), extra_ldflags=["-fopenmp"],
-                    build_directory=build_dir, verbose=False)
+        with build_lock(build_dir):
+            src = build_dir / SRC_DIR
+            stage_sources(files, src)
+            # No binary yet: ninja is about to compile everything, which takes minutes on a
+            # small machine; say so, or a server start looks hung.
+            fresh = not (build_dir / f"{name}.so").exists()
+            if fresh:
+                logger.info("compiling the kvserve CPU kernels in %s (once per version of the "
+                            "sources; a few minutes on 2 cores)", build_dir)
+            t0 = time.monotonic()
+            ext = load(name=name, sources=[str(src / s) for s in _SOURCES],
+                       extra_cflags=list(_CFLAGS), extra_ldflags=["-fopenmp"],
+                       build_directory=str(build_dir), verbose=False)
+            if fresh:
+                logger.info("compiled the kvserve CPU kernels in %.0f s", time.monotonic() - t0)
+            return ext
     # torch raises RuntimeError for a compiler error or a missing ninja, ImportError for a
     # binary that does not load; either way say what was tried and why it failed.
     except (RuntimeError, OSError, ImportError, subprocess.SubprocessError) as e:

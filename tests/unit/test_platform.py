@@ -1,0 +1,35 @@
+"""kvserve.platform.setup_process: the process-wide settings an entry point makes once."""
+
+from __future__ import annotations
+
+import gc
+
+import pytest
+import torch
+
+from kvserve.platform import setup_process
+
+
+def test_setup_process_sets_threads_then_freezes_what_was_built(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    threads = torch.get_num_threads()
+    monkeypatch.setenv("KVSERVE_NUM_THREADS", str(threads + 1))
+    try:
+        with setup_process("cpu") as n:
+            assert n == torch.get_num_threads() == threads + 1
+            before = gc.get_freeze_count()
+            built = [[i] for i in range(1000)]  # gc-tracked objects start-up made
+        assert gc.get_freeze_count() >= before + len(built)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_setup_process_freezes_nothing_when_the_build_fails() -> None:
+    threads = torch.get_num_threads()
+    before = gc.get_freeze_count()
+    try:
+        with pytest.raises(RuntimeError, match="load failed"), setup_process("cpu"):
+            raise RuntimeError("load failed")
+    finally:
+        torch.set_num_threads(threads)
+    assert gc.get_freeze_count() == before

@@ -15,8 +15,11 @@ from kvserve.sampling_params import SamplingParams
 
 def _generate(ns: argparse.Namespace) -> int:
     from kvserve.llm_engine import LLMEngine
+    from kvserve.platform import setup_process
 
-    engine = LLMEngine.from_engine_args(EngineArgs.from_cli(ns))
+    args = EngineArgs.from_cli(ns)
+    with setup_process(args.device):
+        engine = LLMEngine.from_engine_args(args)
     params = SamplingParams(max_tokens=ns.max_tokens, temperature=ns.temperature,
                             top_p=ns.top_p, top_k=ns.top_k, seed=ns.sample_seed)
     if ns.chat:

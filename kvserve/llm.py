@@ -16,6 +16,7 @@ from tqdm.auto import tqdm
 from kvserve.engine_args import EngineArgs
 from kvserve.llm_engine import LLMEngine, PromptType
 from kvserve.outputs import RequestOutput
+from kvserve.platform import setup_process
 from kvserve.sampling_params import SamplingParams
 
 Messages = list[dict[str, Any]]
@@ -23,8 +24,9 @@ Messages = list[dict[str, Any]]
 
 class LLM:
     def __init__(self, model: str | None = None, **kwargs: Any) -> None:
-        self.llm_engine = LLMEngine.from_engine_args(EngineArgs.from_kwargs(model=model,
-                                                                            **kwargs))
+        args = EngineArgs.from_kwargs(model=model, **kwargs)
+        with setup_process(args.device):
+            self.llm_engine = LLMEngine.from_engine_args(args)
         self._ids = itertools.count()
 
     def get_tokenizer(self) -> Any:

@@ -11,7 +11,6 @@ KV blocks through the prefix cache; their outputs are gathered into one RequestO
 from __future__ import annotations
 
 import dataclasses
-import gc
 import logging
 import time
 from dataclasses import dataclass, field
@@ -29,7 +28,7 @@ from kvserve.model_runner import ModelRunner, torch_dtype
 from kvserve.models import build_model
 from kvserve.ops import get_ops
 from kvserve.outputs import CompletionOutput, PositionLogprobs, RequestOutput
-from kvserve.platform import available_memory, configure_threads
+from kvserve.platform import available_memory
 from kvserve.request import Request, RequestStatus
 from kvserve.sampling_params import SamplingParams
 from kvserve.scheduler import Scheduler
@@ -75,17 +74,17 @@ class LLMEngine:
         self.scheduler = Scheduler(config.scheduler, config.cache, num_blocks)
         self._parents: dict[str, _Parent] = {}
         self._child_to_parent: dict[str, str] = {}
-        torch.manual_seed(config.seed)
 
     # ---- construction -------------------------------------------------------------------
 
     @classmethod
     def from_engine_args(cls, args: EngineArgs) -> LLMEngine:
+        """Loads the model and builds the engine. Process-wide settings (threads, gc.freeze)
+        are the entry point's: kvserve.platform.setup_process."""
         t0 = time.perf_counter()
         path = resolve_model(args.model)
         ckpt = load_checkpoint(path)
         config = args.create_engine_config(path, ckpt.model_config)
-        threads = configure_threads(config.device)
         t_ckpt = time.perf_counter()
         ops = get_ops(config.ops_backend, config.device)
         if config.quantization != "none" and not getattr(ops, "uses_kernels", False):
@@ -113,14 +112,9 @@ class LLMEngine:
         logger.info("loaded %s (%s, %s, quantization=%s, ops=%s, %d threads) in %.1fs "
                     "(checkpoint %.1fs, ops %.1fs, weights %.1fs, KV cache %.1fs); KV cache: %d "
                     "blocks x %d tokens = %d tokens", path, mc.architecture, config.dtype,
-                    config.quantization, ops.name, threads, t_end - t0, t_ckpt - t0,
-                    t_ops - t_ckpt, t_weights - t_ops, t_end - t_weights, num_blocks - 1, bs,
-                    (num_blocks - 1) * bs)
-        # What start-up built (modules, parameters, tokenizer, cache views) lives until
-        # shutdown: frozen, the cyclic collector stops walking it on every full collection
-        # during serving (~1% of a decode step's CPU time otherwise), as vLLM and SGLang do.
-        gc.collect()
-        gc.freeze()
+                    config.quantization, ops.name, torch.get_num_threads(), t_end - t0,
+                    t_ckpt - t0, t_ops - t_ckpt, t_weights - t_ops, t_end - t_weights,
+                    num_blocks - 1, bs, (num_blocks - 1) * bs)
         return engine
 
     @staticmethod

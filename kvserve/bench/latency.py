@@ -54,6 +54,7 @@ class LatencyBench:
     def __init__(self, args: EngineArgs, input_len: int, output_len: int,
                  decode_prompt_len: int, seed: int = 0) -> None:
         from kvserve.llm_engine import LLMEngine
+        from kvserve.platform import setup_process
 
         for name, v in (("input_len", input_len), ("output_len", output_len),
                         ("decode_prompt_len", decode_prompt_len)):
@@ -64,7 +65,8 @@ class LatencyBench:
         self.input_len, self.output_len = input_len, output_len
         self.decode_prompt_len = decode_prompt_len
         t0 = time.perf_counter()
-        self.engine = LLMEngine.from_engine_args(args)
+        with setup_process(args.device):
+            self.engine = LLMEngine.from_engine_args(args)
         self.startup_s = time.perf_counter() - t0
         self.first_request_s: float | None = None
         self._vocab = self.engine.config.model_config.vocab_size

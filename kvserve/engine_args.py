@@ -38,6 +38,8 @@ class EngineArgs:
     # a decode streams), else "auto" (the model dtype).
     kv_cache_dtype: str | None = None
     max_waiting_requests: int | None = None
+    # Seeds the sampler's generator for requests without their own seed. 0 by default, as in
+    # vLLM V1: the same requests in the same order sample the same tokens run after run.
     seed: int = 0
     ops_backend: str = "auto"
     # None (auto): "gguf" for a .gguf file in float32 on the CPU (the kernels read its Q4_1 /
@@ -109,7 +111,11 @@ class EngineArgs:
                        choices=["auto", "float32", "float16", "bfloat16"],
                        help="auto: the model dtype; default: float16 with --quantization gguf "
                        "(as llama.cpp), else auto")
-        p.add_argument("--seed", type=int, default=d.seed)
+        p.add_argument("--seed", type=int, default=d.seed,
+                       help="seeds sampling for requests without their own seed: the same "
+                       "requests in the same order give the same outputs run after run "
+                       "(default 0, as vLLM; a request's seed still wins and stays "
+                       "independent of the batch). Pass another value for other samples")
         p.add_argument("--quantization", "-q", default=d.quantization,
                        choices=list(QUANTIZATIONS),
                        help="for a GGUF file's Q4_1 / Q8_0 weights. gguf (default for .gguf "

@@ -53,7 +53,10 @@ class ModelRunner:
         self.kv_cache = zeros(kv_cache_shape(mc.num_hidden_layers, num_blocks, self.block_size,
                                              mc.num_key_value_heads, mc.head_dim),
                               torch_dtype(cache_dtype), self.device)
-        self.sampler = Sampler()
+        # The engine seed feeds the generator of requests without their own seed, so the
+        # same requests in the same order sample the same tokens run after run (vLLM's
+        # --seed), whatever else the process does with torch's global generator.
+        self.sampler = Sampler(seed=config.seed)
         # Set by the engine (it owns the tokenizer); None: no request may use a grammar.
         self.structured_output: StructuredOutputManager | None = None
 

@@ -16,8 +16,9 @@ i with probability probs[i], from one random number per row and no device sync. 
 exponential race, argmax(probs / q) with q ~ Exp(1) per token, needs V random numbers per
 row; drawing them cost ~6 ms per step at 8 rows of a 49k vocabulary on the CPU, more than the
 forward pass.) Each seeded request draws its u from its own generator, which lives in the
-Sampler across steps, so its tokens do not depend on what else is in the batch. Greedy rows
-need no random numbers at all.
+Sampler across steps, so its tokens do not depend on what else is in the batch. Unseeded rows
+draw from one generator shared by the batch and seeded by the engine seed, so their tokens
+repeat when the same requests arrive in the same order. Greedy rows need no random numbers.
 
 Everything is batched; the only per-request Python loops are the ones that build the metadata
 from request lists and the ones that draw seeded random rows.
@@ -31,6 +32,7 @@ import torch
 
 from kvserve.outputs import Logprob, PositionLogprobs
 from kvserve.request import Request
+from kvserve.sampling_params import _SEED_RANGE
 
 # Same threshold as SamplingParams.greedy.
 _GREEDY_TEMPERATURE = 1e-5
@@ -370,11 +372,19 @@ class SamplerOutput:
 class Sampler:
     """Samples one token per row and keeps the per-request generators between steps.
 
-    seed seeds the generator shared by unseeded requests (None: nondeterministic). Call
-    remove(request_id) when a request finishes or is aborted, or its generator leaks.
+    seed seeds the generator shared by unseeded requests: the same seed and the same steps
+    draw the same tokens (the engine passes EngineConfig.seed); None: fresh entropy. A
+    request's own seed always wins, and its draws ignore the engine seed and the batch. The
+    sampler never reads torch's global generator. Call remove(request_id) when a request
+    finishes or is aborted, or its generator leaks.
     """
 
     def __init__(self, seed: int | None = None) -> None:
+        # Checked here, not at the first random row: there a bad seed would fail a step.
+        if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)
+                                 or not _SEED_RANGE[0] <= seed <= _SEED_RANGE[1]):
+            raise ValueError(f"seed must be an integer in [{_SEED_RANGE[0]}, "
+                             f"{_SEED_RANGE[1]}], got {seed!r}")
         self._seed = seed
         self._shared: torch.Generator | None = None
         self._generators: dict[str, torch.Generator] = {}

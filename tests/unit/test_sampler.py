@@ -246,6 +246,27 @@ def test_generators_live_across_steps_until_removed() -> None:
     assert again == first
 
 
+def test_sampler_seed_fixes_unseeded_rows_and_is_checked() -> None:
+    vocab = 1000
+    logits = torch.zeros(3, vocab)  # uniform: every draw is the generator's
+    reqs = [_req(str(i), SamplingParams(temperature=1.0)) for i in range(3)]
+
+    def draws(seed: int) -> list[list[int]]:
+        sampler = Sampler(seed=seed)
+        return [sampler(logits, SamplingMetadata.from_requests(reqs, vocab)).token_ids
+                for _ in range(4)]
+
+    torch.manual_seed(1)  # the global generator is not the sampler's
+    first = draws(11)
+    torch.manual_seed(2)
+    assert draws(11) == first
+    assert draws(12) != first
+    for bad in (2**64, -(2**63) - 1, 1.5, True, "3"):
+        with pytest.raises(ValueError, match=r"seed must be an integer in \[-9223372036854775808, "
+                                             r"18446744073709551615\], got"):
+            Sampler(seed=bad)  # type: ignore[arg-type]
+
+
 def _chi_square(counts: list[int], probs: list[float]) -> float:
     n = sum(counts)
     return sum((c - n * p) ** 2 / (n * p) for c, p in zip(counts, probs, strict=True) if p > 0)

@@ -10,8 +10,10 @@ from __future__ import annotations
 
 import asyncio
 import json
+import signal
 import threading
 import time
+import uuid
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -20,6 +22,7 @@ import jsonschema
 import openai
 import pytest
 
+from kvserve.outputs import RequestOutput
 from kvserve.sampling_params import SamplingParams
 from tests.conftest import run_all
 from tests.e2e.server_process import ServerProcess
@@ -29,6 +32,14 @@ MAX_NUM_SEQS = 16
 MAX_WAITING = 32
 MAX_BODY = 64 * 1024
 MODEL = "smollm2-135m"
+SHUTDOWN_TIMEOUT = 3.0
+# How long after --shutdown-timeout the cut streams and the process may take to end (about
+# 0.3 s and 0.7 s measured on 2 busy cores); an unbounded drain of the SIGTERM test's 1,800
+# tokens would take a minute or more.
+DRAIN_MARGIN = 3.0
+LENGTH = 'vllm:request_success_total{finished_reason="length"}'
+STOP = 'vllm:request_success_total{finished_reason="stop"}'
+ABORT = 'vllm:request_success_total{finished_reason="abort"}'
 
 
 @pytest.fixture(scope="module")
@@ -36,7 +47,7 @@ def server() -> Iterator[ServerProcess]:
     srv = ServerProcess("--kv-cache-memory", "256MiB", "--max-model-len", str(MAX_MODEL_LEN),
                         "--max-num-seqs", str(MAX_NUM_SEQS), "--max-waiting-requests",
                         str(MAX_WAITING), "--max-body-bytes", str(MAX_BODY),
-                        "--shutdown-timeout", "3")
+                        "--shutdown-timeout", str(SHUTDOWN_TIMEOUT))
     try:
         yield srv
     finally:
@@ -70,6 +81,28 @@ def wait_idle(server: ServerProcess, timeout: float = 15.0) -> dict[str, float]:
         if time.monotonic() > deadline:
             raise AssertionError(f"server not idle after {timeout}s: {m}")
         time.sleep(0.1)
+
+
+def engine_run(engine: Any, prompt: Any, **params: Any) -> RequestOutput:
+    """The in-process engine's final output for one prompt: the reference the server's
+    output must equal exactly (same weights, same sampler, per-request seeds)."""
+    rid = uuid.uuid4().hex
+    engine.add_request(rid, prompt, SamplingParams(**params))
+    return run_all(engine)[rid]
+
+
+def settled_metrics(server: ServerProcess, before: dict[str, float], key: str, delta: float,
+                    timeout: float = 10.0) -> dict[str, float]:
+    """/metrics once key has moved by delta since before. The engine thread publishes a
+    step's gauges before it feeds that step's counters and histograms (the finish reasons
+    last), so an idle gauge alone does not mean the last step is counted yet."""
+    wait_idle(server, timeout)
+    deadline = time.monotonic() + timeout
+    while True:
+        m = server.metrics()
+        if m[key] - before[key] >= delta or time.monotonic() > deadline:
+            return m
+        time.sleep(0.05)
 
 
 def sse_events(lines: Iterator[str]) -> Iterator[Any]:
@@ -168,7 +201,7 @@ def test_greedy_matches_engine(client: openai.OpenAI, engine: Any) -> None:
     assert got_ids.choices[0].text == got.choices[0].text
 
 
-def test_completion_schema_n_logprobs_stop_seed(client: openai.OpenAI) -> None:
+def test_completion_schema_n_logprobs_stop_seed(client: openai.OpenAI, engine: Any) -> None:
     kw: dict[str, Any] = dict(model=MODEL, prompt="Once upon a time", max_tokens=12,
                               temperature=0.9, seed=7, n=3, logprobs=3, user="tester")
     a = client.completions.create(**kw)
@@ -176,7 +209,12 @@ def test_completion_schema_n_logprobs_stop_seed(client: openai.OpenAI) -> None:
     assert a.object == "text_completion" and a.model == MODEL and a.id.startswith("cmpl-")
     assert isinstance(a.created, int)
     assert [c.index for c in a.choices] == [0, 1, 2]
-    assert [c.text for c in a.choices] == [c.text for c in b.choices]  # same seed
+    # Seeded samples are the in-process engine's, choice by choice (child i draws from seed
+    # + i), and the same again on a second request.
+    want = engine_run(engine, "Once upon a time", max_tokens=12, temperature=0.9, seed=7, n=3,
+                      logprobs=3)
+    assert [c.text for c in a.choices] == [c.text for c in want.outputs]
+    assert [c.text for c in b.choices] == [c.text for c in want.outputs]
     assert len({c.text for c in a.choices}) > 1  # n samples differ
     total = 0
     for c in a.choices:
@@ -192,16 +230,28 @@ def test_completion_schema_n_logprobs_stop_seed(client: openai.OpenAI) -> None:
     s = client.completions.create(model=MODEL, prompt="1, 2, 3, 4,", max_tokens=30,
                                   temperature=0, stop=[" 7"])
     assert s.choices[0].finish_reason == "stop"
-    assert " 7" not in s.choices[0].text and s.choices[0].text.strip().endswith("6,")
+    assert s.choices[0].text == " 5, 6,"  # the stop string and what follows are cut
+    assert s.choices[0].text == engine_run(engine, "1, 2, 3, 4,", max_tokens=30, temperature=0,
+                                           stop=[" 7"]).outputs[0].text
     n = client.completions.create(model=MODEL, prompt="1, 2, 3, 4,", max_tokens=5,
                                   temperature=0, extra_body={"ignore_eos": True})
     assert n.choices[0].finish_reason == "length" and n.usage.completion_tokens == 5
+    assert n.choices[0].text == engine_run(engine, "1, 2, 3, 4,", max_tokens=5, temperature=0,
+                                           ignore_eos=True).outputs[0].text
+    greedy = {p: engine_run(engine, p, max_tokens=3, temperature=0).outputs[0].text
+              for p in ("Hello", "Goodbye")}
     e = client.completions.create(model=MODEL, prompt="Hello", max_tokens=3, temperature=0,
                                   echo=True)
-    assert e.choices[0].text.startswith("Hello")
+    assert e.choices[0].text == "Hello" + greedy["Hello"]
     many = client.completions.create(model=MODEL, prompt=["Hello", "Goodbye"], max_tokens=3,
                                      temperature=0, n=2)
+    # Choice index = prompt index * n + sample index; greedy samples are all the same.
     assert [c.index for c in many.choices] == [0, 1, 2, 3]
+    assert [c.text for c in many.choices] == [greedy["Hello"]] * 2 + [greedy["Goodbye"]] * 2
+    echoed = client.completions.create(model=MODEL, prompt=["Hello", "Goodbye"], max_tokens=3,
+                                       temperature=0, n=2, echo=True)
+    assert [c.text for c in echoed.choices] == [p + greedy[p] for p in ("Hello", "Hello",
+                                                                        "Goodbye", "Goodbye")]
 
 
 def test_omitted_max_tokens_fills_context(client: openai.OpenAI) -> None:
@@ -262,8 +312,9 @@ def test_streamed_deltas_equal_non_streamed(client: openai.OpenAI) -> None:
     assert chunks[-1].usage.completion_tokens == full_chat.usage.completion_tokens
 
 
-def test_chat_logprobs_stop_n(client: openai.OpenAI) -> None:
+def test_chat_logprobs_stop_n(client: openai.OpenAI, engine: Any) -> None:
     msgs = [{"role": "user", "content": "Count from 1 to 10."}]
+    ids = engine.tokenizer.apply_chat_template(msgs, tokenize=True)
     r = client.chat.completions.create(model=MODEL, messages=msgs, logprobs=True,
                                        top_logprobs=2, max_completion_tokens=10,
                                        temperature=0, extra_body={"ignore_eos": True})
@@ -276,16 +327,25 @@ def test_chat_logprobs_stop_n(client: openai.OpenAI) -> None:
     assert all(t.token == t.top_logprobs[0].token for t in c.logprobs.content)
     s = client.chat.completions.create(model=MODEL, messages=msgs, temperature=0,
                                        max_tokens=60, stop=["5"])
-    assert s.choices[0].finish_reason == "stop" and "5" not in s.choices[0].message.content
+    want = engine_run(engine, {"prompt_token_ids": ids}, temperature=0, max_tokens=60,
+                      stop=["5"]).outputs[0]
+    assert s.choices[0].finish_reason == "stop" == want.finish_reason
+    assert s.choices[0].message.content == want.text and "5" not in want.text
     n = client.chat.completions.create(model=MODEL, messages=msgs, temperature=1.0, n=3,
                                        max_tokens=8, seed=3)
     assert [x.index for x in n.choices] == [0, 1, 2]
+    want_n = engine_run(engine, {"prompt_token_ids": ids}, temperature=1.0, n=3, max_tokens=8,
+                        seed=3)
+    assert [x.message.content for x in n.choices] == [o.text for o in want_n.outputs]
     streamed = [t for ch in client.chat.completions.create(
         model=MODEL, messages=msgs, logprobs=True, top_logprobs=2, max_completion_tokens=10,
         temperature=0, stream=True, extra_body={"ignore_eos": True})
         for c in ch.choices if c.logprobs is not None for t in c.logprobs.content]
-    assert [(t.token, t.logprob) for t in streamed] == [
-        (t.token, t.logprob) for t in c.logprobs.content]
+
+    def flat(t: Any) -> tuple[Any, ...]:
+        return t.token, t.logprob, [(x.token, x.logprob) for x in t.top_logprobs]
+
+    assert [flat(t) for t in streamed] == [flat(t) for t in c.logprobs.content]
 
 
 # ---- structured output --------------------------------------------------------------------
@@ -368,15 +428,27 @@ def test_32_concurrent_streams_and_metrics(server: ServerProcess, engine: Any) -
     assert max(m["vllm:num_requests_running"] for m in seen) <= MAX_NUM_SEQS
     assert max(m["vllm:num_requests_waiting"] for m in seen) > 0
     assert max(m["vllm:kv_cache_usage_perc"] for m in seen) > 0
-    after = wait_idle(server)
-    key = 'vllm:request_success_total{finished_reason="length"}'
-    assert after[key] - before[key] == 32
-    assert after["vllm:generation_tokens_total"] - before["vllm:generation_tokens_total"] == 512
-    assert after["vllm:time_to_first_token_seconds_count"] >= 32
-    assert after["vllm:inter_token_latency_seconds_count"] >= 32 * 15
-    assert after["vllm:e2e_request_latency_seconds_count"] >= 32
-    assert after["vllm:request_queue_time_seconds_count"] >= 32
-    assert after["vllm:prefix_cache_queries_total"] > 0
+    after = settled_metrics(server, before, LENGTH, 32)
+    delta = {k: after[k] - before[k] for k in after if k in before}
+    # Exactly what these 32 requests of 16 tokens each add, nothing left from earlier tests:
+    # one TTFT, 15 inter-token gaps, one e2e latency and one queue time per request.
+    n_prompt = sum(len(engine.tokenizer.encode(p)) for p in prompts)
+    for name, want_delta in [
+            (LENGTH, 32), (STOP, 0), (ABORT, 0),
+            ("vllm:generation_tokens_total", 32 * 16),
+            ("vllm:prompt_tokens_total", n_prompt),
+            ("vllm:time_to_first_token_seconds_count", 32),
+            ("vllm:inter_token_latency_seconds_count", 32 * 15),
+            ("vllm:e2e_request_latency_seconds_count", 32),
+            ("vllm:request_queue_time_seconds_count", 32)]:
+        assert delta[name] == want_delta, (name, delta[name], want_delta)
+    # Every observation is a duration >= 0 (ITLs sum to at most the e2e latencies).
+    for hist in ("time_to_first_token", "inter_token_latency", "e2e_request_latency",
+                 "request_queue_time"):
+        assert delta[f"vllm:{hist}_seconds_sum"] >= 0, hist
+    assert (delta["vllm:inter_token_latency_seconds_sum"]
+            <= delta["vllm:e2e_request_latency_seconds_sum"])
+    assert delta["vllm:prefix_cache_queries_total"] > 0
 
 
 def test_disconnect_frees_blocks(server: ServerProcess) -> None:
@@ -407,24 +479,72 @@ def test_disconnect_frees_blocks(server: ServerProcess) -> None:
 
 
 def test_waiting_queue_full_gives_503_with_retry_after(server: ServerProcess) -> None:
-    body = {"prompt": "Queue test", "max_tokens": 48, "ignore_eos": True, "temperature": 0}
+    """The admission bound itself: streams of 1,500 tokens cannot finish while the burst
+    lands, so at most MAX_NUM_SEQS running + MAX_WAITING waiting get a 200, and the 200s
+    are exactly the requests the scheduler holds. (At least MAX_WAITING get in: the queue
+    alone takes that many, whatever the engine has admitted to running by then.)"""
+    body = {"prompt": "Queue test", "max_tokens": 1500, "ignore_eos": True, "temperature": 0,
+            "stream": True}
+    burst = MAX_NUM_SEQS + MAX_WAITING + 24
+    before = wait_idle(server)
 
-    async def run() -> list[httpx.Response]:
+    async def run() -> tuple[list[int], list[httpx.Response], list[dict[str, float]]]:
+        codes: list[int] = []
+        refused: list[httpx.Response] = []
+        all_answered = asyncio.Event()
+        release = asyncio.Event()
+
+        async def one(c: httpx.AsyncClient) -> None:
+            async with c.stream("POST", "/v1/completions", json=body) as r:
+                codes.append(r.status_code)
+                if r.status_code != 200:
+                    await r.aread()
+                    refused.append(r)
+                if len(codes) == burst:
+                    all_answered.set()
+                if r.status_code == 200:
+                    await release.wait()  # hold the stream open; leaving aborts it
+
+        limits = httpx.Limits(max_connections=burst + 8, max_keepalive_connections=0)
         async with httpx.AsyncClient(base_url=server.base_url, headers=server.headers,
-                                     timeout=120) as c:
-            return await asyncio.gather(*(c.post("/v1/completions", json=body)
-                                          for _ in range(MAX_NUM_SEQS + MAX_WAITING + 12)))
+                                     timeout=120, limits=limits) as c:
+            tasks = [asyncio.create_task(one(c)) for _ in range(burst)]
+            await asyncio.wait_for(all_answered.wait(), 60)
+            # Nothing has finished, so the gauges must settle at exactly the admitted set.
+            snapshots: list[dict[str, float]] = []
+            admitted = codes.count(200)
+            deadline = time.monotonic() + 20
+            while True:
+                m = (await asyncio.to_thread(server.metrics))
+                snapshots.append(m)
+                if m["vllm:num_requests_running"] == min(admitted, MAX_NUM_SEQS) \
+                        or time.monotonic() > deadline:
+                    break
+                await asyncio.sleep(0.1)
+            for _ in range(3):
+                snapshots.append(await asyncio.to_thread(server.metrics))
+            release.set()
+            await asyncio.gather(*tasks)
+        return codes, refused, snapshots
 
-    responses = asyncio.run(run())
-    codes = [r.status_code for r in responses]
-    assert set(codes) <= {200, 503}
-    # Requests queue up faster than steps admit them, so at least MAX_WAITING get in.
-    assert codes.count(503) > 0 and codes.count(200) >= MAX_WAITING
-    for r in responses:
-        if r.status_code == 503:
-            assert int(r.headers["retry-after"]) >= 1
-            assert r.json()["error"]["code"] == "queue_full"
-    wait_idle(server)
+    codes, refused, snapshots = asyncio.run(run())
+    assert set(codes) <= {200, 503}, codes
+    admitted = codes.count(200)
+    assert MAX_WAITING <= admitted <= MAX_NUM_SEQS + MAX_WAITING, admitted
+    assert len(refused) == burst - admitted >= burst - MAX_NUM_SEQS - MAX_WAITING
+    for r in refused:
+        assert int(r.headers["retry-after"]) >= 1
+        assert r.json()["error"]["code"] == "queue_full"
+    for m in snapshots:
+        assert m["vllm:num_requests_running"] <= MAX_NUM_SEQS, m
+        assert m["vllm:num_requests_waiting"] <= MAX_WAITING, m
+    last = snapshots[-1]
+    assert last["vllm:num_requests_running"] == min(admitted, MAX_NUM_SEQS), last
+    assert last["vllm:num_requests_running"] + last["vllm:num_requests_waiting"] == admitted
+    # Leaving the streams aborted every admitted request, and only those.
+    after = settled_metrics(server, before, ABORT, admitted)
+    assert after[ABORT] - before[ABORT] == admitted
+    assert after[LENGTH] - before[LENGTH] == 0
 
 
 # ---- bad input ----------------------------------------------------------------------------
@@ -590,17 +710,26 @@ def test_bad_inputs_table(server: ServerProcess, http: httpx.Client) -> None:
 
 # ---- shutdown (last: it ends the module's server) ----------------------------------------------
 
-def test_sigterm_during_stream_exits_cleanly(server: ServerProcess) -> None:
+def test_sigterm_drain_is_bounded_by_shutdown_timeout(server: ServerProcess) -> None:
+    """SIGTERM with, in flight: a short stream (finishes within the drain), a long stream and a
+    long non-streamed request (both cut at --shutdown-timeout), and a request whose headers
+    reached the server before the signal and whose body comes during the drain (refused).
+
+        SIGTERM ---- drain: no new requests ---- +SHUTDOWN_TIMEOUT: the rest end ---- exit
+    """
+    long_body = {"prompt": "Tell me a story.", "max_tokens": 1800, "ignore_eos": True,
+                 "temperature": 0}
     results: dict[str, list[Any]] = {}
+    times: dict[str, float] = {}
+    responses: dict[str, httpx.Response] = {}
     started = threading.Barrier(3)
 
     def stream(name: str, max_tokens: int) -> None:
-        body = {"prompt": "Tell me a story.", "max_tokens": max_tokens, "ignore_eos": True,
-                "stream": True, "temperature": 0}
         events: list[Any] = []
         results[name] = events
         with httpx.Client(base_url=server.base_url, headers=server.headers, timeout=60) as c:
-            with c.stream("POST", "/v1/completions", json=body) as r:
+            with c.stream("POST", "/v1/completions",
+                          json={**long_body, "max_tokens": max_tokens, "stream": True}) as r:
                 assert r.status_code == 200
                 first = True
                 for ev in sse_events(r.iter_lines()):
@@ -608,23 +737,70 @@ def test_sigterm_during_stream_exits_cleanly(server: ServerProcess) -> None:
                     if first:
                         first = False
                         started.wait(30)
+        times[name] = time.monotonic()
+
+    def plain() -> None:
+        with httpx.Client(base_url=server.base_url, headers=server.headers, timeout=60) as c:
+            responses["plain"] = c.post("/v1/completions", json=long_body)
+        times["plain"] = time.monotonic()
+
+    headers_sent = threading.Event()
+    send_body = threading.Event()
+
+    def late_body() -> Iterator[bytes]:
+        headers_sent.set()  # httpx pulls the body only after writing the headers
+        send_body.wait(30)
+        yield json.dumps({"prompt": "Hi", "max_tokens": 4}).encode()
+
+    def late() -> None:
+        with httpx.Client(base_url=server.base_url, headers=server.headers, timeout=60) as c:
+            responses["late"] = c.post("/v1/completions", content=late_body(),
+                                       headers={"Content-Type": "application/json"})
 
     threads = [threading.Thread(target=stream, args=("short", 20)),
-               threading.Thread(target=stream, args=("long", 1800))]
+               threading.Thread(target=stream, args=("long", 1800)),
+               threading.Thread(target=plain), threading.Thread(target=late)]
     for t in threads:
         t.start()
     started.wait(60)
-    code = server.terminate(timeout=60)
+    assert headers_sent.wait(30)
+    # The non-streamed one is running too (it was sent with the streams).
+    deadline = time.monotonic() + 30
+    while server.metrics()["vllm:num_requests_running"] < 3:
+        assert time.monotonic() < deadline, "the three requests never ran together"
+        time.sleep(0.05)
+    t_term = time.monotonic()
+    server.proc.send_signal(signal.SIGTERM)
+    time.sleep(0.5)  # the drain has begun, and uvicorn has closed its listening socket
+    send_body.set()
+    code = server.proc.wait(60)
+    t_exit = time.monotonic()
     for t in threads:
         t.join(30)
     assert code == 0, server.log()
+
     short, long = results["short"], results["long"]
     assert short[-1] == "[DONE]" and short[-2]["choices"][0]["finish_reason"] == "length"
-    # The long one cannot finish within --shutdown-timeout 3: it ends with an error event.
+    assert sum(len(ev["choices"][0]["text"]) > 0 for ev in short[:-1]) > 0
+    # 1,800 tokens take far longer than the drain: the stream is cut by an error event at
+    # SHUTDOWN_TIMEOUT (not before: the drain waits), and the process exits soon after.
     assert long[-1] == "[DONE]"
-    last = long[-2]
-    if "error" in last:
-        assert last["error"]["code"] == "shutting_down"
-    else:
-        assert last["choices"][0]["finish_reason"] == "length"
+    assert long[-2] == {"error": long[-2]["error"]} and \
+        long[-2]["error"]["code"] == "shutting_down", long[-2]
+    assert all(ev["choices"][0]["finish_reason"] is None for ev in long[:-2])
+    assert SHUTDOWN_TIMEOUT - 0.5 <= times["long"] - t_term <= SHUTDOWN_TIMEOUT + DRAIN_MARGIN
+    assert t_exit - t_term <= SHUTDOWN_TIMEOUT + DRAIN_MARGIN, t_exit - t_term
+    # A request that arrives during the drain is refused with OpenAI's error shape.
+    late_r = responses["late"]
+    assert late_r.status_code == 503, late_r.text
+    assert set(late_r.json()["error"]) == {"message", "type", "param", "code"}
+    assert late_r.json()["error"]["code"] == "shutting_down"
+    assert int(late_r.headers["retry-after"]) >= 1
+    # The non-streamed request cut at the timeout: a 503 in OpenAI's shape, not a 500.
+    plain_r = responses["plain"]
+    assert SHUTDOWN_TIMEOUT - 0.5 <= times["plain"] - t_term <= SHUTDOWN_TIMEOUT + DRAIN_MARGIN
+    assert plain_r.status_code == 503, plain_r.text
+    err = plain_r.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"} and err["message"], err
+    assert err["code"] == "shutting_down", err
     assert "Traceback" not in server.log()

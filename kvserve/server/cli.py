@@ -3,6 +3,10 @@
 Shutdown on SIGTERM / SIGINT: uvicorn stops accepting connections; the engine refuses new
 requests, gives running ones --shutdown-timeout seconds, then ends the rest with an error
 event; uvicorn waits for the responses to close, and the process exits 0.
+
+A SIGTERM / SIGINT before the model has loaded also exits 0, as soon as uvicorn has shut down:
+the stop was asked for and done, so a supervisor sees success either way. The load itself is
+abandoned, not awaited (see _make_server).
 """
 
 from __future__ import annotations
@@ -110,6 +114,18 @@ def _make_server(config: Any, app: Any) -> Any:
     from kvserve.server.api import app_state
 
     class Server(uvicorn.Server):
+        async def serve(self, sockets: Any = None) -> None:
+            code = 0
+            try:
+                await super().serve(sockets)
+            except SystemExit as e:  # uvicorn's exit 3 (STARTUP_FAILURE): no socket
+                code = e.code if isinstance(e.code, int) else 1
+                raise
+            finally:
+                state = app_state(app)
+                if state.engine is None and state.load_error is None:
+                    _leave_while_loading(code)
+
         def handle_exit(self, sig: int, frame: FrameType | None) -> None:
             first = not self.should_exit
             super().handle_exit(sig, frame)
@@ -124,3 +140,20 @@ def _make_server(config: Any, app: Any) -> Any:
                 loop.call_soon_threadsafe(app_state(app).begin_shutdown)
 
     return Server(config)
+
+
+def _leave_while_loading(code: int) -> None:
+    """Ends the process now, the model still loading. The load runs in threads that nothing
+    can interrupt (weight copies, a kernel compile, a wait on another process's build lock),
+    and the interpreter joins them on the way out: asyncio.run's executor shutdown, then
+    threading's non-daemon threads. So a supervisor's `kill; wait` would wait for the load,
+    forever on a build lock that is never released. Nothing of a half-done load is worth
+    keeping: the kernel drops the build flock with the process. (A kernel compile under way
+    is orphaned, not stopped: its ninja runs on to the end, and a start in that time compiles
+    beside it.)"""
+    logger.warning("stopped before the model finished loading; exiting without waiting for "
+                   "the load")
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)

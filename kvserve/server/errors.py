@@ -60,14 +60,19 @@ def loc_to_param(loc: tuple[int | str, ...]) -> str | None:
     return out or None
 
 
+# Errors looked at to choose the one reported: the request models fail fast on lists, so a
+# bad body has few, and a body that still has many costs no more than these.
+MAX_ERRORS_FORMATTED = 32
+
+
 def from_validation_error(err: ValidationError) -> APIError:
     """pydantic's 422 as OpenAI's 400: the first error, naming the field and the input."""
-    errors = err.errors(include_url=False)
+    errors = err.errors(include_url=False)[:MAX_ERRORS_FORMATTED]
     # A union reports one error per member; the deepest location is the most specific one
     # (content=[{"type": "image_url"}] -> content[0].type, not "content is not a string").
     first = max(errors, key=lambda e: len(loc_to_param(tuple(e.get("loc", ()))) or ""))
     param = loc_to_param(tuple(first.get("loc", ())))
-    msg = first.get("msg", "invalid value")
+    msg = first.get("msg", "invalid value").removeprefix("Value error, ")
     got = first.get("input")
     detail = ""
     if first.get("type") != "missing" and isinstance(got, (int, float, str, bool)) \

@@ -8,16 +8,41 @@ that never reach SamplingParams. Responses are built as plain dicts in serving.p
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from annotated_types import MaxLen
+from pydantic import BaseModel, ConfigDict, FailFast, Field, field_validator
 
-from kvserve.sampling_params import MAX_LOGPROBS
+from kvserve.sampling_params import MAX_LOGIT_BIAS, MAX_LOGPROBS
 
 # How many prompts one /v1/completions request may carry, and prompts x n.
 MAX_PROMPTS = 64
 MAX_CHOICES = 256
 MAX_MESSAGES = 1024
+MAX_CONTENT_PARTS = 256
+# Token ids in one prompt or one /detokenize call: more than any context kvserve serves.
+MAX_TOKEN_IDS = 1 << 17
+
+
+class _FailFast(FailFast):
+    """pydantic's FailFast, hashable so that it can sit inside a Union on Python 3.10/3.11.
+
+    Why fail fast: a strict list reports one error per bad item and per union member, so a
+    4 MiB body of 150k wrongly typed prompt items made 450k errors, and formatting them held
+    the event loop (and /health) for over a second. Stopping at the first bad item keeps the
+    cost of a bad body at one error per list."""
+
+    def __hash__(self) -> int:
+        return hash(_FailFast)
+
+
+def _list(item: Any, max_len: int) -> Any:
+    """list[item], at most max_len long (checked before any item), stopping at the first bad
+    item."""
+    return Annotated[list[item], _FailFast(), MaxLen(max_len)]  # type: ignore[valid-type]
+
+
+TokenIds = _list(int, MAX_TOKEN_IDS)
 # Priorities reach the scheduler as a sort key; keep them ordinary integers.
 PRIORITY_RANGE = (-(2**31), 2**31 - 1)
 
@@ -54,7 +79,7 @@ class _SamplingFields(_Strict):
     logit_bias: dict[str, float] | None = None
     n: int | None = 1
     seed: int | None = None
-    stop: str | list[str] | None = None
+    stop: str | _list(str, 1024) | None = None  # type: ignore[valid-type]
     stream: bool | None = False
     stream_options: StreamOptions | None = None
     temperature: float | None = None
@@ -67,21 +92,78 @@ class _SamplingFields(_Strict):
     repetition_penalty: float | None = None
     min_tokens: int = 0
     ignore_eos: bool = False
-    stop_token_ids: list[int] | None = Field(default=None, max_length=64)
+    stop_token_ids: _list(int, 64) | None = None  # type: ignore[valid-type]
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     prompt_logprobs: int | None = None
     priority: int = Field(default=0, ge=PRIORITY_RANGE[0], le=PRIORITY_RANGE[1])
 
+    @field_validator("logit_bias", mode="before")
+    @classmethod
+    def _bounded_logit_bias(cls, v: Any) -> Any:
+        # A dict's max_length is checked only after every value: bound it first (the same
+        # cap as SamplingParams', so the message is the same).
+        if isinstance(v, dict) and len(v) > MAX_LOGIT_BIAS:
+            raise ValueError(f"logit_bias may have at most {MAX_LOGIT_BIAS} entries, got "
+                             f"{len(v)}")
+        return v
+
 
 class CompletionRequest(_SamplingFields):
-    prompt: str | list[str] | list[int] | list[list[int]]
+    prompt: (str | Annotated[list[str], _FailFast()] | TokenIds  # type: ignore[valid-type]
+             | Annotated[list[TokenIds], _FailFast()])  # type: ignore[valid-type]
     best_of: int | None = None
     echo: bool = False
     logprobs: int | None = None
     max_tokens: int | None = None
     suffix: str | None = None
     add_special_tokens: bool = True
+
+    @field_validator("prompt", mode="before")
+    @classmethod
+    def _prompt_shape(cls, v: Any) -> Any:
+        check_prompt_shape(v)
+        return v
+
+
+def _kind(x: Any) -> str:
+    return {str: "a string", int: "a token id", list: "a list"}.get(type(x), "")
+
+
+def check_prompt_shape(v: Any) -> None:
+    """One pass over the prompt, with one precise error: pydantic's union would report each
+    bad item once per member, and name the wrong member ("prompt[0] should be a string" for a
+    list of 200k token ids). Item types follow prompt[0]; bool is not an int (strict)."""
+    if isinstance(v, str) or not isinstance(v, list) or not v:
+        return  # pydantic's own checks (type errors, and empty lists later) say the rest
+    if type(v[0]) is list:
+        if len(v) > MAX_PROMPTS:
+            raise ValueError(f"prompt may hold at most {MAX_PROMPTS} prompts, got {len(v)}")
+        for i, p in enumerate(v):
+            if type(p) is not list:
+                raise ValueError(f"prompt[{i}] must be a list of token ids like prompt[0], "
+                                 f"got {_kind(p) or type(p).__name__}")
+            _check_same(p, int, f"prompt[{i}]")
+        return
+    if type(v[0]) is int:
+        _check_same(v, int, "prompt")
+    elif type(v[0]) is str:
+        if len(v) > MAX_PROMPTS:
+            raise ValueError(f"prompt may hold at most {MAX_PROMPTS} prompts, got {len(v)}")
+        _check_same(v, str, "prompt")
+    else:
+        raise ValueError(f"prompt[0] must be a string, a token id or a list of token ids, got "
+                         f"{type(v[0]).__name__.replace('NoneType', 'null')}")
+
+
+def _check_same(items: list[Any], kind: type, name: str) -> None:
+    if kind is int and len(items) > MAX_TOKEN_IDS:
+        raise ValueError(f"{name} may hold at most {MAX_TOKEN_IDS} token ids, got {len(items)}")
+    for i, x in enumerate(items):
+        if type(x) is not kind:
+            want = "a token id (an integer)" if kind is int else "a string"
+            raise ValueError(f"{name}[{i}] must be {want}, got "
+                             f"{_kind(x) or type(x).__name__.replace('NoneType', 'null')}")
 
 
 class TextPart(_Strict):
@@ -90,25 +172,33 @@ class TextPart(_Strict):
 
 
 class ChatMessage(_Strict):
-    role: Literal["system", "user", "assistant"]
-    content: str | list[TextPart] | None = None
+    # "developer" is OpenAI's newer name for "system" (the chat template sees "system").
+    role: Literal["system", "developer", "user", "assistant"]
+    content: str | _list(TextPart, MAX_CONTENT_PARTS) | None = None  # type: ignore[valid-type]
     name: str | None = Field(default=None, max_length=256)
 
 
 class ChatCompletionRequest(_SamplingFields):
-    messages: list[ChatMessage] = Field(min_length=1, max_length=MAX_MESSAGES)
+    messages: _list(ChatMessage, MAX_MESSAGES) = Field(min_length=1)  # type: ignore[valid-type]
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
     max_tokens: int | None = None  # deprecated by OpenAI in favour of max_completion_tokens
     max_completion_tokens: int | None = None
     add_generation_prompt: bool = True
     continue_final_message: bool = False
+    # Tool calling is not built yet; these are accepted only to be refused by name (a
+    # silently dropped tool list gives a tool-calling client prose and finish_reason "stop").
+    tools: list[Any] | None = None
+    tool_choice: Any = None
+    functions: list[Any] | None = None
+    function_call: Any = None
+    parallel_tool_calls: bool | None = None
 
 
 class TokenizeRequest(_Strict):
     model: str | None = None
     prompt: str | None = None
-    messages: list[ChatMessage] | None = Field(default=None, max_length=MAX_MESSAGES)
+    messages: _list(ChatMessage, MAX_MESSAGES) | None = None  # type: ignore[valid-type]
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
     return_token_strs: bool = False
@@ -116,4 +206,4 @@ class TokenizeRequest(_Strict):
 
 class DetokenizeRequest(_Strict):
     model: str | None = None
-    tokens: list[int] = Field(max_length=1 << 20)
+    tokens: TokenIds  # type: ignore[valid-type]

@@ -146,8 +146,12 @@ class EngineConfig:
     # arithmetic; "gguf_exact" keeps the blocks as stored and computes in float32, the float32
     # model's output bit for bit; "none" dequantizes every weight to `dtype` at load.
     quantization: str = "none"
+    # Bound of the compiled-grammar cache (response_format schemas), in bytes; 0: no cache.
+    grammar_cache_bytes: int = 256 << 20
 
     def __post_init__(self) -> None:
+        _require(self.grammar_cache_bytes >= 0,
+                 f"grammar_cache_bytes must be >= 0, got {self.grammar_cache_bytes}")
         _require(self.dtype in _DTYPES,
                  f"dtype must be one of {', '.join(_DTYPES)}, got {self.dtype!r}")
         _require(self.quantization in QUANTIZATIONS,

@@ -45,6 +45,9 @@ class EngineArgs:
     # None (auto): "gguf" for a .gguf file in float32 on the CPU (the kernels read its Q4_1 /
     # Q8_0 blocks as stored, like llama.cpp), else "none" (dequantize at load).
     quantization: str | None = None
+    # The compiled-grammar cache's bound: bytes or "256MiB" (every distinct response_format
+    # schema would otherwise stay compiled in memory for good).
+    grammar_cache_memory: int | str = "256MiB"
 
     def create_engine_config(self, model_path: str, mc: ModelConfig) -> EngineConfig:
         device = default_device() if self.device == "auto" else self.device
@@ -78,7 +81,9 @@ class EngineArgs:
                                       enable_chunked_prefill=self.enable_chunked_prefill,
                                       max_waiting_requests=self.max_waiting_requests),
             dtype=dtype, device=device, seed=self.seed, ops_backend=self.ops_backend,
-            quantization=quantization)
+            quantization=quantization,
+            grammar_cache_bytes=parse_memory(self.grammar_cache_memory,
+                                             "grammar_cache_memory") or 0)
 
     @classmethod
     def from_kwargs(cls, **kwargs: object) -> EngineArgs:
@@ -116,6 +121,9 @@ class EngineArgs:
                        "requests in the same order give the same outputs run after run "
                        "(default 0, as vLLM; a request's seed still wins and stays "
                        "independent of the batch). Pass another value for other samples")
+        p.add_argument("--grammar-cache-memory", default=d.grammar_cache_memory,
+                       help="bound of the compiled response_format grammars kept for reuse, "
+                            "in bytes or with a unit (default 256MiB; 0: no cache)")
         p.add_argument("--quantization", "-q", default=d.quantization,
                        choices=list(QUANTIZATIONS),
                        help="for a GGUF file's Q4_1 / Q8_0 weights. gguf (default for .gguf "

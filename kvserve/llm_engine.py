@@ -30,7 +30,7 @@ from kvserve.ops import get_ops
 from kvserve.outputs import CompletionOutput, PositionLogprobs, RequestOutput
 from kvserve.platform import available_memory
 from kvserve.request import Request, RequestStatus
-from kvserve.sampling_params import SamplingParams
+from kvserve.sampling_params import MAX_LOGPROB_ENTRIES, SamplingParams
 from kvserve.scheduler import Scheduler
 from kvserve.structured_output import StructuredOutputManager
 
@@ -68,8 +68,8 @@ class LLMEngine:
         self.model = model
         self.num_blocks = num_blocks
         self.runner = ModelRunner(config, model, num_blocks)
-        self.structured_output = StructuredOutputManager(tokenizer,
-                                                         config.model_config.vocab_size)
+        self.structured_output = StructuredOutputManager(
+            tokenizer, config.model_config.vocab_size, config.grammar_cache_bytes)
         self.runner.structured_output = self.structured_output
         self.scheduler = Scheduler(config.scheduler, config.cache, num_blocks)
         self._parents: dict[str, _Parent] = {}
@@ -157,14 +157,9 @@ class LLMEngine:
         raise ValueError(f"prompt must be a string, a list of token ids or a dict, got "
                          f"{type(prompt).__name__}")
 
-    def add_request(self, request_id: str, prompt: PromptType,
-                    params: SamplingParams | None = None, *, priority: int = 0,
-                    arrival_time: float | None = None) -> None:
-        """Validate and queue a request. Raises ValueError (nothing is queued) on bad input."""
-        params = params or SamplingParams()
-        if request_id in self._parents:
-            raise ValueError(f"request_id {request_id!r} is already in use")
-        text, ids = self._tokenize(prompt)
+    def check_request(self, ids: list[int], params: SamplingParams) -> int:
+        """The checks that need no engine state (any thread): ValueError naming the field;
+        returns max_tokens resolved (None: the rest of the context)."""
         vocab = self.config.model_config.vocab_size
         max_len = self.config.scheduler.max_model_len
         if not ids:
@@ -177,14 +172,39 @@ class LLMEngine:
                              f"is {max_len}: at most {max_len - 1} prompt tokens leave room for "
                              f"one new token")
         params.validate_token_ids(vocab)
-        if params.structured_outputs is not None:
-            # Validates the schema; xgrammar caches the result, so the matcher that the runner
-            # creates later (and a caller that compiled ahead, off this thread) costs nothing.
-            self.structured_output.compile(params.structured_outputs)
         max_tokens = params.max_tokens if params.max_tokens is not None else max_len - len(ids)
         if len(ids) + max_tokens > max_len:
             raise ValueError(f"prompt ({len(ids)} tokens) plus max_tokens ({max_tokens}) is "
                              f"{len(ids) + max_tokens}, more than max_model_len ({max_len})")
+        if params.logprobs is not None:
+            # Every sampled token keeps logprobs + 1 entries until the request ends: bound the
+            # product, not each factor (n=128 x 8k tokens x 21 is gigabytes of objects).
+            per_token = params.logprobs + 1
+            entries = params.n * max_tokens * per_token
+            if entries > MAX_LOGPROB_ENTRIES:
+                omitted = " (omitted: the rest of the context)" if params.max_tokens is None \
+                    else ""
+                raise ValueError(
+                    f"n x max_tokens x (logprobs + 1) = {params.n} x {max_tokens}{omitted} x "
+                    f"{per_token} = {entries} logprob entries, more than the "
+                    f"{MAX_LOGPROB_ENTRIES} one request may hold: lower n, max_tokens or "
+                    f"logprobs (top_logprobs in chat)")
+        return max_tokens
+
+    def add_request(self, request_id: str, prompt: PromptType,
+                    params: SamplingParams | None = None, *, priority: int = 0,
+                    arrival_time: float | None = None, grammar: Any = None) -> None:
+        """Validate and queue a request. Raises ValueError (nothing is queued) on bad input.
+
+        grammar: the compiled grammar of params.structured_outputs, when the caller compiled
+        it ahead (off this thread, as AsyncEngine does); else it is compiled here."""
+        params = params or SamplingParams()
+        if request_id in self._parents:
+            raise ValueError(f"request_id {request_id!r} is already in use")
+        text, ids = self._tokenize(prompt)
+        max_tokens = self.check_request(ids, params)
+        if params.structured_outputs is not None and grammar is None:
+            grammar = self.structured_output.compile(params.structured_outputs)
         children: list[_Child] = []
         for i in range(params.n):
             child_params = params
@@ -195,7 +215,8 @@ class LLMEngine:
             cid = request_id if params.n == 1 else f"{request_id}#{i}"
             req = Request(cid, ids, child_params, max_tokens=max_tokens, priority=priority,
                           arrival_time=arrival_time, prompt=text,
-                          eos_token_ids=self.tokenizer.eos_token_ids)
+                          eos_token_ids=self.tokenizer.eos_token_ids, group_id=request_id)
+            req.grammar = grammar
             want_lp = child_params.logprobs is not None
             children.append(_Child(req, i, IncrementalDetokenizer(self.tokenizer, req),
                                    [] if want_lp else None, 0.0 if want_lp else None))
@@ -277,23 +298,17 @@ class LLMEngine:
             return
         for i, lp in enumerate(lps):
             # setdefault: a preempted request recomputes its prompt; keep the first result.
-            parent.prompt_logprobs.setdefault(first + i, self._decorate(lp))
-
-    def _decorate(self, lp: PositionLogprobs | None) -> PositionLogprobs | None:
-        if lp is None:
-            return None
-        return {t: v._replace(decoded_token=self.tokenizer.decode([t], skip_special_tokens=False))
-                for t, v in lp.items()}
+            parent.prompt_logprobs.setdefault(first + i, lp)
 
     def _append_logprobs(self, child: _Child, new_ids: list[int],
                          lps: list[PositionLogprobs] | None) -> None:
         if child.logprobs is None or lps is None:
             return
+        # Token strings are not decoded here, on the engine thread: whoever formats the
+        # logprobs asks Tokenizer.decode_token (cached) for the few it shows.
         for tok, lp in zip(new_ids, lps):
-            dec = self._decorate(lp)
-            assert dec is not None
-            child.logprobs.append(dec)
-            child.cumulative_logprob = (child.cumulative_logprob or 0.0) + dec[tok].logprob
+            child.logprobs.append(lp)
+            child.cumulative_logprob = (child.cumulative_logprob or 0.0) + lp[tok].logprob
 
     def _make_output(self, parent: _Parent) -> RequestOutput:
         outs = []

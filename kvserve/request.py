@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import enum
 import time
+from typing import Any
 
 from kvserve.sampling_params import SamplingParams
 
@@ -35,8 +36,10 @@ class Request:
     def __init__(self, request_id: str, prompt_token_ids: list[int],
                  sampling_params: SamplingParams, *, max_tokens: int, priority: int = 0,
                  arrival_time: float | None = None, eos_token_ids: tuple[int, ...] = (),
-                 prompt: str | None = None) -> None:
+                 prompt: str | None = None, group_id: str | None = None) -> None:
         self.request_id = request_id
+        # The user's request this one belongs to (the n children of one share it).
+        self.group_id = request_id if group_id is None else group_id
         self.prompt = prompt
         self.prompt_token_ids = list(prompt_token_ids)
         self.sampling_params = sampling_params
@@ -56,6 +59,8 @@ class Request:
         self.first_token_time: float | None = None
         # Chained hashes of the full blocks of all_token_ids (filled by the KV cache manager).
         self.block_hashes: list = []
+        # sampling_params.structured_outputs compiled (an xgrammar CompiledGrammar), when set.
+        self.grammar: Any = None
 
     @property
     def num_prompt_tokens(self) -> int:

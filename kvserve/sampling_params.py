@@ -15,6 +15,9 @@ MAX_LOGPROBS = 20
 MAX_STOP_STRINGS = 16
 MAX_STOP_STRING_LEN = 256
 MAX_LOGIT_BIAS = 1024
+# Logprob entries (sampled token + top-k, per token, per choice) one request may hold:
+# ~150 bytes each as Python objects, so about 150 MB.
+MAX_LOGPROB_ENTRIES = 1 << 20
 _SEED_RANGE = (-(2**63), 2**64 - 1)
 
 
@@ -92,7 +95,9 @@ class SamplingParams:
         _check_number("top_p", self.top_p, 0.0, 1.0, lo_open=True)
         _check_int("top_k", self.top_k, -1)
         _check_number("min_p", self.min_p, 0.0, 1.0)
-        _check_number("repetition_penalty", self.repetition_penalty, 0.0, 2.0, lo_open=True)
+        # Logits are divided by it: below 0.01 it is no penalty but an overflow (1e-300 is 0
+        # in float32, and a division by zero).
+        _check_number("repetition_penalty", self.repetition_penalty, 0.01, 2.0)
         _check_number("presence_penalty", self.presence_penalty, -2.0, 2.0)
         _check_number("frequency_penalty", self.frequency_penalty, -2.0, 2.0)
         _check_int("seed", self.seed, _SEED_RANGE[0], _SEED_RANGE[1], allow_none=True)
@@ -132,6 +137,12 @@ class SamplingParams:
                                                                   StructuredOutputsParams):
             raise ValueError(f"structured_outputs must be a StructuredOutputsParams, got "
                              f"{type(self.structured_outputs).__name__}")
+        if self.structured_outputs is not None and (self.min_tokens > 0 or self.ignore_eos):
+            # The grammar's end allows only the stop token; forbidding it there leaves no token
+            # allowed, and the sample falls outside the grammar.
+            raise ValueError("structured output (response_format) cannot be combined with "
+                             "min_tokens > 0 or ignore_eos: the output must be able to end "
+                             "where the grammar ends")
 
     @property
     def stop_strings(self) -> list[str]:

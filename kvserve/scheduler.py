@@ -60,6 +60,9 @@ class Scheduler:
         self._counter = 0
         # Min-heap of (key, request); keys are unique so requests are never compared.
         self.waiting: list[tuple[_OrderKey, Request]] = []
+        # group_id -> its requests in waiting: the n children of one request count once
+        # against max_waiting_requests.
+        self._waiting_groups: dict[str, int] = {}
         # Kept sorted by key, most important first. Then the preemption victim is always the
         # last entry, which schedule() reaches last: a victim is never a request that was
         # already scheduled in the same step (its blocks would hold uncomputed KV).
@@ -88,13 +91,25 @@ class Scheduler:
                 f"{blocks_needed} KV blocks of {self.block_size} tokens, but the cache holds "
                 f"only {self.num_blocks - 1} usable blocks")
         limit = self.config.max_waiting_requests
-        if limit is not None and len(self.waiting) >= limit:
+        if limit is not None and request.group_id not in self._waiting_groups \
+                and len(self._waiting_groups) >= limit:
             raise QueueFullError(f"the waiting queue is full ({limit} requests); retry later")
         request.status = RequestStatus.WAITING
         self._order[rid] = (request.priority, request.arrival_time, self._counter)
         self._counter += 1
         self.requests[rid] = request
-        heapq.heappush(self.waiting, (self._order[rid], request))
+        self._push_waiting(request)
+
+    def _push_waiting(self, req: Request) -> None:
+        heapq.heappush(self.waiting, (self._order[req.request_id], req))
+        self._waiting_groups[req.group_id] = self._waiting_groups.get(req.group_id, 0) + 1
+
+    def _left_waiting(self, req: Request) -> None:
+        left = self._waiting_groups[req.group_id] - 1
+        if left:
+            self._waiting_groups[req.group_id] = left
+        else:
+            del self._waiting_groups[req.group_id]
 
     # -- one step ---------------------------------------------------------------------------
 
@@ -159,6 +174,7 @@ class Scheduler:
             if self.kv_cache_manager.allocate_slots(req, num_new, computed_blocks) is None:
                 break
             heapq.heappop(self.waiting)
+            self._left_waiting(req)
             req.status = RequestStatus.RUNNING
             req.num_computed_tokens = num_computed
             if req.num_cached_tokens < 0:
@@ -187,7 +203,7 @@ class Scheduler:
         req.num_preemptions += 1
         self.num_preemptions += 1
         # Same key as on arrival: it returns ahead of everything that arrived after it.
-        heapq.heappush(self.waiting, (self._order[req.request_id], req))
+        self._push_waiting(req)
 
     def _key(self, req: Request) -> _OrderKey:
         return self._order[req.request_id]
@@ -266,6 +282,7 @@ class Scheduler:
             # O(len(waiting)); removing from the middle of a heap needs a re-heapify.
             self.waiting.remove((self._order[rid], req))
             heapq.heapify(self.waiting)
+            self._left_waiting(req)
         self.kv_cache_manager.free(req)
         del self.requests[rid]
         del self._order[rid]
@@ -285,6 +302,11 @@ class Scheduler:
     @property
     def num_waiting(self) -> int:
         return len(self.waiting)
+
+    @property
+    def num_waiting_groups(self) -> int:
+        """Waiting requests as max_waiting_requests counts them (n children count once)."""
+        return len(self._waiting_groups)
 
     @property
     def kv_cache_usage(self) -> float:

@@ -1,6 +1,8 @@
 """Structured output (JSON object / JSON schema) enforced at sampling time with xgrammar.
 
-    compile(spec)        -> CompiledGrammar (cached by xgrammar; ValueError on a bad schema)
+    compile(spec)        -> CompiledGrammar (ValueError on a bad schema); xgrammar caches it,
+                            within cache_limit_bytes: every distinct schema a client sends
+                            would otherwise stay in memory for good
     token_bitmask(reqs)  -> rows + packed [G, ceil(V / 32)] int32 masks for the sampler
     accept(req_id, tok)  -> advances that request's matcher by the token it sampled
     remove(req_id)       -> drops the matcher when the request finishes or is aborted
@@ -39,11 +41,21 @@ def xgrammar_available() -> bool:
     return True
 
 
+# The compiled-grammar cache's default bound (xgrammar's own default is unbounded).
+DEFAULT_CACHE_BYTES = 256 << 20
+
+
 class StructuredOutputManager:
-    def __init__(self, tokenizer: Tokenizer, vocab_size: int) -> None:
+    def __init__(self, tokenizer: Tokenizer, vocab_size: int,
+                 cache_limit_bytes: int = DEFAULT_CACHE_BYTES) -> None:
         """vocab_size: the model's logits width (may exceed the tokenizer's vocabulary)."""
+        if cache_limit_bytes < 0:
+            raise ValueError(f"the grammar cache limit must be >= 0 bytes, got "
+                             f"{cache_limit_bytes}")
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
+        self.cache_limit_bytes = cache_limit_bytes
+        self.num_compiled = 0  # compile() calls that reached xgrammar (tests, stats)
         self._compiler: Any = None
         # Guards lazy compiler construction only: the server compiles in a thread pool while
         # the engine thread may compile the same (cached) grammar.
@@ -66,8 +78,14 @@ class StructuredOutputManager:
                                          vocab_size=self.vocab_size,
                                          stop_token_ids=list(self.tokenizer.eos_token_ids),
                                          add_prefix_space=_add_prefix_space(self.tokenizer))
-                self._compiler = xgr.GrammarCompiler(info, max_threads=2)
+                self._compiler = xgr.GrammarCompiler(
+                    info, max_threads=2, cache_enabled=self.cache_limit_bytes > 0,
+                    cache_limit_bytes=self.cache_limit_bytes or -1)
             return self._compiler
+
+    @property
+    def cache_size_bytes(self) -> int:
+        return 0 if self._compiler is None else int(self._compiler.get_cache_size_bytes())
 
     def compile(self, spec: StructuredOutputsParams) -> Any:
         """ValueError naming the field when the schema is not valid JSON or not supported."""
@@ -77,6 +95,7 @@ class StructuredOutputManager:
         # which a small model can loop in until max_tokens.
         schema = ('{"type": "object"}' if spec.json_object
                   else spec.json if isinstance(spec.json, str) else json.dumps(spec.json))
+        self.num_compiled += 1
         try:
             return compiler.compile_json_schema(schema, any_whitespace=False)
         except Exception as e:  # xgrammar raises RuntimeError/InvalidJSONError subclasses
@@ -99,7 +118,7 @@ class StructuredOutputManager:
                 continue
             matcher = self._matchers.get(req.request_id)
             if matcher is None:
-                matcher = self._new_matcher(spec)
+                matcher = self._new_matcher(req.grammar or self.compile(spec))
                 self._matchers[req.request_id] = matcher
             if matcher.is_terminated():
                 continue  # the stop token was accepted; the scheduler finishes the request
@@ -127,10 +146,10 @@ class StructuredOutputManager:
     def __len__(self) -> int:
         return len(self._matchers)
 
-    def _new_matcher(self, spec: StructuredOutputsParams) -> Any:
+    def _new_matcher(self, grammar: Any) -> Any:
         import xgrammar as xgr
 
-        return xgr.GrammarMatcher(self.compile(spec))
+        return xgr.GrammarMatcher(grammar)
 
     def _allocate_bitmask(self) -> torch.Tensor:
         import xgrammar as xgr

@@ -8,6 +8,7 @@ a BOS is never added twice.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterable, Mapping
 from typing import Any
 
@@ -32,6 +33,9 @@ class Tokenizer:
         self.add_bos_token = add_bos_token
         self.chat_template = chat_template
         self.all_special_ids: set[int] = set(all_special_ids)
+        # id -> its text alone, filled as logprobs ask (bounded by the vocabulary). Plain dict
+        # reads and writes are atomic, so any thread may fill it.
+        self._token_text: dict[int, str] = {}
         for name in ("bos_token_id", "eos_token_id", "unk_token_id", "pad_token_id"):
             value = getattr(self, name)
             if value is not None and not 0 <= value < self.vocab_size:
@@ -42,6 +46,22 @@ class Tokenizer:
     def backend(self) -> tokenizers.Tokenizer:
         """The wrapped `tokenizers.Tokenizer` (e.g. to save a tokenizer.json)."""
         return self._backend
+
+    @functools.cached_property
+    def max_token_chars(self) -> int:
+        """The most characters one token's vocabulary entry holds. A byte-level entry has a
+        character per byte and a SentencePiece entry its characters (or <0xNN>), so no token
+        encodes more characters of text than this (a fused-<unk> vocabulary aside)."""
+        vocab = self._backend.get_vocab(with_added_tokens=True)
+        return max((len(t) for t in vocab), default=1)
+
+    def decode_token(self, token_id: int) -> str:
+        """One token's text (special tokens included), as logprobs show it."""
+        text = self._token_text.get(token_id)
+        if text is None:
+            text = self._backend.decode([token_id], skip_special_tokens=False)
+            self._token_text[token_id] = text
+        return text
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         # Special tokens written in the text are always parsed as specials: the backend

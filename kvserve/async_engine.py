@@ -2,18 +2,22 @@
 
     event loop                               engine thread
     ----------                               -------------
-    add_request: tokenize, compile grammar
-      (thread pool) -> command queue  ---->  between steps: drain commands
+    add_request: queue bound (503 before any work), text length,
+      tokenize + request checks (tokenizer pool),
+      compile grammar (its own bounded pool, with a timeout)
+      -> command queue  ------------------>  between steps: drain commands
                                                add_request / abort_request (LLMEngine)
     RequestStream  <-- call_soon_threadsafe    step() -> RequestOutput (cumulative)
-    (latest output wins)                       -> stats snapshot, IterationStats
+    (latest output wins)                       -> stats snapshot, IterationStats, heartbeat
 
 Commands are drained only between steps, so an abort never lands between schedule() and the
 forward. Outputs are cumulative, so a stream keeps only the newest one: a slow reader skips
 intermediate states instead of queueing them, and its deltas stay exact (the reader diffs
 against what it last sent).
 
-When the engine thread dies, every stream ends with EngineDeadError and is_healthy turns False.
+When the engine thread dies, every stream ends with EngineDeadError, is_healthy turns False
+and on_dead is called. When the loop is alive but has not come round for watchdog_timeout
+seconds while requests are in flight (a hung step), is_healthy is False too.
 """
 
 from __future__ import annotations
@@ -33,11 +37,16 @@ from kvserve.llm_engine import LLMEngine, PromptType
 from kvserve.outputs import RequestOutput
 from kvserve.platform import configure_threads
 from kvserve.sampling_params import SamplingParams
+from kvserve.scheduler import QueueFullError
 
 logger = logging.getLogger("kvserve.async_engine")
 
 # How long the idle engine thread sleeps on its command queue before checking for shutdown.
 _IDLE_POLL_S = 0.5
+# A text prompt longer than this many characters per token of the context cannot fit: no
+# token of the vocabularies we load spans more characters than its longest entry, and the
+# factor leaves room for normalizers that merge characters.
+_CHARS_SLACK = 2
 
 
 class EngineDeadError(RuntimeError):
@@ -54,6 +63,7 @@ class EngineStats:
 
     num_running: int = 0
     num_waiting: int = 0
+    num_waiting_groups: int = 0  # waiting as the queue bound counts them (n children once)
     kv_cache_usage: float = 0.0  # fraction of usable blocks in use, [0, 1]
     prefix_cache_queries: int = 0  # tokens looked up in the prefix cache
     prefix_cache_hits: int = 0  # tokens found there
@@ -139,6 +149,7 @@ class _Add:
     arrival: float
     stream: RequestStream
     result: concurrent.futures.Future
+    grammar: Any = None  # params.structured_outputs compiled
 
 
 @dataclass
@@ -149,14 +160,37 @@ class _Abort:
 
 class AsyncEngine:
     def __init__(self, engine: LLMEngine, *, stats_listener: StatsListener | None = None,
-                 tokenizer_workers: int = 2) -> None:
+                 tokenizer_workers: int = 2, grammar_workers: int = 1,
+                 grammar_timeout: float = 10.0, max_pending_grammars: int = 8,
+                 watchdog_timeout: float = 60.0) -> None:
+        """grammar_*: compiling a client's JSON schema can take seconds; it runs in its own
+        pool of grammar_workers threads, at most max_pending_grammars queued or running (more
+        get QueueFullError), and a request whose grammar is not compiled within
+        grammar_timeout seconds gets a ValueError. watchdog_timeout: see is_healthy."""
+        for name, v in (("grammar_timeout", grammar_timeout),
+                        ("watchdog_timeout", watchdog_timeout)):
+            if not v > 0:
+                raise ValueError(f"{name} must be > 0 seconds, got {v}")
         self.engine = engine
         self.tokenizer = engine.tokenizer
         self.max_model_len = engine.config.scheduler.max_model_len
+        self.max_prompt_chars = (_CHARS_SLACK * self.max_model_len
+                                 * engine.tokenizer.max_token_chars)
         self.stats_listener = stats_listener
+        self.on_dead: Callable[[str], None] | None = None  # called on the loop
+        self.watchdog_timeout = watchdog_timeout
+        self.grammar_timeout = grammar_timeout
+        self.max_pending_grammars = max_pending_grammars
         self._commands: queue.SimpleQueue[_Add | _Abort | None] = queue.SimpleQueue()
         self._pool = concurrent.futures.ThreadPoolExecutor(tokenizer_workers,
                                                            thread_name_prefix="kvserve-tok")
+        self._grammar_pool = concurrent.futures.ThreadPoolExecutor(
+            grammar_workers, thread_name_prefix="kvserve-grammar")
+        self._grammars_pending = 0  # event loop only
+        # Event loop only: add_request calls between the queue check and the engine's answer.
+        self._pending_adds = 0
+        # Engine thread writes, anyone reads: when its loop last came round (monotonic s).
+        self._heartbeat = time.monotonic()
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
         # Engine thread only.
@@ -208,9 +242,26 @@ class AsyncEngine:
         self._thread.start()
 
     @property
-    def is_healthy(self) -> bool:
+    def is_alive(self) -> bool:
+        """The engine thread runs (it may still be stalled; see is_healthy)."""
         return (self._thread is not None and self._thread.is_alive() and self._dead is None
                 and not self._stopping)
+
+    @property
+    def is_healthy(self) -> bool:
+        """Alive, and not stalled: with requests in flight, the engine loop has come round
+        within watchdog_timeout seconds (a hung step keeps the thread alive forever)."""
+        return self.is_alive and self.stalled_for() <= self.watchdog_timeout
+
+    @property
+    def is_draining(self) -> bool:
+        return self._draining
+
+    def stalled_for(self) -> float:
+        """Seconds since the engine loop last came round, while requests are in flight."""
+        if not self._in_flight:
+            return 0.0
+        return max(0.0, time.monotonic() - self._heartbeat)
 
     @property
     def stats(self) -> EngineStats:
@@ -237,6 +288,7 @@ class AsyncEngine:
         if self._thread is not None:
             await asyncio.get_running_loop().run_in_executor(None, self._thread.join, 10.0)
         self._pool.shutdown(wait=False, cancel_futures=True)
+        self._grammar_pool.shutdown(wait=False, cancel_futures=True)
 
     def begin_drain(self) -> None:
         """Refuse new requests from now on (the first step of a graceful shutdown)."""
@@ -253,19 +305,37 @@ class AsyncEngine:
         """Queues a request and returns its stream once the engine has accepted it.
 
         Raises ValueError (bad input), QueueFullError, EngineDeadError or EngineShuttingDown;
-        nothing is queued then.
+        nothing is queued then. The cheap checks come first, so a request refused for a full
+        queue or a long text costs no tokenization and no grammar compilation.
         """
         self._check_accepting()
+        self._check_queue()
+        if isinstance(prompt, str) and len(prompt) > self.max_prompt_chars:
+            raise ValueError(f"prompt has {len(prompt)} characters: more than any "
+                             f"{self.max_model_len}-token context (max_model_len) can hold "
+                             f"(at most {self.max_prompt_chars} characters)")
         arrival = time.monotonic()
-        prompt = await self.run_in_pool(self._preprocess, prompt, params)
-        self._check_accepting()
+        self._pending_adds += 1
+        try:
+            prompt = await self.run_in_pool(self._preprocess, prompt, params)
+            grammar = None
+            if params.structured_outputs is not None:
+                grammar = await self._compile_grammar(params)
+            self._check_accepting()
+            return await self._submit(request_id, prompt, params, priority, arrival, grammar)
+        finally:
+            self._pending_adds -= 1
+
+    async def _submit(self, request_id: str, prompt: PromptType, params: SamplingParams,
+                      priority: int, arrival: float, grammar: Any) -> RequestStream:
         stream = RequestStream(request_id)
         result: concurrent.futures.Future = concurrent.futures.Future()
         # In flight before the engine can see it: its first output may reach the loop before
         # this coroutine resumes.
         self._in_flight.add(request_id)
         self._idle.clear()
-        self._commands.put(_Add(request_id, prompt, params, priority, arrival, stream, result))
+        self._commands.put(_Add(request_id, prompt, params, priority, arrival, stream, result,
+                                grammar))
         fut = asyncio.wrap_future(result)
         try:
             while True:
@@ -315,14 +385,58 @@ class AsyncEngine:
         if self._draining or self._stopping:
             raise EngineShuttingDown("the server is shutting down")
 
+    def _check_queue(self) -> None:
+        """The waiting-queue bound, before any work: the engine thread applies the same rule
+        when the request reaches it; requests still being prepared count as waiting, since
+        that is where they will land."""
+        limit = self.engine.config.scheduler.max_waiting_requests
+        if limit is not None and self._stats.num_waiting_groups + self._pending_adds >= limit:
+            raise QueueFullError(f"the waiting queue is full ({limit} requests); retry later")
+
     def _preprocess(self, prompt: PromptType, params: SamplingParams) -> PromptType:
-        """Pool thread: tokenizes a text prompt and compiles its grammar ahead of the engine
-        thread (which then finds both done: token ids, and a cached grammar)."""
+        """Pool thread: tokenizes a text prompt and runs the engine's request checks (prompt
+        length, token ids, the logprobs budget), so a bad request is refused here, before
+        its grammar is compiled and without reaching the engine thread."""
         if isinstance(prompt, str):
             prompt = {"prompt": prompt, "prompt_token_ids": self.tokenizer.encode(prompt)}
-        if params.structured_outputs is not None:
-            self.engine.structured_output.compile(params.structured_outputs)
+        if isinstance(prompt, dict) and "prompt_token_ids" in prompt:
+            self.engine.check_request(list(prompt["prompt_token_ids"]), params)
+        elif isinstance(prompt, list):
+            self.engine.check_request(prompt, params)
         return prompt
+
+    async def _compile_grammar(self, params: SamplingParams) -> Any:
+        """The request's grammar, compiled in the grammar pool within grammar_timeout."""
+        if self._grammars_pending >= self.max_pending_grammars:
+            raise QueueFullError(f"{self._grammars_pending} grammars are being compiled, the "
+                                 f"most this server queues; retry later")
+        self._grammars_pending += 1
+
+        def done(_f: Any) -> None:  # counts the thread's work, which outlives a timeout
+            self._loop_call(self._grammar_done)
+
+        cf = self._grammar_pool.submit(self.engine.structured_output.compile,
+                                       params.structured_outputs)  # type: ignore[arg-type]
+        cf.add_done_callback(done)
+        try:
+            return await asyncio.wait_for(asyncio.shield(asyncio.wrap_future(cf)),
+                                          self.grammar_timeout)
+        except asyncio.TimeoutError:
+            raise ValueError(f"json_schema took longer than {self.grammar_timeout:g}s to "
+                             f"compile; send a simpler schema") from None
+
+    def _grammar_done(self) -> None:
+        self._grammars_pending -= 1
+
+    def _loop_call(self, fn: Callable[..., Any], *args: Any) -> None:
+        loop = self._loop
+        if loop is None:
+            fn(*args)
+            return
+        try:
+            loop.call_soon_threadsafe(fn, *args)
+        except RuntimeError:  # the loop is closed
+            pass
 
     def _mark_done(self, request_id: str) -> None:
         self._in_flight.discard(request_id)
@@ -345,6 +459,7 @@ class AsyncEngine:
         configure_threads(self.engine.config.device)
         try:
             while True:
+                self._heartbeat = time.monotonic()
                 if not self._drain_commands(block=not self.engine.has_unfinished_requests()):
                     break
                 if not self.engine.has_unfinished_requests():
@@ -360,6 +475,8 @@ class AsyncEngine:
                 self._post(self._deliver_error, stream, dead)
             self._streams.clear()
             self._fail_pending_adds(dead)
+            if self.on_dead is not None:
+                self._post(self.on_dead, f"{type(e).__name__}: {e}")
         finally:
             self._publish_stats()
 
@@ -400,7 +517,8 @@ class AsyncEngine:
             return
         try:
             self.engine.add_request(cmd.request_id, cmd.prompt, cmd.params,
-                                    priority=cmd.priority, arrival_time=cmd.arrival)
+                                    priority=cmd.priority, arrival_time=cmd.arrival,
+                                    grammar=cmd.grammar)
         except Exception as e:  # ValueError, QueueFullError: the caller's problem
             cmd.result.set_exception(e)
             return
@@ -473,9 +591,9 @@ class AsyncEngine:
     def _publish_stats(self) -> None:
         s = self.engine.scheduler
         # One immutable object, swapped in whole: readers on other threads never see a mix.
-        self._stats = EngineStats(s.num_running, s.num_waiting, s.kv_cache_usage,
-                                  s.prefix_cache_queries, s.prefix_cache_hits,
-                                  s.num_preemptions)
+        self._stats = EngineStats(s.num_running, s.num_waiting, s.num_waiting_groups,
+                                  s.kv_cache_usage, s.prefix_cache_queries,
+                                  s.prefix_cache_hits, s.num_preemptions)
 
 
 def _num_prompt_tokens(prompt: PromptType) -> int:

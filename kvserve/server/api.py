@@ -1,17 +1,19 @@
 """The FastAPI app: routes, the auth / request-id gate, bounded JSON bodies, errors.
 
-    ASGI  -> _Gate (X-Request-Id, API key, 401)  -> FastAPI routes
-          -> read_json (413, bad JSON, NaN, depth, non-object) -> pydantic (-> 400)
-          -> serving.py (engine) -> JSON or SSE
+    ASGI  -> _Gate (X-Request-Id, Host, API key: 401)  -> FastAPI routes
+          -> read_json (415 not JSON, 413, bad JSON, NaN, depth, lone surrogates, non-object)
+          -> pydantic (-> 400) -> serving.py (engine) -> JSON, or SSE (_SSEResponse)
 
 The model loads in the background after the socket opens, so /health answers 503 while it
-loads (and after the engine dies) and 200 while serving.
+loads, while it drains for shutdown, after the engine dies, and while the engine loop is
+stalled (the watchdog); 200 while serving. docs/security.md says what the gate guarantees.
 """
 
 from __future__ import annotations
 
 import asyncio
 import hmac
+import ipaddress
 import json
 import logging
 import re
@@ -25,6 +27,7 @@ from typing import Any, TypeVar
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ValidationError
+from pydantic.json_schema import models_json_schema
 from starlette.datastructures import Headers, MutableHeaders
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
@@ -39,13 +42,16 @@ from kvserve.server.protocol import (
     DetokenizeRequest,
     TokenizeRequest,
 )
-from kvserve.server.serving import ServingContext, check_model
+from kvserve.server.serving import EngineStream, ServingContext, check_model, release_all
 from kvserve.server.serving_chat import create_chat_completion, render_chat
 from kvserve.server.serving_completion import create_completion
 
 logger = logging.getLogger("kvserve.server")
 
 MAX_JSON_DEPTH = 32
+# Bodies larger than this are parsed and validated in a worker thread, not on the event loop.
+_OFFLOAD_BYTES = 64 << 10
+LOOPBACK_NAMES = ("localhost",)
 _REQUEST_ID = re.compile(r"[A-Za-z0-9._:\-]{1,128}")
 _M = TypeVar("_M", bound=BaseModel)
 
@@ -56,6 +62,9 @@ class ServerConfig:
     api_key: str | None = None
     max_body_bytes: int = 4 << 20
     shutdown_timeout: float = 30.0
+    # Host header values accepted (names or IP literals, no port); None: any. A server bound
+    # to loopback takes loopback names only, so a DNS-rebinding page cannot read answers.
+    allowed_hosts: tuple[str, ...] | None = None
 
 
 @dataclass
@@ -74,7 +83,8 @@ class ServerState:
 
     @property
     def ready(self) -> bool:
-        return self.engine is not None and self.engine.is_healthy
+        return (self.engine is not None and self.engine.is_healthy
+                and not self.engine.is_draining)
 
     def begin_shutdown(self) -> None:
         """First step of a graceful shutdown (SIGTERM/SIGINT): refuse new requests, give the
@@ -93,9 +103,11 @@ class ServerState:
 # ---- the gate: request ids and the API key (pure ASGI, so streaming is untouched) -----------
 
 class _Gate:
-    def __init__(self, app: ASGIApp, api_key: str | None) -> None:
+    def __init__(self, app: ASGIApp, api_key: str | None,
+                 allowed_hosts: tuple[str, ...] | None = None) -> None:
         self.app = app
         self.api_key = api_key.encode() if api_key else None
+        self.allowed_hosts = allowed_hosts
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -112,6 +124,13 @@ class _Gate:
                 MutableHeaders(scope=message)["X-Request-Id"] = rid
             await send(message)
 
+        host = headers.get("host")
+        if host is not None and not host_allowed(host, self.allowed_hosts):
+            # Before the key: a rebinding page must learn nothing, not even that a key is due.
+            err = APIError(421, f"the Host header {host[:100]!r} is not one this server "
+                                f"answers to (see --allowed-host)", code="invalid_host")
+            await error_response(err).__call__(scope, receive, send_with_id)
+            return
         if self.api_key is not None and scope.get("path") != "/health" \
                 and not self._authorized(headers):
             err = APIError(401, "missing or invalid API key: send 'Authorization: Bearer "
@@ -127,6 +146,28 @@ class _Gate:
         # Constant time in the key: a timing side channel must not reveal a matching prefix.
         return scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode(),
                                                                   self.api_key)
+
+
+def host_allowed(host: str, allowed: tuple[str, ...] | None) -> bool:
+    """host: a Host header ("name", "name:port", "[::1]:port"). allowed: names or IP literals;
+    "loopback" stands for localhost and every loopback address."""
+    if allowed is None:
+        return True
+    name = host.strip().lower()
+    if name.startswith("["):
+        name = name[1:].partition("]")[0]
+    elif name.count(":") == 1:
+        name = name.partition(":")[0]
+    if name in allowed:
+        return True
+    if "loopback" in allowed:
+        if name in LOOPBACK_NAMES:
+            return True
+        try:
+            return ipaddress.ip_address(name).is_loopback
+        except ValueError:
+            return False
+    return False
 
 
 def error_response(err: APIError) -> JSONResponse:
@@ -152,18 +193,40 @@ def _check_depth(value: Any, limit: int) -> None:
             stack.extend((x, d + 1) for x in v)
 
 
-async def read_json(request: Request, max_bytes: int) -> dict[str, Any]:
-    length = request.headers.get("content-length")
-    if length is not None and length.isdigit() and int(length) > max_bytes:
-        raise APIError(413, f"the body has {length} bytes; at most {max_bytes} are allowed")
-    chunks: list[bytes] = []
-    size = 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > max_bytes:
-            raise APIError(413, f"the body is larger than {max_bytes} bytes")
-        chunks.append(chunk)
-    body = b"".join(chunks)
+def _check_json_content_type(request: Request) -> None:
+    """JSON bodies only. A web page can POST text/plain (or a form) to a local server without
+    a CORS preflight; application/json needs one, which this server never grants."""
+    ctype = request.headers.get("content-type", "")
+    media = ctype.partition(";")[0].strip().lower()
+    if media != "application/json" and not (media.startswith("application/")
+                                            and media.endswith("+json")):
+        raise APIError(415, f"the body must be JSON with 'Content-Type: application/json', got "
+                            f"{(ctype or 'no Content-Type')[:100]!r}", param="Content-Type")
+
+
+def _find_lone_surrogate(value: Any, path: str = "") -> str | None:
+    """The path of the first string (or key) holding a lone UTF-16 surrogate, which JSON's
+    \\uXXXX escapes can express but no Unicode text (and no tokenizer) accepts."""
+    stack = [(value, path)]
+    while stack:
+        v, p = stack.pop()
+        if isinstance(v, str):
+            try:
+                v.encode("utf-8")
+            except UnicodeEncodeError:
+                return p or "body"
+        elif isinstance(v, dict):
+            for k, x in v.items():
+                kp = f"{p}.{k}" if p else str(k)
+                stack.append((k, kp))
+                stack.append((x, kp))
+        elif isinstance(v, list):
+            stack.extend((x, f"{p}[{i}]") for i, x in enumerate(v))
+    return None
+
+
+def parse_json(body: bytes) -> dict[str, Any]:
+    """The body as a JSON object: 400 for anything else (CPU-bound; any thread)."""
     if not body.strip():
         raise bad_request("the body is empty; send a JSON object")
     try:
@@ -177,15 +240,47 @@ async def read_json(request: Request, max_bytes: int) -> dict[str, Any]:
         raise bad_request(f"the body must be a JSON object, got a JSON "
                           f"{type(data).__name__.replace('NoneType', 'null')}")
     _check_depth(data, MAX_JSON_DEPTH)
+    # Only a \uD800-\uDFFF escape can make one (raw bytes must be valid UTF-8), so the
+    # walk runs only when the body has such an escape.
+    if b"\\ud" in body or b"\\uD" in body:
+        where = _find_lone_surrogate(data)
+        if where is not None:
+            raise bad_request(f"{where} contains a lone UTF-16 surrogate (a \\uD800-\\uDFFF "
+                              f"escape without its pair), which is not valid Unicode text",
+                              where.split("[")[0].split(".")[0] if where != "body" else None)
     return data
 
 
-async def parse_body(request: Request, model: type[_M], max_bytes: int) -> _M:
-    data = await read_json(request, max_bytes)
+async def read_body(request: Request, max_bytes: int) -> bytes:
+    _check_json_content_type(request)
+    length = request.headers.get("content-length")
+    if length is not None and length.isdigit() and int(length) > max_bytes:
+        raise APIError(413, f"the body has {length} bytes; at most {max_bytes} are allowed")
+    chunks: list[bytes] = []
+    size = 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > max_bytes:
+            raise APIError(413, f"the body is larger than {max_bytes} bytes")
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def _validate(body: bytes, model: type[_M]) -> _M:
+    data = parse_json(body)
     try:
         return model.model_validate(data)
     except ValidationError as e:
         raise from_validation_error(e) from None
+
+
+async def parse_body(request: Request, model: type[_M], max_bytes: int) -> _M:
+    """Parsing and validating a large body takes tens of milliseconds: off the event loop, so
+    that streams, /health and /metrics do not stall behind it."""
+    body = await read_body(request, max_bytes)
+    if len(body) <= _OFFLOAD_BYTES:
+        return _validate(body, model)
+    return await asyncio.get_running_loop().run_in_executor(None, _validate, body, model)
 
 
 # ---- client disconnects ------------------------------------------------------------------
@@ -218,26 +313,73 @@ async def _unless_disconnected(request: Request, work: Awaitable[Any]) -> Any:
 
 # ---- the app -----------------------------------------------------------------------------
 
+class _SSEResponse(StreamingResponse):
+    """An SSE body that owns its engine requests: they are released when the response ends,
+    however it ends (finished, client gone before the first byte or mid-stream, cancelled),
+    not in the body generator's finally, which never runs if the body never started."""
+
+    def __init__(self, result: EngineStream, engine: AsyncEngine) -> None:
+        super().__init__(result.body, media_type="text/event-stream",
+                         headers={"Cache-Control": "no-cache"})
+        self._result = result
+        self._engine = engine
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            release_all(self._engine, self._result.streams)
+            await self._result.body.aclose()  # type: ignore[attr-defined]
+
+
+def _openapi_bodies(app: FastAPI, bodies: dict[str, type[BaseModel]]) -> Callable[[], Any]:
+    """FastAPI's own OpenAPI document, with the request bodies that the routes parse by hand
+    (read_json + pydantic, for OpenAI-shaped errors) declared from the same models."""
+
+    def openapi() -> dict[str, Any]:
+        if app.openapi_schema is not None:
+            return app.openapi_schema
+        from fastapi.openapi.utils import get_openapi
+
+        doc = get_openapi(title=app.title, version=app.version, routes=app.routes)
+        refs, defs = models_json_schema([(m, "validation") for m in bodies.values()],
+                                        ref_template="#/components/schemas/{model}")
+        doc.setdefault("components", {}).setdefault("schemas", {}).update(
+            defs.get("$defs", {}))
+        for path, model in bodies.items():
+            doc["paths"][path]["post"]["requestBody"] = {
+                "required": True,
+                "content": {"application/json": {"schema": refs[(model, "validation")]}}}
+        app.openapi_schema = doc
+        return doc
+
+    return openapi
+
+
 def build_app(config: ServerConfig,
               load_engine: Callable[[], AsyncEngine] | None = None,
               on_ready: Callable[[AsyncEngine], None] | None = None,
-              on_load_error: Callable[[str], None] | None = None) -> FastAPI:
+              on_load_error: Callable[[str], None] | None = None,
+              on_engine_dead: Callable[[str], None] | None = None) -> FastAPI:
     """load_engine runs in a worker thread after start-up; it builds the AsyncEngine (not
-    started). on_ready runs on the loop once the engine serves; on_load_error if it fails."""
+    started). on_ready runs on the loop once the engine serves; on_load_error if it fails;
+    on_engine_dead (on the loop) once the engine thread has died: the CLI exits non-zero, so
+    that a supervisor restarts a process that can never serve again."""
     state = ServerState(config)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         loader = None
         if load_engine is not None:
-            loader = asyncio.ensure_future(_load(state, load_engine, on_ready, on_load_error))
+            loader = asyncio.ensure_future(_load(state, load_engine, on_ready, on_load_error,
+                                                 on_engine_dead))
         yield
         if loader is not None and not loader.done():
             loader.cancel()
         await state.finish_shutdown()
 
     app = FastAPI(title="kvserve", version=kvserve.__version__, lifespan=lifespan,
-                  docs_url=None, redoc_url=None, openapi_url=None)
+                  docs_url=None, redoc_url=None, openapi_url="/openapi.json")
     app.state.kv = state
 
     @app.exception_handler(APIError)
@@ -261,7 +403,10 @@ def build_app(config: ServerConfig,
 
     def ctx() -> ServingContext:
         eng = state.engine
-        if state.load_error is not None or (eng is not None and not eng.is_healthy):
+        if eng is not None and eng.is_draining:
+            raise APIError(503, "the server is shutting down", code="shutting_down",
+                           headers={"Retry-After": "5"})
+        if state.load_error is not None or (eng is not None and not eng.is_alive):
             raise APIError(503, "the engine has stopped; the server cannot serve requests",
                            code="engine_dead")
         if eng is None:
@@ -281,14 +426,13 @@ def build_app(config: ServerConfig,
             return Response(status_code=499)  # the client is gone; nobody reads this
         if isinstance(result, dict):
             return JSONResponse(result)
-        return StreamingResponse(result, media_type="text/event-stream",
-                                 headers={"Cache-Control": "no-cache"})
+        return _SSEResponse(result, c.engine)
 
-    @app.post("/v1/completions")
+    @app.post("/v1/completions", response_model=None)
     async def completions(request: Request) -> Response:
         return await _generate(request, create_completion, CompletionRequest)
 
-    @app.post("/v1/chat/completions")
+    @app.post("/v1/chat/completions", response_model=None)
     async def chat_completions(request: Request) -> Response:
         return await _generate(request, create_chat_completion, ChatCompletionRequest)
 
@@ -339,9 +483,20 @@ def build_app(config: ServerConfig,
     async def health() -> Response:
         if state.ready:
             return Response(status_code=200)
-        msg = ("the model is still loading" if state.engine is None and not state.load_error
-               else "the engine has stopped")
-        return error_response(APIError(503, msg))
+        eng = state.engine
+        if eng is None and not state.load_error:
+            err = APIError(503, "the model is still loading", code="loading",
+                           headers={"Retry-After": "5"})
+        elif eng is not None and eng.is_draining:
+            err = APIError(503, "the server is shutting down", code="shutting_down")
+        elif eng is not None and eng.is_alive:
+            err = APIError(503, f"the engine loop has not come round for "
+                                f"{eng.stalled_for():.0f}s with requests in flight (the "
+                                f"watchdog's limit is {eng.watchdog_timeout:g}s)",
+                           code="engine_stalled")
+        else:
+            err = APIError(503, "the engine has stopped", code="engine_dead")
+        return error_response(err)
 
     @app.get("/metrics")
     async def metrics() -> Response:
@@ -350,12 +505,16 @@ def build_app(config: ServerConfig,
                            headers={"Retry-After": "5"})
         return Response(state.metrics.render(), media_type=CONTENT_TYPE)
 
-    return _Gate(app, config.api_key)  # type: ignore[return-value]
+    app.openapi = _openapi_bodies(app, {  # type: ignore[method-assign]
+        "/v1/completions": CompletionRequest, "/v1/chat/completions": ChatCompletionRequest,
+        "/tokenize": TokenizeRequest, "/detokenize": DetokenizeRequest})
+    return _Gate(app, config.api_key, config.allowed_hosts)  # type: ignore[return-value]
 
 
 async def _load(state: ServerState, load_engine: Callable[[], AsyncEngine],
                 on_ready: Callable[[AsyncEngine], None] | None,
-                on_load_error: Callable[[str], None] | None) -> None:
+                on_load_error: Callable[[str], None] | None,
+                on_engine_dead: Callable[[str], None] | None = None) -> None:
     try:
         engine = await asyncio.get_running_loop().run_in_executor(None, load_engine)
     except Exception as e:  # noqa: BLE001 - reported; /health stays 503
@@ -366,6 +525,8 @@ async def _load(state: ServerState, load_engine: Callable[[], AsyncEngine],
         return
     state.metrics = ServerMetrics(state.config.model_name, state.stats)
     engine.stats_listener = state.metrics.observe
+    if on_engine_dead is not None:
+        engine.on_dead = on_engine_dead
     engine.start()
     state.engine = engine
     if on_ready is not None:

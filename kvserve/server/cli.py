@@ -4,6 +4,9 @@ Shutdown on SIGTERM / SIGINT: uvicorn stops accepting connections; the engine re
 requests, gives running ones --shutdown-timeout seconds, then ends the rest with an error
 event; uvicorn waits for the responses to close, and the process exits 0.
 
+If the engine thread dies, the process exits 1 (after ending every stream with an error), so
+that a supervisor restarts it instead of keeping a server that answers 503 forever.
+
 A SIGTERM / SIGINT before the model has loaded also exits 0, as soon as uvicorn has shut down:
 the stop was asked for and done, so a supervisor sees success either way. The load itself is
 abandoned, not awaited (see _make_server).
@@ -12,6 +15,7 @@ abandoned, not awaited (see _make_server).
 from __future__ import annotations
 
 import argparse
+import ipaddress
 import logging
 import os
 import sys
@@ -42,6 +46,19 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--max-body-bytes", type=int, default=4 << 20)
     p.add_argument("--shutdown-timeout", type=float, default=30.0,
                    help="seconds in-flight requests get to finish on SIGTERM/SIGINT")
+    p.add_argument("--allowed-host", action="append", default=None, metavar="HOST",
+                   help="a Host header value to answer (repeatable; '*' for any). Default: "
+                        "loopback names only when bound to a loopback address (so a "
+                        "DNS-rebinding web page cannot talk to it), else any")
+    p.add_argument("--limit-concurrency", type=int, default=None,
+                   help="uvicorn's bound on open connections and tasks; past it new ones get "
+                        "503 (default: 2 x (max-num-seqs + max-waiting-requests) + 64)")
+    p.add_argument("--grammar-compile-timeout", type=float, default=10.0,
+                   help="seconds a response_format schema may take to compile; past it the "
+                        "request gets 400")
+    p.add_argument("--watchdog-timeout", type=float, default=60.0,
+                   help="/health turns 503 when requests are in flight and the engine loop "
+                        "has not come round for this many seconds (a hung step)")
     p.add_argument("--log-level", default="info",
                    choices=["critical", "error", "warning", "info", "debug"])
     EngineArgs.add_cli_args(p)
@@ -53,6 +70,7 @@ def _serve(ns: argparse.Namespace) -> int:
 
     from kvserve.async_engine import AsyncEngine
     from kvserve.loader import resolve_model
+    from kvserve.platform import setup_process
     from kvserve.server.api import ServerConfig, build_app
 
     if ns.model_tag and ns.model and ns.model_tag != ns.model:
@@ -65,17 +83,32 @@ def _serve(ns: argparse.Namespace) -> int:
         raise ValueError(f"--max-body-bytes must be >= 1024, got {ns.max_body_bytes}")
     if ns.shutdown_timeout < 0:
         raise ValueError(f"--shutdown-timeout must be >= 0, got {ns.shutdown_timeout}")
+    for flag, value in (("--grammar-compile-timeout", ns.grammar_compile_timeout),
+                        ("--watchdog-timeout", ns.watchdog_timeout)):
+        if not value > 0:
+            raise ValueError(f"{flag} must be > 0 seconds, got {value}")
+    limit = ns.limit_concurrency
+    if limit is None:
+        limit = 2 * (ns.max_num_seqs + ns.max_waiting_requests) + 64
+    if limit < 1:
+        raise ValueError(f"--limit-concurrency must be >= 1, got {limit}")
     path = resolve_model(ns.model)  # fail fast, before the socket opens, on a bad name
     args = EngineArgs.from_cli(ns)
     args.model = path
     api_key = ns.api_key or os.environ.get("KVSERVE_API_KEY") or os.environ.get("VLLM_API_KEY")
     name = ns.served_model_name or ns.model or "smollm2-135m"
     config = ServerConfig(model_name=name, api_key=api_key, max_body_bytes=ns.max_body_bytes,
-                          shutdown_timeout=ns.shutdown_timeout)
+                          shutdown_timeout=ns.shutdown_timeout,
+                          allowed_hosts=allowed_hosts(ns.host, ns.allowed_host))
     address = f"http://{ns.host}:{ns.port}"
 
     def load() -> AsyncEngine:
-        return AsyncEngine.from_engine_args(args)
+        # Process-wide settings (threads, gc.freeze of what loading built) are made here,
+        # once, around the load.
+        with setup_process(args.device):
+            return AsyncEngine.from_engine_args(
+                args, grammar_timeout=ns.grammar_compile_timeout,
+                watchdog_timeout=ns.watchdog_timeout)
 
     def ready(engine: AsyncEngine) -> None:
         e = engine.engine
@@ -92,16 +125,35 @@ def _serve(ns: argparse.Namespace) -> int:
         failed.append(message)
         server.should_exit = True  # a server that can never serve should not linger
 
-    app = build_app(config, load, ready, load_failed)
+    def engine_died(message: str) -> None:
+        print(f"error: the engine stopped ({message}); exiting so that a supervisor restarts "
+              f"the server", file=sys.stderr, flush=True)
+        failed.append(message)
+        server.should_exit = True
+
+    app = build_app(config, load, ready, load_failed, engine_died)
     uv_config = uvicorn.Config(app, host=ns.host, port=ns.port, log_level=ns.log_level,
                                # A backstop only: the engine ends streams at the timeout.
                                timeout_graceful_shutdown=ns.shutdown_timeout + 10,
-                               timeout_keep_alive=5, access_log=False)
+                               timeout_keep_alive=5, access_log=False,
+                               limit_concurrency=limit)
     server = _make_server(uv_config, app)
     print(f"kvserve listening on {address}; loading {path} (GET /health is 503 until ready)",
           file=sys.stderr, flush=True)
     server.run()
     return 1 if failed or not server.started else 0
+
+
+def allowed_hosts(host: str, flags: list[str] | None) -> tuple[str, ...] | None:
+    """The Host values to answer (api.host_allowed): the flags; by default loopback names
+    only when bound to loopback (a keyless local server is what a rebinding page targets)."""
+    if flags:
+        return None if "*" in flags else tuple(h.strip().lower() for h in flags)
+    try:
+        loopback = host == "localhost" or ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        loopback = False
+    return ("loopback",) if loopback else None
 
 
 def _make_server(config: Any, app: Any) -> Any:

@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvserve.async_engine import AsyncEngine, EngineDeadError, EngineShuttingDown, RequestStream
+from kvserve.loader.tokenizer import Tokenizer
 from kvserve.outputs import CompletionOutput, PositionLogprobs, RequestOutput
 from kvserve.sampling_params import SamplingParams, StructuredOutputsParams
 from kvserve.scheduler import QueueFullError
@@ -35,6 +36,15 @@ class ServingContext:
     engine: AsyncEngine
     model_name: str
     max_model_len: int
+
+
+@dataclass
+class EngineStream:
+    """A streamed answer: the SSE body and the engine requests behind it. The HTTP response
+    that sends the body owns the streams and releases them when it ends (api._SSEResponse)."""
+
+    body: AsyncIterator[str]
+    streams: list[RequestStream]
 
 
 def engine_error(err: BaseException, fields: set[str],
@@ -66,6 +76,32 @@ def check_common(ctx: ServingContext, req: _SamplingFields) -> None:
     if req.stream_options is not None and not req.stream:
         raise bad_request("stream_options is only allowed when stream is true",
                           "stream_options")
+    check_prompt_chars(ctx, req)
+
+
+def check_prompt_chars(ctx: ServingContext, req: Any) -> None:
+    """Text clearly too long for the context is refused before it is tokenized (a 4 MiB
+    prompt takes seconds to tokenize only to be refused for length)."""
+    limit = ctx.engine.max_prompt_chars
+    n = text_chars(req)
+    if n > limit:
+        field = "messages" if hasattr(req, "messages") else "prompt"
+        raise bad_request(f"{field} has {n} characters: more than any {ctx.max_model_len}-token "
+                          f"context (max_model_len) can hold (at most {limit} characters)",
+                          field)
+
+
+def text_chars(req: Any) -> int:
+    """The characters of text a request sends to the tokenizer."""
+    if getattr(req, "messages", None) is not None:
+        return sum(len(m.content) if isinstance(m.content, str)
+                   else sum(len(p.text) for p in m.content or []) for m in req.messages)
+    p = getattr(req, "prompt", None)
+    if isinstance(p, str):
+        return len(p)
+    if isinstance(p, list) and p and isinstance(p[0], str):
+        return max(len(x) for x in p)
+    return 0
 
 
 def build_params(req: _SamplingFields, *, max_tokens: int | None, logprobs: int | None,
@@ -153,22 +189,29 @@ async def merged(streams: list[RequestStream]) -> AsyncIterator[tuple[int, Reque
 
 
 async def collect(streams: list[RequestStream]) -> list[RequestOutput]:
-    """The final output of each stream."""
+    """The final output of each stream. A drain or a dead engine ends a waiting request with
+    OpenAI's 503, as it ends a stream (not with a 500)."""
     finals: list[RequestOutput | None] = [None] * len(streams)
-    async for i, out in merged(streams):
-        finals[i] = out
+    try:
+        async for i, out in merged(streams):
+            finals[i] = out
+    except (EngineShuttingDown, EngineDeadError) as e:
+        raise engine_error(e, set()) from None
     assert all(f is not None for f in finals)
     return finals  # type: ignore[return-value]
 
 
-def release_all(ctx: ServingContext, streams: list[RequestStream]) -> None:
+def release_all(engine: AsyncEngine, streams: list[RequestStream]) -> None:
     for s in streams:
-        ctx.engine.release(s)
+        engine.release(s)
 
 
-def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0
+          ) -> dict[str, Any]:
+    """OpenAI's usage; cached_tokens = prompt tokens served from the prefix cache."""
     return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens}
+            "total_tokens": prompt_tokens + completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": cached_tokens}}
 
 
 def stream_error(err: BaseException) -> APIError:
@@ -179,47 +222,46 @@ def stream_error(err: BaseException) -> APIError:
 
 # ---- logprobs in OpenAI's two formats ------------------------------------------------------
 
-def _token_str(lp: PositionLogprobs, tok: int) -> str:
-    entry = lp.get(tok)
-    return entry.decoded_token or "" if entry is not None else ""
-
+# Token strings are decoded here, lazily and cached (Tokenizer.decode_token), not on the
+# engine thread: only the tokens a response shows are ever decoded.
 
 def _top(lp: PositionLogprobs, k: int) -> list[tuple[int, Any]]:
     return sorted(lp.items(), key=lambda kv: kv[1].rank)[:k]
 
 
 def completion_logprobs(token_ids: list[int], lps: list[PositionLogprobs | None], k: int,
-                        text_offset: int) -> dict[str, Any]:
+                        text_offset: int, tok: Tokenizer) -> dict[str, Any]:
     """{tokens, token_logprobs, top_logprobs, text_offset}; a None position (the first prompt
     token under echo) has no logprob."""
     out: dict[str, list[Any]] = {"tokens": [], "token_logprobs": [], "top_logprobs": [],
                                  "text_offset": []}
-    for tok, lp in zip(token_ids, lps, strict=True):
+    for t, lp in zip(token_ids, lps, strict=True):
         if lp is None:
             out["tokens"].append("")
             out["token_logprobs"].append(None)
             out["top_logprobs"].append(None)
         else:
-            text = _token_str(lp, tok)
+            text = tok.decode_token(t)
             out["tokens"].append(text)
-            out["token_logprobs"].append(lp[tok].logprob)
-            top = {v.decoded_token or "": v.logprob for _t, v in _top(lp, k)}
-            top.setdefault(text, lp[tok].logprob)
+            out["token_logprobs"].append(lp[t].logprob)
+            top = {tok.decode_token(i): v.logprob for i, v in _top(lp, k)}
+            top.setdefault(text, lp[t].logprob)
             out["top_logprobs"].append(top)
         out["text_offset"].append(text_offset)
         text_offset += len(out["tokens"][-1])
     return out
 
 
-def chat_logprobs(token_ids: list[int], lps: list[PositionLogprobs], k: int) -> dict[str, Any]:
+def chat_logprobs(token_ids: list[int], lps: list[PositionLogprobs], k: int, tok: Tokenizer
+                  ) -> dict[str, Any]:
     content = []
-    for tok, lp in zip(token_ids, lps, strict=True):
-        text = _token_str(lp, tok)
+    for t, lp in zip(token_ids, lps, strict=True):
+        text = tok.decode_token(t)
         content.append({
-            "token": text, "logprob": lp[tok].logprob, "bytes": list(text.encode()),
-            "top_logprobs": [{"token": v.decoded_token or "", "logprob": v.logprob,
-                              "bytes": list((v.decoded_token or "").encode())}
-                             for _t, v in _top(lp, k)]})
+            "token": text, "logprob": lp[t].logprob, "bytes": list(text.encode()),
+            "top_logprobs": [{"token": tok.decode_token(i), "logprob": v.logprob,
+                              "bytes": list(tok.decode_token(i).encode())}
+                             for i, v in _top(lp, k)]})
     return {"content": content}
 
 
@@ -229,6 +271,7 @@ def chat_logprobs(token_ids: list[int], lps: list[PositionLogprobs], k: int) -> 
 class ChoiceCursor:
     sent_chars: int = 0
     sent_tokens: int = 0
+    sent_offset: int = 0  # completions logprobs: text_offset of the next token
     finished: bool = False
 
 

@@ -1,8 +1,17 @@
 """/v1/chat/completions: messages through the model's chat template; the role streams
-first; logprobs in the chat format; response_format json_object / json_schema."""
+first; logprobs in the chat format; response_format json_object / json_schema.
+
+continue_final_message renders the conversation with a sentinel after the final message's
+content and cuts the text there, so the template's own closing of that message is dropped
+wherever the template puts it, and however it rewrites (trims) the content:
+
+    <|im_start|>assistant\nThe answer is SENTINEL<|im_end|>\n
+    |============ prompt =============|  cut
+"""
 
 from __future__ import annotations
 
+import secrets
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -16,6 +25,7 @@ from kvserve.sampling_params import SamplingParams
 from kvserve.server.errors import bad_request
 from kvserve.server.protocol import ChatCompletionRequest, ChatMessage
 from kvserve.server.serving import (
+    EngineStream,
     ServingContext,
     Streamer,
     add_all,
@@ -33,7 +43,9 @@ from kvserve.server.serving import (
 _CHAT_FIELDS = set(ChatCompletionRequest.model_fields)
 
 
-_CHAT_RENAMES = {"prompt": "messages", "max_tokens": "max_completion_tokens"}
+_CHAT_RENAMES = {"prompt": "messages"}
+# OpenAI's roles -> what chat templates know.
+_TEMPLATE_ROLES = {"developer": "system"}
 
 
 def _conversation(messages: list[ChatMessage]) -> list[dict[str, Any]]:
@@ -43,7 +55,7 @@ def _conversation(messages: list[ChatMessage]) -> list[dict[str, Any]]:
             content = "\n".join(p.text for p in m.content)
         else:
             content = m.content or ""
-        msg: dict[str, Any] = {"role": m.role, "content": content}
+        msg: dict[str, Any] = {"role": _TEMPLATE_ROLES.get(m.role, m.role), "content": content}
         if m.name is not None:
             msg["name"] = m.name
         conv.append(msg)
@@ -56,17 +68,20 @@ async def render_chat(ctx: ServingContext, messages: list[ChatMessage],
         if m.content is None and m.role != "assistant":
             raise bad_request(f"messages[{i}].content is required for role {m.role}",
                               f"messages[{i}].content")
+    if continue_final:
+        if add_generation_prompt:
+            raise bad_request("continue_final_message and add_generation_prompt cannot both "
+                              "be true: set add_generation_prompt to false to continue the "
+                              "final message", "continue_final_message")
+        if messages[-1].role != "assistant":
+            raise bad_request(f"continue_final_message needs an assistant message last, got "
+                              f"role {messages[-1].role}", "continue_final_message")
     tok = ctx.engine.tokenizer
     conv = _conversation(messages)
 
     def render() -> list[int]:
         if continue_final:
-            text = tok.apply_chat_template(conv, add_generation_prompt=False)
-            assert isinstance(text, str)
-            # Continue the final (assistant) message: drop what the template closes it with.
-            last = conv[-1]["content"]
-            cut = text.rfind(last) + len(last) if last else len(text)
-            return tok.encode(text[:cut], add_special_tokens=False)
+            return tok.encode(_continue_final_text(tok, conv), add_special_tokens=False)
         ids = tok.apply_chat_template(conv, add_generation_prompt=add_generation_prompt,
                                       tokenize=True)
         assert isinstance(ids, list)
@@ -80,39 +95,72 @@ async def render_chat(ctx: ServingContext, messages: list[ChatMessage],
                           "messages") from None
 
 
+def _continue_final_text(tok: Any, conv: list[dict[str, Any]]) -> str:
+    """The rendered conversation up to the end of the final message's content."""
+    sentinel = f"KVSERVE_CONTINUE_{secrets.token_hex(8)}"
+    marked = [*conv[:-1], {**conv[-1], "content": conv[-1]["content"] + sentinel}]
+    text = tok.apply_chat_template(marked, add_generation_prompt=False)
+    assert isinstance(text, str)
+    cut = text.find(sentinel)
+    if cut < 0 or text.find(sentinel, cut + 1) >= 0:
+        raise ValueError("continue_final_message: the chat template does not render the "
+                         "final message's content once, as written, so there is no place "
+                         "to continue it from")
+    return text[:cut]
+
+
+def check_tools(req: ChatCompletionRequest) -> None:
+    """Tool calling is not built yet: a client that sends tools must not get prose that
+    looks like an answer (finish_reason "stop") as if its tools had been considered."""
+    for name in ("tools", "functions"):
+        if getattr(req, name):
+            raise bad_request(f"{name} is not supported by this server yet (no tool calling); "
+                              f"send the request without {name}", name)
+    for name in ("tool_choice", "function_call"):
+        value = getattr(req, name)
+        if value is not None and value != "none":
+            raise bad_request(f"{name} is not supported by this server yet (no tool calling); "
+                              f"only \"none\" or no {name} is allowed", name)
+
+
 async def create_chat_completion(ctx: ServingContext, req: ChatCompletionRequest,
-                                 request_id: str) -> dict[str, Any] | AsyncIterator[str]:
+                                 request_id: str) -> dict[str, Any] | EngineStream:
     check_common(ctx, req)
+    check_tools(req)
     if req.top_logprobs is not None and not req.logprobs:
         raise bad_request("top_logprobs requires logprobs to be true", "top_logprobs")
-    max_tokens = (req.max_completion_tokens if req.max_completion_tokens is not None
-                  else req.max_tokens)
+    # Errors about the limit name the field the client sent (OpenAI's newer name by default).
+    use_new = req.max_completion_tokens is not None or req.max_tokens is None
+    max_tokens = req.max_completion_tokens if use_new else req.max_tokens
+    renames = {**_CHAT_RENAMES, "max_tokens": "max_completion_tokens"} if use_new \
+        else _CHAT_RENAMES
     params = build_params(req, max_tokens=max_tokens,
                           logprobs=(req.top_logprobs or 0) if req.logprobs else None,
                           prompt_logprobs=req.prompt_logprobs, fields=_CHAT_FIELDS,
-                          renames=_CHAT_RENAMES)
+                          renames=renames)
     ids = await render_chat(ctx, req.messages, req.add_generation_prompt,
                             req.continue_final_message)
     streams = await add_all(ctx, [{"prompt_token_ids": ids}], params, req.priority,
-                            uuid.uuid4().hex, _CHAT_FIELDS, _CHAT_RENAMES)
+                            uuid.uuid4().hex, _CHAT_FIELDS, renames)
     head = {"id": f"chatcmpl-{request_id}", "created": int(time.time()),
             "model": ctx.model_name}
     if req.stream:
-        return _stream_chat(ctx, req, streams[0], params, head)
+        return EngineStream(_stream_chat(ctx, req, streams[0], params, head), streams)
     try:
         (out,) = await collect(streams)
     finally:
-        release_all(ctx, streams)
+        release_all(ctx.engine, streams)
     choices = []
     for c in out.outputs:
-        lp = (chat_logprobs(c.token_ids, list(c.logprobs or []), req.top_logprobs or 0)
-              if req.logprobs else None)
+        lp = (chat_logprobs(c.token_ids, list(c.logprobs or []), req.top_logprobs or 0,
+                            ctx.engine.tokenizer) if req.logprobs else None)
         choices.append({"index": c.index,
                         "message": {"role": "assistant", "content": c.text, "refusal": None},
                         "logprobs": lp, "finish_reason": c.finish_reason})
     n_gen = sum(len(c.token_ids) for c in out.outputs)
     return {**head, "object": "chat.completion", "choices": choices,
-            "usage": usage(len(out.prompt_token_ids), n_gen), "system_fingerprint": None}
+            "usage": usage(len(out.prompt_token_ids), n_gen, out.num_cached_tokens),
+            "system_fingerprint": None}
 
 
 async def _stream_chat(ctx: ServingContext, req: ChatCompletionRequest, stream: RequestStream,
@@ -127,12 +175,11 @@ async def _stream_chat(ctx: ServingContext, req: ChatCompletionRequest, stream: 
             obj["usage"] = None
         return sse(obj)
 
-    n = params.n
-    for i in range(n):  # the role comes first, one chunk per choice
-        yield chunk({"index": i, "delta": {"role": "assistant", "content": ""},
-                     "logprobs": None, "finish_reason": None})
     last: RequestOutput | None = None
     try:
+        for i in range(params.n):  # the role comes first, one chunk per choice
+            yield chunk({"index": i, "delta": {"role": "assistant", "content": ""},
+                         "logprobs": None, "finish_reason": None})
         async for out in stream:
             last = out
             for c in out.outputs:
@@ -142,17 +189,16 @@ async def _stream_chat(ctx: ServingContext, req: ChatCompletionRequest, stream: 
                 lp = None
                 if req.logprobs:
                     lp = chat_logprobs(c.token_ids[t0:t1], list(c.logprobs or [])[t0:t1],
-                                       req.top_logprobs or 0)
+                                       req.top_logprobs or 0, ctx.engine.tokenizer)
                 delta = {"content": text} if text or not done else {}
                 yield chunk({"index": c.index, "delta": delta, "logprobs": lp,
                              "finish_reason": c.finish_reason if done else None})
         if include_usage and last is not None:
             n_gen = sum(len(c.token_ids) for c in last.outputs)
             yield sse({**head, "choices": [],
-                        "usage": usage(len(last.prompt_token_ids), n_gen)})
+                        "usage": usage(len(last.prompt_token_ids), n_gen,
+                                       last.num_cached_tokens)})
     except Exception as e:
         yield stream_error(e).sse()
-    finally:
-        ctx.engine.release(stream)
     yield "data: [DONE]\n\n"
 

@@ -13,6 +13,7 @@ from kvserve.sampling_params import SamplingParams
 from kvserve.server.errors import bad_request
 from kvserve.server.protocol import MAX_CHOICES, MAX_PROMPTS, CompletionRequest
 from kvserve.server.serving import (
+    EngineStream,
     ServingContext,
     Streamer,
     add_all,
@@ -47,7 +48,7 @@ def _prompts(req: CompletionRequest) -> list[str | list[int]]:
 
 
 async def create_completion(ctx: ServingContext, req: CompletionRequest, request_id: str
-                            ) -> dict[str, Any] | AsyncIterator[str]:
+                            ) -> dict[str, Any] | EngineStream:
     check_common(ctx, req)
     if req.suffix is not None:
         raise bad_request("suffix is not supported", "suffix")
@@ -79,15 +80,16 @@ async def create_completion(ctx: ServingContext, req: CompletionRequest, request
     head = {"id": rid, "object": "text_completion", "created": created,
             "model": ctx.model_name}
     if req.stream:
-        return _stream_completion(ctx, req, streams, params, head, n)
+        return EngineStream(_stream_completion(ctx, req, streams, params, head, n), streams)
     try:
         finals = await collect(streams)
     finally:
-        release_all(ctx, streams)
+        release_all(ctx.engine, streams)
     choices = []
-    n_prompt = n_gen = 0
+    n_prompt = n_gen = n_cached = 0
     for i, out in enumerate(finals):
         n_prompt += len(out.prompt_token_ids)
+        n_cached += out.num_cached_tokens
         prompt_text = await _prompt_text(ctx, out) if req.echo else ""
         for c in out.outputs:
             n_gen += len(c.token_ids)
@@ -97,7 +99,7 @@ async def create_completion(ctx: ServingContext, req: CompletionRequest, request
                                                  ctx.engine.tokenizer)
             choices.append({"index": i * n + c.index, "text": prompt_text + c.text,
                             "logprobs": lp, "finish_reason": c.finish_reason})
-    return {**head, "choices": choices, "usage": usage(n_prompt, n_gen),
+    return {**head, "choices": choices, "usage": usage(n_prompt, n_gen, n_cached),
             "system_fingerprint": None}
 
 
@@ -111,17 +113,24 @@ def _completion_choice_logprobs(req: CompletionRequest, out: RequestOutput,
                                 c: CompletionOutput, prompt_text: str, tokenizer: Any
                                 ) -> dict[str, Any]:
     k = req.logprobs or 0
-    gen = completion_logprobs(c.token_ids, list(c.logprobs or []), k, len(prompt_text))
+    gen = completion_logprobs(c.token_ids, list(c.logprobs or []), k, len(prompt_text),
+                              tokenizer)
     if not req.echo:
         return gen
+    prompt_lp = _prompt_logprobs(out, k, tokenizer)
+    return {key: prompt_lp[key] + gen[key] for key in gen}
+
+
+def _prompt_logprobs(out: RequestOutput, k: int, tokenizer: Any) -> dict[str, Any]:
+    """The echoed prompt's logprobs in the completions format (offsets from 0)."""
     plp = out.prompt_logprobs or [None] * len(out.prompt_token_ids)
-    prompt_lp = completion_logprobs(out.prompt_token_ids, plp, k, 0)
+    prompt_lp = completion_logprobs(out.prompt_token_ids, plp, k, 0, tokenizer)
     if plp and plp[0] is None and out.prompt_token_ids:
         # The first prompt token has no logprob (nothing precedes it) but still has text.
         first = tokenizer.decode(out.prompt_token_ids[:1], skip_special_tokens=False)
         prompt_lp["tokens"][0] = first
         prompt_lp["text_offset"] = [0] + [o + len(first) for o in prompt_lp["text_offset"][1:]]
-    return {key: prompt_lp[key] + gen[key] for key in gen}
+    return prompt_lp
 
 
 async def _stream_completion(ctx: ServingContext, req: CompletionRequest,
@@ -131,22 +140,37 @@ async def _stream_completion(ctx: ServingContext, req: CompletionRequest,
     st = Streamer(hold_back(params))
     n_prompt: dict[int, int] = {}
     n_gen: dict[int, int] = {}
+    n_cached: dict[int, int] = {}
     echoed: set[int] = set()
     try:
         async for i, out in merged(streams):
             n_prompt[i] = len(out.prompt_token_ids)
+            n_cached[i] = out.num_cached_tokens
             for c in out.outputs:
                 idx = i * n + c.index
                 text, t0, t1, done = st.delta(idx, c)
+                prompt_text = ""
                 if req.echo and idx not in echoed:
                     echoed.add(idx)
-                    text = await _prompt_text(ctx, out) + text
-                if not text and t0 == t1 and not done:
+                    prompt_text = await _prompt_text(ctx, out)
+                if not prompt_text and not text and t0 == t1 and not done:
                     continue
                 lp = None
                 if req.logprobs is not None:
+                    # text_offset counts from the start of the choice's text, across chunks.
+                    cur = st.cursors[idx]
+                    plp = None
+                    if prompt_text:
+                        # The echoed prompt's logprobs lead, as in the non-streamed answer.
+                        plp = _prompt_logprobs(out, req.logprobs, ctx.engine.tokenizer)
+                        cur.sent_offset = len(prompt_text)
                     lp = completion_logprobs(c.token_ids[t0:t1], list(c.logprobs or [])[t0:t1],
-                                             req.logprobs, 0)
+                                             req.logprobs, cur.sent_offset,
+                                             ctx.engine.tokenizer)
+                    cur.sent_offset += sum(len(t) for t in lp["tokens"])
+                    if plp is not None:
+                        lp = {key: plp[key] + lp[key] for key in lp}
+                text = prompt_text + text
                 choice = {"index": idx, "text": text, "logprobs": lp,
                           "finish_reason": c.finish_reason if done else None}
                 chunk: dict[str, Any] = {**head, "choices": [choice]}
@@ -156,11 +180,10 @@ async def _stream_completion(ctx: ServingContext, req: CompletionRequest,
             n_gen[i] = sum(len(c.token_ids) for c in out.outputs)
         if include_usage:
             yield sse({**head, "choices": [],
-                        "usage": usage(sum(n_prompt.values()), sum(n_gen.values()))})
+                        "usage": usage(sum(n_prompt.values()), sum(n_gen.values()),
+                                       sum(n_cached.values()))})
     except Exception as e:  # engine died or shut down mid-stream: a clean error event
         yield stream_error(e).sse()
-    finally:
-        release_all(ctx, streams)
     yield "data: [DONE]\n\n"
 
 

@@ -66,13 +66,17 @@ class Reference:
 
     def logprobs(self, ids: list[int]) -> torch.Tensor:
         """[len(ids), V] float32: row i = log_softmax of the logits after ids[: i + 1]."""
+        return torch.log_softmax(self.logits(ids), dim=-1)
+
+    def logits(self, ids: list[int]) -> torch.Tensor:
+        """[len(ids), V] float32: row i = the logits after ids[: i + 1]."""
         runner = PagedSequence(self.model, num_blocks=len(ids) // 16 + 2, block_size=16)
         # The KV cache in the server's dtype (float16, the default with quantization gguf):
         # the int8 activations amplify its rounding to ~0.1 in a logprob, so a float32 cache
         # would be a different model, not a tighter reference.
         runner.kv = runner.kv.to(KV_DTYPE)
         (logits,) = runner.forward({runner.new_seq(): ids})
-        return torch.log_softmax(logits.float(), dim=-1)
+        return logits.float()
 
     def decode(self, t: int) -> str:
         # How the engine names a token in logprobs (llm_engine._decorate).

@@ -5,6 +5,7 @@ to 503 (through the real app, over httpx's ASGI transport)."""
 from __future__ import annotations
 
 import asyncio
+import threading
 from typing import Any
 
 import httpx
@@ -12,6 +13,7 @@ import pytest
 
 from kvserve.async_engine import AsyncEngine, EngineDeadError
 from kvserve.sampling_params import SamplingParams
+from kvserve.scheduler import QueueFullError
 from kvserve.server.api import ServerConfig, app_state, build_app
 
 
@@ -101,6 +103,140 @@ def test_dead_engine_ends_streams_and_health(make_engine: Any) -> None:
             assert r.status_code == 503 and r.json()["error"]["code"] == "engine_dead"
             with pytest.raises(EngineDeadError):
                 await eng.add_request("late", "Hello", _params(5))
+        await eng.shutdown()
+
+    asyncio.run(run())
+
+
+def _app(eng: AsyncEngine) -> tuple[Any, httpx.AsyncClient]:
+    app = build_app(ServerConfig(model_name="m"))
+    app_state(app).engine = eng
+    client = httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t")
+    return app, client
+
+
+def test_dead_engine_fails_waiting_requests_with_503_and_reports_death(make_engine: Any
+                                                                        ) -> None:
+    async def run() -> None:
+        engine = make_engine()
+        eng = AsyncEngine(engine)
+        died: list[str] = []
+        eng.on_dead = died.append
+        eng.start()
+        _app_, http = _app(eng)
+        async with http:
+            real_step = engine.step
+            steps = 0
+
+            def failing_step() -> Any:  # fault injection: the forward fails mid-request
+                nonlocal steps
+                steps += 1
+                if steps == 3:
+                    raise RuntimeError("device lost")
+                return real_step()
+
+            engine.step = failing_step
+            r = await http.post("/v1/completions", json={"prompt": "Hello", "max_tokens": 50,
+                                                         "ignore_eos": True})
+            # A non-streamed request cut by the engine's death: OpenAI's 503, not a 500.
+            assert r.status_code == 503, r.text
+            assert r.json()["error"]["code"] == "engine_dead"
+            await _wait_for(lambda: bool(died))
+            assert died == ["RuntimeError: device lost"]
+        await eng.shutdown()
+
+    asyncio.run(run())
+
+
+def test_watchdog_turns_health_503_while_a_step_hangs(make_engine: Any) -> None:
+    async def run() -> None:
+        engine = make_engine()
+        eng = AsyncEngine(engine, watchdog_timeout=0.5)
+        eng.start()
+        _app_, http = _app(eng)
+        async with http:
+            real_step = engine.step
+            release = threading.Event()
+
+            def hung_step() -> Any:  # fault injection: a step that never returns (till told)
+                release.wait(30)
+                return real_step()
+
+            engine.step = hung_step
+            stream = await eng.add_request("stuck", "Hello", _params(4))
+            await asyncio.sleep(1.2)
+            assert not eng.is_healthy and eng.is_alive
+            r = await http.get("/health")
+            assert r.status_code == 503 and r.json()["error"]["code"] == "engine_stalled"
+            engine.step = real_step
+            release.set()
+            async for out in stream:
+                final = out
+            assert final.finished and len(final.outputs[0].token_ids) == 4
+            assert eng.is_healthy and (await http.get("/health")).status_code == 200
+            # Idle with nothing in flight is never "stalled", however long it lasts.
+            await asyncio.sleep(1.0)
+            assert eng.stalled_for() == 0.0 and eng.is_healthy
+            # Draining: 503 too, and new requests are refused with shutting_down.
+            eng.begin_drain()
+            r = await http.get("/health")
+            assert r.status_code == 503 and r.json()["error"]["code"] == "shutting_down"
+            r = await http.post("/v1/completions", json={"prompt": "x"})
+            assert r.status_code == 503 and r.json()["error"]["code"] == "shutting_down"
+        await eng.shutdown()
+
+    asyncio.run(run())
+
+
+def _schema(i: int) -> dict[str, Any]:
+    return {"type": "object", "required": [f"k{i}"],
+            "properties": {f"k{i}": {"type": "string"}, f"n{i}": {"type": "integer"}}}
+
+
+def test_grammars_compile_after_the_cheap_checks_in_a_bounded_pool(make_engine: Any) -> None:
+    from kvserve.sampling_params import StructuredOutputsParams
+
+    def json_params(i: int, **kw: Any) -> SamplingParams:
+        kw.setdefault("max_tokens", 4)
+        return SamplingParams(structured_outputs=StructuredOutputsParams(json=_schema(i)),
+                              **kw)
+
+    async def run() -> None:
+        engine = make_engine(max_model_len=1024, max_waiting_requests=1, max_num_seqs=1)
+        so = engine.structured_output
+        eng = AsyncEngine(engine, grammar_timeout=0.001, max_pending_grammars=1)
+        eng.start()
+        # Refused for length, a bad logit_bias id or a logprobs budget: nothing compiled.
+        for prompt, kw in (([5] * 1100, {}), ("Hello", {"logit_bias": {10**7: 1.0}}),
+                           ([5] * 10, {"n": 128, "logprobs": 20, "max_tokens": None})):
+            with pytest.raises(ValueError, match="max_model_len|logit_bias|logprob entries"):
+                p = json_params(0, **kw)
+                await eng.add_request(f"bad{len(str(kw))}", prompt, p)
+        assert so.num_compiled == 0
+        # The queue bound comes before any work: fill it (one running, one waiting).
+        held = [await eng.add_request("h0", "Hello", _params(200))]
+        await _wait_for(lambda: eng.stats.num_running == 1)
+        held.append(await eng.add_request("h1", "Hello", _params(200)))
+        await _wait_for(lambda: eng.stats.num_waiting == 1)
+        with pytest.raises(QueueFullError):
+            await eng.add_request("full", "Hello", json_params(1))
+        assert so.num_compiled == 0
+        for s in held:
+            eng.release(s)
+        await _wait_for(lambda: eng.stats.num_running == 0 and eng.stats.num_waiting == 0)
+        # A compile slower than its timeout is a 400-style ValueError; it keeps its slot in the
+        # bounded pool until the thread is done, so the next grammar is refused meanwhile.
+        with pytest.raises(ValueError, match="took longer than 0.001s to compile"):
+            await eng.add_request("slow", "Hello", json_params(2))
+        with pytest.raises(QueueFullError, match="grammars are being compiled"):
+            await eng.add_request("next", "Hello", json_params(3))
+        await _wait_for(lambda: eng._grammars_pending == 0)
+        eng.grammar_timeout = 30.0
+        stream = await eng.add_request("ok", "Hello", json_params(4, temperature=0))
+        async for out in stream:
+            final = out
+        # "slow" and "ok" compiled, once each: the engine thread used the compiled grammar.
+        assert final.finished and so.num_compiled == 2
         await eng.shutdown()
 
     asyncio.run(run())

@@ -490,3 +490,24 @@ def test_random_workload_keeps_kv_consistent_and_outputs_independent_of_pressure
     assert tight == roomy
     aborted, _ = run(num_blocks=9, budget=6, abort={"r3", "r7"})
     assert all(aborted[rid] == roomy[rid] for rid in aborted)
+
+
+def test_the_children_of_one_request_count_once_against_the_waiting_bound() -> None:
+    sched = make_scheduler(max_waiting_requests=2)
+    for i in range(3):  # three children of "p": one waiting request as the bound counts
+        sched.add_request(Request(f"p#{i}", [5, 6, 7], SamplingParams(), max_tokens=4,
+                                  group_id="p"))
+    sched.add_request(make_request("q", 4))
+    assert sched.num_waiting == 4 and sched.num_waiting_groups == 2
+    with pytest.raises(QueueFullError, match="2 requests"):
+        sched.add_request(make_request("r", 4))
+    # A group's slot frees only when its last child leaves the queue.
+    sched.abort_request("p#0")
+    sched.abort_request("p#1")
+    with pytest.raises(QueueFullError):
+        sched.add_request(make_request("r", 4))
+    sched.abort_request("p#2")
+    assert sched.num_waiting_groups == 1
+    sched.add_request(make_request("r", 4))
+    step(sched)  # both admitted: the queue is empty again
+    assert sched.num_waiting == sched.num_waiting_groups == 0

@@ -73,3 +73,27 @@ def test_bad_schema_is_a_value_error(smollm2: Any) -> None:
         mgr.compile(StructuredOutputsParams(json={"type": "no-such-type"}))
     with pytest.raises(ValueError, match="exactly one"):
         StructuredOutputsParams()
+
+
+def _schemas(n: int) -> list[StructuredOutputsParams]:
+    return [StructuredOutputsParams(json={
+        "type": "object", "properties": {f"field_{i}_{j}": {"type": "string", "maxLength": 40}
+                                         for j in range(6)},
+        "required": [f"field_{i}_0"]}) for i in range(n)]
+
+
+def test_the_grammar_cache_is_bounded(smollm2: Any) -> None:
+    tok, vocab = smollm2[1].tokenizer, smollm2[1].model_config.vocab_size
+    unbounded = StructuredOutputManager(tok, vocab, cache_limit_bytes=1 << 40)
+    for spec in _schemas(12):
+        unbounded.compile(spec)
+    per_schema = unbounded.cache_size_bytes / 12
+    assert per_schema > 0  # what an unbounded cache keeps: every schema it ever compiled
+    limit = int(per_schema * 3)
+    mgr = StructuredOutputManager(tok, vocab, cache_limit_bytes=limit)
+    for spec in _schemas(12):
+        mgr.compile(spec)
+        assert mgr.cache_size_bytes <= limit * 1.25, (mgr.cache_size_bytes, limit)
+    assert mgr.num_compiled == 12
+    with pytest.raises(ValueError, match=">= 0 bytes"):
+        StructuredOutputManager(tok, vocab, cache_limit_bytes=-1)

@@ -133,8 +133,10 @@ def test_completion_greedy_logprobs_equal_direct_forward(http: httpx.Client, eng
     offsets = [sum(len(t) for t in lp["tokens"][:j]) for j in range(len(out_ids))]
     assert lp["text_offset"] == offsets
 
-    # Streamed: the chunks' logprobs, concatenated, are the non-streamed ones.
-    got: dict[str, list[Any]] = {"tokens": [], "token_logprobs": [], "top_logprobs": []}
+    # Streamed: the chunks' logprobs, concatenated, are the non-streamed ones (text_offset
+    # too: it counts from the start of the choice's text, across chunks).
+    got: dict[str, list[Any]] = {"tokens": [], "token_logprobs": [], "top_logprobs": [],
+                                 "text_offset": []}
     with http.stream("POST", "/v1/completions", json={**body, "stream": True}) as s:
         for ev in sse_events(s.iter_lines()):
             if ev != "[DONE]" and ev["choices"][0]["logprobs"] is not None:
@@ -206,7 +208,8 @@ def test_echo_prompt_logprobs_equal_direct_forward(http: httpx.Client, engine: A
                                  for i in range(len(want["tokens"]))]
 
     # Streamed, the prompt's logprobs come too (with the echoed prompt), then the output's.
-    got: dict[str, list[Any]] = {"tokens": [], "token_logprobs": [], "top_logprobs": []}
+    got: dict[str, list[Any]] = {"tokens": [], "token_logprobs": [], "top_logprobs": [],
+                                 "text_offset": []}
     text = ""
     with http.stream("POST", "/v1/completions", json={**body, "stream": True}) as s:
         for ev in sse_events(s.iter_lines()):

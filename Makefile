@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 PROMPT ?= Explain in two sentences why the sky is blue.
 
-.PHONY: setup run serve test bench
+.PHONY: setup run serve test fuzz bench
 setup: $(VENV)/.installed
 
 # torch is pinned to 2.13.0 everywhere: that is the CPU wheel; any other spec pulls a
@@ -29,6 +29,13 @@ serve: setup
 
 test: setup
 	$(PY) -m pytest $(PYTEST_ARGS)
+
+# The schema-driven fuzz run of tests/e2e/test_fuzz_openapi.py with many more generated cases
+# than the test suite's (FUZZ_EXAMPLES per operation and generation mode; derandomized, so a
+# given count sends the same cases every run). About 10 minutes on 2 cores at 300.
+FUZZ_EXAMPLES ?= 300
+fuzz: setup
+	KVSERVE_FUZZ_EXAMPLES=$(FUZZ_EXAMPLES) $(PY) -m pytest tests/e2e/test_fuzz_openapi.py $(PYTEST_ARGS)
 
 # The side-by-side benchmark: builds the peers (llama-cpp-python, llama-server) into
 # benchmarks/.peers-venv and benchmarks/.cache on first use, then measures kvserve and them

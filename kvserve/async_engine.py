@@ -532,11 +532,13 @@ class AsyncEngine:
         self._timing.pop(cmd.request_id, None)
         if stream is None:
             return  # finished already, or never added
+        choices = self.engine.num_choices(cmd.request_id)
         self.engine.abort_request(cmd.request_id)
         if cmd.error is not None:
             self._post(self._deliver_error, stream, cmd.error)
         if self.stats_listener is not None:
-            self.stats_listener(IterationStats(finished_reasons=["abort"]))
+            # One finish per choice, as a request that runs to the end counts them.
+            self.stats_listener(IterationStats(finished_reasons=["abort"] * choices))
         self._publish_stats()
 
     def _dispatch(self, outputs: list[RequestOutput], t_step: float) -> None:

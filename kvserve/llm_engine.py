@@ -245,6 +245,11 @@ class LLMEngine:
                 self._child_to_parent.pop(ch.request.request_id, None)
             self.runner.remove_requests([ch.request.request_id for ch in parent.children])
 
+    def num_choices(self, request_id: str) -> int:
+        """How many choices (n) an unfinished request has; 0 for an unknown id."""
+        parent = self._parents.get(request_id)
+        return len(parent.children) if parent is not None else 0
+
     def has_unfinished_requests(self) -> bool:
         return bool(self._parents)
 

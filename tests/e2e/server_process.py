@@ -24,14 +24,15 @@ def free_port() -> int:
 
 
 class ServerProcess:
-    def __init__(self, *args: str, api_key: str = "test-key", startup_timeout: float = 120.0
-                 ) -> None:
+    def __init__(self, *args: str, api_key: str = "test-key", startup_timeout: float = 120.0,
+                 module: str = "kvserve.cli") -> None:
+        """module: what `python -m` runs (a test launcher that injects a fault, say)."""
         self.port = free_port()
         self.api_key = api_key
         self.base_url = f"http://127.0.0.1:{self.port}"
         self._log = tempfile.NamedTemporaryFile("w+", prefix="kvserve-", suffix=".log",
                                                 delete=False)
-        cmd = [sys.executable, "-m", "kvserve.cli", "serve", "--port", str(self.port),
+        cmd = [sys.executable, "-m", module, "serve", "--port", str(self.port),
                "--api-key", api_key, "--log-level", "warning", *args]
         env = {**os.environ, "PYTHONUNBUFFERED": "1"}
         self.proc = subprocess.Popen(cmd, cwd=ROOT, stdout=self._log, stderr=subprocess.STDOUT,

@@ -81,6 +81,12 @@ class ServerProcess:
         self.proc.send_signal(signal.SIGTERM)
         return self.proc.wait(timeout)
 
+    def __enter__(self) -> ServerProcess:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
     def stop(self) -> None:
         if self.proc.poll() is None:
             self.proc.send_signal(signal.SIGTERM)
@@ -90,3 +96,16 @@ class ServerProcess:
                 self.proc.kill()
                 self.proc.wait(10)
         self._log.close()
+
+
+def wait_idle(server: ServerProcess, timeout: float = 20.0) -> dict[str, float]:
+    """Waits until the server runs and queues nothing and holds no KV blocks; its metrics."""
+    deadline = time.monotonic() + timeout
+    while True:
+        m = server.metrics()
+        if (m["vllm:num_requests_running"] == 0 and m["vllm:num_requests_waiting"] == 0
+                and m["vllm:kv_cache_usage_perc"] == 0):
+            return m
+        if time.monotonic() > deadline:
+            raise AssertionError(f"server not idle after {timeout}s: {m}")
+        time.sleep(0.1)

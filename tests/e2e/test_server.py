@@ -25,7 +25,7 @@ import pytest
 from kvserve.outputs import RequestOutput
 from kvserve.sampling_params import SamplingParams
 from tests.conftest import run_all
-from tests.e2e.server_process import ServerProcess
+from tests.e2e.server_process import ServerProcess, wait_idle
 
 MAX_MODEL_LEN = 2048
 MAX_NUM_SEQS = 16
@@ -44,43 +44,16 @@ ABORT = 'vllm:request_success_total{finished_reason="abort"}'
 
 @pytest.fixture(scope="module")
 def server() -> Iterator[ServerProcess]:
-    srv = ServerProcess("--kv-cache-memory", "256MiB", "--max-model-len", str(MAX_MODEL_LEN),
-                        "--max-num-seqs", str(MAX_NUM_SEQS), "--max-waiting-requests",
-                        str(MAX_WAITING), "--max-body-bytes", str(MAX_BODY),
-                        "--shutdown-timeout", str(SHUTDOWN_TIMEOUT))
-    try:
+    with ServerProcess("--kv-cache-memory", "256MiB", "--max-model-len", str(MAX_MODEL_LEN),
+                       "--max-num-seqs", str(MAX_NUM_SEQS), "--max-waiting-requests",
+                       str(MAX_WAITING), "--max-body-bytes", str(MAX_BODY),
+                       "--shutdown-timeout", str(SHUTDOWN_TIMEOUT)) as srv:
         yield srv
-    finally:
-        srv.stop()
-
-
-@pytest.fixture(scope="module")
-def client(server: ServerProcess) -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"{server.base_url}/v1", api_key=server.api_key,
-                         max_retries=0, timeout=120)
-
-
-@pytest.fixture(scope="module")
-def http(server: ServerProcess) -> Iterator[httpx.Client]:
-    with httpx.Client(base_url=server.base_url, headers=server.headers, timeout=60) as c:
-        yield c
 
 
 @pytest.fixture(scope="module")
 def engine(make_engine: Any) -> Any:
     return make_engine(max_model_len=MAX_MODEL_LEN)
-
-
-def wait_idle(server: ServerProcess, timeout: float = 15.0) -> dict[str, float]:
-    deadline = time.monotonic() + timeout
-    while True:
-        m = server.metrics()
-        if (m["vllm:num_requests_running"] == 0 and m["vllm:num_requests_waiting"] == 0
-                and m["vllm:kv_cache_usage_perc"] == 0):
-            return m
-        if time.monotonic() > deadline:
-            raise AssertionError(f"server not idle after {timeout}s: {m}")
-        time.sleep(0.1)
 
 
 def engine_run(engine: Any, prompt: Any, **params: Any) -> RequestOutput:

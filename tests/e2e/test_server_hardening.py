@@ -22,7 +22,7 @@ import pytest
 from kvserve.sampling_params import SamplingParams
 from tests.conftest import run_all
 from tests.e2e.fault_server import FAULT_TRIGGER
-from tests.e2e.server_process import ServerProcess
+from tests.e2e.server_process import ServerProcess, wait_idle
 
 MAX_MODEL_LEN = 1024
 MAX_NUM_SEQS = 32
@@ -34,42 +34,15 @@ MSGS = [{"role": "user", "content": "Hi"}]
 
 @pytest.fixture(scope="module")
 def server() -> Iterator[ServerProcess]:
-    srv = ServerProcess("--kv-cache-memory", "256MiB", "--max-model-len", str(MAX_MODEL_LEN),
-                        "--max-num-seqs", str(MAX_NUM_SEQS), "--max-waiting-requests",
-                        str(MAX_WAITING))
-    try:
+    with ServerProcess("--kv-cache-memory", "256MiB", "--max-model-len", str(MAX_MODEL_LEN),
+                       "--max-num-seqs", str(MAX_NUM_SEQS), "--max-waiting-requests",
+                       str(MAX_WAITING)) as srv:
         yield srv
-    finally:
-        srv.stop()
-
-
-@pytest.fixture(scope="module")
-def http(server: ServerProcess) -> Iterator[httpx.Client]:
-    with httpx.Client(base_url=server.base_url, headers=server.headers, timeout=60) as c:
-        yield c
-
-
-@pytest.fixture(scope="module")
-def client(server: ServerProcess) -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"{server.base_url}/v1", api_key=server.api_key,
-                         max_retries=0, timeout=120)
 
 
 @pytest.fixture(scope="module")
 def engine(make_engine: Any) -> Any:
     return make_engine(max_model_len=MAX_MODEL_LEN)
-
-
-def wait_idle(server: ServerProcess, timeout: float = 20.0) -> dict[str, float]:
-    deadline = time.monotonic() + timeout
-    while True:
-        m = server.metrics()
-        if (m["vllm:num_requests_running"] == 0 and m["vllm:num_requests_waiting"] == 0
-                and m["vllm:kv_cache_usage_perc"] == 0):
-            return m
-        if time.monotonic() > deadline:
-            raise AssertionError(f"server not idle after {timeout}s: {m}")
-        time.sleep(0.1)
 
 
 def assert_error(r: httpx.Response, status: int, param: str | None, *words: str) -> None:

@@ -25,24 +25,9 @@ from tests.e2e.test_server_honest_logprobs import Reference
 
 @pytest.fixture(scope="module")
 def server() -> Iterator[ServerProcess]:
-    srv = ServerProcess("--kv-cache-memory", "256MiB", "--max-model-len", "2048",
-                        "--kv-cache-dtype", "float16")
-    try:
+    with ServerProcess("--kv-cache-memory", "256MiB", "--max-model-len", "2048",
+                       "--kv-cache-dtype", "float16") as srv:
         yield srv
-    finally:
-        srv.stop()
-
-
-@pytest.fixture(scope="module")
-def client(server: ServerProcess) -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"{server.base_url}/v1", api_key=server.api_key,
-                         max_retries=0, timeout=120)
-
-
-@pytest.fixture(scope="module")
-def http(server: ServerProcess) -> Iterator[httpx.Client]:
-    with httpx.Client(base_url=server.base_url, headers=server.headers, timeout=60) as c:
-        yield c
 
 
 @pytest.fixture(scope="module")

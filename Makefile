@@ -32,7 +32,7 @@ test: setup
 
 # The schema-driven fuzz run of tests/e2e/test_fuzz_openapi.py with many more generated cases
 # than the test suite's (FUZZ_EXAMPLES per operation and generation mode; derandomized, so a
-# given count sends the same cases every run). About 10 minutes on 2 cores at 300.
+# given count sends the same cases every run). About 13 minutes on 2 cores at 300.
 FUZZ_EXAMPLES ?= 300
 fuzz: setup
 	KVSERVE_FUZZ_EXAMPLES=$(FUZZ_EXAMPLES) $(PY) -m pytest tests/e2e/test_fuzz_openapi.py $(PYTEST_ARGS)

@@ -14,6 +14,7 @@ import copy
 import json
 import os
 import sys
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -224,7 +225,7 @@ def valid_combination(body: Any) -> Any:
         return body
     if body.get("stream_options") is not None:
         body["stream"] = True
-    if body.get("top_logprobs") is not None and body.get("logprobs") is False:
+    if body.get("top_logprobs") is not None and "prompt" not in body:
         body["logprobs"] = True
     fmt = body.get("response_format")
     if isinstance(fmt, dict) and fmt.get("type") != "text":
@@ -294,13 +295,26 @@ def test_fuzz_openapi(api_schema: BaseSchema, server: ServerProcess, method: str
 @pytest.mark.parametrize("path", [path for method, path in OPERATIONS if method == "POST"])
 def test_fuzz_engine(engine_api_schema: BaseSchema, server: ServerProcess, path: str) -> None:
     """The document with the engine's ranges declared too: these cases are valid requests, so
-    they run on the engine (sampling, logprobs, stops, logit_bias, grammars, streaming)."""
+    they run on the engine (sampling, logprobs, stops, logit_bias, grammars, streaming). A
+    few may still be refused: a text prompt that tokenizes to nothing, say."""
     statuses = fuzz(engine_api_schema[path]["POST"], GenerationMode.POSITIVE, server, valid=True)
-    assert statuses.count(200) >= len(statuses) // 2, statuses
+    assert statuses.count(200) >= 0.9 * len(statuses), statuses
 
 
 def test_healthy_after_fuzzing(server: ServerProcess) -> None:
+    """After the run: alive, /health 200, no unhandled error logged, and nothing left behind
+    (no request running or waiting, no KV block held), the engine cases having run."""
     assert server.proc.poll() is None, server.log()[-6000:]
     assert httpx.get(f"{server.base_url}/health", timeout=10).status_code == 200
     log = server.log()
     assert "unhandled error" not in log and "Traceback" not in log, log[-6000:]
+    deadline = time.monotonic() + 10
+    while True:  # the gauges are the engine's last stats snapshot: give it a step to land
+        m = server.metrics()
+        idle = (m["vllm:num_requests_running"], m["vllm:num_requests_waiting"],
+                m["vllm:kv_cache_usage_perc"]) == (0, 0, 0)
+        if idle or time.monotonic() > deadline:
+            break
+        time.sleep(0.2)
+    assert idle, m
+    assert sum(v for k, v in m.items() if k.startswith("vllm:request_success_total")) > 0, m

@@ -128,7 +128,21 @@ class SchedulerConfig:
                  f"({self.max_model_len})")
 
 
-QUANTIZATIONS = ("gguf", "gguf_exact", "none")
+@dataclass(frozen=True)
+class QuantConfig:
+    """Which quantization method (a name in kvserve.quant's registry) runs the weights.
+
+    none: every weight in the model dtype. gguf: a GGUF file's Q4_1 / Q8_0 linear weights keep
+    their bytes (repacked) and multiply int8-quantized activations, llama.cpp's arithmetic.
+    gguf_exact: the same blocks as stored, computed in float32, the float32 model's output bit
+    for bit."""
+
+    method: str = "none"
+
+    def __post_init__(self) -> None:
+        from kvserve.quant import get_quant_method_class
+
+        get_quant_method_class(self.method)  # ValueError naming the known methods
 
 
 @dataclass(frozen=True)
@@ -141,11 +155,7 @@ class EngineConfig:
     device: str = "cpu"
     seed: int = 0
     ops_backend: str = "auto"  # "auto" | "reference" | "cpu" | "torch" (kvserve.ops registry)
-    # Q4_1 / Q8_0 linear weights of a GGUF file (kvserve/quant/gguf.py): "gguf" keeps their
-    # bytes (repacked) and multiplies them by int8-quantized activations, llama.cpp's
-    # arithmetic; "gguf_exact" keeps the blocks as stored and computes in float32, the float32
-    # model's output bit for bit; "none" dequantizes every weight to `dtype` at load.
-    quantization: str = "none"
+    quant: QuantConfig = field(default_factory=QuantConfig)
     # Bound of the compiled-grammar cache (response_format schemas), in bytes; 0: no cache.
     grammar_cache_bytes: int = 256 << 20
 
@@ -154,19 +164,17 @@ class EngineConfig:
                  f"grammar_cache_bytes must be >= 0, got {self.grammar_cache_bytes}")
         _require(self.dtype in _DTYPES,
                  f"dtype must be one of {', '.join(_DTYPES)}, got {self.dtype!r}")
-        _require(self.quantization in QUANTIZATIONS,
-                 f"quantization must be one of {', '.join(QUANTIZATIONS)}, got "
-                 f"{self.quantization!r}")
-        gguf = self.quantization != "none"
-        _require(not gguf or self.model.lower().endswith(".gguf"),
-                 f"quantization {self.quantization!r} needs a .gguf model file, got "
-                 f"{self.model!r}")
-        _require(not gguf or self.dtype == "float32",
-                 f"quantization {self.quantization!r} computes in float32; dtype must be "
-                 f"float32, got {self.dtype!r}")
+        from kvserve.quant import get_quant_method_class
+
+        get_quant_method_class(self.quant.method).validate(self)
         _require(self.scheduler.max_model_len <= self.model_config.max_position_embeddings,
                  f"max_model_len ({self.scheduler.max_model_len}) must be <= the model's "
                  f"context length ({self.model_config.max_position_embeddings})")
+
+    @property
+    def quantization(self) -> str:
+        """The quantization method's name (quant.method)."""
+        return self.quant.method
 
     def replace(self, **kw: Any) -> EngineConfig:
         return dataclasses.replace(self, **kw)

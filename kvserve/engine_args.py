@@ -11,14 +11,15 @@ import dataclasses
 from dataclasses import dataclass
 
 from kvserve.config import (
-    QUANTIZATIONS,
     CacheConfig,
     EngineConfig,
     ModelConfig,
+    QuantConfig,
     SchedulerConfig,
     parse_memory,
 )
 from kvserve.platform import default_device
+from kvserve.quant import detect_quantization, quant_method_names
 
 
 @dataclass
@@ -62,9 +63,8 @@ class EngineArgs:
             raise ValueError(f"max_model_len ({max_len}) must be <= the model's sliding window "
                              f"({mc.sliding_window}): kvserve runs full attention")
         budget = self.max_num_batched_tokens or (512 if device == "cpu" else 2048)
-        quantization = self.quantization or (
-            "gguf" if model_path.lower().endswith(".gguf") and device == "cpu"
-            and dtype == "float32" and self.ops_backend in ("auto", "cpu") else "none")
+        quantization = self.quantization or detect_quantization(model_path, device, dtype,
+                                                                 self.ops_backend)
         if not self.enable_chunked_prefill:
             budget = max(budget, max_len)
         return EngineConfig(
@@ -81,7 +81,7 @@ class EngineArgs:
                                       enable_chunked_prefill=self.enable_chunked_prefill,
                                       max_waiting_requests=self.max_waiting_requests),
             dtype=dtype, device=device, seed=self.seed, ops_backend=self.ops_backend,
-            quantization=quantization,
+            quant=QuantConfig(method=quantization),
             grammar_cache_bytes=parse_memory(self.grammar_cache_memory,
                                              "grammar_cache_memory") or 0)
 
@@ -125,7 +125,7 @@ class EngineArgs:
                        help="bound of the compiled response_format grammars kept for reuse, "
                             "in bytes or with a unit (default 256MiB; 0: no cache)")
         p.add_argument("--quantization", "-q", default=d.quantization,
-                       choices=list(QUANTIZATIONS),
+                       choices=quant_method_names(),
                        help="for a GGUF file's Q4_1 / Q8_0 weights. gguf (default for .gguf "
                        "files on the CPU): keep their bytes and multiply them by activations "
                        "quantized to int8 per 32 values, as llama.cpp does; gguf_exact: keep "

@@ -29,6 +29,7 @@ from kvserve.models import build_model
 from kvserve.ops import get_ops
 from kvserve.outputs import CompletionOutput, PositionLogprobs, RequestOutput
 from kvserve.platform import available_memory
+from kvserve.quant import get_quant_method
 from kvserve.request import Request, RequestStatus
 from kvserve.sampling_params import MAX_LOGPROB_ENTRIES, SamplingParams
 from kvserve.scheduler import Scheduler
@@ -87,7 +88,8 @@ class LLMEngine:
         config = args.create_engine_config(path, ckpt.model_config)
         t_ckpt = time.perf_counter()
         ops = get_ops(config.ops_backend, config.device)
-        if config.quantization != "none" and not getattr(ops, "uses_kernels", False):
+        quant = get_quant_method(config.quant)
+        if quant.needs_kernels and not getattr(ops, "uses_kernels", False):
             # Only kvserve's CPU kernels read blocks as stored; anywhere else every forward
             # would dequantize every matrix again.
             if args.quantization is None:
@@ -95,6 +97,7 @@ class LLMEngine:
                 # (the KV cache dtype) follows it here too.
                 args = dataclasses.replace(args, quantization="none")
                 config = args.create_engine_config(path, ckpt.model_config)
+                quant = get_quant_method(config.quant)
             else:
                 logger.warning("quantization %r without kvserve's CPU kernels (ops=%s): "
                                "every linear runs the pure-torch reference on its blocks; "
@@ -102,7 +105,7 @@ class LLMEngine:
                                ops.name)
         t_ops = time.perf_counter()
         mc = config.model_config
-        model = build_model(ckpt, ops, torch_dtype(config.dtype), config.quantization,
+        model = build_model(ckpt, ops, torch_dtype(config.dtype), quant,
                             config.scheduler.max_model_len).to(config.device)
         t_weights = time.perf_counter()
         num_blocks = cls.num_kv_blocks(config)

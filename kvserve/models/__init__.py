@@ -8,8 +8,13 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
+from kvserve.config import QuantConfig
+from kvserve.quant import get_quant_method
+
 if TYPE_CHECKING:
     import torch
+
+    from kvserve.quant.base import QuantMethod
 
 _MODELS: dict[str, str] = {
     "LlamaForCausalLM": "kvserve.models.llama:LlamaForCausalLM",
@@ -22,15 +27,17 @@ def supported_architectures() -> list[str]:
     return sorted(_MODELS)
 
 
-def build_model(ckpt: Any, ops: Any, dtype: torch.dtype, quantization: str = "none",
+def build_model(ckpt: Any, ops: Any, dtype: torch.dtype, quant: QuantMethod | str = "none",
                 max_positions: int | None = None) -> Any:
-    """A checkpoint's model with its weights loaded, in eval mode, on the CPU.
-    quantization "gguf" / "gguf_exact" keeps a GGUF file's Q4_1 / Q8_0 matrices as blocks
-    (kvserve/quant/gguf.py)."""
+    """A checkpoint's model with its weights loaded, in eval mode, on the CPU. quant: a
+    QuantMethod, or a method name of kvserve.quant's registry ("gguf" keeps a GGUF file's
+    Q4_1 / Q8_0 matrices as blocks)."""
+    if isinstance(quant, str):
+        quant = get_quant_method(QuantConfig(method=quant))
     mc = ckpt.model_config
     model = get_model_class(mc.architecture)(mc, ops, dtype, max_positions=max_positions,
-                                             quantization=quantization)
-    model.load_weights(ckpt.weights(keep_quantized=quantization != "none"))
+                                             quant=quant)
+    model.load_weights(ckpt.weights(keep_quantized=quant.keeps_quantized))
     return model.eval()
 
 

@@ -13,10 +13,10 @@ import torch
 from torch import nn
 
 from kvserve.config import ModelConfig
-from kvserve.layers.linear import Linear, LinearMethod
+from kvserve.layers.linear import Linear
 from kvserve.layers.rotary import rope_cos_sin
 from kvserve.outputs import ModelInput
-from kvserve.quant.gguf import GGUFLinearMethod, GGUFWeight
+from kvserve.quant.base import NoQuantization, QuantizedTensor, QuantMethod, dense, is_quantized
 
 
 class RMSNorm(nn.Module):
@@ -34,16 +34,12 @@ class RMSNorm(nn.Module):
         return self.ops.add_rms_norm(x, residual, self.weight, self.eps)
 
 
-def linear_method(quantization: str) -> LinearMethod | None:
-    """The LinearMethod of every linear layer for a quantization (EngineConfig.quantization)."""
-    if quantization == "none":
-        return None
-    return GGUFLinearMethod(int8_activations=quantization == "gguf")
+_NONE = NoQuantization()
 
 
 class LlamaAttention(nn.Module):
     def __init__(self, cfg: ModelConfig, layer_idx: int, ops: Any, dtype: torch.dtype,
-                 quantization: str = "none") -> None:
+                 quant: QuantMethod = _NONE) -> None:
         super().__init__()
         self.layer_idx = layer_idx
         self.num_heads = cfg.num_attention_heads
@@ -53,12 +49,13 @@ class LlamaAttention(nn.Module):
         self.kv_size = self.num_kv_heads * self.head_dim
         self.scale = self.head_dim**-0.5
         self.ops = ops
+        prefix = f"model.layers.{layer_idx}.self_attn"
         self.qkv_proj = Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size,
                                bias=cfg.attention_bias, ops=ops, dtype=dtype,
                                shard_sizes=(self.q_size, self.kv_size, self.kv_size),
-                               quant_method=linear_method(quantization))
+                               quant_method=quant.linear_method(f"{prefix}.qkv_proj"))
         self.o_proj = Linear(self.q_size, cfg.hidden_size, bias=False, ops=ops, dtype=dtype,
-                             quant_method=linear_method(quantization))
+                             quant_method=quant.linear_method(f"{prefix}.o_proj"))
 
     def forward(self, x: torch.Tensor, inp: ModelInput, kv_cache: torch.Tensor,
                 cos_sin: torch.Tensor) -> torch.Tensor:
@@ -78,14 +75,15 @@ class LlamaAttention(nn.Module):
 
 class LlamaMLP(nn.Module):
     def __init__(self, cfg: ModelConfig, ops: Any, dtype: torch.dtype,
-                 quantization: str = "none") -> None:
+                 quant: QuantMethod = _NONE, prefix: str = "model.layers.0.mlp") -> None:
         super().__init__()
         i = cfg.intermediate_size
         self.ops = ops
         self.gate_up_proj = Linear(cfg.hidden_size, 2 * i, bias=False, ops=ops, dtype=dtype,
-                                   shard_sizes=(i, i), quant_method=linear_method(quantization))
+                                   shard_sizes=(i, i),
+                                   quant_method=quant.linear_method(f"{prefix}.gate_up_proj"))
         self.down_proj = Linear(i, cfg.hidden_size, bias=False, ops=ops, dtype=dtype,
-                                quant_method=linear_method(quantization))
+                                quant_method=quant.linear_method(f"{prefix}.down_proj"))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(self.ops.silu_and_mul(self.gate_up_proj(x)))
@@ -93,13 +91,13 @@ class LlamaMLP(nn.Module):
 
 class LlamaDecoderLayer(nn.Module):
     def __init__(self, cfg: ModelConfig, layer_idx: int, ops: Any, dtype: torch.dtype,
-                 quantization: str = "none") -> None:
+                 quant: QuantMethod = _NONE) -> None:
         super().__init__()
         self.ops = ops
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops, dtype)
-        self.self_attn = LlamaAttention(cfg, layer_idx, ops, dtype, quantization)
+        self.self_attn = LlamaAttention(cfg, layer_idx, ops, dtype, quant)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops, dtype)
-        self.mlp = LlamaMLP(cfg, ops, dtype, quantization)
+        self.mlp = LlamaMLP(cfg, ops, dtype, quant, f"model.layers.{layer_idx}.mlp")
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None, inp: ModelInput,
                 kv_cache: torch.Tensor, cos_sin: torch.Tensor
@@ -123,22 +121,22 @@ class LlamaForCausalLM(nn.Module):
     }
 
     def __init__(self, cfg: ModelConfig, ops: Any, dtype: torch.dtype = torch.float32,
-                 max_positions: int | None = None, quantization: str = "none") -> None:
-        """quantization: "gguf" / "gguf_exact" keeps a GGUF file's Q4_1 / Q8_0 linear weights
-        (lm_head included, tied or not) as blocks; the embedding lookup always uses floats."""
+                 max_positions: int | None = None, quant: QuantMethod = _NONE) -> None:
+        """quant: hands every linear layer (lm_head included, tied or not) its LinearMethod;
+        the embedding lookup always uses floats."""
         super().__init__()
         self.config = cfg
         self.ops = ops
         self.embed_tokens = nn.Parameter(torch.empty(cfg.vocab_size, cfg.hidden_size,
                                                      dtype=dtype), requires_grad=False)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, i, ops, dtype, quantization)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, i, ops, dtype, quant)
                                     for i in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops, dtype)
         self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False, ops=ops, dtype=dtype,
-                              quant_method=linear_method(quantization))
+                              quant_method=quant.linear_method("lm_head"))
         if cfg.tie_word_embeddings:
-            # Tied: one float tensor serves both, unless lm_head keeps the embedding's GGUF
-            # blocks (then the lookup still reads the dequantized floats).
+            # Tied: one float tensor serves both, unless lm_head keeps the embedding's
+            # quantized form (then the lookup still reads the dequantized floats).
             self.lm_head.weight = self.embed_tokens
         # RoPE table kept in float32 whatever the weights' dtype: positions need the precision.
         # A buffer, so that model.to(device) moves it; not in the state dict.
@@ -163,8 +161,11 @@ class LlamaForCausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden).float()
 
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Load HF-named tensors. Raises ValueError naming unknown or missing tensors."""
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor | QuantizedTensor]]
+                     ) -> None:
+        """Load HF-named tensors, as floats or as the loader kept them (QuantizedTensor: a
+        Linear's method decides; anything else gets floats). Raises ValueError naming unknown
+        or missing tensors."""
         params = dict(self.named_parameters(remove_duplicate=False))
         params["model.embed_tokens.weight"] = params.pop("embed_tokens")
         loaded: set[str] = set()
@@ -173,10 +174,10 @@ class LlamaForCausalLM(nn.Module):
                 continue
             if name == "lm_head.weight" and self.config.tie_word_embeddings:
                 continue
-            if isinstance(tensor, GGUFWeight) and name == "model.embed_tokens.weight":
+            if is_quantized(tensor) and name == "model.embed_tokens.weight":
                 if self.config.tie_word_embeddings:
                     self.lm_head.load_shard("weight", 0, tensor)  # keeps or dequantizes
-                tensor = tensor.dequantize()
+                tensor = dense(tensor)
             key = name.removeprefix("model.") if name != "model.embed_tokens.weight" else name
             for frag, (fused, shard) in self.stacked_params.items():
                 if frag in key:
@@ -191,14 +192,14 @@ class LlamaForCausalLM(nn.Module):
                 if key not in params:
                     raise ValueError(f"checkpoint tensor {name!r} has no place in "
                                      f"{self.config.architecture}")
-                if isinstance(tensor, GGUFWeight):
+                if is_quantized(tensor):
                     owner, pname = key.rsplit(".", 1)
                     module = self.get_submodule(owner)
                     if isinstance(module, Linear):
                         module.load_shard(pname, 0, tensor)
                         loaded.add(key)
                         continue
-                    tensor = tensor.dequantize()
+                    tensor = dense(tensor)
                 if tuple(params[key].shape) != tuple(tensor.shape):
                     raise ValueError(f"checkpoint tensor {name!r} has shape "
                                      f"{tuple(tensor.shape)}, expected {tuple(params[key].shape)}")

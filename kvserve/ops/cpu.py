@@ -265,17 +265,13 @@ class CpuOps(ReferenceOps):
         """The fused kernel's weight arguments, or None when a piece of the layer is not
         float32 or GGUF Q4_1 / Q8_0 blocks (half-precision weights, another quantization) or
         has an odd head_dim."""
-        from kvserve.layers.linear import UnquantizedLinearMethod
-        from kvserve.quant.gguf import GGUFLinearMethod
-
         attn, mlp = layer.self_attn, layer.mlp
         linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
         tensors = [lin.weight for lin in linears if lin.weight.dtype != torch.uint8] + [
             layer.input_layernorm.weight, layer.post_attention_layernorm.weight, cos_sin]
         if attn.qkv_proj.bias is not None:
             tensors.append(attn.qkv_proj.bias)
-        if (any(type(lin.quant_method) not in (UnquantizedLinearMethod, GGUFLinearMethod)
-                for lin in linears)
+        if (any(not getattr(lin.quant_method, "fusable", False) for lin in linears)
                 or any(not lin.weight.is_contiguous() for lin in linears)
                 or any(lin.bias is not None for lin in linears[1:])
                 or any(t.dtype != torch.float32 or not t.is_contiguous() for t in tensors)

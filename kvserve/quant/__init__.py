@@ -1,6 +1,51 @@
-"""Quantized weights. A LinearMethod (kvserve/layers/linear.py's seam) per format; models never
-mention quantization.
+"""Quantized weights: a registry of QuantMethods keyed by name (kvserve/quant/base.py is the
+seam they implement; models never mention a format).
 
-    gguf.py   GGUF block formats run as stored (Q4_1, Q8_0): the loader hands the blocks over,
-              GGUFLinearMethod keeps them, the ops backends' linear reads them.
+    none        NoQuantization: every weight in the model's dtype
+    gguf        GGUF Q4_1 / Q8_0 blocks kept, int8 activations, exact int dot products
+                (llama.cpp's arithmetic); the default for a .gguf file in float32 on the CPU
+    gguf_exact  the same blocks, dequantized in registers: the float32 model bit for bit
+
+Adding a method is a file in this folder plus a line in _METHODS. Methods import lazily, so
+`--quantization`'s choices cost no import.
 """
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from kvserve.config import QuantConfig
+    from kvserve.quant.base import QuantMethod
+
+_METHODS: dict[str, str] = {
+    "gguf": "kvserve.quant.gguf:GGUFQuantMethod",
+    "gguf_exact": "kvserve.quant.gguf:GGUFExactQuantMethod",
+    "none": "kvserve.quant.base:NoQuantization",
+}
+
+
+def quant_method_names() -> list[str]:
+    return sorted(_METHODS)
+
+
+def get_quant_method_class(name: str) -> type[QuantMethod]:
+    if name not in _METHODS:
+        raise ValueError(f"quantization must be one of {', '.join(quant_method_names())}, "
+                         f"got {name!r}")
+    mod, cls = _METHODS[name].split(":")
+    return getattr(importlib.import_module(mod), cls)
+
+
+def get_quant_method(config: QuantConfig) -> QuantMethod:
+    return get_quant_method_class(config.method)(config)
+
+
+def detect_quantization(model_path: str, device: str, dtype: str, ops_backend: str) -> str:
+    """The default method for a checkpoint and target: the first that finds itself, else
+    "none"."""
+    for name in quant_method_names():
+        if get_quant_method_class(name).detect(model_path, device, dtype, ops_backend):
+            return name
+    return "none"

@@ -12,7 +12,7 @@ instead of 32. `dequantize` below is the pure-torch reference, itself tested aga
 
 Other GGUF types are dequantized to the model's dtype at load, as before.
 
-Two ways to run the blocks (EngineConfig.quantization):
+Two ways to run the blocks (two registry entries, kvserve/quant/__init__.py):
 
 - "gguf" (the default on the CPU): llama.cpp's arithmetic. The weights are repacked at load
   (`pack`, same bytes) into groups of 16 rows whose int4/int8 quants interleave 4 at a time,
@@ -27,10 +27,15 @@ Two ways to run the blocks (EngineConfig.quantization):
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
 from torch import nn
+
+from kvserve.quant.base import LinearMethod, QuantizedTensor, QuantMethod, copy_shard, dense
+
+if TYPE_CHECKING:
+    from kvserve.config import EngineConfig
 
 Q4_1, Q8_0 = 3, 8  # ggml type ids
 BLOCK = 32
@@ -86,6 +91,8 @@ class GGUFLinearMethod:
     `ops.qlinear` multiplies by int8-quantized activations; otherwise they stay as stored
     (2-D) and `ops.linear` dequantizes them in registers."""
 
+    fusable = True  # the fused layer stack reads float32 rows and both block layouts
+
     def __init__(self, int8_activations: bool = True) -> None:
         self.int8_activations = int8_activations
         self.shards: dict[int, GGUFWeight] = {}
@@ -96,12 +103,19 @@ class GGUFLinearMethod:
         layer.weight = nn.Parameter(torch.empty(layer.out_features, layer.in_features,
                                                 dtype=dtype), requires_grad=False)
 
-    def load_quantized(self, layer: Any, shard: int, w: GGUFWeight) -> None:
+    def load_shard(self, layer: Any, name: str, shard: int,
+                   tensor: torch.Tensor | QuantizedTensor) -> None:
+        """A weight shard in a kernel format is kept until every shard is in; anything else
+        (a bias, a float tensor, another block format) goes in as floats now."""
+        if name != "weight" or not isinstance(tensor, GGUFWeight) \
+                or tensor.qtype not in BLOCK_BYTES:
+            copy_shard(layer, name, shard, dense(tensor))
+            return
         size = layer.shard_sizes[shard]
-        if w.k != layer.in_features or w.data.shape[0] != size:
-            raise ValueError(f"GGUF tensor of {w.data.shape[0]} x {w.k} weights does not fit "
-                             f"shard {shard} of shape {(size, layer.in_features)}")
-        self.shards[shard] = w
+        if tensor.k != layer.in_features or tensor.data.shape[0] != size:
+            raise ValueError(f"GGUF tensor of {tensor.data.shape[0]} x {tensor.k} weights does "
+                             f"not fit shard {shard} of shape {(size, layer.in_features)}")
+        self.shards[shard] = tensor
 
     def process_weights_after_loading(self, layer: Any) -> None:
         shards = [self.shards.get(i) for i in range(len(layer.shard_sizes))]
@@ -124,6 +138,42 @@ class GGUFLinearMethod:
         if layer.weight.dim() == 3:
             return layer.ops.qlinear(x, layer.weight, layer.out_features, layer.bias)
         return layer.ops.linear(x, layer.weight, layer.bias)
+
+
+class GGUFQuantMethod(QuantMethod):
+    """quantization "gguf": a GGUF file's Q4_1 / Q8_0 matrices kept and packed, run against
+    int8 activations (llama.cpp's arithmetic). The default for a .gguf file in float32 on
+    kvserve's CPU kernels."""
+
+    name = "gguf"
+    keeps_quantized = True
+    needs_kernels = True
+    int8_activations = True
+
+    @classmethod
+    def detect(cls, model_path: str, device: str, dtype: str, ops_backend: str) -> bool:
+        return (cls.name == "gguf" and model_path.lower().endswith(".gguf") and device == "cpu"
+                and dtype == "float32" and ops_backend in ("auto", "cpu"))
+
+    @classmethod
+    def validate(cls, config: EngineConfig) -> None:
+        if not config.model.lower().endswith(".gguf"):
+            raise ValueError(f"quantization {cls.name!r} needs a .gguf model file, got "
+                             f"{config.model!r}")
+        if config.dtype != "float32":
+            raise ValueError(f"quantization {cls.name!r} computes in float32; dtype must be "
+                             f"float32, got {config.dtype!r}")
+
+    def linear_method(self, prefix: str) -> LinearMethod:
+        return GGUFLinearMethod(int8_activations=self.int8_activations)
+
+
+class GGUFExactQuantMethod(GGUFQuantMethod):
+    """quantization "gguf_exact": the same blocks kept as stored and dequantized in
+    registers, so the output is the float32 model's bit for bit."""
+
+    name = "gguf_exact"
+    int8_activations = False
 
 
 def qtype_of(data: torch.Tensor, k: int) -> int:

@@ -1,0 +1,132 @@
+"""The quantization seam: what a quantization method is, and what it hands each linear layer.
+
+    QuantConfig (config.py)          which method, and its knobs
+      -> QuantMethod (a registry entry, kvserve/quant/__init__.py)
+           finds itself in a checkpoint (detect), checks a config (validate),
+           says whether the loader keeps checkpoint tensors as stored (keeps_quantized)
+           -> linear_method(prefix): one LinearMethod per linear layer
+                create_weights            the layer's parameters, before loading
+                load_shard                one checkpoint tensor into one output shard
+                process_weights_after_loading   repack once every shard is in
+                apply                     y = x W^T + b in the method's arithmetic
+
+The model file builds its Linear layers with `quant.linear_method(prefix)` and never names a
+format; a checkpoint tensor it cannot place as stored (an embedding, a norm) it turns into
+floats with `dense`, whatever the format.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, ClassVar, Protocol
+
+import torch
+from torch import nn
+
+if TYPE_CHECKING:
+    from kvserve.config import EngineConfig, QuantConfig
+    from kvserve.layers.linear import Linear
+
+
+class QuantizedTensor(Protocol):
+    """A checkpoint tensor the loader kept as stored (kvserve.quant.gguf.GGUFWeight, ...)."""
+
+    def dequantize(self) -> torch.Tensor: ...
+
+
+def is_quantized(tensor: torch.Tensor | QuantizedTensor) -> bool:
+    """Whether a checkpoint tensor came as stored (not a torch.Tensor: torch.Tensor has a
+    dequantize method of its own, so the protocol alone cannot tell them apart)."""
+    return not isinstance(tensor, torch.Tensor)
+
+
+def dense(tensor: torch.Tensor | QuantizedTensor) -> torch.Tensor:
+    """A checkpoint tensor as floats, whatever its format."""
+    return tensor.dequantize() if is_quantized(tensor) else tensor  # type: ignore[return-value]
+
+
+class LinearMethod(Protocol):
+    """How one Linear layer stores and applies its weight (vLLM's LinearMethodBase).
+
+    fusable: the CPU backend's fused layer stack may read layer.weight directly (float32
+    rows, or GGUF blocks in the formats its kernels know)."""
+
+    fusable: bool
+
+    def create_weights(self, layer: Linear, dtype: torch.dtype) -> None: ...
+
+    def load_shard(self, layer: Linear, name: str, shard: int,
+                   tensor: torch.Tensor | QuantizedTensor) -> None: ...
+
+    def process_weights_after_loading(self, layer: Linear) -> None: ...
+
+    def apply(self, layer: Linear, x: torch.Tensor) -> torch.Tensor: ...
+
+
+def copy_shard(layer: Linear, name: str, shard: int, tensor: torch.Tensor) -> None:
+    """Copies a float tensor into output-row shard `shard` of parameter `name` (weight or
+    bias); ValueError naming both shapes when it does not fit."""
+    start = sum(layer.shard_sizes[:shard])
+    size = layer.shard_sizes[shard]
+    param = getattr(layer, name)
+    if param is None or tuple(tensor.shape) != (size,) + tuple(param.shape[1:]):
+        want = None if param is None else (size,) + tuple(param.shape[1:])
+        raise ValueError(f"tensor of shape {tuple(tensor.shape)} does not fit {name} shard "
+                         f"{shard} of shape {want}")
+    param.data[start:start + size].copy_(tensor)
+
+
+class UnquantizedLinearMethod:
+    """Dense weights in nn.Linear's [out, in] layout, which both the small-M kernels and
+    MKL's large-M GEMM read row-contiguously. A quantized checkpoint tensor is dequantized."""
+
+    fusable = True
+
+    def create_weights(self, layer: Linear, dtype: torch.dtype) -> None:
+        layer.weight = nn.Parameter(torch.empty(layer.out_features, layer.in_features,
+                                                dtype=dtype), requires_grad=False)
+
+    def load_shard(self, layer: Linear, name: str, shard: int,
+                   tensor: torch.Tensor | QuantizedTensor) -> None:
+        copy_shard(layer, name, shard, dense(tensor))
+
+    def process_weights_after_loading(self, layer: Linear) -> None:
+        pass
+
+    def apply(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
+        return layer.ops.linear(x, layer.weight, layer.bias)
+
+
+class QuantMethod:
+    """One quantization method: a registry entry (kvserve.quant), built from a QuantConfig.
+
+    Subclasses set name, override linear_method, and, where they apply, detect / validate."""
+
+    name: ClassVar[str] = "none"
+    # The loader hands checkpoint tensors over as stored (QuantizedTensor) instead of floats.
+    keeps_quantized: ClassVar[bool] = False
+    # Only kvserve's CPU kernels run it; on another backend every forward would dequantize.
+    needs_kernels: ClassVar[bool] = False
+
+    def __init__(self, config: QuantConfig | None = None) -> None:
+        self.config = config
+
+    @classmethod
+    def detect(cls, model_path: str, device: str, dtype: str, ops_backend: str) -> bool:
+        """Whether this method is the default for such a checkpoint and target."""
+        return False
+
+    @classmethod
+    def validate(cls, config: EngineConfig) -> None:
+        """ValueError naming the field when the engine config cannot run this method."""
+
+    def linear_method(self, prefix: str) -> LinearMethod:
+        """The LinearMethod of the linear layer `prefix` (its checkpoint name, e.g.
+        "model.layers.0.self_attn.qkv_proj")."""
+        return UnquantizedLinearMethod()
+
+
+class NoQuantization(QuantMethod):
+    """Every weight in the model's dtype (quantized checkpoint tensors dequantized at load)."""
+
+    name = "none"
+

@@ -1,0 +1,83 @@
+"""The quantization seam: the registry's names and errors, the default each checkpoint gets,
+and a method's LinearMethod reaching every linear layer of a model by its checkpoint name
+(the model file names no format)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+
+from kvserve.config import QuantConfig
+from kvserve.layers.linear import Linear
+from kvserve.models import get_model_class
+from kvserve.ops import get_ops
+from kvserve.quant import detect_quantization, get_quant_method, quant_method_names
+from kvserve.quant.base import NoQuantization, QuantMethod, UnquantizedLinearMethod
+from kvserve.quant.gguf import GGUFLinearMethod
+from tests.helpers import PagedSequence, kvserve_model_from_hf, model_config_from_hf, tiny_hf_model
+
+
+def test_registry_names_and_errors() -> None:
+    assert quant_method_names() == ["gguf", "gguf_exact", "none"]
+    assert isinstance(get_quant_method(QuantConfig()), NoQuantization)
+    gguf = get_quant_method(QuantConfig(method="gguf"))
+    exact = get_quant_method(QuantConfig(method="gguf_exact"))
+    assert gguf.keeps_quantized and gguf.needs_kernels and exact.keeps_quantized
+    lm = gguf.linear_method("lm_head")
+    assert isinstance(lm, GGUFLinearMethod) and lm.int8_activations
+    assert not exact.linear_method("lm_head").int8_activations  # type: ignore[attr-defined]
+    with pytest.raises(ValueError, match="quantization must be one of gguf, gguf_exact, none, "
+                                         "got 'awq'"):
+        QuantConfig(method="awq")
+
+
+@pytest.mark.parametrize("path, device, dtype, ops, want", [
+    ("m.gguf", "cpu", "float32", "auto", "gguf"),
+    ("m.GGUF", "cpu", "float32", "cpu", "gguf"),
+    ("m.gguf", "cpu", "bfloat16", "auto", "none"),
+    ("m.gguf", "cpu", "float32", "reference", "none"),
+    ("m.gguf", "cuda", "float32", "auto", "none"),
+    ("hf_dir", "cpu", "float32", "auto", "none"),
+])
+def test_each_checkpoint_gets_its_default(path: str, device: str, dtype: str, ops: str,
+                                          want: str) -> None:
+    assert detect_quantization(path, device, dtype, ops) == want
+
+
+class _Recording(QuantMethod):
+    """A method that hands out the unquantized LinearMethod and records who asked."""
+
+    name = "recording"
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.prefixes: list[str] = []
+
+    def linear_method(self, prefix: str) -> Any:
+        self.prefixes.append(prefix)
+        return UnquantizedLinearMethod()
+
+
+def test_every_linear_gets_its_method_by_checkpoint_name() -> None:
+    hf = tiny_hf_model("llama")
+    ref = kvserve_model_from_hf(hf, "LlamaForCausalLM", get_ops("reference"))
+    cfg = model_config_from_hf(hf.config, "LlamaForCausalLM")
+    quant = _Recording()
+    model = get_model_class("LlamaForCausalLM")(cfg, get_ops("reference"), torch.float32,
+                                                quant=quant)
+    linears = {name for name, m in model.named_modules() if isinstance(m, Linear)}
+    want = {f"model.layers.{i}.{p}" for i in range(cfg.num_hidden_layers)
+            for p in ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj",
+                      "mlp.down_proj")} | {"lm_head"}
+    assert sorted(quant.prefixes) == sorted(want)
+    # The names are the modules' own paths in the model, checkpoint-style.
+    assert {f"model.{n}" if n.startswith("layers.") else n for n in linears} == want
+    model.load_weights((k, v.detach().clone()) for k, v in hf.state_dict().items())
+    prompt = list(range(3, 20))
+    runs = []
+    for m in (model.eval(), ref):
+        runner = PagedSequence(m)
+        runs.append(runner.forward({runner.new_seq(): prompt})[0])
+    assert torch.equal(runs[0], runs[1])

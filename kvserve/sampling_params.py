@@ -60,7 +60,7 @@ def _check_int(name: str, value: int | None, lo: int, hi: int | None = None,
     if isinstance(value, bool) or not isinstance(value, int):
         raise ValueError(f"{name} must be an integer, got {type(value).__name__}")
     if value < lo or (hi is not None and value > hi):
-        rng = f"[{lo}, {hi}]" if hi is not None else f">= {lo}"
+        rng = f"in [{lo}, {hi}]" if hi is not None else f">= {lo}"
         raise ValueError(f"{name} must be {rng}, got {value}")
 
 

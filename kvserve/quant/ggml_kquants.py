@@ -19,7 +19,7 @@ the 128-weight half, c < 4 a 2-bit plane, t < 2 a nibble), from ggml-common.h / 
     [32, 96)   qs:     the low 2 bits, placed as Q2_K's                       (q in [-4, 3])
     [96, 108)  scales: 16 x 6 bits, stored + 32:
                  bytes 0..7: low 4 bits, scale s in byte s % 8, nibble s // 8
-                 bytes 8..11: high 2 bits, scale s in byte 8 + s % 4, bits 2 (s // 4)
+                 bytes 8..11: high 2 bits, scale s in byte 8 + s % 4 at bit 2 * (s // 4)
     [108, 110) d
   Q4_K (ggml type 12), 144 bytes, 8 sub-blocks of 32:
     [0, 2) d   [2, 4) dmin

@@ -46,6 +46,7 @@ from kvserve.ops.build import (
     toolchain,
 )
 from kvserve.ops.reference import ReferenceOps
+from kvserve.quant.gguf import F32, Q4_1, Q8_0
 
 logger = logging.getLogger("kvserve.ops")
 
@@ -72,6 +73,8 @@ SMALL_M_AVX512 = 2048
 # compute what they would on a float32 cache holding the same values. Others (bfloat16): the
 # reference.
 KV_CACHE_DTYPES = (torch.float32, torch.float16)
+# Weight formats (ggml type ids) the kernels read; the caller names the format (wtype).
+KERNEL_WTYPES = (F32, Q4_1, Q8_0)
 
 
 def cpu_has_avx2_fma() -> bool:
@@ -174,8 +177,8 @@ class CpuOps(ReferenceOps):
         self._vnni = self._avx512 and self._ext.cpu_has_avx512_vnni()
         self.small_m = SMALL_M_AVX512 if self._avx512 else SMALL_M
         self.fuse_layers = fuse_layers and self._ext is not None
-        # layer -> its weights for the fused kernel, or None when it cannot be fused.
-        self._layer_args: dict[Any, tuple | None] = {}
+        # layer -> its LayerWeights for the fused kernel, or None when it cannot be fused.
+        self._layer_args: dict[Any, Any] = {}
         # layer list (fused_llama_stack) or layer (fused_llama_layer) -> its C++ LlamaStack,
         # or None when some layer cannot be fused.
         self._stacks: dict[Any, Any] = {}
@@ -184,35 +187,38 @@ class CpuOps(ReferenceOps):
     def uses_kernels(self) -> bool:
         return self._ext is not None
 
-    def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
-               ) -> torch.Tensor:
-        """weight: float32 [N, K], or uint8 GGUF Q4_1 / Q8_0 blocks (kvserve/quant/gguf.py),
-        which the kernels read as stored and dequantize for torch's GEMM at large M."""
-        if (self._ext is None or x.dtype != torch.float32
+    def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+               *, wtype: int = F32) -> torch.Tensor:
+        """weight: float32 [N, K] (wtype F32), or uint8 GGUF Q4_1 / Q8_0 blocks of the format
+        wtype names (kvserve/quant/gguf.py), which the kernels read as stored and dequantize
+        for torch's GEMM at large M."""
+        if (self._ext is None or x.dtype != torch.float32 or wtype not in KERNEL_WTYPES
                 or weight.dtype not in (torch.float32, torch.uint8)
                 or (bias is not None and (bias.dtype != torch.float32
                                           or not bias.is_contiguous()))
                 or not weight.is_contiguous() or x.dim() == 0):
-            return super().linear(x, weight, bias)
+            return super().linear(x, weight, bias, wtype=wtype)
         k = x.shape[-1]
         x2 = x.reshape(-1, k)
         if x2.shape[0] > self.small_m or x2.stride(-1) != 1:
-            if weight.dtype == torch.uint8:
-                weight = self._ext.dequantize(weight, k)
+            if wtype != F32:
+                weight = self._ext.dequantize(weight, wtype, k)
             return F.linear(x, weight, bias)
-        out = self._ext.linear(x2, weight, bias, self._avx512)
+        out = self._ext.linear(x2, weight, wtype, bias, self._avx512)
         return out.view(*x.shape[:-1], weight.shape[0])
 
     def qlinear(self, x: torch.Tensor, weight: torch.Tensor, n: int,
-                bias: torch.Tensor | None = None) -> torch.Tensor:
-        """weight: packed GGUF groups (kvserve/quant/gguf.py pack); x is quantized to int8 per
-        32 values and the kernels (csrc/qlinear*.cpp) give qlinear_reference's bits at any M."""
+                bias: torch.Tensor | None = None, *, wtype: int) -> torch.Tensor:
+        """weight: packed GGUF groups (kvserve/quant/gguf.py pack) of the format wtype names;
+        x is quantized to int8 per 32 values and the kernels (csrc/qlinear*.cpp) give
+        qlinear_reference's bits at any M."""
         if (self._ext is None or x.dtype != torch.float32 or x.dim() == 0
+                or wtype not in KERNEL_WTYPES
                 or (bias is not None and (bias.dtype != torch.float32
                                           or not bias.is_contiguous()))):
-            return super().qlinear(x, weight, n, bias)
+            return super().qlinear(x, weight, n, bias, wtype=wtype)
         x2 = self._rows(x)
-        return self._ext.qlinear(x2, weight, n, bias, self._vnni).view(*x.shape[:-1], n)
+        return self._ext.qlinear(x2, weight, wtype, n, bias, self._vnni).view(*x.shape[:-1], n)
 
     def fused_llama_layer(self, layer: Any, x: torch.Tensor, residual: torch.Tensor | None,
                           inp: Any, kv_cache: torch.Tensor, cos_sin: torch.Tensor
@@ -254,34 +260,42 @@ class CpuOps(ReferenceOps):
                                  self._ext.LlamaStack(plan, self._avx512, self.small_m))
         return self._stacks[key]
 
-    def _args(self, layer: Any, cos_sin: torch.Tensor) -> tuple | None:
+    def _args(self, layer: Any, cos_sin: torch.Tensor) -> Any:
         """The layer's fused-kernel arguments (_fusable), worked out once per layer."""
         if layer not in self._layer_args:
             self._layer_args[layer] = self._fusable(layer, cos_sin)
         return self._layer_args[layer]
 
-    @staticmethod
-    def _fusable(layer: Any, cos_sin: torch.Tensor) -> tuple | None:
-        """The fused kernel's weight arguments, or None when a piece of the layer is not
-        float32 or GGUF Q4_1 / Q8_0 blocks (half-precision weights, another quantization) or
-        has an odd head_dim."""
+    def _fusable(self, layer: Any, cos_sin: torch.Tensor) -> Any:
+        """The fused kernel's LayerWeights (named fields, each linear's format as its
+        LinearMethod names it), or None when a piece of the layer is not float32 or GGUF
+        Q4_1 / Q8_0 blocks (half-precision weights, another quantization) or has an odd
+        head_dim."""
         attn, mlp = layer.self_attn, layer.mlp
         linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
         tensors = [lin.weight for lin in linears if lin.weight.dtype != torch.uint8] + [
             layer.input_layernorm.weight, layer.post_attention_layernorm.weight, cos_sin]
         if attn.qkv_proj.bias is not None:
             tensors.append(attn.qkv_proj.bias)
-        if (any(not getattr(lin.quant_method, "fusable", False) for lin in linears)
+        if (any(not getattr(lin.quant_method, "fusable", False)
+                or lin.quant_method.wtype not in KERNEL_WTYPES for lin in linears)
                 or any(not lin.weight.is_contiguous() for lin in linears)
                 or any(lin.bias is not None for lin in linears[1:])
                 or any(t.dtype != torch.float32 or not t.is_contiguous() for t in tensors)
                 or attn.head_dim % 8 != 0
                 or layer.input_layernorm.eps != layer.post_attention_layernorm.eps):
             return None
-        return (layer.input_layernorm.weight, layer.post_attention_layernorm.weight,
-                layer.input_layernorm.eps, attn.qkv_proj.weight, attn.qkv_proj.bias,
-                attn.o_proj.weight, mlp.gate_up_proj.weight, mlp.down_proj.weight,
-                attn.num_heads, attn.num_kv_heads, attn.head_dim, attn.scale)
+        w = self._ext.LayerWeights()
+        w.in_norm, w.post_norm = layer.input_layernorm.weight, layer.post_attention_layernorm.weight
+        w.eps = layer.input_layernorm.eps
+        w.qkv, w.qkv_bias, w.qkv_wtype = (attn.qkv_proj.weight, attn.qkv_proj.bias,
+                                          attn.qkv_proj.quant_method.wtype)
+        w.o, w.o_wtype = attn.o_proj.weight, attn.o_proj.quant_method.wtype
+        w.gate_up, w.gate_up_wtype = mlp.gate_up_proj.weight, mlp.gate_up_proj.quant_method.wtype
+        w.down, w.down_wtype = mlp.down_proj.weight, mlp.down_proj.quant_method.wtype
+        w.heads, w.kv_heads, w.head_dim, w.scale = (attn.num_heads, attn.num_kv_heads,
+                                                    attn.head_dim, attn.scale)
+        return w
 
     def paged_attention(self, q: torch.Tensor, kv_cache: torch.Tensor,
                         block_tables: torch.Tensor, seq_lens: torch.Tensor,

@@ -24,23 +24,25 @@ class ReferenceOps:
         return None
 
     @staticmethod
-    def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
-               ) -> torch.Tensor:
-        """weight: float [N, K], or uint8 GGUF blocks (kvserve/quant/gguf.py) dequantized."""
-        if weight.dtype == torch.uint8:
-            from kvserve.quant.gguf import dequantize_any
+    def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
+               wtype: int = 0) -> torch.Tensor:
+        """weight: float [N, K] (wtype 0), or uint8 GGUF blocks of the ggml type wtype
+        (kvserve/quant/gguf.py), dequantized."""
+        if wtype != 0:
+            from kvserve.quant.gguf import dequantize
 
-            weight = dequantize_any(weight, x.shape[-1]).to(x.dtype)
+            weight = dequantize(weight, wtype, x.shape[-1]).to(x.dtype)
         return F.linear(x, weight, bias)
 
     @staticmethod
     def qlinear(x: torch.Tensor, weight: torch.Tensor, n: int,
-                bias: torch.Tensor | None = None) -> torch.Tensor:
-        """weight: packed GGUF groups [ceil(n / 16), K / 32, record bytes]; x quantized to int8
-        per 32 values, as llama.cpp does (kvserve/quant/gguf.py qlinear_reference)."""
+                bias: torch.Tensor | None = None, *, wtype: int) -> torch.Tensor:
+        """weight: packed GGUF groups [ceil(n / 16), K / 32, record bytes] of the ggml type
+        wtype; x quantized to int8 per 32 values, as llama.cpp does (kvserve/quant/gguf.py
+        qlinear_reference)."""
         from kvserve.quant.gguf import qlinear_reference
 
-        return qlinear_reference(x, weight, n, bias).to(x.dtype)
+        return qlinear_reference(x, weight, wtype, n, bias).to(x.dtype)
 
     @staticmethod
     def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

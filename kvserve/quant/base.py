@@ -48,9 +48,12 @@ class LinearMethod(Protocol):
     """How one Linear layer stores and applies its weight (vLLM's LinearMethodBase).
 
     fusable: the CPU backend's fused layer stack may read layer.weight directly (float32
-    rows, or GGUF blocks in the formats its kernels know)."""
+    rows, or GGUF blocks in the formats its kernels know). wtype: the format layer.weight
+    holds once loaded, as a ggml type id (0: float rows), which the kernels are told rather
+    than guess from a row length."""
 
     fusable: bool
+    wtype: int
 
     def create_weights(self, layer: Linear, dtype: torch.dtype) -> None: ...
 
@@ -80,6 +83,7 @@ class UnquantizedLinearMethod:
     MKL's large-M GEMM read row-contiguously. A quantized checkpoint tensor is dequantized."""
 
     fusable = True
+    wtype = 0  # float rows
 
     def create_weights(self, layer: Linear, dtype: torch.dtype) -> None:
         layer.weight = nn.Parameter(torch.empty(layer.out_features, layer.in_features,

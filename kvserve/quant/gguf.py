@@ -37,7 +37,7 @@ from kvserve.quant.base import LinearMethod, QuantizedTensor, QuantMethod, copy_
 if TYPE_CHECKING:
     from kvserve.config import EngineConfig
 
-Q4_1, Q8_0 = 3, 8  # ggml type ids
+F32, Q4_1, Q8_0 = 0, 3, 8  # ggml type ids: every weight's format is named by one
 BLOCK = 32
 BLOCK_BYTES = {Q4_1: 20, Q8_0: 34}
 TYPE_NAMES = {Q4_1: "Q4_1", Q8_0: "Q8_0"}
@@ -96,6 +96,8 @@ class GGUFLinearMethod:
     def __init__(self, int8_activations: bool = True) -> None:
         self.int8_activations = int8_activations
         self.shards: dict[int, GGUFWeight] = {}
+        # The format layer.weight holds, for the kernels: F32 until blocks are kept.
+        self.wtype = F32
 
     def create_weights(self, layer: Any, dtype: torch.dtype) -> None:
         # Untouched until a float shard is copied in: torch.empty takes no physical memory,
@@ -126,6 +128,7 @@ class GGUFLinearMethod:
             if self.int8_activations:
                 data = pack(data, shards[0].qtype, layer.in_features)
             layer.weight = nn.Parameter(data, requires_grad=False)
+            self.wtype = shards[0].qtype
             return
         start = 0
         for i, s in enumerate(shards):
@@ -136,8 +139,9 @@ class GGUFLinearMethod:
 
     def apply(self, layer: Any, x: torch.Tensor) -> torch.Tensor:
         if layer.weight.dim() == 3:
-            return layer.ops.qlinear(x, layer.weight, layer.out_features, layer.bias)
-        return layer.ops.linear(x, layer.weight, layer.bias)
+            return layer.ops.qlinear(x, layer.weight, layer.out_features, layer.bias,
+                                     wtype=self.wtype)
+        return layer.ops.linear(x, layer.weight, layer.bias, wtype=self.wtype)
 
 
 class GGUFQuantMethod(QuantMethod):
@@ -176,23 +180,6 @@ class GGUFExactQuantMethod(GGUFQuantMethod):
     int8_activations = False
 
 
-def qtype_of(data: torch.Tensor, k: int) -> int:
-    """The format of a uint8 weight, read off its row length, as the C++ kernels do: only
-    Q4_1 and Q8_0 reach the kernels, and their rows differ (20 vs 34 bytes per block)."""
-    for qtype, nbytes in BLOCK_BYTES.items():
-        if k % BLOCK == 0 and data.shape[-1] == k // BLOCK * nbytes:
-            return qtype
-    raise ValueError(f"uint8 weight rows of {data.shape[-1]} bytes are neither Q4_1 nor Q8_0 "
-                     f"blocks for K={k}")
-
-
-def dequantize_any(weight: torch.Tensor, k: int) -> torch.Tensor:
-    """A linear weight as float32 [N, K]: uint8 GGUF blocks dequantized, floats as they are."""
-    if weight.dtype != torch.uint8:
-        return weight
-    return dequantize(weight, qtype_of(weight, k), k)
-
-
 def pack(data: torch.Tensor, qtype: int, k: int) -> torch.Tensor:
     """uint8 blocks [N, K // 32 * block bytes] -> the packed layout [ceil(N / 16), K // 32,
     packed bytes]. Rows past N (to fill the last group) are zero blocks: they compute zeros."""
@@ -215,19 +202,21 @@ def pack(data: torch.Tensor, qtype: int, k: int) -> torch.Tensor:
                      dim=-1).contiguous()
 
 
-def qtype_of_packed(packed: torch.Tensor) -> int:
-    """The format of a packed weight [G, nb, record bytes], read off its record size."""
-    for qtype, nbytes in PACKED_BYTES.items():
-        if packed.dim() == 3 and packed.shape[-1] == nbytes:
-            return qtype
-    raise ValueError(f"packed weight of shape {tuple(packed.shape)} is neither Q4_1 "
-                     f"({PACKED_BYTES[Q4_1]}-byte) nor Q8_0 ({PACKED_BYTES[Q8_0]}-byte) records")
+def check_packed(packed: torch.Tensor, qtype: int) -> None:
+    """ValueError unless packed is [groups, nb, record bytes] of the named format."""
+    if qtype not in PACKED_BYTES:
+        raise ValueError(f"qtype must be one of {sorted(TYPE_NAMES.values())}, got {qtype}")
+    if packed.dim() != 3 or packed.shape[-1] != PACKED_BYTES[qtype]:
+        raise ValueError(f"packed {TYPE_NAMES[qtype]} weights are [groups, K / 32, "
+                         f"{PACKED_BYTES[qtype]}], got {tuple(packed.shape)}")
 
 
-def unpack(packed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """packed -> (quants int32 [G*16, nb, 32], d float32 [G*16, nb], m float32 or None): the
-    integers and scales the kernels compute with (Q8_0 quants signed again)."""
-    qtype = qtype_of_packed(packed)
+def unpack(packed: torch.Tensor, qtype: int
+           ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """packed (of the format qtype) -> (quants int32 [G*16, nb, 32], d float32 [G*16, nb],
+    m float32 or None): the integers and scales the kernels compute with (Q8_0 quants signed
+    again)."""
+    check_packed(packed, qtype)
     groups, nb = packed.shape[:2]
 
     def half(lo: int) -> torch.Tensor:  # 16 fp16 at byte lo -> [G*16, nb]
@@ -260,14 +249,14 @@ def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, ...]:
     return q.reshape(m, k), d, d * total.float(), total
 
 
-def qlinear_reference(x: torch.Tensor, packed: torch.Tensor, n: int,
+def qlinear_reference(x: torch.Tensor, packed: torch.Tensor, qtype: int, n: int,
                       bias: torch.Tensor | None = None) -> torch.Tensor:
     """The packed kernels' result, bit for bit: per output (m, n), blocks b in order,
         acc = acc + float(sum_i qw[n, b, i] * qx[m, b, i]) * (dw[n, b] * dx[m, b])
         acc = acc + mw[n, b] * s[m, b]                                (Q4_1 only)
     then + bias[n]. The int sums are exact (float64 holds them), so only the float32
     operations above, one rounding each, decide the bits."""
-    qw, dw, mw = unpack(packed)
+    qw, dw, mw = unpack(packed, qtype)
     lead, k = x.shape[:-1], x.shape[-1]
     qx, dx, sx, _ = quantize_activations(x.reshape(-1, k))
     qx = qx.reshape(qx.shape[0], -1, BLOCK).double()

@@ -22,11 +22,10 @@ from kvserve.quant.gguf import (
     Q8_0,
     GGUFLinearMethod,
     GGUFWeight,
+    check_packed,
     dequantize,
     pack,
     qlinear_reference,
-    qtype_of,
-    qtype_of_packed,
     quantize_activations,
     unpack,
 )
@@ -54,12 +53,6 @@ def test_dequantize_equals_gguf_py(qtype: int) -> None:
     ours = dequantize(raw, qtype, 96)
     assert ours.dtype == torch.float32
     assert torch.equal(ours, torch.from_numpy(np.ascontiguousarray(ref, np.float32)))
-    assert qtype_of(raw, 96) == qtype
-
-
-def test_qtype_of_rejects_other_row_lengths() -> None:
-    with pytest.raises(ValueError, match="neither Q4_1 nor Q8_0"):
-        qtype_of(torch.zeros(4, 19, dtype=torch.uint8), 32)
 
 
 @pytest.fixture(scope="module", params=ISAS)
@@ -78,7 +71,7 @@ def test_block_kernel_equals_float_kernel_bit_for_bit(isa_ops: CpuOps, qtype: in
                                                       k: int) -> None:
     raw = random_blocks(qtype, n, k, seed=n + k)
     floats = dequantize(raw, qtype, k)
-    assert torch.equal(isa_ops._ext.dequantize(raw, k), floats)
+    assert torch.equal(isa_ops._ext.dequantize(raw, qtype, k), floats)
     bias = torch.randn(n)
     g = torch.Generator().manual_seed(k)
     # 1: the M == 1 tile; then tiles that dequantize blocks in registers (AVX-512 up to 12
@@ -87,8 +80,8 @@ def test_block_kernel_equals_float_kernel_bit_for_bit(isa_ops: CpuOps, qtype: in
     for m in (1, 2, 3, 5, 6, 7, 8, 12, 13, 31, 100):
         x = torch.randn(m, k, generator=g)
         for b in (None, bias):
-            ours = isa_ops._ext.linear(x, raw, b, isa_ops._avx512)
-            assert torch.equal(ours, isa_ops._ext.linear(x, floats, b, isa_ops._avx512)), m
+            ours = isa_ops._ext.linear(x, raw, qtype, b, isa_ops._avx512)
+            assert torch.equal(ours, isa_ops._ext.linear(x, floats, 0, b, isa_ops._avx512)), m
             torch.testing.assert_close(ours, F.linear(x, floats, b), rtol=1e-4, atol=1e-4)
 
 
@@ -97,8 +90,8 @@ def test_block_kernel_is_batch_invariant() -> None:
     ops = CpuOps()
     raw = random_blocks(Q4_1, 64, 576, seed=3)
     x = torch.randn(40, 576)
-    alone = torch.cat([ops.linear(x[i:i + 1], raw) for i in range(40)])
-    assert torch.equal(ops.linear(x, raw), alone)
+    alone = torch.cat([ops.linear(x[i:i + 1], raw, wtype=Q4_1) for i in range(40)])
+    assert torch.equal(ops.linear(x, raw, wtype=Q4_1), alone)
 
 
 @needs_kernels
@@ -106,23 +99,35 @@ def test_large_m_goes_through_dequantized_gemm() -> None:
     ops = CpuOps()
     raw = random_blocks(Q8_0, 24, 64, seed=4)
     x = torch.randn(ops.small_m + 3, 64)
-    torch.testing.assert_close(ops.linear(x, raw), F.linear(x, dequantize(raw, Q8_0, 64)),
-                               rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(ops.linear(x, raw, wtype=Q8_0),
+                               F.linear(x, dequantize(raw, Q8_0, 64)), rtol=1e-5, atol=1e-5)
 
 
 @needs_kernels
-def test_kernel_rejects_bad_block_rows() -> None:
+def test_kernel_takes_the_named_format_and_checks_its_rows() -> None:
     ops = CpuOps()
-    with pytest.raises(RuntimeError, match="neither Q4_1 nor Q8_0"):
-        ops._ext.linear(torch.randn(1, 64), torch.zeros(4, 30, dtype=torch.uint8), None, False)
+    x, q8 = torch.randn(1, 64), random_blocks(Q8_0, 4, 64)
+    with pytest.raises(RuntimeError, match="wtype 3 rows of K=64 weights take 40 bytes, the "
+                                           "weight has 68"):
+        ops._ext.linear(x, q8, Q4_1, None, False)  # Q8_0 bytes named Q4_1
+    with pytest.raises(RuntimeError, match=r"wtype must be 0 \(F32\), 3 \(Q4_1\) or 8"):
+        ops._ext.linear(x, q8, 2, None, False)  # Q4_0: not a kernel format (yet)
+    with pytest.raises(RuntimeError, match="must be uint8 GGUF blocks"):
+        ops._ext.linear(x, torch.randn(4, 64), Q8_0, None, False)
+    with pytest.raises(RuntimeError, match="must be float32"):
+        ops._ext.linear(x, q8, 0, None, False)
     with pytest.raises(RuntimeError, match="K % 32"):
-        ops._ext.linear(torch.randn(1, 48), torch.zeros(4, 30, dtype=torch.uint8), None, False)
+        ops._ext.linear(torch.randn(1, 48), torch.zeros(4, 30, dtype=torch.uint8), Q4_1, None,
+                        False)
+    with pytest.raises(RuntimeError, match="wtype 8"):
+        ops._ext.dequantize(q8, Q8_0, 96)
 
 
 def test_reference_linear_dequantizes_blocks() -> None:
     raw = random_blocks(Q4_1, 8, 64, seed=5)
     x = torch.randn(3, 64)
-    assert torch.equal(ReferenceOps.linear(x, raw), F.linear(x, dequantize(raw, Q4_1, 64)))
+    assert torch.equal(ReferenceOps.linear(x, raw, wtype=Q4_1),
+                       F.linear(x, dequantize(raw, Q4_1, 64)))
 
 
 def _linear(shards: tuple[int, ...], int8_activations: bool = False) -> Linear:
@@ -138,6 +143,7 @@ def test_linear_method_stacks_shards_of_one_format() -> None:
         lin.load_shard("weight", i, GGUFWeight(p, Q4_1, 64))
     lin.process_weights_after_loading()
     assert lin.weight.dtype == torch.uint8 and torch.equal(lin.weight, torch.cat(parts))
+    assert lin.quant_method.wtype == Q4_1  # the format the kernels are told
     x = torch.randn(2, 64)
     ref = F.linear(x, torch.cat([dequantize(p, Q4_1, 64) for p in parts]))
     torch.testing.assert_close(lin(x), ref, rtol=1e-5, atol=1e-5)
@@ -150,7 +156,7 @@ def test_linear_method_dequantizes_mixed_formats_and_floats() -> None:
     lin.load_shard("weight", 1, GGUFWeight(q8, Q8_0, 64))
     lin.load_shard("weight", 2, f)
     lin.process_weights_after_loading()
-    assert lin.weight.dtype == torch.float32
+    assert lin.weight.dtype == torch.float32 and lin.quant_method.wtype == 0
     assert torch.equal(lin.weight, torch.cat([dequantize(q4, Q4_1, 64),
                                               dequantize(q8, Q8_0, 64), f]))
     with pytest.raises(ValueError, match="does not fit shard 1"):
@@ -172,16 +178,19 @@ def test_pack_keeps_every_weight_and_scale(qtype: int, n: int) -> None:
     packed = pack(raw, qtype, 96)
     assert packed.shape == (-(-n // 16), 3, 16 * BLOCK_BYTES[qtype])
     assert packed.numel() == -(-n // 16) * 16 * raw.shape[1]  # the same bytes, padded rows aside
-    assert qtype_of_packed(packed) == qtype
-    q, d, m = unpack(packed)
+    q, d, m = unpack(packed, qtype)
     weights = d[..., None] * q.float() + (m[..., None] if m is not None else 0)
     assert torch.equal(weights[:n].reshape(n, 96), dequantize(raw, qtype, 96))
     assert not q[n:].any() and not d[n:].any()  # padding rows are zero blocks
 
 
-def test_qtype_of_packed_rejects_other_records() -> None:
-    with pytest.raises(ValueError, match="neither Q4_1"):
-        qtype_of_packed(torch.zeros(2, 3, 100, dtype=torch.uint8))
+def test_a_packed_weight_must_be_of_the_named_format() -> None:
+    packed = pack(random_blocks(Q8_0, 16, 64), Q8_0, 64)
+    with pytest.raises(ValueError, match=r"packed Q4_1 weights are \[groups, K / 32, 320\], "
+                                         r"got \(1, 2, 544\)"):
+        check_packed(packed, Q4_1)
+    with pytest.raises(ValueError, match="qtype must be one of"):
+        unpack(packed, 2)
 
 
 def _llama_cpp_q8(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -232,8 +241,8 @@ def test_qlinear_kernel_equals_reference_bit_for_bit(qlinear_ops: CpuOps, qtype:
     for m in (1, 2, 3, 4, 5, 7, 8, 9, 13, 17, 300):
         x = torch.randn(m, k, generator=g) * 2
         for b in (None, bias):
-            ours = qlinear_ops.qlinear(x, packed, n, b)
-            assert torch.equal(ours, qlinear_reference(x, packed, n, b)), (m, b is None)
+            ours = qlinear_ops.qlinear(x, packed, n, b, wtype=qtype)
+            assert torch.equal(ours, qlinear_reference(x, packed, qtype, n, b)), (m, b is None)
 
 
 @needs_kernels
@@ -243,10 +252,10 @@ def test_qlinear_is_batch_invariant_and_isa_invariant() -> None:
     ops, avx2 = CpuOps(), CpuOps(isa="avx2")
     packed = pack(random_blocks(Q4_1, 64, 576, seed=3), Q4_1, 576)
     x = torch.randn(40, 576)
-    alone = torch.cat([ops.qlinear(x[i:i + 1], packed, 64) for i in range(40)])
-    assert torch.equal(ops.qlinear(x, packed, 64), alone)
-    assert torch.equal(avx2.qlinear(x, packed, 64), alone)
-    assert torch.equal(ReferenceOps.qlinear(x, packed, 64), alone)
+    alone = torch.cat([ops.qlinear(x[i:i + 1], packed, 64, wtype=Q4_1) for i in range(40)])
+    assert torch.equal(ops.qlinear(x, packed, 64, wtype=Q4_1), alone)
+    assert torch.equal(avx2.qlinear(x, packed, 64, wtype=Q4_1), alone)
+    assert torch.equal(ReferenceOps.qlinear(x, packed, 64, wtype=Q4_1), alone)
 
 
 @pytest.mark.parametrize("qtype", [Q4_1, Q8_0])
@@ -255,7 +264,7 @@ def test_qlinear_is_close_to_the_float_linear(qtype: int) -> None:
     raw = random_blocks(qtype, 64, 576, seed=6)
     x = torch.randn(8, 576)
     ref = F.linear(x, dequantize(raw, qtype, 576))
-    err = (qlinear_reference(x, pack(raw, qtype, 576), 64) - ref).abs().max()
+    err = (qlinear_reference(x, pack(raw, qtype, 576), qtype, 64) - ref).abs().max()
     assert err < 0.02 * ref.abs().max(), err
 
 
@@ -264,16 +273,18 @@ def test_qlinear_rejects_bad_shapes() -> None:
     ext = CpuOps()._ext
     packed = pack(random_blocks(Q8_0, 20, 64, seed=7), Q8_0, 64)
     with pytest.raises(RuntimeError, match="K = 64"):
-        ext.qlinear(torch.randn(1, 96), packed, 20, None, False)
+        ext.qlinear(torch.randn(1, 96), packed, Q8_0, 20, None, False)
     with pytest.raises(RuntimeError, match="x must be a float32"):
-        ext.qlinear(torch.randn(1, 64, dtype=torch.float64), packed, 20, None, False)
+        ext.qlinear(torch.randn(1, 64, dtype=torch.float64), packed, Q8_0, 20, None, False)
     with pytest.raises(RuntimeError, match="contiguous in its last dimension"):
-        ext.qlinear(torch.randn(1, 128)[:, ::2], packed, 20, None, False)
+        ext.qlinear(torch.randn(1, 128)[:, ::2], packed, Q8_0, 20, None, False)
     with pytest.raises(RuntimeError, match="does not fit"):
-        ext.qlinear(torch.randn(1, 64), packed, 33, None, False)
-    with pytest.raises(RuntimeError, match="neither Q4_1"):
-        ext.qlinear(torch.randn(1, 64), torch.zeros(2, 2, 100, dtype=torch.uint8), 20, None,
-                    False)
+        ext.qlinear(torch.randn(1, 64), packed, Q8_0, 33, None, False)
+    with pytest.raises(RuntimeError, match="packed wtype 3 records take 320 bytes, the "
+                                           "weight's have 544"):
+        ext.qlinear(torch.randn(1, 64), packed, Q4_1, 20, None, False)
+    with pytest.raises(RuntimeError, match="needs a block format"):
+        ext.qlinear(torch.randn(1, 64), packed, 0, 20, None, False)
 
 
 def test_linear_method_packs_for_int8_activations() -> None:
@@ -284,4 +295,5 @@ def test_linear_method_packs_for_int8_activations() -> None:
     lin.process_weights_after_loading()
     assert torch.equal(lin.weight, pack(torch.cat(parts), Q8_0, 64))
     x = torch.randn(2, 64)
-    assert torch.equal(lin(x), qlinear_reference(x, lin.weight, 16))
+    assert lin.quant_method.wtype == Q8_0
+    assert torch.equal(lin(x), qlinear_reference(x, lin.weight, Q8_0, 16))

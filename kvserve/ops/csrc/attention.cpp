@@ -525,7 +525,7 @@ void paged_attention(const AttentionArgs& a, int nthreads) {
     std::vector<float> scratch;
 #pragma omp for schedule(dynamic, 1)
     for (int64_t i = 0; i < n_items; ++i) {
-      if (a.kv_f16) attend<uint16_t>(a, items[i], scratch);
+      if (a.kv_type == KVType::F16) attend<uint16_t>(a, items[i], scratch);
       else attend<float>(a, items[i], scratch);
     }
     // (the loop's barrier: every part is written before any merge reads it)

@@ -12,10 +12,10 @@ namespace {
 
 using namespace kvs_args;  // NOLINT: the checks shared with llama_stack.cpp
 
-// x [M, K] (rows may be strided), weight [N, K] float32 or [N, row bytes] uint8 (GGUF Q4_1 /
-// Q8_0), contiguous -> [M, N]. avx512: use the AVX-512 kernel; refused (not silently
-// ignored) on a CPU without it.
-torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& weight,
+// x [M, K] (rows may be strided), weight [N, K] float32 (wtype 0) or [N, row bytes] uint8
+// GGUF blocks of the named format (3 Q4_1, 8 Q8_0), contiguous -> [M, N]. avx512: use the
+// AVX-512 kernel; refused (not silently ignored) on a CPU without it.
+torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& weight, int64_t wtype,
                      const c10::optional<torch::Tensor>& bias, bool avx512) {
   check_f32(x, "x");
   TORCH_CHECK(weight.device().is_cpu(), "weight must be a CPU tensor");
@@ -24,7 +24,7 @@ torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& weight,
   check_inner(x, "x");
   TORCH_CHECK(weight.is_contiguous(), "weight must be contiguous");
   const int64_t M = x.size(0), N = weight.size(0), K = x.size(1);
-  const kvs::WType wt = weight_type(weight, K);
+  const kvs::WType wt = checked_weight_type(weight, wtype, K);
   const float* b = bias_ptr(bias, N);
   auto out = torch::empty({M, N}, x.options());
   TORCH_CHECK(!avx512 || kvs::cpu_has_avx512(), "linear(avx512=True) on a CPU without AVX-512F");
@@ -56,13 +56,13 @@ std::vector<torch::Tensor> quantize_acts(const torch::Tensor& x) {
 // x [M, K] float32 against a packed GGUF weight [ceil(N / 16), K / 32, 320 (Q4_1) or 544
 // (Q8_0)] (kvserve/quant/gguf.py pack) -> [M, N]: x quantized to int8 per 32 values, then
 // the exact int dot products scaled per block (kernels.h qlinear). avx512: the VNNI kernel.
-torch::Tensor qlinear(const torch::Tensor& x, const torch::Tensor& weight, int64_t N,
-                      const c10::optional<torch::Tensor>& bias, bool avx512) {
+torch::Tensor qlinear(const torch::Tensor& x, const torch::Tensor& weight, int64_t wtype,
+                      int64_t N, const c10::optional<torch::Tensor>& bias, bool avx512) {
   check_f32(x, "x");
   TORCH_CHECK(x.dim() == 2, "x must be [M, K], got ", x.sizes());
   check_inner(x, "x");
   const int64_t M = x.size(0), K = x.size(1);
-  const kvs::WType wt = packed_type(weight, K, N);
+  const kvs::WType wt = checked_packed_type(weight, wtype, K, N);
   const float* b = bias_ptr(bias, N);
   auto out = torch::empty({M, N}, x.options());
   quantized_linear(x.data_ptr<float>(), x.stride(0), M, K, weight.data_ptr<uint8_t>(), wt, b,
@@ -70,16 +70,16 @@ torch::Tensor qlinear(const torch::Tensor& x, const torch::Tensor& weight, int64
   return out;
 }
 
-// uint8 GGUF rows (Q4_1 / Q8_0) of K weights -> float32 [N, K], the kernels' values.
-torch::Tensor dequantize(const torch::Tensor& weight, int64_t K) {
-  return dequantize_weight(weight, K);
+// uint8 GGUF rows of K weights in the named format -> float32 [N, K], the kernels' values.
+torch::Tensor dequantize(const torch::Tensor& weight, int64_t wtype, int64_t K) {
+  return dequantize_weight(weight, wtype, K);
 }
 
 torch::Tensor paged_attention(const torch::Tensor& q, const torch::Tensor& kv_cache,
                               const torch::Tensor& block_tables, const torch::Tensor& seq_lens,
                               const torch::Tensor& query_start_loc, double scale) {
   check_f32(q, "q");
-  const bool kv_f16 = check_kv_cache(kv_cache);
+  const kvs::KVType kv_type = check_kv_cache(kv_cache);
   TORCH_CHECK(q.dim() == 3, "q must be [T, H, D], got ", q.sizes());
   check_inner(q, "q");
   const int64_t H = q.size(1), D = q.size(2), Hkv = kv_cache.size(3);
@@ -89,7 +89,7 @@ torch::Tensor paged_attention(const torch::Tensor& q, const torch::Tensor& kv_ca
                                            kv_cache.size(2));
   auto out = torch::empty({q.size(0), H, D}, q.options());
   const auto a = attention_args(q.data_ptr<float>(), q.stride(0), q.stride(1),
-                                kv_cache.data_ptr(), v_cache_ptr(kv_cache), kv_f16, meta,
+                                kv_cache.data_ptr(), v_cache_ptr(kv_cache), kv_type, meta,
                                 out.data_ptr<float>(), H, Hkv, D, kv_cache.size(2), scale);
   kvs::paged_attention(a, at::get_num_threads());
   return out;
@@ -99,7 +99,7 @@ void write_kv(const torch::Tensor& key, const torch::Tensor& value, torch::Tenso
               const torch::Tensor& slot_mapping) {
   check_f32(key, "key");
   check_f32(value, "value");
-  const bool kv_f16 = check_kv_cache(kv_cache);
+  const kvs::KVType kv_type = check_kv_cache(kv_cache);
   const int64_t Hkv = kv_cache.size(3), D = kv_cache.size(4);
   TORCH_CHECK(key.dim() == 3 && key.sizes() == value.sizes() && key.size(1) == Hkv &&
                   key.size(2) == D,
@@ -112,7 +112,7 @@ void write_kv(const torch::Tensor& key, const torch::Tensor& value, torch::Tenso
   const int64_t* sp = slots.data_ptr<int64_t>();
   kvs::write_kv(key.data_ptr<float>(), key.stride(0), key.stride(1), value.data_ptr<float>(),
                 value.stride(0), value.stride(1), kv_cache.data_ptr(), v_cache_ptr(kv_cache),
-                kv_f16, sp, T, Hkv, D);
+                kv_type, sp, T, Hkv, D);
 }
 
 // x as [rows, n] with a row stride (cpu.py reshapes to 2-D, which stays a view when it can).
@@ -191,15 +191,15 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   // Kernels run without the GIL: the server's event loop thread keeps answering HTTP while
   // the engine thread is inside a forward pass (torch's own ops release it the same way).
   using nogil = py::call_guard<py::gil_scoped_release>;
-  m.def("linear", &linear, "small-M linear", py::arg("x"), py::arg("weight"), py::arg("bias"),
-        py::arg("avx512") = false, nogil());
+  m.def("linear", &linear, "small-M linear", py::arg("x"), py::arg("weight"), py::arg("wtype"),
+        py::arg("bias"), py::arg("avx512") = false, nogil());
   m.def("qlinear", &qlinear, "packed GGUF weight x int8-quantized activations",
-        py::arg("x"), py::arg("weight"), py::arg("N"), py::arg("bias"),
+        py::arg("x"), py::arg("weight"), py::arg("wtype"), py::arg("N"), py::arg("bias"),
         py::arg("avx512") = false, nogil());
   m.def("quantize_acts", &quantize_acts, "activations -> int8 per 32 (q, d, s, sum)", nogil());
   m.def("cpu_has_avx512_vnni", &kvs::cpu_has_avx512_vnni, "AVX-512 VNNI + BW usable");
   m.def("dequantize", &dequantize, "GGUF Q4_1 / Q8_0 rows -> float32", py::arg("weight"),
-        py::arg("K"), nogil());
+        py::arg("wtype"), py::arg("K"), nogil());
   m.def("cpu_has_avx512", &kvs::cpu_has_avx512, "AVX-512F usable (CPU and OS)");
   m.def("paged_attention", &paged_attention, "varlen paged attention", nogil());
   m.def("write_kv", &write_kv, "scatter K/V into the paged cache", nogil());
@@ -208,9 +208,29 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("silu_and_mul", &silu_and_mul, "fused SiLU(gate) * up", nogil());
   m.def("rotary", &rotary, "rotate-half RoPE", nogil());
   // module_local: two builds of the extension (another source hash) may share a process.
+  using LW = LlamaStack::LayerWeights;
+  py::class_<LW>(m, "LayerWeights", py::module_local(),
+                 "one decoder layer's weights and shape for LlamaStack (fields by name)")
+      .def(py::init<>())
+      .def_readwrite("in_norm", &LW::in_norm)
+      .def_readwrite("post_norm", &LW::post_norm)
+      .def_readwrite("eps", &LW::eps)
+      .def_readwrite("qkv", &LW::qkv)
+      .def_readwrite("qkv_bias", &LW::qkv_bias)
+      .def_readwrite("o", &LW::o)
+      .def_readwrite("gate_up", &LW::gate_up)
+      .def_readwrite("down", &LW::down)
+      .def_readwrite("qkv_wtype", &LW::qkv_wtype)
+      .def_readwrite("o_wtype", &LW::o_wtype)
+      .def_readwrite("gate_up_wtype", &LW::gate_up_wtype)
+      .def_readwrite("down_wtype", &LW::down_wtype)
+      .def_readwrite("heads", &LW::heads)
+      .def_readwrite("kv_heads", &LW::kv_heads)
+      .def_readwrite("head_dim", &LW::head_dim)
+      .def_readwrite("scale", &LW::scale);
   py::class_<LlamaStack>(m, "LlamaStack", py::module_local(),
                          "a run of a Llama model's decoder layers per call")
-      .def(py::init<const std::vector<LlamaStack::LayerArgs>&, bool, int64_t>(),
+      .def(py::init<const std::vector<LW>&, bool, int64_t>(),
            py::arg("layers"), py::arg("avx512"), py::arg("small_m"))
       .def("forward", &LlamaStack::forward, "x through every layer -> (out, residual)",
            py::arg("x"), py::arg("residual"), py::arg("positions"), py::arg("cos_sin"),

@@ -197,7 +197,7 @@ static void floats_to_halves(const float* src, uint16_t* dst, int64_t n) {
 }
 
 void write_kv(const float* key, int64_t k_st, int64_t k_sh, const float* value, int64_t v_st,
-              int64_t v_sh, void* k_cache, void* v_cache, bool kv_f16, const int64_t* slots,
+              int64_t v_sh, void* k_cache, void* v_cache, KVType kv, const int64_t* slots,
               int64_t T, int64_t Hkv, int64_t D) {
   // A token's [Hkv, D] row is contiguous in the cache; the source may be a strided view
   // (k, v split from the fused qkv output), so copy head by head when it is not dense.
@@ -209,7 +209,7 @@ void write_kv(const float* key, int64_t k_st, int64_t k_sh, const float* value, 
       const int64_t dst = (slot * Hkv + h) * D;  // in elements
       const float* ks = key + t * k_st + h * k_sh;
       const float* vs = value + t * v_st + h * v_sh;
-      if (kv_f16) {
+      if (kv == KVType::F16) {
         floats_to_halves(ks, static_cast<uint16_t*>(k_cache) + dst, D);
         floats_to_halves(vs, static_cast<uint16_t*>(v_cache) + dst, D);
       } else {

@@ -14,8 +14,14 @@ namespace kvs {
 // rounding per operation: Q4_1 (20 bytes: fp16 d, fp16 m, 16 bytes of nibbles; weight j is
 // d * (qs[j] & 15) + m, weight 16 + j is d * (qs[j] >> 4) + m) and Q8_0 (34 bytes: fp16 d,
 // 32 int8 q; weight j is d * q[j]).
+// The caller names the format (kvserve's LinearMethod knows it): a row length cannot tell
+// formats apart (Q4_0 and Q4_K both take 0.5625 bytes per weight).
 enum class WType : int { F32 = 0, Q4_1 = 3, Q8_0 = 8 };
 int64_t row_bytes(WType wt, int64_t K);  // bytes of one weight row of K weights
+
+// The KV cache's element type. Named, not a flag: quantized caches (int8 / fp8 with scales)
+// are the next entries.
+enum class KVType : int { F32 = 0, F16 = 1 };
 
 // out[m, n] = sum_k x[m*ldx + k] * w(n, k) (+ bias[n]);  out is [M, N] contiguous; w is N rows
 // of row_bytes(wt, K) bytes. A quantized row gives the float32 kernel's result on its
@@ -63,10 +69,10 @@ struct AttentionArgs {
   const float* q;        // q[t*q_st + h*q_sh + d]
   int64_t q_st, q_sh;
   // [num_blocks, block_size, Hkv, D] contiguous, float or IEEE half (torch.float16) as
-  // kv_f16 says; a half is widened exactly, so it gives an fp32 cache's output on its values.
+  // kv_type says; a half is widened exactly, so it gives an fp32 cache's output on its values.
   const void* k_cache;
   const void* v_cache;  // same shape and type
-  bool kv_f16;
+  KVType kv_type;
   const int32_t* block_tables;  // [B, bt_stride]
   int64_t bt_stride;
   const int32_t* seq_lens;         // [B]
@@ -78,9 +84,10 @@ struct AttentionArgs {
 void paged_attention(const AttentionArgs& a, int nthreads);
 
 // dst[slot[t]] = src[t] for k and v, rows of Hkv*D elements; slot < 0 skipped. The cache
-// holds floats, or IEEE halves (kv_f16) rounded to nearest even as torch's .to(float16) does.
+// holds floats, or IEEE halves (KVType::F16) rounded to nearest even as torch's .to(float16)
+// does.
 void write_kv(const float* key, int64_t k_st, int64_t k_sh, const float* value, int64_t v_st,
-              int64_t v_sh, void* k_cache, void* v_cache, bool kv_f16, const int64_t* slots,
+              int64_t v_sh, void* k_cache, void* v_cache, KVType kv, const int64_t* slots,
               int64_t T, int64_t Hkv, int64_t D);
 
 // Row-wise over [rows, n]; x rows have stride ldx, outputs are contiguous.

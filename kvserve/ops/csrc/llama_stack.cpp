@@ -32,32 +32,41 @@ int64_t aligned(int64_t n) { return (n + 15) / 16 * 16; }
 }  // namespace
 
 LlamaStack::Linear LlamaStack::make_linear(const torch::Tensor& w,
-                                           const c10::optional<torch::Tensor>& b, int64_t N,
-                                           int64_t K, const char* name) {
+                                           const c10::optional<torch::Tensor>& b,
+                                           int64_t wtype, int64_t N, int64_t K,
+                                           const char* name) {
   Linear l{w, b, N, K, w.dim() == 3, kvs::WType::F32};
-  TORCH_CHECK(w.device().is_cpu() && w.is_contiguous(), name, " must be a contiguous CPU tensor");
+  TORCH_CHECK(w.defined() && w.device().is_cpu() && w.is_contiguous(), name,
+              " must be a contiguous CPU tensor");
   if (l.packed) {
-    l.wt = packed_type(w, K, N);
+    l.wt = checked_packed_type(w, wtype, K, N);
   } else {
     TORCH_CHECK(w.dim() == 2 && w.size(0) == N, name, " must have ", N, " rows, got ",
                 w.sizes());
-    l.wt = weight_type(w, K);
+    l.wt = checked_weight_type(w, wtype, K);
   }
   bias_ptr(b, N);  // checks it
   return l;
 }
 
-LlamaStack::LlamaStack(const std::vector<LayerArgs>& layers, bool avx512, int64_t small_m)
+LlamaStack::LlamaStack(const std::vector<LayerWeights>& layers, bool avx512, int64_t small_m)
     : avx512_(avx512), vnni_(avx512 && kvs::cpu_has_avx512_vnni()), small_m_(small_m) {
   TORCH_CHECK(!layers.empty(), "a stack needs at least one layer");
   TORCH_CHECK(!avx512 || kvs::cpu_has_avx512(), "LlamaStack(avx512=True) on a CPU without "
               "AVX-512F");
   for (const auto& t : layers) {
     Layer l;
-    torch::Tensor qkv_w, o_w, gate_up_w, down_w;
-    c10::optional<torch::Tensor> qkv_b;
-    std::tie(l.in_norm, l.post_norm, l.eps, qkv_w, qkv_b, o_w, gate_up_w, down_w, l.heads,
-             l.kv_heads, l.head_dim, l.scale) = t;
+    l.in_norm = t.in_norm;
+    l.post_norm = t.post_norm;
+    l.eps = t.eps;
+    l.scale = t.scale;
+    l.heads = t.heads;
+    l.kv_heads = t.kv_heads;
+    l.head_dim = t.head_dim;
+    const torch::Tensor &gate_up_w = t.gate_up, &down_w = t.down;
+    TORCH_CHECK(l.in_norm.defined() && l.post_norm.defined() && gate_up_w.defined() &&
+                    down_w.defined(),
+                "LayerWeights needs in_norm, post_norm, qkv, o, gate_up and down");
     check_f32(l.in_norm, "input norm");
     check_f32(l.post_norm, "post-attention norm");
     l.hidden = l.in_norm.numel();
@@ -72,10 +81,12 @@ LlamaStack::LlamaStack(const std::vector<LayerArgs>& layers, bool avx512, int64_
     if (gate_up_w.dim() == 2) l.inter = gate_up_w.size(0) / 2;
     else l.inter = down_w.dim() == 3 ? down_w.size(1) * 32 : down_w.size(1);
     const int64_t q_size = l.heads * l.head_dim, kv_size = l.kv_heads * l.head_dim;
-    l.qkv = make_linear(qkv_w, qkv_b, q_size + 2 * kv_size, l.hidden, "qkv_proj");
-    l.o = make_linear(o_w, c10::nullopt, l.hidden, q_size, "o_proj");
-    l.gate_up = make_linear(gate_up_w, c10::nullopt, 2 * l.inter, l.hidden, "gate_up_proj");
-    l.down = make_linear(down_w, c10::nullopt, l.hidden, l.inter, "down_proj");
+    l.qkv = make_linear(t.qkv, t.qkv_bias, t.qkv_wtype, q_size + 2 * kv_size, l.hidden,
+                        "qkv_proj");
+    l.o = make_linear(t.o, c10::nullopt, t.o_wtype, l.hidden, q_size, "o_proj");
+    l.gate_up = make_linear(gate_up_w, c10::nullopt, t.gate_up_wtype, 2 * l.inter, l.hidden,
+                            "gate_up_proj");
+    l.down = make_linear(down_w, c10::nullopt, t.down_wtype, l.hidden, l.inter, "down_proj");
     TORCH_CHECK(layers_.empty() || l.hidden == layers_[0].hidden, "layers disagree on hidden");
     w_qkv_ = std::max(w_qkv_, l.qkv.N);
     w_q_ = std::max(w_q_, q_size);
@@ -98,7 +109,8 @@ void LlamaStack::linear(const Linear& l, const float* x, int64_t M, float* out,
                                                                    b, out, M, l.N, l.K, nthreads);
   } else {  // the call CpuOps.linear makes, its result copied into the scratch
     auto xt = torch::from_blob(const_cast<float*>(x), {M, l.K}, torch::kFloat32);
-    auto y = at::linear(xt, l.wt == kvs::WType::F32 ? l.w : dequantize_weight(l.w, l.K),
+    auto y = at::linear(xt, l.wt == kvs::WType::F32
+                                ? l.w : dequantize_weight(l.w, static_cast<int>(l.wt), l.K),
                         l.bias).contiguous();
     std::memcpy(out, y.data_ptr<float>(), sizeof(float) * M * l.N);
   }
@@ -122,7 +134,7 @@ std::tuple<torch::Tensor, torch::Tensor> LlamaStack::forward(
   // The cache of every layer: [L, 2, num_blocks, block_size, Hkv, D].
   TORCH_CHECK(kv_cache.dim() == 6 && kv_cache.size(0) == L, "kv_cache must be [", L,
               ", 2, num_blocks, block_size, Hkv, D], got ", kv_cache.sizes());
-  const bool kv_f16 = check_kv_cache(kv_cache[0]);
+  const kvs::KVType kv_type = check_kv_cache(kv_cache[0]);
   TORCH_CHECK(kv_cache.is_contiguous(), "kv_cache must be contiguous");
   const int64_t bs = kv_cache.size(3), Hkv_c = kv_cache.size(4), D_c = kv_cache.size(5);
   for (const auto& l : layers_)
@@ -186,9 +198,9 @@ std::tuple<torch::Tensor, torch::Tensor> LlamaStack::forward(
                 cos_sin.size(0), nthreads);
     char* k_cache = cache + li * layer_elems * esize;
     char* v_cache = k_cache + half_elems * esize;
-    kvs::write_kv(kr, kv_size, D, qkv + q_size + kv_size, nq, D, k_cache, v_cache, kv_f16,
+    kvs::write_kv(kr, kv_size, D, qkv + q_size + kv_size, nq, D, k_cache, v_cache, kv_type,
                   slots.data_ptr<int64_t>(), T, Hkv, D);
-    const auto a = attention_args(qr, q_size, D, k_cache, v_cache, kv_f16, meta, att, H, Hkv,
+    const auto a = attention_args(qr, q_size, D, k_cache, v_cache, kv_type, meta, att, H, Hkv,
                                   D, bs, l.scale);
     kvs::paged_attention(a, nthreads);
     linear(l.o, att, T, o, nthreads);

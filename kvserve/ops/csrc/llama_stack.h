@@ -10,15 +10,21 @@
 
 class LlamaStack {
  public:
-  // One layer, as CpuOps._fusable gives it: (input norm, post-attention norm, eps, qkv weight,
-  // qkv bias, o, gate_up, down, heads, kv heads, head_dim, attention scale). Weights are
-  // float32 [N, K], GGUF Q4_1 / Q8_0 rows (uint8 [N, row bytes]) or packed groups (uint8
-  // [groups, K / 32, record bytes]); they are checked here, once, and kept alive.
-  using LayerArgs = std::tuple<torch::Tensor, torch::Tensor, double, torch::Tensor,
-                               c10::optional<torch::Tensor>, torch::Tensor, torch::Tensor,
-                               torch::Tensor, int64_t, int64_t, int64_t, double>;
+  // One layer, as CpuOps._fusable fills it (bound to Python as LayerWeights, by name). Each
+  // linear's weight is float32 [N, K] (wtype 0), GGUF rows (uint8 [N, row bytes]) or packed
+  // groups (uint8 [groups, K / 32, record bytes]) in the format its wtype names (a ggml type
+  // id, kvs::WType); they are checked here, once, and kept alive.
+  struct LayerWeights {
+    torch::Tensor in_norm, post_norm;  // float32 [hidden]
+    double eps = 0;
+    torch::Tensor qkv, o, gate_up, down;
+    c10::optional<torch::Tensor> qkv_bias;
+    int64_t qkv_wtype = 0, o_wtype = 0, gate_up_wtype = 0, down_wtype = 0;
+    int64_t heads = 0, kv_heads = 0, head_dim = 0;
+    double scale = 0;  // attention's, usually head_dim ** -0.5
+  };
 
-  LlamaStack(const std::vector<LayerArgs>& layers, bool avx512, int64_t small_m);
+  LlamaStack(const std::vector<LayerWeights>& layers, bool avx512, int64_t small_m);
 
   // x [T, hidden] through every layer -> (mlp out, residual) of the last one, as the Python
   // layers return them. residual: the stream so far (none before a model's first layer).
@@ -46,7 +52,7 @@ class LlamaStack {
   };
 
   static Linear make_linear(const torch::Tensor& w, const c10::optional<torch::Tensor>& b,
-                            int64_t N, int64_t K, const char* name);
+                            int64_t wtype, int64_t N, int64_t K, const char* name);
   void linear(const Linear& l, const float* x, int64_t M, float* out, int nthreads) const;
 
   std::vector<Layer> layers_;

@@ -23,7 +23,7 @@ inline void check_inner(const torch::Tensor& t, const char* name) {
 
 // One layer of the paged cache, [2, num_blocks, block_size, Hkv, D], float32 or float16
 // (kernels.h AttentionArgs); returns whether it is float16.
-inline bool check_kv_cache(const torch::Tensor& kv_cache) {
+inline kvs::KVType check_kv_cache(const torch::Tensor& kv_cache) {
   TORCH_CHECK(kv_cache.device().is_cpu() && (kv_cache.scalar_type() == torch::kFloat32 ||
                                              kv_cache.scalar_type() == torch::kFloat16),
               "kv_cache must be a float32 or float16 CPU tensor, got ", kv_cache.scalar_type(),
@@ -31,7 +31,7 @@ inline bool check_kv_cache(const torch::Tensor& kv_cache) {
   TORCH_CHECK(kv_cache.dim() == 5 && kv_cache.size(0) == 2 && kv_cache.is_contiguous(),
               "kv_cache must be one contiguous layer [2, num_blocks, block_size, Hkv, D], got ",
               kv_cache.sizes());
-  return kv_cache.scalar_type() == torch::kFloat16;
+  return kv_cache.scalar_type() == torch::kFloat16 ? kvs::KVType::F16 : kvs::KVType::F32;
 }
 
 // The V half of a checked kv_cache layer: K's data pointer plus stride(0) elements.
@@ -47,38 +47,53 @@ inline torch::Tensor as_int64(const torch::Tensor& t) {
   return t.scalar_type() == torch::kInt64 ? t.contiguous() : t.to(torch::kInt64).contiguous();
 }
 
-// A uint8 weight [N, row bytes] holds GGUF Q4_1 or Q8_0 rows; which one is read off the row
-// length (20 or 34 bytes per 32 weights), the only two quantized formats the kernels take.
-inline kvs::WType weight_type(const torch::Tensor& weight, int64_t K) {
-  if (weight.scalar_type() == torch::kFloat32) {
-    TORCH_CHECK(weight.size(1) == K, "weight [N, K] has K=", weight.size(1), ", x has ", K);
-    return kvs::WType::F32;
-  }
-  TORCH_CHECK(weight.scalar_type() == torch::kUInt8,
-              "weight must be float32 or uint8 (GGUF blocks), got ", weight.scalar_type());
-  TORCH_CHECK(K % 32 == 0, "a quantized weight needs K % 32 == 0, got K=", K);
-  for (auto wt : {kvs::WType::Q4_1, kvs::WType::Q8_0})
-    if (weight.size(1) == kvs::row_bytes(wt, K)) return wt;
-  TORCH_CHECK(false, "uint8 weight rows of ", weight.size(1), " bytes are neither Q4_1 nor Q8_0 "
-              "blocks for K=", K);
+// The ggml type id the caller names -> a format the kernels take.
+inline kvs::WType weight_format(int64_t wtype) {
+  TORCH_CHECK(wtype == static_cast<int>(kvs::WType::F32) ||
+                  wtype == static_cast<int>(kvs::WType::Q4_1) ||
+                  wtype == static_cast<int>(kvs::WType::Q8_0),
+              "wtype must be 0 (F32), 3 (Q4_1) or 8 (Q8_0), got ", wtype);
+  return static_cast<kvs::WType>(wtype);
 }
 
-// A packed weight [ceil(N / 16), K / 32, 320 (Q4_1) or 544 (Q8_0)] (kvserve/quant/gguf.py
-// pack) for K inputs and N outputs: its block format.
-inline kvs::WType packed_type(const torch::Tensor& weight, int64_t K, int64_t N) {
+// A weight [N, row bytes] in the named format: float32 rows, or uint8 GGUF blocks whose row
+// length must be that format's for K weights.
+inline kvs::WType checked_weight_type(const torch::Tensor& weight, int64_t wtype, int64_t K) {
+  const kvs::WType wt = weight_format(wtype);
+  if (wt == kvs::WType::F32) {
+    TORCH_CHECK(weight.scalar_type() == torch::kFloat32,
+                "a wtype 0 (F32) weight must be float32, got ", weight.scalar_type());
+    TORCH_CHECK(weight.size(1) == K, "weight [N, K] has K=", weight.size(1), ", x has ", K);
+    return wt;
+  }
+  TORCH_CHECK(weight.scalar_type() == torch::kUInt8,
+              "a quantized weight (wtype ", wtype, ") must be uint8 GGUF blocks, got ",
+              weight.scalar_type());
+  TORCH_CHECK(K % 32 == 0, "a quantized weight needs K % 32 == 0, got K=", K);
+  TORCH_CHECK(weight.size(1) == kvs::row_bytes(wt, K), "wtype ", wtype, " rows of K=", K,
+              " weights take ", kvs::row_bytes(wt, K), " bytes, the weight has ",
+              weight.size(1));
+  return wt;
+}
+
+// A packed weight [ceil(N / 16), K / 32, 16 x block bytes] (kvserve/quant/gguf.py pack) in
+// the named format, for K inputs and N outputs.
+inline kvs::WType checked_packed_type(const torch::Tensor& weight, int64_t wtype, int64_t K,
+                                      int64_t N) {
   TORCH_CHECK(weight.device().is_cpu() && weight.scalar_type() == torch::kUInt8 &&
                   weight.dim() == 3 && weight.is_contiguous(),
               "a packed weight is a contiguous uint8 [groups, K / 32, record bytes] tensor, got ",
               weight.scalar_type(), " ", weight.sizes());
-  const int64_t rb = weight.size(2);
-  TORCH_CHECK(rb == 16 * kvs::row_bytes(kvs::WType::Q4_1, 32) ||
-                  rb == 16 * kvs::row_bytes(kvs::WType::Q8_0, 32),
-              "packed records of ", rb, " bytes are neither Q4_1 (320) nor Q8_0 (544)");
+  const kvs::WType wt = weight_format(wtype);
+  TORCH_CHECK(wt != kvs::WType::F32, "a packed weight needs a block format, got wtype 0");
+  const int64_t rb = 16 * kvs::row_bytes(wt, 32);
+  TORCH_CHECK(weight.size(2) == rb, "packed wtype ", wtype, " records take ", rb,
+              " bytes, the weight's have ", weight.size(2));
   TORCH_CHECK(K == weight.size(1) * 32, "x [M, K] must have K = ", weight.size(1) * 32,
               " for this packed weight, got K=", K);
   TORCH_CHECK(N > 16 * (weight.size(0) - 1) && N <= 16 * weight.size(0), "N=", N,
               " does not fit ", weight.size(0), " groups of 16 rows");
-  return rb == 320 ? kvs::WType::Q4_1 : kvs::WType::Q8_0;
+  return wt;
 }
 
 // bias [N] float32 contiguous, or none.
@@ -113,12 +128,12 @@ inline void quantized_linear(const float* x, int64_t ldx, int64_t M, int64_t K,
   (avx512 ? kvs::qlinear_avx512 : kvs::qlinear)(a, w, wt, bias, out, N, nthreads);
 }
 
-// uint8 GGUF rows (Q4_1 / Q8_0) of K weights -> float32 [N, K], the kernels' values; a float32
-// weight as it is.
-inline torch::Tensor dequantize_weight(const torch::Tensor& weight, int64_t K) {
+// GGUF rows of K weights in the named format -> float32 [N, K], the kernels' values; a
+// float32 weight as it is.
+inline torch::Tensor dequantize_weight(const torch::Tensor& weight, int64_t wtype, int64_t K) {
   TORCH_CHECK(weight.device().is_cpu() && weight.dim() == 2 && weight.is_contiguous(),
               "weight must be a contiguous 2-D CPU tensor");
-  const kvs::WType wt = weight_type(weight, K);
+  const kvs::WType wt = checked_weight_type(weight, wtype, K);
   if (wt == kvs::WType::F32) return weight;
   auto out = torch::empty({weight.size(0), K}, weight.options().dtype(torch::kFloat32));
   kvs::dequantize_rows(weight.data_ptr(), wt, out.data_ptr<float>(), weight.size(0), K,
@@ -184,7 +199,8 @@ inline AttentionMeta checked_attention_meta(const torch::Tensor& block_tables,
 
 // AttentionArgs for q (strides q_st, q_sh) over one cache layer's K and V halves.
 inline kvs::AttentionArgs attention_args(const float* q, int64_t q_st, int64_t q_sh,
-                                         const void* k_cache, const void* v_cache, bool kv_f16,
+                                         const void* k_cache, const void* v_cache,
+                                         kvs::KVType kv_type,
                                          const AttentionMeta& m, float* out, int64_t H,
                                          int64_t Hkv, int64_t D, int64_t block_size,
                                          double scale) {
@@ -194,7 +210,7 @@ inline kvs::AttentionArgs attention_args(const float* q, int64_t q_st, int64_t q
   a.q_sh = q_sh;
   a.k_cache = k_cache;
   a.v_cache = v_cache;
-  a.kv_f16 = kv_f16;
+  a.kv_type = kv_type;
   a.block_tables = m.block_tables.data_ptr<int32_t>();
   a.bt_stride = m.block_tables.stride(0);
   a.seq_lens = m.seq_lens.data_ptr<int32_t>();

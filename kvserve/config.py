@@ -135,14 +135,19 @@ class QuantConfig:
     none: every weight in the model dtype. gguf: a GGUF file's Q4_1 / Q8_0 linear weights keep
     their bytes (repacked) and multiply int8-quantized activations, llama.cpp's arithmetic.
     gguf_exact: the same blocks as stored, computed in float32, the float32 model's output bit
-    for bit."""
+    for bit. int8 / int4: a float checkpoint quantized at load (kvserve/quant/rtn.py);
+    group_size: int4's group of inputs (32, 64 or 128)."""
 
     method: str = "none"
+    group_size: int | None = None
 
     def __post_init__(self) -> None:
         from kvserve.quant import get_quant_method_class
 
-        get_quant_method_class(self.method)  # ValueError naming the known methods
+        method = get_quant_method_class(self.method)  # ValueError naming the known methods
+        if self.group_size is None and method.default_group_size is not None:
+            object.__setattr__(self, "group_size", method.default_group_size)
+        method.check_quant_config(self)
 
 
 @dataclass(frozen=True)

@@ -46,6 +46,8 @@ class EngineArgs:
     # None (auto): "gguf" for a .gguf file in float32 on the CPU (the kernels read its Q4_1 /
     # Q8_0 blocks as stored, like llama.cpp), else "none" (dequantize at load).
     quantization: str | None = None
+    # int4's group of inputs (32, 64 or 128); None: the method's default (32).
+    quant_group_size: int | None = None
     # The compiled-grammar cache's bound: bytes or "256MiB" (every distinct response_format
     # schema would otherwise stay compiled in memory for good).
     grammar_cache_memory: int | str = "256MiB"
@@ -81,7 +83,7 @@ class EngineArgs:
                                       enable_chunked_prefill=self.enable_chunked_prefill,
                                       max_waiting_requests=self.max_waiting_requests),
             dtype=dtype, device=device, seed=self.seed, ops_backend=self.ops_backend,
-            quant=QuantConfig(method=quantization),
+            quant=QuantConfig(method=quantization, group_size=self.quant_group_size),
             grammar_cache_bytes=parse_memory(self.grammar_cache_memory,
                                              "grammar_cache_memory") or 0)
 
@@ -130,7 +132,13 @@ class EngineArgs:
                        "files on the CPU): keep their bytes and multiply them by activations "
                        "quantized to int8 per 32 values, as llama.cpp does; gguf_exact: keep "
                        "the blocks and compute in float32 (the float32 model's output bit for "
-                       "bit, ~3-6x more compute); none: dequantize every weight at load")
+                       "bit, ~3-6x more compute); int8 / int4: quantize a float checkpoint's "
+                       "linear weights at load (per output channel / per group of "
+                       "--quant-group-size inputs, round to nearest) for the same kernels; "
+                       "none: every weight in --dtype")
+        p.add_argument("--quant-group-size", type=int, default=None,
+                       help="int4's group of inputs sharing a scale and minimum: 32 (default), "
+                            "64 or 128")
         p.add_argument("--ops-backend", default=d.ops_backend,
                        help="auto (cpu kernels on CPU, torch elsewhere), cpu, torch or "
                        "reference (the pure-torch oracle)")

@@ -5,6 +5,8 @@ seam they implement; models never mention a format).
     gguf        GGUF Q4_1 / Q8_0 blocks kept, int8 activations, exact int dot products
                 (llama.cpp's arithmetic); the default for a .gguf file in float32 on the CPU
     gguf_exact  the same blocks, dequantized in registers: the float32 model bit for bit
+    int8, int4  weight-only round to nearest at load (per channel; per group of 32/64/128),
+                written as Q8_0 / Q4_1 blocks for the same kernels (kvserve/quant/rtn.py)
 
 Adding a method is a file in this folder plus a line in _METHODS. Methods import lazily, so
 `--quantization`'s choices cost no import.
@@ -22,6 +24,8 @@ if TYPE_CHECKING:
 _METHODS: dict[str, str] = {
     "gguf": "kvserve.quant.gguf:GGUFQuantMethod",
     "gguf_exact": "kvserve.quant.gguf:GGUFExactQuantMethod",
+    "int4": "kvserve.quant.rtn:Int4QuantMethod",
+    "int8": "kvserve.quant.rtn:Int8QuantMethod",
     "none": "kvserve.quant.base:NoQuantization",
 }
 

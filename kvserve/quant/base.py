@@ -110,6 +110,10 @@ class QuantMethod:
     keeps_quantized: ClassVar[bool] = False
     # Only kvserve's CPU kernels run it; on another backend every forward would dequantize.
     needs_kernels: ClassVar[bool] = False
+    # The group sizes it takes (QuantConfig.group_size), and the one it gets when unset;
+    # () for a method without groups.
+    group_sizes: ClassVar[tuple[int, ...]] = ()
+    default_group_size: ClassVar[int | None] = None
 
     def __init__(self, config: QuantConfig | None = None) -> None:
         self.config = config
@@ -118,6 +122,16 @@ class QuantMethod:
     def detect(cls, model_path: str, device: str, dtype: str, ops_backend: str) -> bool:
         """Whether this method is the default for such a checkpoint and target."""
         return False
+
+    @classmethod
+    def check_quant_config(cls, config: QuantConfig) -> None:
+        """ValueError naming the field for knobs this method does not take."""
+        if not cls.group_sizes and config.group_size is not None:
+            raise ValueError(f"quantization {cls.name!r} takes no group_size, got "
+                             f"{config.group_size}")
+        if cls.group_sizes and config.group_size not in cls.group_sizes:
+            raise ValueError(f"quantization {cls.name!r} needs group_size in "
+                             f"{', '.join(map(str, cls.group_sizes))}, got {config.group_size}")
 
     @classmethod
     def validate(cls, config: EngineConfig) -> None:

@@ -1,0 +1,179 @@
+"""Weight-only int8 and int4 for float checkpoints, quantized at load by round to nearest.
+
+    int8 (--quantization int8): symmetric, one scale per output channel
+        w[n, k] ~= s[n] * q[n, k],           q in [-127, 127]
+    int4 (--quantization int4, --quant-group-size 32 | 64 | 128): asymmetric, per group of G
+        consecutive inputs of a row
+        w[n, k] ~= d[n, g] * q[n, k] + m[n, g],  q in [0, 15],  g = k // G
+
+Both are written as GGUF blocks, so they run on the kernel family that already runs GGUF
+files (int8-quantized activations, exact integer dot products, kvserve/quant/gguf.py):
+
+    int8 -> Q8_0 blocks: each 32-weight block of row n carries d = s[n]
+    int4 -> Q4_1 blocks: each 32-weight block of group g carries (d[n, g], m[n, g]);
+            a group of 64 or 128 is 2 or 4 blocks with the same pair
+
+The scales are rounded to float16 (the blocks' type) before the weights are quantized
+against them, so the stored quants are the nearest ones for the scales actually used. Per
+channel, int8 keeps 8.5 bits per weight (the per-block scale repeats); int4 keeps 5.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, ClassVar
+
+import torch
+from torch import nn
+
+from kvserve.quant.base import LinearMethod, QuantizedTensor, QuantMethod, copy_shard, dense
+from kvserve.quant.gguf import BLOCK, F32, Q4_1, Q8_0, pack
+
+if TYPE_CHECKING:
+    from kvserve.config import EngineConfig
+
+INT4_GROUP_SIZES = (32, 64, 128)
+
+
+def _f16(x: torch.Tensor) -> torch.Tensor:
+    """float32 values rounded to float16 (the blocks' scale type), back in float32."""
+    return x.to(torch.float16).float()
+
+
+def quantize_int8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """float [N, K] -> (q int8 [N, K], s float32 [N], float16-exact): per output channel,
+    s = amax / 127 rounded to float16, q = round-half-even(w / s) clamped to [-127, 127]
+    (q = 0 for an all-zero row)."""
+    w = w.float()
+    s = _f16(w.abs().amax(dim=1) / 127)
+    safe = torch.where(s > 0, s, torch.ones_like(s))
+    q = torch.round(w / safe[:, None]).clamp_(-127, 127).to(torch.int8)
+    return q, s
+
+
+def quantize_int4(w: torch.Tensor, group_size: int
+                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """float [N, K] -> (q uint8 [N, K] in [0, 15], d, m float32 [N, K / G], float16-exact):
+    per group, m = min rounded to float16, d = (max - m) / 15 rounded to float16,
+    q = round-half-even((w - m) / d) clamped to [0, 15] (q = 0 where d = 0)."""
+    n, k = w.shape
+    g = w.float().reshape(n, k // group_size, group_size)
+    m = _f16(g.amin(dim=-1))
+    d = _f16((g.amax(dim=-1) - m) / 15)
+    safe = torch.where(d > 0, d, torch.ones_like(d))
+    q = torch.round((g - m[..., None]) / safe[..., None]).clamp_(0, 15)
+    q = torch.where(d[..., None] > 0, q, torch.zeros_like(q))
+    return q.to(torch.uint8).reshape(n, k), d, m
+
+
+def _half_bytes(x: torch.Tensor) -> torch.Tensor:
+    """float32 [...] -> uint8 [..., 2], the float16 values' little-endian bytes."""
+    return x.to(torch.float16).contiguous().view(torch.uint8).reshape(*x.shape, 2)
+
+
+def int8_to_q8_0(q: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
+    """(q int8 [N, K], s [N]) -> Q8_0 rows uint8 [N, K / 32 * 34]: fp16 d = s[n], 32 int8."""
+    n, k = q.shape
+    nb = k // BLOCK
+    d = _half_bytes(s[:, None].expand(n, nb))
+    qs = q.reshape(n, nb, BLOCK).view(torch.uint8)
+    return torch.cat([d, qs], dim=-1).reshape(n, -1)
+
+
+def int4_to_q4_1(q: torch.Tensor, d: torch.Tensor, m: torch.Tensor, group_size: int
+                 ) -> torch.Tensor:
+    """(q [N, K] in [0, 15], d, m [N, K / G]) -> Q4_1 rows uint8 [N, K / 32 * 20]: fp16 d,
+    fp16 m, then 16 bytes whose low nibble is quant j and high nibble quant 16 + j."""
+    n, k = q.shape
+    nb = k // BLOCK
+    per = group_size // BLOCK  # blocks per group: each repeats its group's (d, m)
+    d_b = _half_bytes(d.repeat_interleave(per, dim=1))
+    m_b = _half_bytes(m.repeat_interleave(per, dim=1))
+    qb = q.reshape(n, nb, BLOCK)
+    qs = qb[..., :16] | (qb[..., 16:] << 4)
+    return torch.cat([d_b, m_b, qs], dim=-1).reshape(n, -1)
+
+
+class RTNLinearMethod:
+    """A Linear whose float weight is quantized once loaded (process_weights_after_loading)
+    into GGUF blocks and packed for the int8-activation kernels (ops.qlinear)."""
+
+    fusable = True
+
+    def __init__(self, bits: int, group_size: int | None) -> None:
+        self.bits = bits
+        self.group_size = group_size
+        self.wtype = F32  # until quantized
+
+    def create_weights(self, layer: Any, dtype: torch.dtype) -> None:
+        unit = self.group_size or BLOCK
+        if layer.in_features % unit:
+            raise ValueError(f"int{self.bits} quantizes groups of {unit} inputs; a linear layer "
+                             f"of {layer.in_features} inputs does not divide by {unit}")
+        layer.weight = nn.Parameter(torch.empty(layer.out_features, layer.in_features,
+                                                dtype=dtype), requires_grad=False)
+
+    def load_shard(self, layer: Any, name: str, shard: int,
+                   tensor: torch.Tensor | QuantizedTensor) -> None:
+        copy_shard(layer, name, shard, dense(tensor))
+
+    def process_weights_after_loading(self, layer: Any) -> None:
+        w = layer.weight.data
+        if self.bits == 8:
+            blocks, qtype = int8_to_q8_0(*quantize_int8(w)), Q8_0
+        else:
+            assert self.group_size is not None
+            q, d, m = quantize_int4(w, self.group_size)
+            blocks, qtype = int4_to_q4_1(q, d, m, self.group_size), Q4_1
+        layer.weight = nn.Parameter(pack(blocks, qtype, layer.in_features),
+                                    requires_grad=False)
+        self.wtype = qtype
+
+    def apply(self, layer: Any, x: torch.Tensor) -> torch.Tensor:
+        if self.wtype == F32:  # not loaded yet (a model built without weights)
+            return layer.ops.linear(x, layer.weight, layer.bias)
+        return layer.ops.qlinear(x, layer.weight, layer.out_features, layer.bias,
+                                 wtype=self.wtype)
+
+
+class _RTNQuantMethod(QuantMethod):
+    bits: ClassVar[int]
+    needs_kernels = True
+
+    @classmethod
+    def validate(cls, config: EngineConfig) -> None:
+        if config.dtype != "float32":
+            raise ValueError(f"quantization {cls.name!r} runs float32 activations; dtype must "
+                             f"be float32, got {config.dtype!r}")
+        mc = config.model_config
+        unit = config.quant.group_size or BLOCK
+        widths = {mc.hidden_size, mc.intermediate_size, mc.num_attention_heads * mc.head_dim}
+        bad = sorted(k for k in widths if k % unit)
+        if bad:
+            raise ValueError(f"quantization {cls.name!r} quantizes groups of {unit} inputs; "
+                             f"the model's layer widths {bad} do not divide by {unit}")
+
+    def linear_method(self, prefix: str) -> LinearMethod:
+        if prefix == "lm_head":
+            # The output layer is the most sensitive to weight error (every logit reads all of
+            # it): it stays at 8 bits under int4 too, as llama.cpp keeps it at Q6_K / Q8_0 in
+            # its 4-bit mixes. Not float: tied to a large embedding it would be most of the
+            # bytes a decode step reads.
+            return RTNLinearMethod(8, None)
+        group = self.config.group_size if self.config is not None else None
+        return RTNLinearMethod(self.bits, group)
+
+
+class Int8QuantMethod(_RTNQuantMethod):
+    """int8 weights, one scale per output channel, quantized at load."""
+
+    name = "int8"
+    bits = 8
+
+
+class Int4QuantMethod(_RTNQuantMethod):
+    """int4 weights, asymmetric per group of 32 / 64 / 128 inputs, quantized at load."""
+
+    name = "int4"
+    bits = 4
+    group_sizes = INT4_GROUP_SIZES
+    default_group_size = 32  # llama.cpp's Q4_0 / Q4_1 group: the best RTN quality

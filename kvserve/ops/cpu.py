@@ -18,6 +18,8 @@ Routing, decided per call here and never inside the kernels:
 - qlinear (packed GGUF weights x int8 activations, quantization "gguf"): the kernel at every
   M, the VNNI one where the AVX-512 ISA is chosen and the CPU has VNNI, else the AVX2 one
   (the same bits either way).
+- qlinear_kquant (packed GGUF Q4_K / Q6_K x Q8_K activations): the kernel at every M, VNNI or
+  AVX2 as qlinear (the same bits, ggml_kquants.dot_kquant's).
 - otherwise the kernel, with the semantics of the reference docstrings.
 """
 
@@ -46,14 +48,16 @@ from kvserve.ops.build import (
     toolchain,
 )
 from kvserve.ops.reference import ReferenceOps
+from kvserve.quant.ggml_kquants import Q4_K, Q6_K
 from kvserve.quant.gguf import F32, Q4_1, Q8_0
 
 logger = logging.getLogger("kvserve.ops")
 
 _CSRC = Path(__file__).parent / "csrc"
 _SOURCES = ("bindings.cpp", "llama_stack.cpp", "linear.cpp", "linear_avx512.cpp",
-            "qlinear.cpp", "qlinear_avx512.cpp", "attention.cpp", "elementwise.cpp")
-_HEADERS = ("kernels.h", "simd.h", "tiles.h", "tensor_args.h", "llama_stack.h")
+            "qlinear.cpp", "qlinear_avx512.cpp", "attention.cpp", "elementwise.cpp",
+            "qlinear_kquant.cpp", "qlinear_kquant_avx512.cpp")
+_HEADERS = ("kernels.h", "simd.h", "tiles.h", "tensor_args.h", "llama_stack.h", "kquant.h")
 # -ffp-contract=off: the kernels ask for FMAs explicitly; elsewhere (RoPE, norm scaling) it
 # keeps the reference's separate roundings, so those ops match torch bit for bit.
 _CFLAGS = ("-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-ffp-contract=off", "-DNDEBUG")
@@ -75,6 +79,8 @@ SMALL_M_AVX512 = 2048
 KV_CACHE_DTYPES = (torch.float32, torch.float16)
 # Weight formats (ggml type ids) the kernels read; the caller names the format (wtype).
 KERNEL_WTYPES = (F32, Q4_1, Q8_0)
+# K-quant formats (ggml type ids) the packed qlinear_kquant kernels read.
+KQUANT_KERNEL_WTYPES = (Q4_K, Q6_K)
 
 
 def cpu_has_avx2_fma() -> bool:
@@ -219,6 +225,20 @@ class CpuOps(ReferenceOps):
             return super().qlinear(x, weight, n, bias, wtype=wtype)
         x2 = self._rows(x)
         return self._ext.qlinear(x2, weight, wtype, n, bias, self._vnni).view(*x.shape[:-1], n)
+
+    def qlinear_kquant(self, x: torch.Tensor, weight: torch.Tensor, n: int,
+                       bias: torch.Tensor | None = None, *, wtype: int) -> torch.Tensor:
+        """weight: packed K-quant groups (kvserve/quant/kquant_pack.py pack_kquant) of the
+        format wtype names (Q4_K, Q6_K); x is quantized to Q8_K per 256 values and the kernels
+        (csrc/qlinear_kquant*.cpp) give ReferenceOps.qlinear_kquant's bits at any M."""
+        if (self._ext is None or x.dtype != torch.float32 or x.dim() == 0
+                or wtype not in KQUANT_KERNEL_WTYPES
+                or (bias is not None and (bias.dtype != torch.float32
+                                          or not bias.is_contiguous()))):
+            return super().qlinear_kquant(x, weight, n, bias, wtype=wtype)
+        x2 = self._rows(x)
+        return self._ext.qlinear_kquant(x2, weight, wtype, n, bias,
+                                        self._vnni).view(*x.shape[:-1], n)
 
     def fused_llama_layer(self, layer: Any, x: torch.Tensor, residual: torch.Tensor | None,
                           inp: Any, kv_cache: torch.Tensor, cos_sin: torch.Tensor

@@ -45,6 +45,23 @@ class ReferenceOps:
         return qlinear_reference(x, weight, wtype, n, bias).to(x.dtype)
 
     @staticmethod
+    def qlinear_kquant(x: torch.Tensor, weight: torch.Tensor, n: int,
+                       bias: torch.Tensor | None = None, *, wtype: int) -> torch.Tensor:
+        """weight: packed K-quant groups [ceil(n / 16), K / 256, record bytes] of the ggml type
+        wtype (Q4_K or Q6_K; kvserve/quant/kquant_pack.py); x quantized to Q8_K per 256 values
+        as llama.cpp does, the integer dot products scaled in ggml_kquants.dot_kquant's float
+        order, then + bias[n]."""
+        from kvserve.quant.ggml_kquants import dot_kquant, quantize_activations_q8_k
+        from kvserve.quant.kquant_pack import unpack
+
+        lead, k = x.shape[:-1], x.shape[-1]
+        xq = quantize_activations_q8_k(x.reshape(-1, k).float())
+        out = dot_kquant(unpack(weight, wtype, n), wtype, xq)
+        if bias is not None:
+            out = out + bias
+        return out.reshape(*lead, n).to(x.dtype)
+
+    @staticmethod
     def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         xf = x.float()
         y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)

@@ -184,6 +184,40 @@ std::tuple<torch::Tensor, torch::Tensor> rotary(const torch::Tensor& q, const to
   return {rotary_one(q, pos, cos_sin), rotary_one(k, pos, cos_sin)};
 }
 
+// x [M, K] float32 (K % 256 == 0) -> Q8_K (q int8 [M, K], d float32 [M, K / 256], bsums int16
+// [M, K / 16]), llama.cpp's quantize_row_q8_K_ref (kernels.h quantize_acts_q8k).
+std::vector<torch::Tensor> quantize_acts_q8k(const torch::Tensor& x) {
+  check_f32(x, "x");
+  TORCH_CHECK(x.dim() == 2 && x.size(1) % 256 == 0, "x must be [M, K] with K % 256 == 0, got ",
+              x.sizes());
+  check_inner(x, "x");
+  const int64_t M = x.size(0), K = x.size(1);
+  auto q = torch::empty({M, K}, x.options().dtype(torch::kInt8));
+  auto d = torch::empty({M, K / 256}, x.options());
+  auto bsums = torch::empty({M, K / 16}, x.options().dtype(torch::kInt16));
+  kvs::quantize_acts_q8k(x.data_ptr<float>(), x.stride(0), M, K, q.data_ptr<int8_t>(),
+                         d.data_ptr<float>(), bsums.data_ptr<int16_t>(), at::get_num_threads());
+  return {q, d, bsums};
+}
+
+// x [M, K] float32 against a packed K-quant weight [ceil(N / 16), K / 256, 2304 (Q4_K) or
+// 3360 (Q6_K)] (kvserve/quant/kquant_pack.py) -> [M, N]: x quantized to Q8_K, then the exact
+// integer dot products in ggml_kquants.dot_kquant's float order (kernels.h qlinear_kquant).
+// avx512: the VNNI kernel.
+torch::Tensor qlinear_kquant(const torch::Tensor& x, const torch::Tensor& weight, int64_t wtype,
+                             int64_t N, const c10::optional<torch::Tensor>& bias, bool avx512) {
+  check_f32(x, "x");
+  TORCH_CHECK(x.dim() == 2, "x must be [M, K], got ", x.sizes());
+  check_inner(x, "x");
+  const int64_t M = x.size(0), K = x.size(1);
+  const kvs::KType kt = checked_kquant_type(weight, wtype, K, N);
+  const float* b = bias_ptr(bias, N);
+  auto out = torch::empty({M, N}, x.options());
+  kquant_linear(x.data_ptr<float>(), x.stride(0), M, K, weight.data_ptr<uint8_t>(), kt, b,
+                out.data_ptr<float>(), N, avx512, at::get_num_threads());
+  return out;
+}
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -207,6 +241,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("add_rms_norm", &add_rms_norm, "fused residual add + RMSNorm", nogil());
   m.def("silu_and_mul", &silu_and_mul, "fused SiLU(gate) * up", nogil());
   m.def("rotary", &rotary, "rotate-half RoPE", nogil());
+  m.def("quantize_acts_q8k", &quantize_acts_q8k, "activations -> Q8_K (q, d, bsums)",
+        py::arg("x"), nogil());
+  m.def("qlinear_kquant", &qlinear_kquant, "packed GGUF K-quant weight x Q8_K activations",
+        py::arg("x"), py::arg("weight"), py::arg("wtype"), py::arg("N"), py::arg("bias"),
+        py::arg("avx512") = false, nogil());
   // module_local: two builds of the extension (another source hash) may share a process.
   using LW = LlamaStack::LayerWeights;
   py::class_<LW>(m, "LayerWeights", py::module_local(),

@@ -225,4 +225,54 @@ inline kvs::AttentionArgs attention_args(const float* q, int64_t q_st, int64_t q
   return a;
 }
 
+// --- packed GGUF K-quants (kernels.h qlinear_kquant) ---
+
+// The ggml type id the caller names -> a K-quant format the packed kernels take.
+inline kvs::KType kquant_format(int64_t wtype) {
+  TORCH_CHECK(wtype == static_cast<int>(kvs::KType::Q4_K) ||
+                  wtype == static_cast<int>(kvs::KType::Q6_K),
+              "a packed K-quant wtype must be 12 (Q4_K) or 14 (Q6_K), got ", wtype);
+  return static_cast<kvs::KType>(wtype);
+}
+
+// A packed K-quant weight [ceil(N / 16), K / 256, 16 x record bytes] (kvserve/quant/
+// kquant_pack.py pack_kquant) in the named format, for K inputs and N outputs.
+inline kvs::KType checked_kquant_type(const torch::Tensor& weight, int64_t wtype, int64_t K,
+                                      int64_t N) {
+  TORCH_CHECK(weight.device().is_cpu() && weight.scalar_type() == torch::kUInt8 &&
+                  weight.dim() == 3 && weight.is_contiguous(),
+              "a packed K-quant weight is a contiguous uint8 [groups, K / 256, record bytes] "
+              "tensor, got ", weight.scalar_type(), " ", weight.sizes());
+  const kvs::KType kt = kquant_format(wtype);
+  const int64_t rb = kvs::kquant_record_bytes(kt);
+  TORCH_CHECK(weight.size(2) == rb, "packed wtype ", wtype, " records take ", rb,
+              " bytes, the weight's have ", weight.size(2));
+  TORCH_CHECK(weight.size(1) > 0 && K == weight.size(1) * 256, "x [M, K] must have K = ",
+              weight.size(1) * 256, " for this packed weight, got K=", K);
+  TORCH_CHECK(N > 16 * (weight.size(0) - 1) && N <= 16 * weight.size(0), "N=", N,
+              " does not fit ", weight.size(0), " groups of 16 rows");
+  return kt;
+}
+
+// out[M, N] = x (quantized to Q8_K) times a checked packed K-quant weight. The activations
+// live in per-thread buffers that only grow, as quantized_linear's.
+inline void kquant_linear(const float* x, int64_t ldx, int64_t M, int64_t K, const uint8_t* w,
+                          kvs::KType kt, const float* bias, float* out, int64_t N, bool avx512,
+                          int nthreads) {
+  TORCH_CHECK(!avx512 || kvs::cpu_has_avx512_vnni(),
+              "qlinear_kquant(avx512=True) on a CPU without AVX-512 VNNI");
+  if (M == 0) return;
+  thread_local std::vector<int8_t> q;
+  thread_local std::vector<float> d;
+  thread_local std::vector<int16_t> bsums;
+  if (static_cast<int64_t>(q.size()) < M * K) q.resize(M * K);
+  if (static_cast<int64_t>(bsums.size()) < M * K / 16) {
+    d.resize(M * K / 256);
+    bsums.resize(M * K / 16);
+  }
+  kvs::quantize_acts_q8k(x, ldx, M, K, q.data(), d.data(), bsums.data(), nthreads);
+  const kvs::Q8KActs a{q.data(), d.data(), bsums.data(), M, K};
+  (avx512 ? kvs::qlinear_kquant_avx512 : kvs::qlinear_kquant)(a, w, kt, bias, out, N, nthreads);
+}
+
 }  // namespace kvs_args

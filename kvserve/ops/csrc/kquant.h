@@ -1,0 +1,53 @@
+// The packed K-quant records that qlinear_kquant.cpp (AVX2) and qlinear_kquant_avx512.cpp
+// (VNNI) read: 16 weight rows x one 256-weight super-block, every stored field transposed over
+// the 16 rows (kvserve/quant/kquant_pack.py says why and draws it). Offsets in one record:
+//
+//   Q4_K, 2304 bytes (16 x 144):
+//   0        32       64                  256                                         2304
+//   | d[16]  | dmin[16] | 12 scale planes | 32 chunks of 64: chunk 8c + l4 (c < 4, l4 < 8) |
+//     plane p = stored scale byte p of rows 0..15; chunk byte 4r + j = row r's qs[32c + 4l4 + j]:
+//     low nibble weight 64c + 4l4 + j (sub-block 2c), high nibble 64c + 32 + 4l4 + j (2c + 1)
+//
+//   Q6_K, 3360 bytes (16 x 210):
+//   0                          2048                        3072              3328     3360
+//   | 32 ql chunks: 16h + l4    | 16 qh chunks: 8h + l4      | 16 scale planes | d[16] |
+//     ql chunk byte 4r + j = row r's ql[64h + 4l4 + j] (l4 < 16), qh chunk: qh[32h + 4l4 + j]
+//
+// Header-only and SSE2 only, so the AVX-512 source includes it before its target pragma.
+#pragma once
+
+#include <emmintrin.h>
+
+#include <cstdint>
+
+namespace kvs {
+namespace kq {
+
+constexpr int64_t kQK = 256;    // weights per super-block
+constexpr int64_t kGroup = 16;  // rows per record
+constexpr int64_t kQ4KRecord = 2304, kQ4KScales = 64, kQ4KQs = 256;
+constexpr int64_t kQ6KRecord = 3360, kQ6KQh = 2048, kQ6KScales = 3072, kQ6KD = 3328;
+
+// Q4_K's 12 scale planes -> 8 scales and 8 mins (6 bits) of rows 0..15, a byte each:
+//   j < 4:  sc[j] = p[j] & 63                    mn[j] = p[4 + j] & 63
+//           sc[j + 4] = p[8 + j] & 15 | (p[j] >> 6) << 4
+//           mn[j + 4] = p[8 + j] >> 4 | (p[4 + j] >> 6) << 4
+// SSE has no byte shifts: a 16-bit shift drags bits across from the lane's other byte, and
+// each mask keeps only bits that came from the byte itself.
+inline void q4k_scales(const uint8_t* planes, __m128i* sc, __m128i* mn) {
+  const __m128i m63 = _mm_set1_epi8(63), m15 = _mm_set1_epi8(15), m48 = _mm_set1_epi8(48);
+  for (int j = 0; j < 4; ++j) {
+    const __m128i p = _mm_loadu_si128(reinterpret_cast<const __m128i*>(planes + 16 * j));
+    const __m128i q = _mm_loadu_si128(reinterpret_cast<const __m128i*>(planes + 16 * (4 + j)));
+    const __m128i r = _mm_loadu_si128(reinterpret_cast<const __m128i*>(planes + 16 * (8 + j)));
+    sc[j] = _mm_and_si128(p, m63);
+    mn[j] = _mm_and_si128(q, m63);
+    // (x >> 6) << 4: bits 6, 7 down to 4, 5
+    sc[j + 4] = _mm_or_si128(_mm_and_si128(r, m15), _mm_and_si128(_mm_srli_epi16(p, 2), m48));
+    mn[j + 4] = _mm_or_si128(_mm_and_si128(_mm_srli_epi16(r, 4), m15),
+                             _mm_and_si128(_mm_srli_epi16(q, 2), m48));
+  }
+}
+
+}  // namespace kq
+}  // namespace kvs

@@ -1,0 +1,362 @@
+// Packed GGUF K-quants (Q4_K, Q6_K) against Q8_K activations, AVX2: out[M, N] = x W^T with x
+// quantized to int8 per 256 values (Q8KActs) and W in the 16-row records of kquant.h. The
+// spec (integer sums, then the float order of ggml_kquants.py dot_kquant) is in kernels.h.
+//
+// A 64-byte chunk of a record is 16 rows x 4 quant bytes: two ymm, rows 0..7 and rows 8..15,
+// each multiplied against the 4 activation bytes of its quants broadcast to all 8 lanes.
+// maddubs (u8 x s8 -> int16 pairs) sums a row's products inside its own 32-bit lane, so a
+// lane is a row from the first multiply to the store, and no horizontal sum is needed.
+//
+//   Q4_K sub-block (32 weights): 8 chunks, their maddubs summed in int16, then one madd by the
+//       row's scale (duplicated in both int16 halves of its lane) -> int32. Bound: an int16
+//       lane gathers 16 products of q <= 15 by |x| <= 127: |sum| <= 30480 < 2^15.
+//   Q6_K sub-block (16 weights): q + 32 (0..63) is assembled from its nibble and its 2 high
+//       bits, 2 chunks summed in int16 (|sum| <= 4 * 63 * 127 = 32004 < 2^15), madd by the
+//       scale; 32 * sum_s scale_s * bsum_s takes the + 32 back, exactly.
+//   Q4_K mins: sum_s min_s * (the two bsums of s), one madd per sub-block (bsums fit int16).
+//
+// The float part follows kernels.h's order exactly, one rounding per mul, add or sub
+// (-ffp-contract=off, no FMA), so every tile shape here and the VNNI twin give the same bits.
+//
+// Parallel split (tiles.h): a tile is one 16-row group, each thread streams its slab of groups
+// front to back; activation rows go in passes of ~256 KB of int8 (kept in L2), and a group's
+// records are re-read from cache for every MT rows after the first tile.
+#include <omp.h>
+
+#include <cstring>
+
+#include "kernels.h"
+#include "kquant.h"
+#include "simd.h"
+#include "tiles.h"
+
+#if !KVS_AVX2
+// No scalar twin: kvserve/ops/cpu.py always builds with -mavx2 -mfma, and routes a CPU
+// without them to ReferenceOps before any kernel is built.
+#error "qlinear_kquant.cpp needs AVX2 + FMA"
+#endif
+
+namespace kvs {
+
+int64_t kquant_record_bytes(KType kt) {
+  return kt == KType::Q4_K ? kq::kQ4KRecord : kq::kQ6KRecord;
+}
+
+namespace {
+
+using kq::kGroup;
+using kq::kQK;
+
+// How far ahead of the record being read its stream is prefetched (as qlinear.cpp).
+constexpr int64_t kPrefetchBytes = 8192;
+
+inline __m256i bcast4(const int8_t* p) {  // the 4 activation bytes at p, in every lane
+  int32_t v;
+  std::memcpy(&v, p, 4);
+  return _mm256_set1_epi32(v);
+}
+
+inline __m256i load256(const uint8_t* p) {
+  return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+}
+
+inline __m256 load_halves8(const uint8_t* p) {  // 8 fp16 -> fp32, exact
+  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+}
+
+// 16 per-row bytes (rows 0..15) -> int32 lanes of rows 8h .. 8h + 7, zero- or sign-extended.
+inline __m256i widen_u8(__m128i b, int h) {
+  return _mm256_cvtepu8_epi32(h ? _mm_srli_si128(b, 8) : b);
+}
+inline __m256i widen_i8(__m128i b, int h) {
+  return _mm256_cvtepi8_epi32(h ? _mm_srli_si128(b, 8) : b);
+}
+// An int32 lane's low int16 copied into its high one: the madd factor that scales a row's two
+// int16 pair sums by the same value.
+inline __m256i dup16(__m256i v) { return _mm256_blend_epi16(v, _mm256_slli_epi32(v, 16), 0xAA); }
+// An int16 broadcast with zero high halves: madd(v32, bc16(s)) = v32 * s for v32 in int16.
+inline __m256i bc16(int32_t s) { return _mm256_set1_epi32(static_cast<uint16_t>(s)); }
+
+// Format policies. dot<MT>(rec, x, bs, isum, msum): for activation rows m < MT (x[m]: its
+// quants at the super-block's start, bs[m]: its 16 bsums), isum[m][h] / msum[m][h] = int32
+// lane r = row 8h + r's isum / msum (kernels.h). msum is left unset where kMin is false.
+struct Q4K {
+  static constexpr int64_t kRecord = kq::kQ4KRecord;
+  static constexpr int64_t kD = 0;
+  static constexpr bool kMin = true;
+  template <int MT>
+  static inline void dot(const uint8_t* rec, const int8_t* const* x, const int16_t* const* bs,
+                         __m256i (*isum)[2], __m256i (*msum)[2]) {
+    __m128i sc[8], mn[8];
+    kq::q4k_scales(rec + kq::kQ4KScales, sc, mn);
+    const __m256i nib = _mm256_set1_epi8(15);
+    for (int m = 0; m < MT; ++m) isum[m][0] = isum[m][1] = _mm256_setzero_si256();
+    for (int c = 0; c < 4; ++c) {  // sub-blocks 2c (low nibbles) and 2c + 1 (high)
+      __m256i lo[MT][2], hi[MT][2];
+      for (int m = 0; m < MT; ++m)
+        for (int h = 0; h < 2; ++h) lo[m][h] = hi[m][h] = _mm256_setzero_si256();
+      for (int l4 = 0; l4 < 8; ++l4) {
+        const uint8_t* p = rec + kq::kQ4KQs + 64 * (8 * c + l4);
+        __m256i wl[2], wh[2];
+        for (int h = 0; h < 2; ++h) {
+          const __m256i v = load256(p + 32 * h);
+          wl[h] = _mm256_and_si256(v, nib);
+          wh[h] = _mm256_and_si256(_mm256_srli_epi16(v, 4), nib);
+        }
+        for (int m = 0; m < MT; ++m) {
+          const __m256i xl = bcast4(x[m] + 64 * c + 4 * l4);
+          const __m256i xh = bcast4(x[m] + 64 * c + 32 + 4 * l4);
+          for (int h = 0; h < 2; ++h) {
+            lo[m][h] = _mm256_add_epi16(lo[m][h], _mm256_maddubs_epi16(wl[h], xl));
+            hi[m][h] = _mm256_add_epi16(hi[m][h], _mm256_maddubs_epi16(wh[h], xh));
+          }
+        }
+      }
+      for (int h = 0; h < 2; ++h) {
+        const __m256i s0 = dup16(widen_u8(sc[2 * c], h)), s1 = dup16(widen_u8(sc[2 * c + 1], h));
+        for (int m = 0; m < MT; ++m)
+          isum[m][h] = _mm256_add_epi32(isum[m][h],
+                                        _mm256_add_epi32(_mm256_madd_epi16(lo[m][h], s0),
+                                                         _mm256_madd_epi16(hi[m][h], s1)));
+      }
+    }
+    for (int m = 0; m < MT; ++m)
+      for (int h = 0; h < 2; ++h) {
+        __m256i acc = _mm256_setzero_si256();
+        for (int s = 0; s < 8; ++s)  // |bsum of 32| <= 32 * 127: an int16
+          acc = _mm256_add_epi32(acc, _mm256_madd_epi16(widen_u8(mn[s], h),
+                                                        bc16(bs[m][2 * s] + bs[m][2 * s + 1])));
+        msum[m][h] = acc;
+      }
+  }
+};
+
+struct Q6K {
+  static constexpr int64_t kRecord = kq::kQ6KRecord;
+  static constexpr int64_t kD = kq::kQ6KD;
+  static constexpr bool kMin = false;
+  template <int MT>
+  static inline void dot(const uint8_t* rec, const int8_t* const* x, const int16_t* const* bs,
+                         __m256i (*isum)[2], __m256i (*)[2]) {
+    const __m256i nib = _mm256_set1_epi8(15), top = _mm256_set1_epi8(48);
+    __m128i sc[16];
+    for (int s = 0; s < 16; ++s)
+      sc[s] = _mm_loadu_si128(reinterpret_cast<const __m128i*>(rec + kq::kQ6KScales + 16 * s));
+    for (int m = 0; m < MT; ++m) isum[m][0] = isum[m][1] = _mm256_setzero_si256();
+    // Weight 128h + 32c + 4l4 + j (sub-block 8h + 2c + l4 / 4): its low nibble is ql chunk
+    // 16h + l4 (c = 0, 2: low / high nibble) or 16h + 8 + l4 (c = 1, 3), its high 2 bits are
+    // bits 2c of qh chunk 8h + l4.
+    for (int h = 0; h < 2; ++h)
+      for (int c = 0; c < 4; ++c)
+        for (int half = 0; half < 2; ++half) {  // sub-block 8h + 2c + half
+          __m256i acc[MT][2];
+          for (int m = 0; m < MT; ++m) acc[m][0] = acc[m][1] = _mm256_setzero_si256();
+          for (int pair = 0; pair < 2; ++pair) {
+            __m256i t[MT][2];
+            for (int m = 0; m < MT; ++m) t[m][0] = t[m][1] = _mm256_setzero_si256();
+            for (int e = 0; e < 2; ++e) {
+              const int l4 = 4 * half + 2 * pair + e;
+              const uint8_t* ql = rec + 64 * (16 * h + 8 * (c & 1) + l4);
+              const uint8_t* qh = rec + kq::kQ6KQh + 64 * (8 * h + l4);
+              __m256i u[2];
+              for (int r = 0; r < 2; ++r) {
+                __m256i lo = load256(ql + 32 * r), hb = load256(qh + 32 * r);
+                if (c >= 2) lo = _mm256_srli_epi16(lo, 4);
+                // bits 2c, 2c + 1 of the qh byte up (or down) to bits 4, 5
+                hb = c == 0 ? _mm256_slli_epi16(hb, 4) : c == 1 ? _mm256_slli_epi16(hb, 2)
+                     : c == 3 ? _mm256_srli_epi16(hb, 2) : hb;
+                u[r] = _mm256_or_si256(_mm256_and_si256(lo, nib), _mm256_and_si256(hb, top));
+              }
+              for (int m = 0; m < MT; ++m) {
+                const __m256i xb = bcast4(x[m] + 128 * h + 32 * c + 4 * l4);
+                for (int r = 0; r < 2; ++r)
+                  t[m][r] = _mm256_add_epi16(t[m][r], _mm256_maddubs_epi16(u[r], xb));
+              }
+            }
+            for (int r = 0; r < 2; ++r) {
+              const __m256i s = dup16(widen_i8(sc[8 * h + 2 * c + half], r));
+              for (int m = 0; m < MT; ++m)
+                acc[m][r] = _mm256_add_epi32(acc[m][r], _mm256_madd_epi16(t[m][r], s));
+            }
+          }
+          for (int m = 0; m < MT; ++m)
+            for (int r = 0; r < 2; ++r) isum[m][r] = _mm256_add_epi32(isum[m][r], acc[m][r]);
+        }
+    // - 32 * sum_s scale_s * bsum_s (|bsum| <= 16 * 127: an int16)
+    for (int m = 0; m < MT; ++m)
+      for (int r = 0; r < 2; ++r) {
+        __m256i corr = _mm256_setzero_si256();
+        for (int s = 0; s < 16; ++s)
+          corr = _mm256_add_epi32(corr, _mm256_madd_epi16(widen_i8(sc[s], r), bc16(bs[m][s])));
+        isum[m][r] = _mm256_sub_epi32(isum[m][r], _mm256_slli_epi32(corr, 5));
+      }
+  }
+};
+
+// Activation rows m0 .. m0 + MT - 1 against one group (records from gw) -> out columns
+// 0 .. cols - 1 of those rows (out points at the group's first column, rows N apart).
+template <class Fmt, int MT, bool kPrefetchW>
+inline void tile(const Q8KActs& a, int64_t m0, const uint8_t* gw, const float* bias,
+                 float* out, int64_t N, int64_t cols) {
+  const int64_t K = a.K, nsb = K / kQK;
+  __m256 sums[MT][2], mins[MT][2];
+  for (int m = 0; m < MT; ++m)
+    for (int h = 0; h < 2; ++h) sums[m][h] = mins[m][h] = _mm256_setzero_ps();
+  for (int64_t i = 0; i < nsb; ++i) {
+    const uint8_t* rec = gw + i * Fmt::kRecord;
+    if constexpr (kPrefetchW)
+      for (int64_t off = 0; off < Fmt::kRecord; off += 64)
+        _mm_prefetch(reinterpret_cast<const char*>(rec) + kPrefetchBytes + off, _MM_HINT_T0);
+    const int8_t* x[MT];
+    const int16_t* bs[MT];
+    for (int m = 0; m < MT; ++m) {
+      x[m] = a.q + (m0 + m) * K + i * kQK;
+      bs[m] = a.bsums + (m0 + m) * (K / 16) + i * 16;
+    }
+    __m256i isum[MT][2], msum[MT][2];
+    Fmt::template dot<MT>(rec, x, bs, isum, msum);
+    const __m256 dw[2] = {load_halves8(rec + Fmt::kD), load_halves8(rec + Fmt::kD + 16)};
+    for (int m = 0; m < MT; ++m) {
+      const __m256 xd = _mm256_set1_ps(a.d[(m0 + m) * nsb + i]);
+      for (int h = 0; h < 2; ++h)
+        sums[m][h] = _mm256_add_ps(sums[m][h], _mm256_mul_ps(_mm256_mul_ps(dw[h], xd),
+                                                             _mm256_cvtepi32_ps(isum[m][h])));
+    }
+    if constexpr (Fmt::kMin) {
+      const __m256 dm[2] = {load_halves8(rec + 32), load_halves8(rec + 48)};
+      for (int m = 0; m < MT; ++m) {
+        const __m256 xd = _mm256_set1_ps(a.d[(m0 + m) * nsb + i]);
+        for (int h = 0; h < 2; ++h)
+          mins[m][h] = _mm256_sub_ps(mins[m][h], _mm256_mul_ps(_mm256_mul_ps(dm[h], xd),
+                                                               _mm256_cvtepi32_ps(msum[m][h])));
+      }
+    }
+  }
+  // out = mins + sums (Q6_K: +0 + sums, which turns a -0 into +0 as the oracle does)
+  const __m256i mask[2] = {tail_mask(cols < 8 ? cols : 8), tail_mask(cols > 8 ? cols - 8 : 0)};
+  for (int m = 0; m < MT; ++m) {
+    float* o = out + (m0 + m) * N;
+    for (int h = 0; h < 2; ++h) {
+      __m256 v = _mm256_add_ps(mins[m][h], sums[m][h]);
+      if (cols == kGroup) {
+        if (bias) v = _mm256_add_ps(v, _mm256_loadu_ps(bias + 8 * h));
+        _mm256_storeu_ps(o + 8 * h, v);
+      } else {  // the last group of N % 16 columns: nothing read or written past N
+        if (bias) v = _mm256_add_ps(v, _mm256_maskload_ps(bias + 8 * h, mask[h]));
+        _mm256_maskstore_ps(o + 8 * h, mask[h], v);
+      }
+    }
+  }
+}
+
+// rows (1 <= rows <= MT) at m0 as one tile of exactly that many rows.
+template <class Fmt, int MT>
+inline void some_rows(int64_t rows, bool prefetch, const Q8KActs& a, int64_t m0,
+                      const uint8_t* gw, const float* bias, float* out, int64_t N,
+                      int64_t cols) {
+  if (rows == MT) {
+    if (prefetch) tile<Fmt, MT, true>(a, m0, gw, bias, out, N, cols);
+    else tile<Fmt, MT, false>(a, m0, gw, bias, out, N, cols);
+  } else if constexpr (MT > 1) {
+    some_rows<Fmt, MT - 1>(rows, prefetch, a, m0, gw, bias, out, N, cols);
+  }
+}
+
+template <class Fmt, int MT>
+void run(const Q8KActs& a, const uint8_t* w, const float* bias, float* out, int64_t N,
+         int nthreads) {
+  const int64_t M = a.M, K = a.K, groups = (N + kGroup - 1) / kGroup;
+  const int64_t group_bytes = K / kQK * Fmt::kRecord;
+  // Rows per pass over the slab: ~256 KB of int8 activations stay in L2 while it streams.
+  const int64_t m_block = max64(MT, (1 << 18) / max64(K, 1) / MT * MT);
+  // Below ~64K multiply-adds the fork/join (~2 us) costs more than it saves.
+  const bool parallel = nthreads > 1 && M * N * K >= (1 << 16);
+  for_each_tile(groups, (M + m_block - 1) / m_block, nthreads, parallel,
+                [&](int64_t pass, int64_t g) {
+    const int64_t p0 = pass * m_block, p1 = min64(M, p0 + m_block);
+    const uint8_t* gw = w + g * group_bytes;
+    const int64_t n0 = g * kGroup, cols = min64(kGroup, N - n0);
+    const float* bg = bias ? bias + n0 : nullptr;
+    // The first tile streams the group from memory (prefetch); the others hit cache.
+    for (int64_t m = p0; m < p1; m += MT)
+      some_rows<Fmt, MT>(min64(MT, p1 - m), m == p0, a, m, gw, bg, out + n0, N, cols);
+  });
+}
+
+template <class Fmt>
+void run_fmt(const Q8KActs& a, const uint8_t* w, const float* bias, float* out, int64_t N,
+             int nthreads) {
+  // MT = 1 at decode: one stream, the accumulators in registers. Larger M: 2 rows share each
+  // chunk's load and nibble split (16 ymm cannot hold more rows' accumulators).
+  if (a.M == 1) run<Fmt, 1>(a, w, bias, out, N, nthreads);
+  else run<Fmt, 2>(a, w, bias, out, N, nthreads);
+}
+
+// One Q8_K block of 256 values (kernels.h). The peak's sign matters (iscale = -127 / peak),
+// so after the max of |x| the first element reaching it is found again by compare.
+inline void q8k_block(const float* x, int8_t* q, float* d, int16_t* bsums) {
+  const __m256 sign = _mm256_set1_ps(-0.f);
+  __m256 vmax = _mm256_setzero_ps();
+  for (int j = 0; j < 256; j += 8)
+    vmax = _mm256_max_ps(vmax, _mm256_andnot_ps(sign, _mm256_loadu_ps(x + j)));
+  const float amax = hmax(vmax);
+  if (!(amax > 0.f)) {  // all zeros
+    std::memset(q, 0, 256);
+    std::memset(bsums, 0, 16 * sizeof(int16_t));
+    *d = 0.f;
+    return;
+  }
+  float peak = 0.f;
+  for (int j = 0; j < 256; j += 8) {
+    const int hit = _mm256_movemask_ps(_mm256_cmp_ps(
+        _mm256_andnot_ps(sign, _mm256_loadu_ps(x + j)), _mm256_set1_ps(amax), _CMP_EQ_OQ));
+    if (hit) {
+      peak = x[j + __builtin_ctz(hit)];
+      break;
+    }
+  }
+  const float iscale = -127.f / peak;
+  const __m256 iv = _mm256_set1_ps(iscale);
+  const __m256i cap = _mm256_set1_epi32(127);
+  for (int j = 0; j < 256; j += 32) {
+    __m256i r[4];
+    for (int v = 0; v < 4; ++v)
+      r[v] = _mm256_min_epi32(cap, _mm256_cvtps_epi32(_mm256_round_ps(
+          _mm256_mul_ps(_mm256_loadu_ps(x + j + 8 * v), iv),
+          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)));
+    // int32 -> int8 keeping order: the packs interleave 128-bit lanes, the permute undoes it.
+    const __m256i p = _mm256_packs_epi16(_mm256_packs_epi32(r[0], r[1]),
+                                         _mm256_packs_epi32(r[2], r[3]));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(q + j),
+                        _mm256_permutevar8x32_epi32(p, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
+    for (int half = 0; half < 2; ++half) {  // values 16 half .. 16 half + 15 of these 32
+      const __m256i s = _mm256_add_epi32(r[2 * half], r[2 * half + 1]);
+      __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(s), _mm256_extracti128_si256(s, 1));
+      s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, _MM_SHUFFLE(1, 0, 3, 2)));
+      s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, _MM_SHUFFLE(2, 3, 0, 1)));
+      bsums[j / 16 + half] = static_cast<int16_t>(_mm_cvtsi128_si32(s4));
+    }
+  }
+  *d = 1.f / iscale;
+}
+
+}  // namespace
+
+void quantize_acts_q8k(const float* x, int64_t ldx, int64_t M, int64_t K, int8_t* q, float* d,
+                       int16_t* bsums, int nthreads) {
+  const int64_t nsb = K / kQK;
+#pragma omp parallel for num_threads(nthreads) if (nthreads > 1 && M * K >= (1 << 16))
+  for (int64_t i = 0; i < M * nsb; ++i) {
+    const int64_t m = i / nsb, b = i % nsb;
+    q8k_block(x + m * ldx + b * kQK, q + m * K + b * kQK, d + i, bsums + m * (K / 16) + 16 * b);
+  }
+}
+
+void qlinear_kquant(const Q8KActs& a, const uint8_t* w, KType kt, const float* bias,
+                    float* out, int64_t N, int nthreads) {
+  if (a.M == 0 || N == 0) return;
+  if (kt == KType::Q4_K) run_fmt<Q4K>(a, w, bias, out, N, nthreads);
+  else run_fmt<Q6K>(a, w, bias, out, N, nthreads);
+}
+
+}  // namespace kvs

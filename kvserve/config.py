@@ -42,6 +42,8 @@ class ModelConfig:
     sliding_window: int | None = None
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
+    # config.json's quantization_config (GPTQ, AWQ checkpoints), frozen as sorted items.
+    quantization_config: tuple[tuple[str, Any], ...] | None = None
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
@@ -52,6 +54,10 @@ class ModelConfig:
         _require(self.num_attention_heads % self.num_key_value_heads == 0,
                  f"ModelConfig.num_attention_heads ({self.num_attention_heads}) must be a "
                  f"multiple of num_key_value_heads ({self.num_key_value_heads})")
+
+    @property
+    def quantization_dict(self) -> dict[str, Any] | None:
+        return dict(self.quantization_config) if self.quantization_config else None
 
     @property
     def rope_scaling_dict(self) -> dict[str, Any] | None:
@@ -140,6 +146,9 @@ class QuantConfig:
 
     method: str = "none"
     group_size: int | None = None
+    # The checkpoint's own quantization_config (ModelConfig.quantization_config), which a
+    # method that loads quantized checkpoints (gptq, awq) reads its settings from.
+    checkpoint_config: tuple[tuple[str, Any], ...] | None = None
 
     def __post_init__(self) -> None:
         from kvserve.quant import get_quant_method_class

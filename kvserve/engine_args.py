@@ -65,8 +65,8 @@ class EngineArgs:
             raise ValueError(f"max_model_len ({max_len}) must be <= the model's sliding window "
                              f"({mc.sliding_window}): kvserve runs full attention")
         budget = self.max_num_batched_tokens or (512 if device == "cpu" else 2048)
-        quantization = self.quantization or detect_quantization(model_path, device, dtype,
-                                                                 self.ops_backend)
+        quantization = self.quantization or detect_quantization(
+            model_path, device, dtype, self.ops_backend, mc.quantization_dict)
         if not self.enable_chunked_prefill:
             budget = max(budget, max_len)
         return EngineConfig(
@@ -83,7 +83,8 @@ class EngineArgs:
                                       enable_chunked_prefill=self.enable_chunked_prefill,
                                       max_waiting_requests=self.max_waiting_requests),
             dtype=dtype, device=device, seed=self.seed, ops_backend=self.ops_backend,
-            quant=QuantConfig(method=quantization, group_size=self.quant_group_size),
+            quant=QuantConfig(method=quantization, group_size=self.quant_group_size,
+                              checkpoint_config=mc.quantization_config),
             grammar_cache_bytes=parse_memory(self.grammar_cache_memory,
                                              "grammar_cache_memory") or 0)
 

@@ -114,11 +114,22 @@ def model_config_from_hf(cfg: dict[str, Any], path: str,
             sliding_window=_sliding_window(cfg, arch),
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_ids=eos_token_ids,
+            quantization_config=_quantization_config(cfg),
         )
     except KeyError as e:
         raise CheckpointError(f"{path}/config.json lacks {e.args[0]!r}") from e
     except (TypeError, ValueError) as e:
         raise CheckpointError(f"{path}/config.json has an invalid value: {e}") from e
+
+
+def _quantization_config(cfg: dict[str, Any]) -> tuple[tuple[str, Any], ...] | None:
+    """config.json's quantization_config, its scalar entries (bits, group_size, desc_act, sym,
+    zero_point, version, checkpoint_format, ...) frozen as sorted items."""
+    qc = cfg.get("quantization_config")
+    if not isinstance(qc, dict) or not qc:
+        return None
+    return tuple(sorted((k, v) for k, v in qc.items()
+                        if v is None or isinstance(v, (str, int, float, bool))))
 
 
 def _token_content(value: Any) -> str | None:
@@ -174,16 +185,24 @@ def tokenizer_from_hf_dir(path: str, cfg: dict[str, Any]) -> Tokenizer:
                      pad_token_id=token_id("pad_token"))
 
 
+# What a GPTQ / AWQ checkpoint stores for each quantized linear instead of its weight (GPTQ
+# adds g_idx, which some exports omit); the layer's LinearMethod checks the rest.
+_QUANTIZED_NAMES = {"gptq": ("qweight", "qzeros", "scales"),
+                    "awq": ("qweight", "qzeros", "scales")}
+
+
 def expected_hf_names(c: ModelConfig) -> list[str]:
     names = ["model.embed_tokens.weight", "model.norm.weight"]
     if not c.tie_word_embeddings:
         names.append("lm_head.weight")
+    method = (c.quantization_dict or {}).get("quant_method")
+    linear_names = _QUANTIZED_NAMES.get(method, ("weight",))
     for i in range(c.num_hidden_layers):
         p = f"model.layers.{i}."
-        names += [p + n + ".weight" for n in (
-            "input_layernorm", "self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj",
-            "self_attn.o_proj", "post_attention_layernorm", "mlp.gate_proj", "mlp.up_proj",
-            "mlp.down_proj")]
+        names += [p + n + ".weight" for n in ("input_layernorm", "post_attention_layernorm")]
+        names += [p + n + "." + t for n in (
+            "self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
+            "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj") for t in linear_names]
         if c.attention_bias:
             names += [p + f"self_attn.{n}.bias" for n in ("q_proj", "k_proj", "v_proj")]
     return names
@@ -230,11 +249,13 @@ class HFCheckpoint:
             raise CheckpointError(f"checkpoint {self.path} is missing tensors: {shown}")
 
     def weights(self, keep_quantized: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
-        """keep_quantized is accepted for the Checkpoint interface: safetensors here are
-        float tensors, converted to float32."""
+        """Float tensors converted to float32; integer ones (a GPTQ / AWQ checkpoint's packed
+        qweight, qzeros, g_idx) as stored, for the layer's LinearMethod. keep_quantized is
+        accepted for the Checkpoint interface."""
         for fname, names in self.files.items():
             with safe_open(os.path.join(self.path, fname), framework="pt") as f:
                 for name in names:
                     if name.endswith(_IGNORED_SUFFIXES):
                         continue
-                    yield name, f.get_tensor(name).to(torch.float32)
+                    t = f.get_tensor(name)
+                    yield name, t.to(torch.float32) if t.is_floating_point() else t

@@ -32,9 +32,10 @@ def build_model(ckpt: Any, ops: Any, dtype: torch.dtype, quant: QuantMethod | st
     """A checkpoint's model with its weights loaded, in eval mode, on the CPU. quant: a
     QuantMethod, or a method name of kvserve.quant's registry ("gguf" keeps a GGUF file's
     Q4_1 / Q8_0 matrices as blocks)."""
-    if isinstance(quant, str):
-        quant = get_quant_method(QuantConfig(method=quant))
     mc = ckpt.model_config
+    if isinstance(quant, str):
+        quant = get_quant_method(QuantConfig(method=quant,
+                                             checkpoint_config=mc.quantization_config))
     model = get_model_class(mc.architecture)(mc, ops, dtype, max_positions=max_positions,
                                              quant=quant)
     model.load_weights(ckpt.weights(keep_quantized=quant.keeps_quantized))

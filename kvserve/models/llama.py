@@ -163,11 +163,13 @@ class LlamaForCausalLM(nn.Module):
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor | QuantizedTensor]]
                      ) -> None:
-        """Load HF-named tensors, as floats or as the loader kept them (QuantizedTensor: a
-        Linear's method decides; anything else gets floats). Raises ValueError naming unknown
-        or missing tensors."""
+        """Load HF-named tensors, as floats or as the loader kept them. Every tensor of a
+        linear layer goes to that layer (its LinearMethod keeps, repacks or copies it: a
+        weight, or a quantized checkpoint's qweight / scales / ...); anything else gets
+        floats. Raises ValueError naming unknown or missing tensors."""
         params = dict(self.named_parameters(remove_duplicate=False))
         params["model.embed_tokens.weight"] = params.pop("embed_tokens")
+        linears = {n: m for n, m in self.named_modules() if isinstance(m, Linear)}
         loaded: set[str] = set()
         for name, tensor in weights:
             if "rotary_emb.inv_freq" in name:
@@ -177,51 +179,45 @@ class LlamaForCausalLM(nn.Module):
             if is_quantized(tensor) and name == "model.embed_tokens.weight":
                 if self.config.tie_word_embeddings:
                     self.lm_head.load_shard("weight", 0, tensor)  # keeps or dequantizes
+                    loaded.add("lm_head.weight#0")
                 tensor = dense(tensor)
-            key = name.removeprefix("model.") if name != "model.embed_tokens.weight" else name
-            for frag, (fused, shard) in self.stacked_params.items():
-                if frag in key:
-                    key = key.replace(frag, fused)
-                    owner, pname = key.rsplit(".", 1)
-                    module = self.get_submodule(owner)
-                    assert isinstance(module, Linear)
-                    module.load_shard(pname, shard, tensor)
-                    loaded.add(f"{key}#{shard}")
-                    break
-            else:
-                if key not in params:
-                    raise ValueError(f"checkpoint tensor {name!r} has no place in "
-                                     f"{self.config.architecture}")
-                if is_quantized(tensor):
-                    owner, pname = key.rsplit(".", 1)
-                    module = self.get_submodule(owner)
-                    if isinstance(module, Linear):
-                        module.load_shard(pname, 0, tensor)
-                        loaded.add(key)
-                        continue
-                    tensor = dense(tensor)
-                if tuple(params[key].shape) != tuple(tensor.shape):
-                    raise ValueError(f"checkpoint tensor {name!r} has shape "
-                                     f"{tuple(tensor.shape)}, expected {tuple(params[key].shape)}")
-                params[key].data.copy_(tensor)
-                loaded.add(key)
-        self._check_all_loaded(params, loaded)
-        for module in self.modules():
-            if isinstance(module, Linear):
-                module.process_weights_after_loading()
-
-    def _check_all_loaded(self, params: dict[str, nn.Parameter], loaded: set[str]) -> None:
-        expected: set[str] = set()
-        own = dict(self.named_parameters())
-        for key in params:
-            if key == "lm_head.weight" and self.config.tie_word_embeddings:
+            key, shard = self._place(name)
+            owner, pname = key.rsplit(".", 1)
+            if owner in linears:
+                linears[owner].load_shard(pname, shard, tensor)
+                loaded.add(f"{owner}.{pname}#{shard}")
                 continue
-            owner = key.rsplit(".", 1)[0]
-            module = self.get_submodule(owner) if key in own else None
-            if isinstance(module, Linear) and len(module.shard_sizes) > 1:
-                expected.update(f"{key}#{s}" for s in range(len(module.shard_sizes)))
-            else:
-                expected.add(key)
+            if key not in params:
+                raise ValueError(f"checkpoint tensor {name!r} has no place in "
+                                 f"{self.config.architecture}")
+            tensor = dense(tensor)
+            if tuple(params[key].shape) != tuple(tensor.shape):
+                raise ValueError(f"checkpoint tensor {name!r} has shape "
+                                 f"{tuple(tensor.shape)}, expected {tuple(params[key].shape)}")
+            params[key].data.copy_(tensor)
+            loaded.add(key)
+        self._check_all_loaded(params, linears, loaded)
+        for module in linears.values():
+            module.process_weights_after_loading()
+
+    def _place(self, name: str) -> tuple[str, int]:
+        """An HF tensor name -> (our parameter path, output shard): q/k/v go to qkv_proj's
+        shards 0-2, gate/up to gate_up_proj's 0-1."""
+        if name == "model.embed_tokens.weight":
+            return name, 0
+        key = name.removeprefix("model.")
+        for frag, (fused, shard) in self.stacked_params.items():
+            if frag in key:
+                return key.replace(frag, fused), shard
+        return key, 0
+
+    def _check_all_loaded(self, params: dict[str, nn.Parameter], linears: dict[str, Linear],
+                          loaded: set[str]) -> None:
+        expected = {f"{owner}.{n}#{s}" for owner, m in linears.items()
+                    if not (owner == "lm_head" and self.config.tie_word_embeddings)
+                    for n in m.quant_method.checkpoint_names(m)
+                    for s in range(len(m.shard_sizes))}
+        expected |= {key for key in params if key.rsplit(".", 1)[0] not in linears}
         missing = sorted(expected - loaded)
         if missing:
             shown = ", ".join(missing[:8]) + (" ..." if len(missing) > 8 else "")

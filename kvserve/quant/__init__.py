@@ -7,6 +7,9 @@ seam they implement; models never mention a format).
     gguf_exact  the same blocks, dequantized in registers: the float32 model bit for bit
     int8, int4  weight-only round to nearest at load (per channel; per group of 32/64/128),
                 written as Q8_0 / Q4_1 blocks for the same kernels (kvserve/quant/rtn.py)
+    gptq, awq   4-bit GPTQ / AWQ checkpoints, repacked at load as Q4_1 blocks
+                (kvserve/quant/int4_checkpoints.py); found by config.json's
+                quantization_config
 
 Adding a method is a file in this folder plus a line in _METHODS. Methods import lazily, so
 `--quantization`'s choices cost no import.
@@ -15,13 +18,15 @@ Adding a method is a file in this folder plus a line in _METHODS. Methods import
 from __future__ import annotations
 
 import importlib
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from kvserve.config import QuantConfig
     from kvserve.quant.base import QuantMethod
 
 _METHODS: dict[str, str] = {
+    "awq": "kvserve.quant.int4_checkpoints:AWQQuantMethod",
+    "gptq": "kvserve.quant.int4_checkpoints:GPTQQuantMethod",
     "gguf": "kvserve.quant.gguf:GGUFQuantMethod",
     "gguf_exact": "kvserve.quant.gguf:GGUFExactQuantMethod",
     "int4": "kvserve.quant.rtn:Int4QuantMethod",
@@ -46,10 +51,12 @@ def get_quant_method(config: QuantConfig) -> QuantMethod:
     return get_quant_method_class(config.method)(config)
 
 
-def detect_quantization(model_path: str, device: str, dtype: str, ops_backend: str) -> str:
+def detect_quantization(model_path: str, device: str, dtype: str, ops_backend: str,
+                        quantization_config: dict[str, Any] | None = None) -> str:
     """The default method for a checkpoint and target: the first that finds itself, else
     "none"."""
     for name in quant_method_names():
-        if get_quant_method_class(name).detect(model_path, device, dtype, ops_backend):
+        if get_quant_method_class(name).detect(model_path, device, dtype, ops_backend,
+                                               quantization_config):
             return name
     return "none"

@@ -17,7 +17,7 @@ floats with `dense`, whatever the format.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, ClassVar, Protocol
+from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 
 import torch
 from torch import nn
@@ -55,6 +55,11 @@ class LinearMethod(Protocol):
     fusable: bool
     wtype: int
 
+    def checkpoint_names(self, layer: Linear) -> tuple[str, ...]:
+        """The tensors each output shard needs from a checkpoint ("weight", "bias"; a GPTQ
+        layer's "qweight", ...): what the model checks were all loaded."""
+        ...
+
     def create_weights(self, layer: Linear, dtype: torch.dtype) -> None: ...
 
     def load_shard(self, layer: Linear, name: str, shard: int,
@@ -65,9 +70,18 @@ class LinearMethod(Protocol):
     def apply(self, layer: Linear, x: torch.Tensor) -> torch.Tensor: ...
 
 
+def dense_names(layer: Linear) -> tuple[str, ...]:
+    """checkpoint_names of a layer stored as a weight (and a bias)."""
+    return ("weight", "bias") if layer.bias is not None else ("weight",)
+
+
 def copy_shard(layer: Linear, name: str, shard: int, tensor: torch.Tensor) -> None:
     """Copies a float tensor into output-row shard `shard` of parameter `name` (weight or
     bias); ValueError naming both shapes when it does not fit."""
+    if name not in ("weight", "bias"):
+        raise ValueError(f"a checkpoint tensor {name!r} has no place in a linear layer stored "
+                         f"as a weight and a bias; a quantized checkpoint (GPTQ, AWQ) needs its "
+                         f"quantization method")
     start = sum(layer.shard_sizes[:shard])
     size = layer.shard_sizes[shard]
     param = getattr(layer, name)
@@ -84,6 +98,9 @@ class UnquantizedLinearMethod:
 
     fusable = True
     wtype = 0  # float rows
+
+    def checkpoint_names(self, layer: Linear) -> tuple[str, ...]:
+        return dense_names(layer)
 
     def create_weights(self, layer: Linear, dtype: torch.dtype) -> None:
         layer.weight = nn.Parameter(torch.empty(layer.out_features, layer.in_features,
@@ -119,8 +136,10 @@ class QuantMethod:
         self.config = config
 
     @classmethod
-    def detect(cls, model_path: str, device: str, dtype: str, ops_backend: str) -> bool:
-        """Whether this method is the default for such a checkpoint and target."""
+    def detect(cls, model_path: str, device: str, dtype: str, ops_backend: str,
+               quantization_config: dict[str, Any] | None = None) -> bool:
+        """Whether this method is the default for such a checkpoint (its path, its
+        config.json quantization_config) and target."""
         return False
 
     @classmethod

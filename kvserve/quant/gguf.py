@@ -32,7 +32,14 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 import torch
 from torch import nn
 
-from kvserve.quant.base import LinearMethod, QuantizedTensor, QuantMethod, copy_shard, dense
+from kvserve.quant.base import (
+    LinearMethod,
+    QuantizedTensor,
+    QuantMethod,
+    copy_shard,
+    dense,
+    dense_names,
+)
 
 if TYPE_CHECKING:
     from kvserve.config import EngineConfig
@@ -99,6 +106,9 @@ class GGUFLinearMethod:
         # The format layer.weight holds, for the kernels: F32 until blocks are kept.
         self.wtype = F32
 
+    def checkpoint_names(self, layer: Any) -> tuple[str, ...]:
+        return dense_names(layer)
+
     def create_weights(self, layer: Any, dtype: torch.dtype) -> None:
         # Untouched until a float shard is copied in: torch.empty takes no physical memory,
         # and a layer loaded from blocks replaces it.
@@ -155,7 +165,8 @@ class GGUFQuantMethod(QuantMethod):
     int8_activations = True
 
     @classmethod
-    def detect(cls, model_path: str, device: str, dtype: str, ops_backend: str) -> bool:
+    def detect(cls, model_path: str, device: str, dtype: str, ops_backend: str,
+               quantization_config: dict[str, Any] | None = None) -> bool:
         return (cls.name == "gguf" and model_path.lower().endswith(".gguf") and device == "cpu"
                 and dtype == "float32" and ops_backend in ("auto", "cpu"))
 

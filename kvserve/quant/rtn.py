@@ -25,7 +25,14 @@ from typing import TYPE_CHECKING, Any, ClassVar
 import torch
 from torch import nn
 
-from kvserve.quant.base import LinearMethod, QuantizedTensor, QuantMethod, copy_shard, dense
+from kvserve.quant.base import (
+    LinearMethod,
+    QuantizedTensor,
+    QuantMethod,
+    copy_shard,
+    dense,
+    dense_names,
+)
 from kvserve.quant.gguf import BLOCK, F32, Q4_1, Q8_0, pack
 
 if TYPE_CHECKING:
@@ -103,6 +110,9 @@ class RTNLinearMethod:
         self.bits = bits
         self.group_size = group_size
         self.wtype = F32  # until quantized
+
+    def checkpoint_names(self, layer: Any) -> tuple[str, ...]:
+        return dense_names(layer)
 
     def create_weights(self, layer: Any, dtype: torch.dtype) -> None:
         unit = self.group_size or BLOCK

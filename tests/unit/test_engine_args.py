@@ -43,9 +43,15 @@ def test_impossible_quantizations_name_the_field() -> None:
         config(device="cpu", dtype="bfloat16", quantization="gguf")
     with pytest.raises(ValueError, match="quantization 'gguf_exact' needs a .gguf model"):
         config("hf_dir", device="cpu", quantization="gguf_exact")
-    with pytest.raises(ValueError,
-                       match="quantization must be one of gguf, gguf_exact, none, got 'awq'"):
+    with pytest.raises(ValueError, match="quantization must be one of awq, gguf, gguf_exact, "
+                                         "gptq, int4, int8, none, got 'squeezellm'"):
+        config(device="cpu", quantization="squeezellm")
+    with pytest.raises(ValueError, match="quantization 'awq' needs a checkpoint whose "
+                                         "config.json quantization_config has quant_method "
+                                         "'awq', found None"):
         config(device="cpu", quantization="awq")
+    with pytest.raises(ValueError, match="'int4' needs group_size in 32, 64, 128, got 48"):
+        config(device="cpu", quantization="int4", quant_group_size=48)
 
 
 def test_auto_gguf_falls_back_without_the_kernels(monkeypatch: pytest.MonkeyPatch,

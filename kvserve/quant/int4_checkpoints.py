@@ -1,0 +1,241 @@
+"""4-bit GPTQ and AWQ checkpoints (HF safetensors), repacked at load into kvserve's int4 format.
+
+Both store, per linear of N outputs and K inputs, groups of G inputs sharing a scale and a
+zero point: w[n, k] = s[g, n] * (q[k, n] - z[g, n]), q and z in [0, 15].
+
+    GPTQ (AutoGPTQ / GPTQModel, quant_method "gptq"):
+      qweight int32 [K / 8, N]   nibble i (bits 4i..4i+3) of word r is q[8r + i, n]
+      qzeros  int32 [K / G, N / 8]  nibble i of word c is z[g, 8c + i], stored minus 1 in the
+                                    v1 format (checkpoint_format "gptq", AutoGPTQ's
+                                    off-by-one) and as is in "gptq_v2"
+      scales  fp16 [K / G, N]
+      g_idx   int32 [K]          the group of input k: k // G, or any permutation's groups
+                                 with desc_act (act-order)
+    AWQ GEMM (AutoAWQ, quant_method "awq", version "gemm", zero_point true):
+      qweight int32 [K, N / 8]   nibble i of word c is q[k, 8c + ORDER[i]],
+      qzeros  int32 [K / G, N / 8]   likewise,  ORDER = 0 2 4 6 1 3 5 7
+      scales  fp16 [K / G, N]
+
+They run as Q4_1 blocks (kvserve/quant/gguf.py), on the int8-activation kernels:
+w = d * q + m with d = s and m = -s * z per 32-input block (each block repeats its group's
+pair; m is rounded to float16, the blocks' type). With act-order the inputs are permuted so
+that each group's inputs are contiguous, and each call gathers x in that order (such a layer
+is not fused into the C++ layer stack).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, ClassVar
+
+import torch
+from torch import nn
+
+from kvserve.quant.base import LinearMethod, QuantizedTensor, QuantMethod, copy_shard, dense
+from kvserve.quant.gguf import BLOCK, F32, Q4_1, pack
+from kvserve.quant.rtn import int4_to_q4_1
+
+if TYPE_CHECKING:
+    from kvserve.config import EngineConfig
+
+AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)
+_NIBBLES = torch.arange(0, 32, 4, dtype=torch.int32)
+
+
+def unpack_rows(packed: torch.Tensor) -> torch.Tensor:
+    """int32 [R, C] -> int32 [8R, C]: nibble i of word [r, c] is row 8r + i."""
+    nib = (packed.unsqueeze(1) >> _NIBBLES[None, :, None]) & 15  # [R, 8, C]
+    return nib.reshape(-1, packed.shape[1])
+
+
+def unpack_cols(packed: torch.Tensor, order: tuple[int, ...] | None = None) -> torch.Tensor:
+    """int32 [R, C] -> int32 [R, 8C]: nibble i of word [r, c] is column 8c + order[i]."""
+    nib = (packed.unsqueeze(-1) >> _NIBBLES) & 15  # [R, C, 8]: nibble i at [..., i]
+    if order is not None:
+        inv = torch.empty(8, dtype=torch.long)
+        inv[torch.tensor(order)] = torch.arange(8)
+        nib = nib[..., inv]  # column j of the 8 comes from nibble inv[j]
+    return nib.reshape(packed.shape[0], -1)
+
+
+def _check(name: str, t: torch.Tensor | None, shape: tuple[int, ...], dtypes: tuple, what: str
+           ) -> torch.Tensor:
+    if t is None:
+        raise ValueError(f"{what}: the checkpoint has no {name}")
+    if tuple(t.shape) != shape or t.dtype not in dtypes:
+        raise ValueError(f"{what}: {name} must be {[str(d) for d in dtypes][0]} {list(shape)}, "
+                         f"found {t.dtype} {list(t.shape)}")
+    return t
+
+
+class Int4CheckpointLinearMethod:
+    """A Linear loaded from GPTQ / AWQ tensors (per output shard), repacked as Q4_1 groups."""
+
+    def __init__(self, fmt: str, group_size: int, zero_offset: int, prefix: str) -> None:
+        self.fmt = fmt  # "gptq" | "awq"
+        self.group_size = group_size  # -1: one group of all K inputs
+        self.zero_offset = zero_offset  # added to stored zeros (GPTQ v1: 1)
+        self.prefix = prefix
+        self.parts: dict[int, dict[str, torch.Tensor]] = {}
+        self.perm: torch.Tensor | None = None  # act-order: x's inputs in group order
+        self.wtype = F32
+        self.fusable = True
+
+    def checkpoint_names(self, layer: Any) -> tuple[str, ...]:
+        return ("qweight", "qzeros", "scales") + (("bias",) if layer.bias is not None else ())
+
+    def create_weights(self, layer: Any, dtype: torch.dtype) -> None:
+        # A placeholder (no memory is touched): process_weights_after_loading replaces it.
+        layer.weight = nn.Parameter(torch.empty(layer.out_features, layer.in_features,
+                                                dtype=dtype), requires_grad=False)
+
+    def load_shard(self, layer: Any, name: str, shard: int,
+                   tensor: torch.Tensor | QuantizedTensor) -> None:
+        if name in ("qweight", "qzeros", "scales", "g_idx"):
+            self.parts.setdefault(shard, {})[name] = dense(tensor)
+        elif name == "bias":
+            copy_shard(layer, name, shard, dense(tensor))
+        else:
+            raise ValueError(f"{self.prefix}: a {self.fmt.upper()} layer takes qweight, qzeros, "
+                             f"scales and g_idx tensors, found {name!r}")
+
+    def process_weights_after_loading(self, layer: Any) -> None:
+        k = layer.in_features
+        g = self.group_size if self.group_size > 0 else k
+        if k % g or g % BLOCK:
+            raise ValueError(f"{self.prefix}: group_size {g} must divide the {k} inputs and be "
+                             f"a multiple of {BLOCK}")
+        qs, zs, ss, gidx = [], [], [], []
+        for i, n in enumerate(layer.shard_sizes):
+            q, z, s, gi = self._unpack(self.parts.get(i, {}), n, k, g, f"{self.prefix} shard {i}")
+            qs.append(q)
+            zs.append(z)
+            ss.append(s)
+            gidx.append(gi)
+        self.parts = {}
+        q, z, s = torch.cat(qs), torch.cat(zs), torch.cat(ss)  # [N, K], [N, K/G], [N, K/G]
+        trivial = torch.arange(k) // g
+        if any(not torch.equal(gi, gidx[0]) for gi in gidx):
+            raise ValueError(f"{self.prefix}: the fused shards' g_idx differ; kvserve needs "
+                             f"one input order per layer")
+        if not torch.equal(gidx[0], trivial):  # act-order: inputs grouped by permutation
+            perm = torch.sort(gidx[0], stable=True).indices
+            if not torch.equal(gidx[0][perm], trivial):
+                raise ValueError(f"{self.prefix}: g_idx must give each of the {k // g} groups "
+                                 f"exactly {g} inputs")
+            q = q[:, perm]
+            self.perm = perm
+            self.fusable = False
+        blocks = int4_to_q4_1(q.to(torch.uint8), s, -s * z, g)
+        layer.weight = nn.Parameter(pack(blocks, Q4_1, k), requires_grad=False)
+        self.wtype = Q4_1
+
+    def _unpack(self, t: dict[str, torch.Tensor], n: int, k: int, g: int, what: str
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """One shard's tensors -> (q [n, K] int32, z float32 [n, K/G], s [n, K/G], g_idx)."""
+        ints = (torch.int32,)
+        floats = (torch.float16, torch.float32, torch.bfloat16)
+        ng = k // g
+        if n % 8:
+            raise ValueError(f"{what}: {n} outputs do not pack 8 zeros per int32")
+        scales = _check("scales", t.get("scales"), (ng, n), floats, what).float()
+        if self.fmt == "gptq":
+            q = unpack_rows(_check("qweight", t.get("qweight"), (k // 8, n), ints, what))
+            z = unpack_cols(_check("qzeros", t.get("qzeros"), (ng, n // 8), ints, what))
+            z = z + self.zero_offset
+            gi = t.get("g_idx")
+            gi = (torch.arange(k) // g if gi is None
+                  else _check("g_idx", gi, (k,), (torch.int32, torch.int64), what).long())
+            if int(gi.min()) < 0 or int(gi.max()) >= ng:
+                raise ValueError(f"{what}: g_idx must hold groups in [0, {ng - 1}], found "
+                                 f"[{int(gi.min())}, {int(gi.max())}]")
+        else:
+            q = unpack_cols(_check("qweight", t.get("qweight"), (k, n // 8), ints, what),
+                            AWQ_ORDER)
+            z = unpack_cols(_check("qzeros", t.get("qzeros"), (ng, n // 8), ints, what),
+                            AWQ_ORDER)
+            gi = torch.arange(k) // g
+        if int(z.max()) > 15:
+            raise ValueError(f"{what}: zero points past 15 ({int(z.max())}): not a 4-bit "
+                             f"{self.fmt.upper()} checkpoint in this format")
+        # q is [K, n] in both layouts; kvserve's rows are outputs.
+        return q.T.contiguous(), z.T.float().contiguous(), scales.T.contiguous(), gi
+
+    def apply(self, layer: Any, x: torch.Tensor) -> torch.Tensor:
+        if self.perm is not None:
+            x = x.index_select(-1, self.perm)
+        return layer.ops.qlinear(x, layer.weight, layer.out_features, layer.bias,
+                                 wtype=self.wtype)
+
+
+class _Int4CheckpointMethod(QuantMethod):
+    """A checkpoint whose config.json names this method in quantization_config."""
+
+    fmt: ClassVar[str]
+    needs_kernels = True
+
+    @classmethod
+    def detect(cls, model_path: str, device: str, dtype: str, ops_backend: str,
+               quantization_config: dict[str, Any] | None = None) -> bool:
+        return (quantization_config or {}).get("quant_method") == cls.fmt
+
+    @classmethod
+    def validate(cls, config: EngineConfig) -> None:
+        qc = config.model_config.quantization_dict or {}
+        if qc.get("quant_method") != cls.fmt:
+            raise ValueError(f"quantization {cls.name!r} needs a checkpoint whose config.json "
+                             f"quantization_config has quant_method {cls.fmt!r}, found "
+                             f"{qc.get('quant_method')!r}")
+        if config.dtype != "float32":
+            raise ValueError(f"quantization {cls.name!r} runs float32 activations; dtype must "
+                             f"be float32, got {config.dtype!r}")
+        cls.settings(qc)
+
+    @classmethod
+    def settings(cls, qc: dict[str, Any]) -> tuple[int, int]:
+        """(group_size, zero offset) from quantization_config; ValueError naming what was
+        found for what kvserve does not run."""
+        bits = qc.get("bits", qc.get("w_bit"))
+        if bits != 4:
+            raise ValueError(f"{cls.fmt.upper()} checkpoint has bits={bits}; kvserve loads 4-bit "
+                             f"{cls.fmt.upper()}")
+        group = qc.get("group_size", qc.get("q_group_size", 128))
+        if not isinstance(group, int) or (group != -1 and (group <= 0 or group % BLOCK)):
+            raise ValueError(f"{cls.fmt.upper()} checkpoint has group_size={group!r}; kvserve "
+                             f"needs -1 or a positive multiple of {BLOCK}")
+        if cls.fmt == "awq":
+            if qc.get("zero_point", True) is not True:
+                raise ValueError("AWQ checkpoint has zero_point=false; kvserve loads AWQ with "
+                                 "zero points")
+            version = str(qc.get("version", "gemm")).lower()
+            if version != "gemm":
+                raise ValueError(f"AWQ checkpoint has version={version!r}; kvserve loads the "
+                                 f"GEMM layout")
+            return group, 0
+        fmt = qc.get("checkpoint_format", "gptq")
+        if fmt not in ("gptq", "gptq_v2"):
+            raise ValueError(f"GPTQ checkpoint has checkpoint_format={fmt!r}; kvserve loads "
+                             f"gptq and gptq_v2")
+        return group, 1 if fmt == "gptq" else 0
+
+    def linear_method(self, prefix: str) -> LinearMethod:
+        if prefix == "lm_head":  # GPTQ and AWQ exports keep the output layer in float
+            from kvserve.quant.base import UnquantizedLinearMethod
+
+            return UnquantizedLinearMethod()
+        assert self.config is not None and self.config.checkpoint_config is not None
+        group, offset = self.settings(dict(self.config.checkpoint_config))
+        return Int4CheckpointLinearMethod(self.fmt, group, offset, prefix)
+
+
+class GPTQQuantMethod(_Int4CheckpointMethod):
+    """4-bit GPTQ checkpoints (AutoGPTQ / GPTQModel layout, act-order and sym or asym)."""
+
+    name = "gptq"
+    fmt = "gptq"
+
+
+class AWQQuantMethod(_Int4CheckpointMethod):
+    """4-bit AWQ checkpoints (AutoAWQ GEMM layout)."""
+
+    name = "awq"
+    fmt = "awq"

@@ -1,0 +1,203 @@
+"""4-bit GPTQ and AWQ checkpoints: tiny ones written here with AutoGPTQ's and AutoAWQ's own
+packing (transcribed in this file, independently of kvserve's unpacking), loaded by kvserve,
+must give the logits of the same model with the dequantized weights; bad checkpoints give
+errors that name what was found."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import tokenizers
+import torch
+from safetensors.torch import save_file
+
+from kvserve.loader import load_checkpoint
+from kvserve.models import build_model
+from kvserve.ops import get_ops
+from kvserve.quant.gguf import Q4_1, unpack
+from kvserve.quant.int4_checkpoints import Int4CheckpointLinearMethod
+from tests.helpers import PagedSequence, kvserve_model_from_hf, tiny_hf_model
+
+GROUP = 32
+LINEARS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
+           "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
+AWQ_PACK_ORDER = [0, 2, 4, 6, 1, 3, 5, 7]  # AutoAWQ's order_map: nibble i <- column order[i]
+
+
+def _int32(words: np.ndarray) -> torch.Tensor:
+    return torch.from_numpy(words.astype(np.uint32).view(np.int32))
+
+
+def quantize_groups(w: torch.Tensor, g_idx: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """AutoGPTQ's asymmetric quantizer per group (columns by g_idx): scale = (max - min) / 15,
+    zero = round(-min / scale), q = clamp(round(w / scale) + zero, 0, 15); scales stored fp16.
+    Returns q [K, N] int, zeros [G, N] int, scales [G, N] float32 (fp16-exact), and the
+    dequantized weight [N, K] the checkpoint stands for."""
+    n, k = w.shape
+    groups = int(g_idx.max()) + 1
+    q = torch.empty(k, n, dtype=torch.int64)
+    zeros = torch.empty(groups, n, dtype=torch.int64)
+    scales = torch.empty(groups, n)
+    for g in range(groups):
+        cols = (g_idx == g).nonzero().flatten()
+        wg = w[:, cols]
+        lo, hi = wg.min(1).values.clamp(max=0), wg.max(1).values.clamp(min=0)
+        s = ((hi - lo) / 15).clamp(min=1e-8).half().float()
+        z = torch.round(-lo / s).clamp(0, 15)
+        q[cols] = torch.clamp(torch.round(wg / s[:, None]) + z[:, None], 0, 15).long().T
+        zeros[g], scales[g] = z.long(), s
+    deq = (scales[g_idx] * (q - zeros[g_idx])).T.contiguous()
+    return q, zeros, scales, deq
+
+
+def gptq_pack(q: torch.Tensor, zeros: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """AutoGPTQ's QuantLinear.pack (v1): 8 rows of q per int32 word of qweight [K / 8, N];
+    zeros minus 1, 8 columns per word of qzeros [G, N / 8]."""
+    qn, zn = q.numpy().astype(np.uint64), (zeros.numpy() - 1).astype(np.uint64) & 15
+    qweight = np.zeros((qn.shape[0] // 8, qn.shape[1]), np.uint64)
+    for j in range(8):
+        qweight |= qn[j::8] << np.uint64(4 * j)
+    qzeros = np.zeros((zn.shape[0], zn.shape[1] // 8), np.uint64)
+    for j in range(8):
+        qzeros |= zn[:, j::8] << np.uint64(4 * j)
+    return _int32(qweight), _int32(qzeros)
+
+
+def awq_pack(q: torch.Tensor, zeros: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """AutoAWQ's WQLinear_GEMM.from_linear: 8 columns per int32 word, nibble i holding column
+    AWQ_PACK_ORDER[i] of the 8, for qweight [K, N / 8] and qzeros [G, N / 8]."""
+    def pack_cols(a: np.ndarray) -> torch.Tensor:
+        a = a.astype(np.uint64)
+        out = np.zeros((a.shape[0], a.shape[1] // 8), np.uint64)
+        for i, col in enumerate(AWQ_PACK_ORDER):
+            out |= a[:, col::8] << np.uint64(4 * i)
+        return _int32(out)
+
+    return pack_cols(q.numpy()), pack_cols(zeros.numpy())
+
+
+def write_checkpoint(path: Path, hf: Any, fmt: str, act_order: bool = False,
+                     **qc_overrides: Any) -> dict[str, torch.Tensor]:
+    """The tiny model as a GPTQ / AWQ directory; returns the dequantized weights by name."""
+    rng = torch.Generator().manual_seed(7)
+    tensors: dict[str, torch.Tensor] = {}
+    deq: dict[str, torch.Tensor] = {}
+    for name, t in hf.state_dict().items():
+        if not any(f".{lin}." in name for lin in LINEARS):
+            tensors[name] = t.detach().half()
+            continue
+        k = t.shape[1]
+        g_idx = torch.arange(k) // GROUP
+        if act_order:  # AutoGPTQ's desc_act: column perm[j] joins group j // G
+            layer_in = name.rsplit(".", 2)[0].rsplit(".", 1)[0]  # q/k/v share their inputs
+            perm = torch.randperm(k, generator=torch.Generator().manual_seed(
+                hash(layer_in + str(k)) % 1000))
+            g_idx = torch.empty(k, dtype=torch.long)
+            g_idx[perm] = torch.arange(k) // GROUP
+        q, zeros, scales, w = quantize_groups(t.detach().float(), g_idx)
+        base = name.removesuffix(".weight")
+        deq[name] = w
+        if fmt == "gptq":
+            qweight, qzeros = gptq_pack(q, zeros)
+            tensors[base + ".g_idx"] = g_idx.to(torch.int32)
+        else:
+            qweight, qzeros = awq_pack(q, zeros)
+        tensors[base + ".qweight"], tensors[base + ".qzeros"] = qweight, qzeros
+        tensors[base + ".scales"] = scales.half()
+    del rng
+    path.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(path / "model.safetensors"))
+    cfg = hf.config.to_dict()
+    qc: dict[str, Any] = ({"quant_method": "gptq", "bits": 4, "group_size": GROUP,
+                           "desc_act": act_order, "sym": False, "checkpoint_format": "gptq"}
+                          if fmt == "gptq" else
+                          {"quant_method": "awq", "bits": 4, "group_size": GROUP,
+                           "zero_point": True, "version": "gemm"})
+    cfg["quantization_config"] = {**qc, **qc_overrides}
+    (path / "config.json").write_text(json.dumps(cfg))
+    vocab = {f"t{i}": i for i in range(hf.config.vocab_size)}
+    tok = tokenizers.Tokenizer(tokenizers.models.WordLevel(vocab, unk_token="t0"))
+    tok.pre_tokenizer = tokenizers.pre_tokenizers.Whitespace()
+    tok.save(str(path / "tokenizer.json"))
+    (path / "tokenizer_config.json").write_text(json.dumps({"eos_token": "t1"}))
+    return deq
+
+
+def _logits(model: Any, prompt: list[int]) -> torch.Tensor:
+    runner = PagedSequence(model)
+    return runner.forward({runner.new_seq(): prompt})[0]
+
+
+@pytest.mark.parametrize("fmt, act_order", [("gptq", False), ("gptq", True), ("awq", False)])
+def test_checkpoint_loads_to_the_dequantized_model(tmp_path: Path, fmt: str,
+                                                   act_order: bool) -> None:
+    hf = tiny_hf_model("llama")
+    deq = write_checkpoint(tmp_path, hf, fmt, act_order)
+    ckpt = load_checkpoint(str(tmp_path))
+    assert dict(ckpt.model_config.quantization_config)["quant_method"] == fmt
+    ops = get_ops("auto")
+    model = build_model(ckpt, ops, torch.float32, fmt)
+    # The repacked blocks are the checkpoint's weights: d = scale, m = -scale * zero (m
+    # rounded to float16, the only change), in the layer's own input order.
+    lin = model.layers[1].self_attn.qkv_proj
+    method = lin.quant_method
+    assert isinstance(method, Int4CheckpointLinearMethod) and method.wtype == Q4_1
+    q, d, m = unpack(lin.weight, Q4_1)
+    got = (d[..., None] * q.float() + m[..., None]).reshape(lin.out_features, -1)
+    want = torch.cat([deq[f"model.layers.1.self_attn.{p}.weight"]
+                      for p in ("q_proj", "k_proj", "v_proj")])
+    if act_order:
+        assert method.perm is not None and not method.fusable
+        want = want[:, method.perm]
+    assert torch.allclose(got[:lin.out_features], want, rtol=0, atol=2e-3 * want.abs().max())
+    # The whole model: the logits of the float model holding the dequantized weights.
+    hf_deq = tiny_hf_model("llama")
+    hf_deq.load_state_dict({**hf.state_dict(), **deq})
+    ref = kvserve_model_from_hf(hf_deq, "LlamaForCausalLM", get_ops("reference"))
+    prompt = list(range(5, 45))
+    ours, theirs = _logits(model, prompt), _logits(ref, prompt)
+    err = (ours - theirs).abs().max() / theirs.abs().max()
+    assert err < 0.02, err  # int8 activations and float16 m: ~0.5% here
+
+
+@pytest.mark.parametrize("fmt, overrides, match", [
+    ("gptq", {"bits": 3}, "GPTQ checkpoint has bits=3; kvserve loads 4-bit GPTQ"),
+    ("gptq", {"bits": 8}, "has bits=8"),
+    ("gptq", {"group_size": 48}, "group_size=48; kvserve needs -1 or a positive multiple"),
+    ("gptq", {"checkpoint_format": "marlin"}, "checkpoint_format='marlin'"),
+    ("awq", {"version": "gemv"}, "version='gemv'; kvserve loads the GEMM layout"),
+    ("awq", {"zero_point": False}, "zero_point=false"),
+])
+def test_unsupported_settings_name_what_was_found(tmp_path: Path, fmt: str,
+                                                  overrides: dict[str, Any], match: str) -> None:
+    write_checkpoint(tmp_path, tiny_hf_model("llama"), fmt, **overrides)
+    with pytest.raises(ValueError, match=match):
+        build_model(load_checkpoint(str(tmp_path)), get_ops("reference"), torch.float32, fmt)
+
+
+def test_missing_and_misshapen_tensors_are_named(tmp_path: Path) -> None:
+    from safetensors.torch import load_file
+
+    write_checkpoint(tmp_path, tiny_hf_model("llama"), "gptq")
+    tensors = load_file(str(tmp_path / "model.safetensors"))
+    missing = {k: v for k, v in tensors.items() if k != "model.layers.0.mlp.up_proj.qzeros"}
+    save_file(missing, str(tmp_path / "model.safetensors"))
+    with pytest.raises(Exception, match="missing tensors: model.layers.0.mlp.up_proj.qzeros"):
+        load_checkpoint(str(tmp_path))
+    bad = dict(tensors)
+    bad["model.layers.1.self_attn.o_proj.scales"] = torch.zeros(3, 64, dtype=torch.float16)
+    save_file(bad, str(tmp_path / "model.safetensors"))
+    with pytest.raises(ValueError, match=r"o_proj shard 0: scales must be torch.float16 "
+                                         r"\[2, 64\], found torch.float\d+ \[3, 64\]"):
+        build_model(load_checkpoint(str(tmp_path)), get_ops("reference"), torch.float32, "gptq")
+
+
+def test_an_unquantized_load_of_a_quantized_checkpoint_says_why(tmp_path: Path) -> None:
+    write_checkpoint(tmp_path, tiny_hf_model("llama"), "awq")
+    with pytest.raises(ValueError, match="'qweight' has no place .* needs its quantization "
+                                         "method"):
+        build_model(load_checkpoint(str(tmp_path)), get_ops("reference"), torch.float32, "none")

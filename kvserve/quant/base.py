@@ -162,6 +162,13 @@ class QuantMethod:
         return UnquantizedLinearMethod()
 
 
+def require_float32(name: str, config: EngineConfig) -> None:
+    """The int8-activation kernels take float32 activations: ValueError naming dtype."""
+    if config.dtype != "float32":
+        raise ValueError(f"quantization {name!r} computes in float32; dtype must be float32, "
+                         f"got {config.dtype!r}")
+
+
 class NoQuantization(QuantMethod):
     """Every weight in the model's dtype (quantized checkpoint tensors dequantized at load)."""
 

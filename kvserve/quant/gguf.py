@@ -39,6 +39,7 @@ from kvserve.quant.base import (
     copy_shard,
     dense,
     dense_names,
+    require_float32,
 )
 
 if TYPE_CHECKING:
@@ -175,9 +176,7 @@ class GGUFQuantMethod(QuantMethod):
         if not config.model.lower().endswith(".gguf"):
             raise ValueError(f"quantization {cls.name!r} needs a .gguf model file, got "
                              f"{config.model!r}")
-        if config.dtype != "float32":
-            raise ValueError(f"quantization {cls.name!r} computes in float32; dtype must be "
-                             f"float32, got {config.dtype!r}")
+        require_float32(cls.name, config)
 
     def linear_method(self, prefix: str) -> LinearMethod:
         return GGUFLinearMethod(int8_activations=self.int8_activations)

@@ -30,7 +30,14 @@ from typing import TYPE_CHECKING, Any, ClassVar
 import torch
 from torch import nn
 
-from kvserve.quant.base import LinearMethod, QuantizedTensor, QuantMethod, copy_shard, dense
+from kvserve.quant.base import (
+    LinearMethod,
+    QuantizedTensor,
+    QuantMethod,
+    copy_shard,
+    dense,
+    require_float32,
+)
 from kvserve.quant.gguf import BLOCK, F32, Q4_1, pack
 from kvserve.quant.rtn import int4_to_q4_1
 
@@ -185,9 +192,7 @@ class _Int4CheckpointMethod(QuantMethod):
             raise ValueError(f"quantization {cls.name!r} needs a checkpoint whose config.json "
                              f"quantization_config has quant_method {cls.fmt!r}, found "
                              f"{qc.get('quant_method')!r}")
-        if config.dtype != "float32":
-            raise ValueError(f"quantization {cls.name!r} runs float32 activations; dtype must "
-                             f"be float32, got {config.dtype!r}")
+        require_float32(cls.name, config)
         cls.settings(qc)
 
     @classmethod

@@ -32,6 +32,7 @@ from kvserve.quant.base import (
     copy_shard,
     dense,
     dense_names,
+    require_float32,
 )
 from kvserve.quant.gguf import BLOCK, F32, Q4_1, Q8_0, pack
 
@@ -151,9 +152,7 @@ class _RTNQuantMethod(QuantMethod):
 
     @classmethod
     def validate(cls, config: EngineConfig) -> None:
-        if config.dtype != "float32":
-            raise ValueError(f"quantization {cls.name!r} runs float32 activations; dtype must "
-                             f"be float32, got {config.dtype!r}")
+        require_float32(cls.name, config)
         mc = config.model_config
         unit = config.quant.group_size or BLOCK
         widths = {mc.hidden_size, mc.intermediate_size, mc.num_attention_heads * mc.head_dim}

@@ -82,12 +82,13 @@ def test_linear_equals_its_dequantize_then_int8_matmul_oracle(bits: int, group: 
     lin.process_weights_after_loading()
     wtype = Q8_0 if bits == 8 else Q4_1
     assert lin.quant_method.wtype == wtype and lin.weight.dtype == torch.uint8
-    x = torch.randn(5, k)
+    x = torch.randn(5, k, generator=torch.Generator().manual_seed(bits))
     assert torch.equal(lin(x), qlinear_reference(x, lin.weight, wtype, n, lin.bias))
     # What the whole method costs against the float linear (weights and activations).
     ref = F.linear(x, w, lin.bias)
     err = (lin(x) - ref).abs().max() / (ref - lin.bias).abs().max()
-    assert err < (0.02 if bits == 8 else 0.12), err
+    # Over 20 random x: at most 0.011 (int8), 0.089 (int4, g32), 0.122 (int4, g128).
+    assert err < (0.02 if bits == 8 else 0.15), err
 
 
 def test_group_sizes_and_dtypes_are_checked() -> None:

@@ -1,7 +1,8 @@
 """Pure-torch ops: the oracle every other backend is tested against.
 
 Shapes: T tokens in the step, H query heads, Hkv kv heads, D head_dim, B requests.
-The KV layout is kvserve.kv.layout: one layer's cache is [2, num_blocks, block_size, Hkv, D].
+The KV layout is kvserve.kv.layout: one layer's cache is [2, num_blocks, block_size, Hkv, D],
+a float tensor or a QuantizedKVCache (int8 / fp8_e4m3 data and a float32 scale per row).
 Clarity over speed here; per-request loops are fine.
 """
 
@@ -11,6 +12,33 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+
+from kvserve.kv.layout import QuantizedKVCache
+
+# The largest magnitude each quantized KV type stores: int8 is symmetric (-127..127, never
+# -128), e4m3fn's largest finite value is 448.
+KV_QMAX = {"int8": 127.0, "fp8_e4m3": 448.0}
+
+
+def quantize_kv(x: torch.Tensor, kv_dtype: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rows [..., D] of float32 -> (quantized [..., D], scales float32 [...]), one scale per
+    row: scale = amax / qmax (fp32 division), q = x / scale (fp32 division) rounded
+    (int8: half to even, clamped to [-127, 127]; fp8_e4m3: torch's cast to float8_e4m3fn, its
+    bits as uint8). An all-zero row gets scale 0 and zeros. Every op is one IEEE rounding, so
+    the kernels (csrc/elementwise.cpp write_kv) give these bytes bit for bit."""
+    x = x.float()
+    scale = x.abs().amax(dim=-1) / KV_QMAX[kv_dtype]
+    y = x / torch.where(scale > 0, scale, 1.0).unsqueeze(-1)
+    if kv_dtype == "int8":
+        return y.round().clamp(-127, 127).to(torch.int8), scale
+    return y.to(torch.float8_e4m3fn).view(torch.uint8), scale
+
+
+def dequantize_kv(q: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """quantize_kv's inverse: float(q) * scale, one fp32 multiply per element (what the
+    attention kernel computes for each element it reads). q int8, or uint8 e4m3fn bits."""
+    vals = q.float() if q.dtype == torch.int8 else q.view(torch.float8_e4m3fn).float()
+    return vals * scales.unsqueeze(-1)
 
 
 class ReferenceOps:
@@ -97,19 +125,28 @@ class ReferenceOps:
         return rot(q), rot(k)
 
     @staticmethod
-    def write_kv(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
-                 slot_mapping: torch.Tensor) -> None:
-        """key/value [T, Hkv, D] -> kv_cache[0/1] at flat slots; slot -1 is skipped."""
-        nb, bs, hkv, d = kv_cache.shape[1:]
+    def write_kv(key: torch.Tensor, value: torch.Tensor,
+                 kv_cache: torch.Tensor | QuantizedKVCache, slot_mapping: torch.Tensor) -> None:
+        """key/value [T, Hkv, D] -> kv_cache[0/1] at flat slots; slot -1 is skipped. A
+        quantized cache gets each row quantized (quantize_kv) and its scale beside it."""
         keep = slot_mapping >= 0
         slots = slot_mapping[keep]
+        if isinstance(kv_cache, QuantizedKVCache):
+            nb, bs, hkv, d = kv_cache.data.shape[1:]
+            for i, x in enumerate((key, value)):
+                q, s = quantize_kv(x[keep], kv_cache.kv_dtype)
+                kv_cache.data[i].view(nb * bs, hkv, d)[slots] = q
+                kv_cache.scales[i].view(nb * bs, hkv)[slots] = s
+            return
+        nb, bs, hkv, d = kv_cache.shape[1:]
         kv_cache[0].view(nb * bs, hkv, d)[slots] = key[keep].to(kv_cache.dtype)
         kv_cache[1].view(nb * bs, hkv, d)[slots] = value[keep].to(kv_cache.dtype)
 
     @staticmethod
-    def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor,
-                        seq_lens: torch.Tensor, query_start_loc: torch.Tensor, scale: float,
-                        max_query_len: int, max_seq_len: int) -> torch.Tensor:
+    def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor | QuantizedKVCache,
+                        block_tables: torch.Tensor, seq_lens: torch.Tensor,
+                        query_start_loc: torch.Tensor, scale: float, max_query_len: int,
+                        max_seq_len: int) -> torch.Tensor:
         """Causal attention of each request's queries over its paged context.
 
         Request b has q_len = query_start_loc[b+1] - query_start_loc[b] queries, which are the
@@ -118,8 +155,10 @@ class ReferenceOps:
             context  |0 ............................... seq_len-1|
             queries                         |seq_len-q_len .. seq_len-1|
         query i (0-based) sees keys [0, seq_len - q_len + i].
+        A quantized cache: the blocks read are dequantized (dequantize_kv), then the same math.
         """
-        _, nb, bs, hkv, d = kv_cache.shape
+        quant = isinstance(kv_cache, QuantizedKVCache)
+        _, nb, bs, hkv, d = (kv_cache.data if quant else kv_cache).shape
         h = q.shape[1]
         out = torch.empty_like(q)
         qsl = query_start_loc.tolist()
@@ -129,8 +168,12 @@ class ReferenceOps:
                 continue
             nblk = -(-seq_len // bs)
             blocks = block_tables[b, :nblk].long()
-            k = kv_cache[0, blocks].reshape(nblk * bs, hkv, d)[:seq_len].float()
-            v = kv_cache[1, blocks].reshape(nblk * bs, hkv, d)[:seq_len].float()
+            if quant:
+                kv = dequantize_kv(kv_cache.data[:, blocks], kv_cache.scales[:, blocks])
+            else:
+                kv = kv_cache[:, blocks].float()
+            k = kv[0].reshape(nblk * bs, hkv, d)[:seq_len]
+            v = kv[1].reshape(nblk * bs, hkv, d)[:seq_len]
             k = k.repeat_interleave(h // hkv, dim=1)  # GQA: query head j uses kv head j // g
             v = v.repeat_interleave(h // hkv, dim=1)
             qb = q[s:e].float()

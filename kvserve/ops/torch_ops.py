@@ -16,25 +16,33 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from kvserve.ops.reference import ReferenceOps
+from kvserve.kv.layout import QuantizedKVCache
+from kvserve.ops.reference import ReferenceOps, dequantize_kv
 
 
 class TorchOps(ReferenceOps):
     name = "torch"
 
     @staticmethod
-    def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor,
-                        seq_lens: torch.Tensor, query_start_loc: torch.Tensor, scale: float,
-                        max_query_len: int, max_seq_len: int) -> torch.Tensor:
-        """Same contract as ReferenceOps.paged_attention (see there)."""
+    def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor | QuantizedKVCache,
+                        block_tables: torch.Tensor, seq_lens: torch.Tensor,
+                        query_start_loc: torch.Tensor, scale: float, max_query_len: int,
+                        max_seq_len: int) -> torch.Tensor:
+        """Same contract as ReferenceOps.paged_attention (see there). A quantized cache: the
+        gathered blocks only are dequantized, as the reference does."""
         t, h, d = q.shape
-        bs, hkv = kv_cache.shape[2], kv_cache.shape[3]
+        quant = isinstance(kv_cache, QuantizedKVCache)
+        bs, hkv = (kv_cache.data if quant else kv_cache).shape[2:4]
         b = seq_lens.shape[0]
         dev = q.device
         nblk = -(-max_seq_len // bs)
         blocks = block_tables[:, :nblk].long()  # [B, nblk]; padding points at null block 0
-        k = kv_cache[0][blocks].reshape(b, nblk * bs, hkv, d).to(q.dtype)
-        v = kv_cache[1][blocks].reshape(b, nblk * bs, hkv, d).to(q.dtype)
+        if quant:
+            kv = dequantize_kv(kv_cache.data[:, blocks], kv_cache.scales[:, blocks])
+        else:
+            kv = kv_cache[:, blocks]
+        k = kv[0].reshape(b, nblk * bs, hkv, d).to(q.dtype)
+        v = kv[1].reshape(b, nblk * bs, hkv, d).to(q.dtype)
         qsl = query_start_loc.long()
         q_lens = qsl[1:] - qsl[:-1]  # [B]
         # Token t belongs to request row[t], as its col[t]-th query.

@@ -9,8 +9,8 @@ why, and how the build lock works).
 
 Routing, decided per call here and never inside the kernels:
 - a CPU without AVX2+FMA, or CpuOps(use_kernels=False): every op is ReferenceOps' (exact);
-- non-float32 inputs (a float16 KV cache excepted: KV_CACHE_DTYPES), or shapes a kernel does
-  not cover: that op is ReferenceOps';
+- non-float32 inputs (a float16 KV cache and a quantized one excepted: KV_CACHE_DTYPES), or
+  shapes a kernel does not cover: that op is ReferenceOps';
 - linear with more than SMALL_M rows (SMALL_M_AVX512 for the AVX-512 kernel): torch's
   F.linear (MKL's GEMM wins at large M);
 - linear's kernel: the AVX-512 one when the CPU has AVX-512F, else the AVX2 one; the
@@ -47,6 +47,7 @@ from kvserve.ops.build import (
     stage_sources,
     toolchain,
 )
+from kvserve.kv.layout import QuantizedKVCache
 from kvserve.ops.reference import ReferenceOps
 from kvserve.quant.ggml_kquants import Q4_K, Q6_K
 from kvserve.quant.gguf import F32, Q4_1, Q8_0
@@ -74,9 +75,10 @@ SMALL_M = 256
 SMALL_M_AVX512 = 2048
 # KV cache dtypes the attention / write_kv kernels read and write (queries and outputs stay
 # float32). float16 halves the DRAM a decode streams; it is widened exactly, so the kernels
-# compute what they would on a float32 cache holding the same values. Others (bfloat16): the
-# reference.
-KV_CACHE_DTYPES = (torch.float32, torch.float16)
+# compute what they would on a float32 cache holding the same values. int8 and uint8 (fp8
+# e4m3fn bits) are a QuantizedKVCache's data, read with its scales as stored: the same again
+# on the dequantized values. Others (bfloat16): the reference.
+KV_CACHE_DTYPES = (torch.float32, torch.float16, torch.int8, torch.uint8)
 # Weight formats (ggml type ids) the kernels read; the caller names the format (wtype).
 KERNEL_WTYPES = (F32, Q4_1, Q8_0)
 # K-quant formats (ggml type ids) the packed qlinear_kquant kernels read.
@@ -155,6 +157,23 @@ def _build_once() -> ModuleType | RuntimeError:
 
 
 ISAS = ("avx512", "avx2")
+
+
+def _kv_parts(kv_cache: torch.Tensor | QuantizedKVCache
+              ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(the cache tensor, its scales or None): what the kernels take."""
+    if isinstance(kv_cache, QuantizedKVCache):
+        return kv_cache.data, kv_cache.scales
+    return kv_cache, None
+
+
+def _kv_ok(kv_cache: torch.Tensor | QuantizedKVCache) -> bool:
+    """The kernels read this cache: a contiguous float32 / float16 tensor, or a contiguous
+    QuantizedKVCache (an int8 or uint8 tensor alone is no cache: it has no scales)."""
+    data, scales = _kv_parts(kv_cache)
+    quantized = data.dtype in (torch.int8, torch.uint8)
+    return (data.dtype in KV_CACHE_DTYPES and quantized == (scales is not None)
+            and kv_cache.is_contiguous())
 
 
 class CpuOps(ReferenceOps):
@@ -249,9 +268,10 @@ class CpuOps(ReferenceOps):
         stack = self._stack(layer, [layer], x, kv_cache, cos_sin)
         if stack is None:
             return None
+        data, scales = _kv_parts(kv_cache.unsqueeze(0))
         return stack.forward(x.contiguous(), None if residual is None else residual.contiguous(),
-                             inp.positions, cos_sin, kv_cache.unsqueeze(0), inp.slot_mapping,
-                             inp.block_tables, inp.seq_lens, inp.query_start_loc)
+                             inp.positions, cos_sin, data, inp.slot_mapping,
+                             inp.block_tables, inp.seq_lens, inp.query_start_loc, scales)
 
     def fused_llama_stack(self, layers: Any, x: torch.Tensor, inp: Any, kv_cache: torch.Tensor,
                           cos_sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
@@ -263,16 +283,17 @@ class CpuOps(ReferenceOps):
         stack = self._stack(layers, layers, x, kv_cache, cos_sin)
         if stack is None:
             return None
-        return stack.forward(x.contiguous(), None, inp.positions, cos_sin, kv_cache,
+        data, scales = _kv_parts(kv_cache)
+        return stack.forward(x.contiguous(), None, inp.positions, cos_sin, data,
                              inp.slot_mapping, inp.block_tables, inp.seq_lens,
-                             inp.query_start_loc)
+                             inp.query_start_loc, scales)
 
     def _stack(self, key: Any, layers: Any, x: torch.Tensor, kv_cache: torch.Tensor,
                cos_sin: torch.Tensor) -> Any:
         """The LlamaStack of these layers (built, its weights checked, once per key), or None
         when this call or some layer cannot take the fused path."""
-        if (not self.fuse_layers or x.dtype != torch.float32 or x.dim() != 2
-                or kv_cache.dtype not in KV_CACHE_DTYPES or not kv_cache.is_contiguous()):
+        if not self.fuse_layers or x.dtype != torch.float32 or x.dim() != 2 or not _kv_ok(
+                kv_cache):
             return None
         if key not in self._stacks:
             plan = [self._args(layer, cos_sin) for layer in layers]
@@ -317,24 +338,28 @@ class CpuOps(ReferenceOps):
                                                     attn.head_dim, attn.scale)
         return w
 
-    def paged_attention(self, q: torch.Tensor, kv_cache: torch.Tensor,
+    def paged_attention(self, q: torch.Tensor, kv_cache: torch.Tensor | QuantizedKVCache,
                         block_tables: torch.Tensor, seq_lens: torch.Tensor,
                         query_start_loc: torch.Tensor, scale: float, max_query_len: int,
                         max_seq_len: int) -> torch.Tensor:
-        if (self._ext is None or q.dtype != torch.float32 or kv_cache.dtype not in KV_CACHE_DTYPES
-                or q.shape[-1] % 8 != 0 or q.stride(-1) != 1 or not kv_cache.is_contiguous()):
+        """A QuantizedKVCache is read as stored (int8 / fp8 bytes and their scales)."""
+        if (self._ext is None or q.dtype != torch.float32 or not _kv_ok(kv_cache)
+                or q.shape[-1] % 8 != 0 or q.stride(-1) != 1):
             return super().paged_attention(q, kv_cache, block_tables, seq_lens, query_start_loc,
                                            scale, max_query_len, max_seq_len)
-        return self._ext.paged_attention(q, kv_cache, block_tables, seq_lens, query_start_loc,
-                                         scale)
+        data, scales = _kv_parts(kv_cache)
+        return self._ext.paged_attention(q, data, block_tables, seq_lens, query_start_loc,
+                                         scale, scales)
 
-    def write_kv(self, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
-                 slot_mapping: torch.Tensor) -> None:
+    def write_kv(self, key: torch.Tensor, value: torch.Tensor,
+                 kv_cache: torch.Tensor | QuantizedKVCache, slot_mapping: torch.Tensor) -> None:
+        """A QuantizedKVCache gets each row quantized with its scale (reference.quantize_kv's
+        bytes)."""
         if (self._ext is None or key.dtype != torch.float32 or value.dtype != torch.float32
-                or kv_cache.dtype not in KV_CACHE_DTYPES or not kv_cache.is_contiguous()
-                or key.stride(-1) != 1 or value.stride(-1) != 1):
+                or not _kv_ok(kv_cache) or key.stride(-1) != 1 or value.stride(-1) != 1):
             return super().write_kv(key, value, kv_cache, slot_mapping)
-        self._ext.write_kv(key, value, kv_cache, slot_mapping)
+        data, scales = _kv_parts(kv_cache)
+        self._ext.write_kv(key, value, data, slot_mapping, scales)
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         if not self._f32(x, weight):

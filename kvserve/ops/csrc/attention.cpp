@@ -24,11 +24,16 @@
 // exp(m - m'). Everything is fp32. The K/V cache holds float or IEEE half (torch.float16)
 // elements; a half is widened to float exactly as it is loaded, so an fp16 cache runs this
 // very arithmetic on its values: same output bits as an fp32 cache holding the same values.
+// A quantized cache (int8, or fp8 e4m3fn bits through a 256-entry table) is read as stored:
+// each element is widened exactly and multiplied by its row's scale as it is loaded, one
+// fp32 rounding, the value kvserve/ops/reference.py dequantize_kv gives it; so it too gives
+// an fp32 cache's output on those values bit for bit, and no float copy of it is made.
 #include <omp.h>
 
 #include <algorithm>
 #include <cstdint>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
 #include "kernels.h"
@@ -55,8 +60,8 @@ struct Item {
   float* partial = nullptr;
 };
 
-// K/V elements T: float, or uint16_t bits of an IEEE half. load8 reads 8 of them as floats,
-// to_float one; both are exact.
+// K/V elements T: float, uint16_t bits of an IEEE half, int8_t, or uint8_t bits of an fp8
+// e4m3fn. load8 reads 8 of them as floats, to_float one; both are exact (before the scale).
 #if KVS_AVX2
 inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
 inline __m256 load8(const uint16_t* p) {
@@ -68,9 +73,23 @@ inline __m256 load8(const uint16_t* p) {
   return _mm256_load_ps(f);
 #endif
 }
+inline __m256 load8(const int8_t* p) {
+  return _mm256_cvtepi32_ps(
+      _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+}
+inline __m256 load8(const uint8_t* p) {  // 8 table lookups in one gather
+  return _mm256_i32gather_ps(
+      fp8_e4m3_table(),
+      _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))), 4);
+}
 #endif
 inline float to_float(float x) { return x; }
 inline float to_float(uint16_t h) { return half_to_float(h); }
+inline float to_float(int8_t q) { return static_cast<float>(q); }
+inline float to_float(uint8_t b) { return fp8_e4m3_table()[b]; }
+// Quantized element types carry a scale per K / V row (per key and kv head).
+template <typename T>
+constexpr bool kScaled = std::is_same_v<T, int8_t> || std::is_same_v<T, uint8_t>;
 
 // Bytes of K and V an item keeps asked for ahead of the keys it is reading. Blocks sit
 // anywhere in the cache, so the hardware prefetcher cannot follow an item from one block to
@@ -180,18 +199,25 @@ class KvStream {
 // KvStream hears of each 4 keys read where no accumulator is live (a call there spills none).
 constexpr int64_t kScoreStride = kKeyTile + 8;
 
+// ks[j]: key j's scale (quantized T only; padded as kp).
 template <int R, typename T>
-inline void scores_rows(const float* q, const T* const* kp, int64_t n, int64_t D, float* s,
-                        KvStream<T>& pf) {
+inline void scores_rows(const float* q, const T* const* kp, const float* ks, int64_t n,
+                        int64_t D, float* s, KvStream<T>& pf) {
 #if KVS_AVX2
   for (int64_t j0 = 0; j0 < n; j0 += 4) {  // kp[] is padded with valid pointers to round8(n)
     pf.consumed(4 * D * static_cast<int64_t>(sizeof(T)));
     __m256 acc[R][4];
     for (int r = 0; r < R; ++r)
       for (int c = 0; c < 4; ++c) acc[r][c] = _mm256_setzero_ps();
+    [[maybe_unused]] __m256 ksv[4];
+    if constexpr (kScaled<T>)
+      for (int c = 0; c < 4; ++c) ksv[c] = _mm256_set1_ps(ks[j0 + c]);
     for (int64_t d = 0; d < D; d += 8) {
       __m256 kv[4];
-      for (int c = 0; c < 4; ++c) kv[c] = load8(kp[j0 + c] + d);
+      for (int c = 0; c < 4; ++c) {
+        kv[c] = load8(kp[j0 + c] + d);
+        if constexpr (kScaled<T>) kv[c] = _mm256_mul_ps(kv[c], ksv[c]);  // = dequantize_kv
+      }
       for (int r = 0; r < R; ++r) {
         const __m256 qv = _mm256_loadu_ps(q + r * D + d);
         for (int c = 0; c < 4; ++c) acc[r][c] = _mm256_fmadd_ps(qv, kv[c], acc[r][c]);
@@ -205,8 +231,12 @@ inline void scores_rows(const float* q, const T* const* kp, int64_t n, int64_t D
   (void)pf;
   for (int r = 0; r < R; ++r)
     for (int64_t j = 0; j < n; ++j) {
-      float x = 0.f;  // dot_scalar's order, on the widened keys
-      for (int64_t d = 0; d < D; ++d) x += q[r * D + d] * to_float(kp[j][d]);
+      float x = 0.f;  // dot_scalar's order, on the widened (and scaled) keys
+      for (int64_t d = 0; d < D; ++d) {
+        float k = to_float(kp[j][d]);
+        if constexpr (kScaled<T>) k *= ks[j];
+        x += q[r * D + d] * k;
+      }
       s[r * kScoreStride + j] = x;
     }
 #endif
@@ -214,9 +244,10 @@ inline void scores_rows(const float* q, const T* const* kp, int64_t n, int64_t D
 
 // acc rows [R][D] (stride D): acc[r] = acc[r] * corr[r] + sum_j p[r][j] * v_j, NV vectors of
 // dims at a time, each V vector loaded once for the R rows.
+// vs[j]: value j's scale (quantized T only).
 template <int R, int NV, typename T>
 inline void pv_rows(float* acc, int64_t D, const float* corr, const float* p,
-                    const T* const* vp, int64_t n, int64_t d0) {
+                    const T* const* vp, const float* vs, int64_t n, int64_t d0) {
 #if KVS_AVX2
   __m256 a[R][NV];
   for (int r = 0; r < R; ++r) {
@@ -226,8 +257,11 @@ inline void pv_rows(float* acc, int64_t D, const float* corr, const float* p,
   }
   for (int64_t j = 0; j < n; ++j) {
     const T* vj = vp[j] + d0;
+    [[maybe_unused]] __m256 vsc;
+    if constexpr (kScaled<T>) vsc = _mm256_set1_ps(vs[j]);
     for (int v = 0; v < NV; ++v) {
-      const __m256 vv = load8(vj + v * 8);
+      __m256 vv = load8(vj + v * 8);
+      if constexpr (kScaled<T>) vv = _mm256_mul_ps(vv, vsc);  // = dequantize_kv
       for (int r = 0; r < R; ++r)
         a[r][v] = _mm256_fmadd_ps(_mm256_set1_ps(p[r * kScoreStride + j]), vv, a[r][v]);
     }
@@ -238,7 +272,11 @@ inline void pv_rows(float* acc, int64_t D, const float* corr, const float* p,
   for (int r = 0; r < R; ++r)
     for (int64_t d = d0; d < d0 + NV * 8; ++d) {
       float x = acc[r * D + d] * corr[r];
-      for (int64_t j = 0; j < n; ++j) x += p[r * kScoreStride + j] * to_float(vp[j][d]);
+      for (int64_t j = 0; j < n; ++j) {
+        float v = to_float(vp[j][d]);
+        if constexpr (kScaled<T>) v *= vs[j];
+        x += p[r * kScoreStride + j] * v;
+      }
       acc[r * D + d] = x;
     }
 #endif
@@ -286,8 +324,9 @@ inline float softmax_tile(float& m, float& l, float* s, int64_t n) {
 // live in registers, which a call to the stream would spill.
 template <int R, typename T>
 inline void update_rows(float* m, float* l, float* acc, const float* q, const T* const* kp,
-                        const T* const* vp, int64_t n, int64_t D, float* s, KvStream<T>& pf) {
-  scores_rows<R>(q, kp, n, D, s, pf);
+                        const float* ks, const T* const* vp, const float* vs, int64_t n,
+                        int64_t D, float* s, KvStream<T>& pf) {
+  scores_rows<R>(q, kp, ks, n, D, s, pf);
   float corr[R];
   for (int r = 0; r < R; ++r) corr[r] = softmax_tile(m[r], l[r], s + r * kScoreStride, n);
   constexpr int NV = R <= 3 ? 4 : 2;  // R * NV accumulators + R broadcasts + 1 V in 16 ymm
@@ -295,28 +334,30 @@ inline void update_rows(float* m, float* l, float* acc, const float* q, const T*
   int64_t d0 = 0;
   for (; d0 + NV * 8 <= D; d0 += NV * 8) {
     pf.consumed(n * NV * 8 * kElem);
-    pv_rows<R, NV>(acc, D, corr, s, vp, n, d0);
+    pv_rows<R, NV>(acc, D, corr, s, vp, vs, n, d0);
   }
   for (; d0 < D; d0 += 8) {
     pf.consumed(n * 8 * kElem);
-    pv_rows<R, 1>(acc, D, corr, s, vp, n, d0);
+    pv_rows<R, 1>(acc, D, corr, s, vp, vs, n, d0);
   }
 }
 
 // Row offsets (in elements) of kv head g for keys [begin, begin + n) of one request, walking
-// the block table without a division per key.
+// the block table without a division per key; and each key's flat slot (its scale of kv
+// head g sits at slot * Hkv + g).
 inline void key_offsets(const AttentionArgs& a, const int32_t* bt, int64_t g, int64_t begin,
-                        int64_t n, int64_t* off) {
+                        int64_t n, int64_t* off, int64_t* slot) {
   const int64_t bs = a.block_size, row = a.Hkv * a.D;
   const int32_t* entry = bt + begin / bs;
   int64_t in_blk = begin % bs;
-  int64_t base = int64_t{*entry} * bs * row + g * a.D;
+  int64_t blk0 = int64_t{*entry} * bs;
   for (int64_t j = 0; j < n; ++j) {
     if (in_blk == bs) {  // advance lazily: never read the table past the last key's block
       in_blk = 0;
-      base = int64_t{*++entry} * bs * row + g * a.D;
+      blk0 = int64_t{*++entry} * bs;
     }
-    off[j] = base + in_blk++ * row;
+    slot[j] = blk0 + in_blk++;
+    off[j] = slot[j] * row + g * a.D;
   }
 }
 
@@ -386,20 +427,29 @@ void attend(const AttentionArgs& a, const Item& it, std::vector<float>& scratch)
   KvStream<T> pf(a, bt, it.g0, it.ng, it.k_lo, kv_end);
   pf.set_limit(it.k_lo + 2 * kKeyTile);
   pf.prime(kPrefetchLead);
-  int64_t off[kKeyTile];  // of kv head g0, for the tile's keys
+  int64_t off[kKeyTile], slot[kKeyTile];  // of kv head g0, for the tile's keys
   const T* kp[kKeyTile];
   const T* vp[kKeyTile];
+  float ks[kKeyTile], vs[kKeyTile];  // their scales (quantized T)
   for (int64_t t0 = it.k_lo; t0 < kv_end; t0 += kKeyTile) {
     if (t0 > it.k_lo && t0 % kSegment == 0) flush((t0 - it.k_lo) / kSegment - 1);
     const int64_t n = std::min(kKeyTile, kv_end - t0);
-    key_offsets(a, bt, it.g0, t0, n, off);
+    key_offsets(a, bt, it.g0, t0, n, off, slot);
     pf.set_limit(t0 + n + kKeyTile);
     for (int64_t gl = 0; gl < it.ng; ++gl) {
       for (int64_t j = 0; j < n; ++j) {
         kp[j] = k_cache + off[j] + gl * D;
         vp[j] = v_cache + off[j] + gl * D;
       }
-      for (int64_t j = n; j < ((n + 7) & ~int64_t{7}); ++j) kp[j] = kp[0];
+      if constexpr (kScaled<T>)
+        for (int64_t j = 0; j < n; ++j) {
+          ks[j] = a.k_scales[slot[j] * a.Hkv + it.g0 + gl];
+          vs[j] = a.v_scales[slot[j] * a.Hkv + it.g0 + gl];
+        }
+      for (int64_t j = n; j < ((n + 7) & ~int64_t{7}); ++j) {
+        kp[j] = kp[0];
+        if constexpr (kScaled<T>) ks[j] = ks[0];
+      }
       // Query i sees keys up to its own position pos0 + i: tile lanes [0, nv). Queries
       // before t0 - pos0 see none of this tile (it lies in their future). Its G rows on this
       // kv head go through the tile together, up to 4 at a time.
@@ -409,10 +459,13 @@ void attend(const AttentionArgs& a, const Item& it, std::vector<float>& scratch)
         for (int64_t r = i * HG + gl * G; r < r_end;) {
           const int64_t rn = std::min<int64_t>(4, r_end - r);
           const float* qr = qs + r * D;
-          if (rn == 4) update_rows<4>(m + r, l + r, acc + r * D, qr, kp, vp, nv, D, s, pf);
-          else if (rn == 3) update_rows<3>(m + r, l + r, acc + r * D, qr, kp, vp, nv, D, s, pf);
-          else if (rn == 2) update_rows<2>(m + r, l + r, acc + r * D, qr, kp, vp, nv, D, s, pf);
-          else update_rows<1>(m + r, l + r, acc + r * D, qr, kp, vp, nv, D, s, pf);
+          float* mr = m + r;
+          float* lr = l + r;
+          float* ar = acc + r * D;
+          if (rn == 4) update_rows<4>(mr, lr, ar, qr, kp, ks, vp, vs, nv, D, s, pf);
+          else if (rn == 3) update_rows<3>(mr, lr, ar, qr, kp, ks, vp, vs, nv, D, s, pf);
+          else if (rn == 2) update_rows<2>(mr, lr, ar, qr, kp, ks, vp, vs, nv, D, s, pf);
+          else update_rows<1>(mr, lr, ar, qr, kp, ks, vp, vs, nv, D, s, pf);
           r += rn;
         }
       }
@@ -525,8 +578,12 @@ void paged_attention(const AttentionArgs& a, int nthreads) {
     std::vector<float> scratch;
 #pragma omp for schedule(dynamic, 1)
     for (int64_t i = 0; i < n_items; ++i) {
-      if (a.kv_type == KVType::F16) attend<uint16_t>(a, items[i], scratch);
-      else attend<float>(a, items[i], scratch);
+      switch (a.kv_type) {
+        case KVType::F16: attend<uint16_t>(a, items[i], scratch); break;
+        case KVType::I8: attend<int8_t>(a, items[i], scratch); break;
+        case KVType::FP8_E4M3: attend<uint8_t>(a, items[i], scratch); break;
+        default: attend<float>(a, items[i], scratch);
+      }
     }
     // (the loop's barrier: every part is written before any merge reads it)
 #pragma omp for schedule(static)

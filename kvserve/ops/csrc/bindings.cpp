@@ -75,11 +75,13 @@ torch::Tensor dequantize(const torch::Tensor& weight, int64_t wtype, int64_t K) 
   return dequantize_weight(weight, wtype, K);
 }
 
+// kv_scales: a quantized (int8 / uint8 fp8) cache layer's [2, num_blocks, block_size, Hkv].
 torch::Tensor paged_attention(const torch::Tensor& q, const torch::Tensor& kv_cache,
                               const torch::Tensor& block_tables, const torch::Tensor& seq_lens,
-                              const torch::Tensor& query_start_loc, double scale) {
+                              const torch::Tensor& query_start_loc, double scale,
+                              const c10::optional<torch::Tensor>& kv_scales) {
   check_f32(q, "q");
-  const kvs::KVType kv_type = check_kv_cache(kv_cache);
+  const kvs::KVType kv_type = check_kv_cache(kv_cache, kv_scales);
   TORCH_CHECK(q.dim() == 3, "q must be [T, H, D], got ", q.sizes());
   check_inner(q, "q");
   const int64_t H = q.size(1), D = q.size(2), Hkv = kv_cache.size(3);
@@ -90,16 +92,18 @@ torch::Tensor paged_attention(const torch::Tensor& q, const torch::Tensor& kv_ca
   auto out = torch::empty({q.size(0), H, D}, q.options());
   const auto a = attention_args(q.data_ptr<float>(), q.stride(0), q.stride(1),
                                 kv_cache.data_ptr(), v_cache_ptr(kv_cache), kv_type, meta,
-                                out.data_ptr<float>(), H, Hkv, D, kv_cache.size(2), scale);
+                                out.data_ptr<float>(), H, Hkv, D, kv_cache.size(2), scale,
+                                kv_scale_ptrs(kv_scales));
   kvs::paged_attention(a, at::get_num_threads());
   return out;
 }
 
+// kv_scales: as paged_attention's, written beside a quantized cache.
 void write_kv(const torch::Tensor& key, const torch::Tensor& value, torch::Tensor& kv_cache,
-              const torch::Tensor& slot_mapping) {
+              const torch::Tensor& slot_mapping, const c10::optional<torch::Tensor>& kv_scales) {
   check_f32(key, "key");
   check_f32(value, "value");
-  const kvs::KVType kv_type = check_kv_cache(kv_cache);
+  const kvs::KVType kv_type = check_kv_cache(kv_cache, kv_scales);
   const int64_t Hkv = kv_cache.size(3), D = kv_cache.size(4);
   TORCH_CHECK(key.dim() == 3 && key.sizes() == value.sizes() && key.size(1) == Hkv &&
                   key.size(2) == D,
@@ -110,9 +114,10 @@ void write_kv(const torch::Tensor& key, const torch::Tensor& value, torch::Tenso
   const int64_t T = key.size(0);
   const auto slots = checked_slots(slot_mapping, T, kv_cache.size(1) * kv_cache.size(2));
   const int64_t* sp = slots.data_ptr<int64_t>();
+  const auto [k_sc, v_sc] = kv_scale_ptrs(kv_scales);
   kvs::write_kv(key.data_ptr<float>(), key.stride(0), key.stride(1), value.data_ptr<float>(),
                 value.stride(0), value.stride(1), kv_cache.data_ptr(), v_cache_ptr(kv_cache),
-                kv_type, sp, T, Hkv, D);
+                kv_type, k_sc, v_sc, sp, T, Hkv, D);
 }
 
 // x as [rows, n] with a row stride (cpu.py reshapes to 2-D, which stays a view when it can).
@@ -235,8 +240,13 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("dequantize", &dequantize, "GGUF Q4_1 / Q8_0 rows -> float32", py::arg("weight"),
         py::arg("wtype"), py::arg("K"), nogil());
   m.def("cpu_has_avx512", &kvs::cpu_has_avx512, "AVX-512F usable (CPU and OS)");
-  m.def("paged_attention", &paged_attention, "varlen paged attention", nogil());
-  m.def("write_kv", &write_kv, "scatter K/V into the paged cache", nogil());
+  m.def("paged_attention", &paged_attention, "varlen paged attention", py::arg("q"),
+        py::arg("kv_cache"), py::arg("block_tables"), py::arg("seq_lens"),
+        py::arg("query_start_loc"), py::arg("scale"), py::arg("kv_scales") = py::none(),
+        nogil());
+  m.def("write_kv", &write_kv, "scatter K/V into the paged cache (quantized: with scales)",
+        py::arg("key"), py::arg("value"), py::arg("kv_cache"), py::arg("slot_mapping"),
+        py::arg("kv_scales") = py::none(), nogil());
   m.def("rms_norm", &rms_norm, "RMSNorm", nogil());
   m.def("add_rms_norm", &add_rms_norm, "fused residual add + RMSNorm", nogil());
   m.def("silu_and_mul", &silu_and_mul, "fused SiLU(gate) * up", nogil());
@@ -274,5 +284,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("forward", &LlamaStack::forward, "x through every layer -> (out, residual)",
            py::arg("x"), py::arg("residual"), py::arg("positions"), py::arg("cos_sin"),
            py::arg("kv_cache"), py::arg("slot_mapping"), py::arg("block_tables"),
-           py::arg("seq_lens"), py::arg("query_start_loc"), nogil());
+           py::arg("seq_lens"), py::arg("query_start_loc"), py::arg("kv_scales") = py::none(),
+           nogil());
 }

@@ -8,6 +8,7 @@
 
 #include <algorithm>
 #include <cstring>
+#include <limits>
 
 #include "kernels.h"
 #include "simd.h"
@@ -196,11 +197,109 @@ static void floats_to_halves(const float* src, uint16_t* dst, int64_t n) {
   for (; i < n; ++i) dst[i] = float_to_half(src[i]);
 }
 
+namespace {
+
+// The e4m3fn decode table, built at compile time from the format: sign, 4 exponent bits
+// (bias 7), 3 mantissa bits; exponent 0 is subnormal (m * 2^-9); 0x7f / 0xff are NaN (no
+// infinities). Every value is exact in float.
+struct Fp8E4m3Table {
+  alignas(64) float v[256];
+  constexpr Fp8E4m3Table() : v() {
+    for (int b = 0; b < 256; ++b) {
+      const int e = (b >> 3) & 15, m = b & 7;
+      float x;
+      if (e == 15 && m == 7) {
+        x = std::numeric_limits<float>::quiet_NaN();
+      } else if (e == 0) {
+        x = static_cast<float>(m) / 512.f;
+      } else {
+        x = 1.f + static_cast<float>(m) / 8.f;
+        for (int i = 7; i < e; ++i) x *= 2.f;
+        for (int i = e; i < 7; ++i) x /= 2.f;
+      }
+      v[b] = (b & 0x80) ? -x : x;
+    }
+  }
+};
+constexpr Fp8E4m3Table kFp8E4m3;
+
+inline uint32_t float_bits(float f) {
+  uint32_t u;
+  std::memcpy(&u, &f, 4);
+  return u;
+}
+inline float bits_float(uint32_t u) {
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+
+// One row of D floats -> its scale (amax / qmax) and D quants, quantize_kv's arithmetic:
+// q = x / scale, one IEEE division (the vector and scalar divisions round alike), then
+// rounded half to even and clamped (I8) or encoded (FP8_E4M3). amax is exact.
+void quantize_row(const float* x, int64_t D, KVType kv, void* q, float* scale) {
+  float amax = 0.f;
+  for (int64_t d = 0; d < D; ++d) amax = std::max(amax, std::fabs(x[d]));
+  const float s = amax / (kv == KVType::I8 ? 127.f : 448.f);
+  *scale = s;
+  const float den = s > 0.f ? s : 1.f;  // an all-zero row: zeros, scale 0
+  if (kv == KVType::I8) {
+    int8_t* out = static_cast<int8_t*>(q);
+    int64_t d = 0;
+#if KVS_AVX2
+    const __m256 vd = _mm256_set1_ps(den), lo = _mm256_set1_ps(-127.f),
+                 hi = _mm256_set1_ps(127.f);
+    for (; d + 8 <= D; d += 8) {
+      __m256 y = _mm256_round_ps(_mm256_div_ps(_mm256_loadu_ps(x + d), vd),
+                                 _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+      const __m256i i32 = _mm256_cvtps_epi32(_mm256_min_ps(_mm256_max_ps(y, lo), hi));
+      const __m128i i16 = _mm_packs_epi32(_mm256_castsi256_si128(i32),
+                                          _mm256_extracti128_si256(i32, 1));
+      _mm_storel_epi64(reinterpret_cast<__m128i*>(out + d), _mm_packs_epi16(i16, i16));
+    }
+#endif
+    for (; d < D; ++d)
+      out[d] = static_cast<int8_t>(std::min(127.f, std::max(-127.f, std::nearbyint(x[d] / den))));
+  } else {
+    uint8_t* out = static_cast<uint8_t*>(q);
+    for (int64_t d = 0; d < D; ++d) out[d] = float_to_fp8_e4m3(x[d] / den);
+  }
+}
+
+}  // namespace
+
+const float* fp8_e4m3_table() { return kFp8E4m3.v; }
+
+// c10's fp8e4m3fn_from_fp32_value, step for step (torch's CPU cast gives its bits).
+uint8_t float_to_fp8_e4m3(float f) {
+  constexpr uint32_t kFp8Max = UINT32_C(1087) << 20;      // 480.0f, the first past 448's range
+  constexpr uint32_t kDenormMask = UINT32_C(141) << 23;   // 2^14: its ulp is e4m3's 2^-9
+  uint32_t bits = float_bits(f);
+  const uint32_t sign = bits & UINT32_C(0x80000000);
+  bits ^= sign;
+  uint8_t result;
+  if (bits >= kFp8Max) {
+    result = 0x7f;  // NaN: |f| >= 480 after rounding, inf, NaN
+  } else if (bits < (UINT32_C(121) << 23)) {
+    // Below 2^-6, e4m3's smallest normal: adding 2^14 rounds f to a multiple of 2^-9 (to
+    // nearest even, in the FPU), which lands in the sum's low mantissa bits.
+    result = static_cast<uint8_t>(float_bits(bits_float(bits) + bits_float(kDenormMask)) -
+                                  kDenormMask);
+  } else {
+    const uint32_t mant_odd = (bits >> 20) & 1;
+    bits += (static_cast<uint32_t>(7 - 127) << 23) + 0x7FFFF;  // rebias, round half ...
+    bits += mant_odd;                                           // ... to even
+    result = static_cast<uint8_t>(bits >> 20);
+  }
+  return result | static_cast<uint8_t>(sign >> 24);
+}
+
 void write_kv(const float* key, int64_t k_st, int64_t k_sh, const float* value, int64_t v_st,
-              int64_t v_sh, void* k_cache, void* v_cache, KVType kv, const int64_t* slots,
-              int64_t T, int64_t Hkv, int64_t D) {
+              int64_t v_sh, void* k_cache, void* v_cache, KVType kv, float* k_scales,
+              float* v_scales, const int64_t* slots, int64_t T, int64_t Hkv, int64_t D) {
   // A token's [Hkv, D] row is contiguous in the cache; the source may be a strided view
   // (k, v split from the fused qkv output), so copy head by head when it is not dense.
+  // A quantized row gets its scale here, once: it is never re-quantized (kv/layout.py).
   const size_t head_bytes = static_cast<size_t>(D) * sizeof(float);
   for (int64_t t = 0; t < T; ++t) {
     const int64_t slot = slots[t];
@@ -209,7 +308,10 @@ void write_kv(const float* key, int64_t k_st, int64_t k_sh, const float* value, 
       const int64_t dst = (slot * Hkv + h) * D;  // in elements
       const float* ks = key + t * k_st + h * k_sh;
       const float* vs = value + t * v_st + h * v_sh;
-      if (kv == KVType::F16) {
+      if (kv_quantized(kv)) {  // one-byte elements
+        quantize_row(ks, D, kv, static_cast<uint8_t*>(k_cache) + dst, k_scales + slot * Hkv + h);
+        quantize_row(vs, D, kv, static_cast<uint8_t*>(v_cache) + dst, v_scales + slot * Hkv + h);
+      } else if (kv == KVType::F16) {
         floats_to_halves(ks, static_cast<uint16_t*>(k_cache) + dst, D);
         floats_to_halves(vs, static_cast<uint16_t*>(v_cache) + dst, D);
       } else {

@@ -19,9 +19,18 @@ namespace kvs {
 enum class WType : int { F32 = 0, Q4_1 = 3, Q8_0 = 8 };
 int64_t row_bytes(WType wt, int64_t K);  // bytes of one weight row of K weights
 
-// The KV cache's element type. Named, not a flag: quantized caches (int8 / fp8 with scales)
-// are the next entries.
-enum class KVType : int { F32 = 0, F16 = 1 };
+// The KV cache's element type. I8 and FP8_E4M3 are quantized: int8 (-127..127) or the e4m3fn
+// bit pattern (one byte each), with one float32 scale per K / V row of each kv head beside
+// the cache (kvserve/kv/layout.py); an element stands for float(q) * scale.
+enum class KVType : int { F32 = 0, F16 = 1, I8 = 2, FP8_E4M3 = 3 };
+inline bool kv_quantized(KVType t) { return t == KVType::I8 || t == KVType::FP8_E4M3; }
+// The 256-entry decode table: e4m3fn bits -> float, exactly torch.float8_e4m3fn's values
+// (0x7f / 0xff are NaN, which write_kv never stores for finite inputs).
+const float* fp8_e4m3_table();
+// float -> e4m3fn bits as torch's .to(torch.float8_e4m3fn) rounds (c10's
+// fp8e4m3fn_from_fp32_value): to nearest even; |x| above 464 (halfway from 448, the largest
+// finite, to the NaN code) and NaN give 0x7f | sign.
+uint8_t float_to_fp8_e4m3(float f);
 
 // out[m, n] = sum_k x[m*ldx + k] * w(n, k) (+ bias[n]);  out is [M, N] contiguous; w is N rows
 // of row_bytes(wt, K) bytes. A quantized row gives the float32 kernel's result on its
@@ -70,9 +79,15 @@ struct AttentionArgs {
   int64_t q_st, q_sh;
   // [num_blocks, block_size, Hkv, D] contiguous, float or IEEE half (torch.float16) as
   // kv_type says; a half is widened exactly, so it gives an fp32 cache's output on its values.
+  // A quantized type (I8, FP8_E4M3): each element is widened exactly and multiplied by its
+  // row's scale (one fp32 rounding), so it gives an fp32 cache's output on the dequantized
+  // values bit for bit.
   const void* k_cache;
   const void* v_cache;  // same shape and type
   KVType kv_type;
+  // Quantized types only (else null): [num_blocks, block_size, Hkv] contiguous float32.
+  const float* k_scales = nullptr;
+  const float* v_scales = nullptr;
   const int32_t* block_tables;  // [B, bt_stride]
   int64_t bt_stride;
   const int32_t* seq_lens;         // [B]
@@ -85,10 +100,13 @@ void paged_attention(const AttentionArgs& a, int nthreads);
 
 // dst[slot[t]] = src[t] for k and v, rows of Hkv*D elements; slot < 0 skipped. The cache
 // holds floats, or IEEE halves (KVType::F16) rounded to nearest even as torch's .to(float16)
-// does.
+// does. A quantized type writes, per token and kv head, scale = amax / qmax (127 for I8, 448
+// for FP8_E4M3) to k_scales / v_scales[slot * Hkv + h] and q = x / scale (I8: rounded half
+// to even, clamped to +-127; FP8_E4M3: float_to_fp8_e4m3), 0 for an all-zero row: the bytes
+// and scales of kvserve/ops/reference.py quantize_kv bit for bit.
 void write_kv(const float* key, int64_t k_st, int64_t k_sh, const float* value, int64_t v_st,
-              int64_t v_sh, void* k_cache, void* v_cache, KVType kv, const int64_t* slots,
-              int64_t T, int64_t Hkv, int64_t D);
+              int64_t v_sh, void* k_cache, void* v_cache, KVType kv, float* k_scales,
+              float* v_scales, const int64_t* slots, int64_t T, int64_t Hkv, int64_t D);
 
 // Row-wise over [rows, n]; x rows have stride ldx, outputs are contiguous.
 void rms_norm(const float* x, int64_t ldx, const float* w, float* out, int64_t rows, int64_t n,

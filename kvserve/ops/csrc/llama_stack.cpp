@@ -120,7 +120,8 @@ std::tuple<torch::Tensor, torch::Tensor> LlamaStack::forward(
     const torch::Tensor& x, const c10::optional<torch::Tensor>& residual,
     const torch::Tensor& positions, const torch::Tensor& cos_sin, torch::Tensor& kv_cache,
     const torch::Tensor& slot_mapping, const torch::Tensor& block_tables,
-    const torch::Tensor& seq_lens, const torch::Tensor& query_start_loc) const {
+    const torch::Tensor& seq_lens, const torch::Tensor& query_start_loc,
+    const c10::optional<torch::Tensor>& kv_scales) const {
   const int64_t L = static_cast<int64_t>(layers_.size()), hidden = layers_[0].hidden;
   check_f32(x, "x");
   TORCH_CHECK(x.dim() == 2 && x.size(1) == hidden && x.is_contiguous(),
@@ -134,8 +135,16 @@ std::tuple<torch::Tensor, torch::Tensor> LlamaStack::forward(
   // The cache of every layer: [L, 2, num_blocks, block_size, Hkv, D].
   TORCH_CHECK(kv_cache.dim() == 6 && kv_cache.size(0) == L, "kv_cache must be [", L,
               ", 2, num_blocks, block_size, Hkv, D], got ", kv_cache.sizes());
-  const kvs::KVType kv_type = check_kv_cache(kv_cache[0]);
-  TORCH_CHECK(kv_cache.is_contiguous(), "kv_cache must be contiguous");
+  TORCH_CHECK(!kv_scales.has_value() || (kv_scales->dim() == 5 && kv_scales->size(0) == L),
+              "kv_scales must be [", L, ", 2, num_blocks, block_size, Hkv]");
+  const kvs::KVType kv_type = check_kv_cache(
+      kv_cache[0], kv_scales.has_value() ? c10::make_optional((*kv_scales)[0]) : c10::nullopt);
+  TORCH_CHECK(kv_cache.is_contiguous() && (!kv_scales.has_value() || kv_scales->is_contiguous()),
+              "kv_cache (and kv_scales) must be contiguous");
+  // A quantized cache's scales: layer li's K half at li * stride(0), its V half stride(1) on.
+  float* scales = kv_scales.has_value() ? kv_scales->data_ptr<float>() : nullptr;
+  const int64_t sc_layer = scales ? kv_scales->stride(0) : 0;
+  const int64_t sc_half = scales ? kv_scales->stride(1) : 0;
   const int64_t bs = kv_cache.size(3), Hkv_c = kv_cache.size(4), D_c = kv_cache.size(5);
   for (const auto& l : layers_)
     TORCH_CHECK(l.kv_heads == Hkv_c && l.head_dim == D_c && cos_sin.size(1) == D_c,
@@ -198,10 +207,12 @@ std::tuple<torch::Tensor, torch::Tensor> LlamaStack::forward(
                 cos_sin.size(0), nthreads);
     char* k_cache = cache + li * layer_elems * esize;
     char* v_cache = k_cache + half_elems * esize;
+    float* k_sc = scales ? scales + li * sc_layer : nullptr;
+    float* v_sc = scales ? k_sc + sc_half : nullptr;
     kvs::write_kv(kr, kv_size, D, qkv + q_size + kv_size, nq, D, k_cache, v_cache, kv_type,
-                  slots.data_ptr<int64_t>(), T, Hkv, D);
+                  k_sc, v_sc, slots.data_ptr<int64_t>(), T, Hkv, D);
     const auto a = attention_args(qr, q_size, D, k_cache, v_cache, kv_type, meta, att, H, Hkv,
-                                  D, bs, l.scale);
+                                  D, bs, l.scale, {k_sc, v_sc});
     kvs::paged_attention(a, nthreads);
     linear(l.o, att, T, o, nthreads);
     kvs::add_rms_norm(o, hidden, res, hidden, l.post_norm.data_ptr<float>(), h2, res_b, T,

@@ -28,13 +28,16 @@ class LlamaStack {
 
   // x [T, hidden] through every layer -> (mlp out, residual) of the last one, as the Python
   // layers return them. residual: the stream so far (none before a model's first layer).
-  // kv_cache holds every layer of the stack, [L, 2, num_blocks, block_size, Hkv, D].
+  // kv_cache holds every layer of the stack, [L, 2, num_blocks, block_size, Hkv, D]; a
+  // quantized one (int8 / uint8 fp8 bits) comes with kv_scales [L, 2, num_blocks,
+  // block_size, Hkv] float32.
   std::tuple<torch::Tensor, torch::Tensor> forward(
       const torch::Tensor& x, const c10::optional<torch::Tensor>& residual,
       const torch::Tensor& positions, const torch::Tensor& cos_sin,
       torch::Tensor& kv_cache, const torch::Tensor& slot_mapping,
       const torch::Tensor& block_tables, const torch::Tensor& seq_lens,
-      const torch::Tensor& query_start_loc) const;
+      const torch::Tensor& query_start_loc,
+      const c10::optional<torch::Tensor>& kv_scales = c10::nullopt) const;
 
  private:
   struct Linear {

@@ -6,6 +6,7 @@
 #include <ATen/Parallel.h>
 #include <torch/extension.h>
 
+#include <utility>
 #include <vector>
 
 #include "kernels.h"
@@ -21,17 +22,44 @@ inline void check_inner(const torch::Tensor& t, const char* name) {
   TORCH_CHECK(t.stride(-1) == 1, name, " must be contiguous in its last dimension");
 }
 
-// One layer of the paged cache, [2, num_blocks, block_size, Hkv, D], float32 or float16
-// (kernels.h AttentionArgs); returns whether it is float16.
-inline kvs::KVType check_kv_cache(const torch::Tensor& kv_cache) {
-  TORCH_CHECK(kv_cache.device().is_cpu() && (kv_cache.scalar_type() == torch::kFloat32 ||
-                                             kv_cache.scalar_type() == torch::kFloat16),
-              "kv_cache must be a float32 or float16 CPU tensor, got ", kv_cache.scalar_type(),
-              " on ", kv_cache.device());
+// One layer of the paged cache, [2, num_blocks, block_size, Hkv, D]: float32, float16, or
+// quantized (int8, or uint8 holding fp8 e4m3fn bits) with its scales [2, num_blocks,
+// block_size, Hkv] float32 (kernels.h AttentionArgs); returns its element type. The scales
+// are required exactly when the cache is quantized.
+inline kvs::KVType check_kv_cache(const torch::Tensor& kv_cache,
+                                  const c10::optional<torch::Tensor>& kv_scales = c10::nullopt) {
+  const auto st = kv_cache.scalar_type();
+  TORCH_CHECK(kv_cache.device().is_cpu() &&
+                  (st == torch::kFloat32 || st == torch::kFloat16 || st == torch::kInt8 ||
+                   st == torch::kUInt8),
+              "kv_cache must be a float32, float16, int8 or uint8 (fp8 e4m3fn bits) CPU "
+              "tensor, got ", st, " on ", kv_cache.device());
   TORCH_CHECK(kv_cache.dim() == 5 && kv_cache.size(0) == 2 && kv_cache.is_contiguous(),
               "kv_cache must be one contiguous layer [2, num_blocks, block_size, Hkv, D], got ",
               kv_cache.sizes());
-  return kv_cache.scalar_type() == torch::kFloat16 ? kvs::KVType::F16 : kvs::KVType::F32;
+  const kvs::KVType kt = st == torch::kFloat16 ? kvs::KVType::F16
+                         : st == torch::kInt8  ? kvs::KVType::I8
+                         : st == torch::kUInt8 ? kvs::KVType::FP8_E4M3
+                                               : kvs::KVType::F32;
+  TORCH_CHECK(kvs::kv_quantized(kt) == kv_scales.has_value(),
+              kvs::kv_quantized(kt) ? "an int8 / fp8 kv_cache needs its kv_scales"
+                                    : "kv_scales are for an int8 / fp8 kv_cache only, got a ",
+              kvs::kv_quantized(kt) ? "" : c10::toString(st), " cache");
+  if (kv_scales.has_value()) {
+    const auto& sc = *kv_scales;
+    TORCH_CHECK(sc.device().is_cpu() && sc.scalar_type() == torch::kFloat32 &&
+                    sc.is_contiguous() && sc.sizes() == kv_cache.sizes().slice(0, 4),
+                "kv_scales must be contiguous float32 ", kv_cache.sizes().slice(0, 4),
+                " (one per K / V row per kv head), got ", sc.scalar_type(), " ", sc.sizes());
+  }
+  return kt;
+}
+
+// The scales of the K and V halves of a checked quantized layer; null for a float cache.
+inline std::pair<float*, float*> kv_scale_ptrs(const c10::optional<torch::Tensor>& kv_scales) {
+  if (!kv_scales.has_value()) return {nullptr, nullptr};
+  float* k = kv_scales->data_ptr<float>();
+  return {k, k + kv_scales->stride(0)};
 }
 
 // The V half of a checked kv_cache layer: K's data pointer plus stride(0) elements.
@@ -198,12 +226,14 @@ inline AttentionMeta checked_attention_meta(const torch::Tensor& block_tables,
 }
 
 // AttentionArgs for q (strides q_st, q_sh) over one cache layer's K and V halves.
+// Scales (k_scales, v_scales): a quantized cache's, else null.
 inline kvs::AttentionArgs attention_args(const float* q, int64_t q_st, int64_t q_sh,
                                          const void* k_cache, const void* v_cache,
                                          kvs::KVType kv_type,
                                          const AttentionMeta& m, float* out, int64_t H,
                                          int64_t Hkv, int64_t D, int64_t block_size,
-                                         double scale) {
+                                         double scale,
+                                         std::pair<const float*, const float*> scales = {}) {
   kvs::AttentionArgs a;
   a.q = q;
   a.q_st = q_st;
@@ -211,6 +241,8 @@ inline kvs::AttentionArgs attention_args(const float* q, int64_t q_st, int64_t q
   a.k_cache = k_cache;
   a.v_cache = v_cache;
   a.kv_type = kv_type;
+  a.k_scales = scales.first;
+  a.v_scales = scales.second;
   a.block_tables = m.block_tables.data_ptr<int32_t>();
   a.bt_stride = m.block_tables.stride(0);
   a.seq_lens = m.seq_lens.data_ptr<int32_t>();

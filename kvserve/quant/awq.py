@@ -1,0 +1,151 @@
+"""AWQ (Lin et al., 2023): activation-aware weight quantization.
+
+A weight column that meets large activations matters more. Scaling input channel k of W by
+s_k > 1 (and dividing the activation by s_k, which is exact) shrinks its relative rounding
+error: with group scale Delta mostly set by other columns,
+    Q(w s) / s - w = Delta' * round_err / s_k,
+so the salient channels lose error at little cost to the others. The paper searches
+    s = s_x^alpha,   s_x[k] = mean_t |x[t, k]|,   alpha in {0, 1/20, ..., 19/20}
+(20 points, AutoAWQ's grid; alpha = 0 is plain round-to-nearest), normalised by
+sqrt(max s * min s), keeping the alpha whose quantized block output is closest (MSE) to the
+float one. 1/s is then folded into the op before the linears, so the checkpoint needs no
+extra tensor:
+
+    input_layernorm  -> q, k, v        (error of the attention block's output)
+    v_proj rows      -> o_proj         (error of o_proj's output; with GQA one scale per v
+                                        channel, repeated over the query heads it serves)
+    post_attn norm   -> gate, up       (error of the MLP's output)
+    up_proj rows     -> down_proj      (error of down_proj's output)
+
+as AutoAWQ's apply_scale (scale_ln_fcs / scale_fc_fc) does. Its optional clipping search
+(auto_clip) is not done here. Like AutoAWQ, every layer's calibration inputs come from the
+float model (a layer's search does not see the earlier layers' quantization).
+
+The integer grid is AutoAWQ's pseudo_quantize_tensor with zero point, per output row and
+group of G inputs:
+    s = max(max - min, 1e-5) / maxq (rounded to float16),  z = clamp(-round(min / s), 0, maxq)
+    q = clamp(round(w / s) + z, 0, maxq),  w ~= s (q - z)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from kvserve.config import ModelConfig
+from kvserve.quant.calibration import (
+    LayerWeights,
+    attention,
+    attention_core,
+    mlp,
+    mlp_core,
+    rms_norm,
+)
+from kvserve.quant.gptq import QuantizedLinear
+
+N_GRID = 20
+
+
+def awq_group_quantize(w: torch.Tensor, bits: int, group_size: int) -> QuantizedLinear:
+    """w float [N, K] -> AutoAWQ's zero-point grid per group of G consecutive inputs."""
+    n, k = w.shape
+    maxq = 2**bits - 1
+    g = w.float().reshape(n, k // group_size, group_size)
+    hi, lo = g.amax(dim=-1), g.amin(dim=-1)
+    s = ((hi - lo).clamp(min=1e-5) / maxq).to(torch.float16).float()
+    z = torch.clamp(-torch.round(lo / s), 0, maxq)
+    q = torch.clamp(torch.round(g / s[..., None]) + z[..., None], 0, maxq)
+    g_idx = torch.arange(k, dtype=torch.int32) // group_size
+    return QuantizedLinear(q.reshape(n, k).to(torch.int32), s, z.to(torch.int32), g_idx, bits,
+                           group_size)
+
+
+def fake_quantize(w: torch.Tensor, bits: int, group_size: int) -> torch.Tensor:
+    """w rounded onto its grid, as floats: the weight the quantized model computes with."""
+    return awq_group_quantize(w, bits, group_size).dequantize()
+
+
+def search_scale(x: torch.Tensor, weights: list[torch.Tensor],
+                 block: Callable[[list[torch.Tensor]], torch.Tensor], bits: int,
+                 group_size: int, expand: torch.Tensor | None = None,
+                 n_grid: int = N_GRID) -> torch.Tensor:
+    """The AWQ scale s [C] for linears `weights` (each [N_i, K]) that all read x [..., K].
+
+    block(ws) is the inspected output computed with weights ws in place of `weights`; the
+    search minimises mean (block(Q(W s) / s) - block(W))^2. expand: int64 [K] mapping each
+    input channel to one of C < K scale channels (v_proj -> o_proj under GQA), else C = K."""
+    k = x.shape[-1]
+    x_mean = x.reshape(-1, k).abs().mean(0)
+    if expand is not None:
+        c = int(expand.max()) + 1
+        counts = torch.bincount(expand, minlength=c).float()
+        x_mean = torch.zeros(c).index_add_(0, expand, x_mean) / counts
+    ref = block(weights)
+    best, best_err = torch.ones_like(x_mean), float("inf")
+    for r in range(n_grid):
+        s = x_mean.pow(r / n_grid).clamp(min=1e-4)
+        s = s / (s.max() * s.min()).sqrt()
+        s_in = s[expand] if expand is not None else s
+        trial = [fake_quantize(w * s_in, bits, group_size) / s_in for w in weights]
+        err = (block(trial) - ref).pow(2).mean().item()
+        if err < best_err:
+            best, best_err = s, err
+    return best
+
+
+def _v_to_o_channels(cfg: ModelConfig) -> torch.Tensor:
+    """o_proj input channel (head h, dim d) -> the v_proj output channel it is a mix of:
+    (h // (heads / kv_heads)) * D + d."""
+    d = cfg.head_dim
+    per_kv = cfg.num_attention_heads // cfg.num_key_value_heads
+    c = torch.arange(cfg.num_attention_heads * d)
+    return (c // d) // per_kv * d + c % d
+
+
+def awq_scale_layer(w: LayerWeights, x: torch.Tensor, cfg: ModelConfig,
+                    rope: tuple[torch.Tensor, torch.Tensor], bits: int, group_size: int
+                    ) -> LayerWeights:
+    """One decoder layer's weights with the four AWQ scales searched and folded in (the
+    float function of the layer is unchanged up to rounding); x [S, T, H] is the layer's
+    input residual stream. Returns a new dict; w is not modified."""
+    w = dict(w)
+    eps = cfg.rms_norm_eps
+    qkv = ("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight")
+    gate_up = ("mlp.gate_proj.weight", "mlp.up_proj.weight")
+
+    def with_(names: tuple[str, ...], ws: list[torch.Tensor]) -> LayerWeights:
+        return {**w, **dict(zip(names, ws, strict=True))}
+
+    # 1. input_layernorm -> q, k, v; judged on the attention output.
+    h = rms_norm(x, w["input_layernorm.weight"], eps)
+    s = search_scale(h, [w[n] for n in qkv],
+                     lambda ws: attention(h, with_(qkv, ws), cfg, rope), bits, group_size)
+    w["input_layernorm.weight"] = w["input_layernorm.weight"] / s
+    for n in qkv:
+        w[n] = w[n] * s
+    # 2. v_proj rows -> o_proj columns; judged on o_proj's output. The o input is recomputed
+    # with the scaled q/k/v: the float function is the same, and it is what o_proj will read.
+    o_in = attention_core(rms_norm(x, w["input_layernorm.weight"], eps), w, cfg, rope)
+    expand = _v_to_o_channels(cfg)
+    o = "self_attn.o_proj.weight"
+    s = search_scale(o_in, [w[o]], lambda ws: o_in @ ws[0].T, bits, group_size, expand)
+    w["self_attn.v_proj.weight"] = w["self_attn.v_proj.weight"] / s[:, None]
+    if "self_attn.v_proj.bias" in w:
+        w["self_attn.v_proj.bias"] = w["self_attn.v_proj.bias"] / s
+    w[o] = w[o] * s[expand]
+    # 3. post_attention_layernorm -> gate, up; judged on the MLP output.
+    x2 = x + attention(rms_norm(x, w["input_layernorm.weight"], eps), w, cfg, rope)
+    h2 = rms_norm(x2, w["post_attention_layernorm.weight"], eps)
+    s = search_scale(h2, [w[n] for n in gate_up],
+                     lambda ws: mlp(h2, with_(gate_up, ws)), bits, group_size)
+    w["post_attention_layernorm.weight"] = w["post_attention_layernorm.weight"] / s
+    for n in gate_up:
+        w[n] = w[n] * s
+    # 4. up_proj rows -> down_proj columns; judged on down_proj's output.
+    d_in = mlp_core(rms_norm(x2, w["post_attention_layernorm.weight"], eps), w)
+    dn = "mlp.down_proj.weight"
+    s = search_scale(d_in, [w[dn]], lambda ws: d_in @ ws[0].T, bits, group_size)
+    w["mlp.up_proj.weight"] = w["mlp.up_proj.weight"] / s[:, None]
+    w[dn] = w[dn] * s
+    return w

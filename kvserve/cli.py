@@ -52,7 +52,8 @@ def _generate(ns: argparse.Namespace) -> int:
 
 # Modules with add_parser(subparsers) -> None; each sets `func` on its parser. They must import
 # lightly: heavy imports belong inside `func`.
-_SUBCOMMANDS = ["kvserve.cli", "kvserve.bench.cli", "kvserve.server.cli", "kvserve.eval.cli"]
+_SUBCOMMANDS = ["kvserve.cli", "kvserve.bench.cli", "kvserve.server.cli", "kvserve.eval.cli",
+               "kvserve.quantize"]
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:

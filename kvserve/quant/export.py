@@ -1,0 +1,163 @@
+"""Quantized checkpoints in the standard HF layouts (safetensors + config.json + tokenizer).
+
+GPTQ, AutoGPTQ / GPTQModel "gptq" (v1) format, per linear `<prefix>` of [N out, K in]:
+
+    <prefix>.qweight  int32 [K / P, N]   P = 32 / bits values along K per int32:
+                                         qweight[r, n] bits [b*j, b*j + b) = q[n, P*r + j]
+    <prefix>.qzeros   int32 [K / G, N / P]  the same packing along N of (z - 1):
+                                         qzeros[g, c] bits [b*j, ...) = z[n = P*c + j, g] - 1
+    <prefix>.scales   float16 [K / G, N]
+    <prefix>.g_idx    int32 [K]          the group of input k (k // G without act-order)
+        w[n, k] = scales[g_idx[k], n] * (q[n, k] - (zero nibble + 1)),  g = g_idx[k]
+
+    The off-by-one: AutoGPTQ's packer stores z - 1 and every v1 reader adds 1 back.
+
+AWQ GEMM (AutoAWQ WQLinear_GEMM), bits 4, P = 8:
+
+    <prefix>.qweight  int32 [K, N / 8]   qweight[k, c] nibble i = q[n = 8c + ORDER[i], k]
+    <prefix>.qzeros   int32 [K / G, N / 8]  the same interleave of z (no off-by-one)
+    <prefix>.scales   float16 [K / G, N]
+        w[n, k] = scales[k // G, n] * (q[n, k] - z[n, k // G]),
+        ORDER = [0, 2, 4, 6, 1, 3, 5, 7] (the GEMM kernel's dequantize order)
+
+Nibble i / value j sits at bits [b*i, b*i + b) of the int32 (little end first); int32 is
+two's complement, so a top nibble >= 8 makes the stored int negative.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Any
+
+import torch
+from safetensors.torch import save_file
+
+from kvserve.config import ModelConfig
+from kvserve.loader.tokenizer import Tokenizer
+from kvserve.quant.gptq import QuantizedLinear
+
+AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)
+
+
+def pack_int32(values: torch.Tensor, bits: int, dim: int) -> torch.Tensor:
+    """Integers in [0, 2^bits) packed 32 / bits at a time along `dim` (first value in the low
+    bits) into int32; values.shape[dim] must divide by 32 / bits."""
+    per = 32 // bits
+    v = values.movedim(dim, -1).to(torch.int64)
+    if v.shape[-1] % per:
+        raise ValueError(f"cannot pack {v.shape[-1]} values {per} to an int32")
+    if v.min() < 0 or v.max() >= 2**bits:
+        raise ValueError(f"values outside [0, {2**bits}) cannot be packed in {bits} bits")
+    v = v.reshape(*v.shape[:-1], -1, per)
+    shifts = torch.arange(per, dtype=torch.int64) * bits
+    word = (v << shifts).sum(-1)  # disjoint bit ranges: the sum is the OR
+    word = torch.where(word >= 2**31, word - 2**32, word)  # as two's complement int32
+    return word.to(torch.int32).movedim(-1, dim).contiguous()
+
+
+def pack_gptq(ql: QuantizedLinear) -> dict[str, torch.Tensor]:
+    """One linear in the GPTQ v1 layout (see the module docstring)."""
+    if ql.zeros.min() < 1:
+        raise ValueError("GPTQ v1 stores z - 1: a zero point of 0 has no encoding")
+    return {
+        "qweight": pack_int32(ql.q.T, ql.bits, dim=0),
+        "qzeros": pack_int32(ql.zeros.T - 1, ql.bits, dim=1),
+        "scales": ql.scales.T.to(torch.float16).contiguous(),
+        "g_idx": ql.g_idx.to(torch.int32).clone(),  # its own storage (stacked q/k/v share one)
+    }
+
+
+def pack_awq(ql: QuantizedLinear) -> dict[str, torch.Tensor]:
+    """One linear in the AWQ GEMM layout (see the module docstring)."""
+    if ql.bits != 4:
+        raise ValueError(f"the AWQ GEMM layout holds 4-bit weights, got {ql.bits}")
+    k = ql.q.shape[1]
+    if not torch.equal(ql.g_idx, torch.arange(k, dtype=torch.int32) // ql.group_size):
+        raise ValueError("the AWQ layout has no g_idx: groups must be consecutive inputs")
+    n = ql.q.shape[0]
+    # Output channel 8c + ORDER[i] goes to nibble i of word c.
+    order = (torch.arange(n // 8)[:, None] * 8 + torch.tensor(AWQ_ORDER)).reshape(-1)
+    return {
+        "qweight": pack_int32(ql.q.T[:, order], 4, dim=1),
+        "qzeros": pack_int32(ql.zeros.T[:, order], 4, dim=1),
+        "scales": ql.scales.T.to(torch.float16).contiguous(),
+    }
+
+
+def gptq_quantization_config(bits: int, group_size: int, sym: bool, desc_act: bool,
+                             damp_percent: float = 0.01) -> dict[str, Any]:
+    """config.json's quantization_config (and quantize_config.json), AutoGPTQ's keys."""
+    return {"quant_method": "gptq", "bits": bits, "group_size": group_size,
+            "desc_act": desc_act, "sym": sym, "damp_percent": damp_percent,
+            "static_groups": False, "true_sequential": True, "checkpoint_format": "gptq",
+            "model_file_base_name": "model"}
+
+
+def awq_quantization_config(group_size: int) -> dict[str, Any]:
+    """AutoAWQ's AwqConfig.to_transformers_dict for GEMM."""
+    return {"quant_method": "awq", "bits": 4, "group_size": group_size, "zero_point": True,
+            "version": "gemm", "modules_to_not_convert": None}
+
+
+def hf_config(mc: ModelConfig, source_config: dict[str, Any] | None) -> dict[str, Any]:
+    """config.json for the output: the source's own when it had one (an HF directory), else
+    a transformers-style config built from the ModelConfig (a GGUF file)."""
+    if source_config is not None:
+        cfg = dict(source_config)
+        cfg.pop("quantization_config", None)
+        return cfg
+    model_type = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral",
+                  "Qwen2ForCausalLM": "qwen2"}[mc.architecture]
+    eos = list(mc.eos_token_ids)
+    return {
+        "architectures": [mc.architecture], "model_type": model_type,
+        "vocab_size": mc.vocab_size, "hidden_size": mc.hidden_size,
+        "intermediate_size": mc.intermediate_size, "num_hidden_layers": mc.num_hidden_layers,
+        "num_attention_heads": mc.num_attention_heads,
+        "num_key_value_heads": mc.num_key_value_heads, "head_dim": mc.head_dim,
+        "max_position_embeddings": mc.max_position_embeddings, "rms_norm_eps": mc.rms_norm_eps,
+        "rope_theta": mc.rope_theta, "rope_scaling": mc.rope_scaling_dict,
+        "tie_word_embeddings": mc.tie_word_embeddings, "attention_bias": mc.attention_bias,
+        "hidden_act": "silu", "bos_token_id": mc.bos_token_id,
+        "eos_token_id": eos[0] if len(eos) == 1 else (eos or None),
+        "torch_dtype": "float16",
+    }
+
+
+def save_tokenizer(tokenizer: Tokenizer, out_dir: str) -> None:
+    """tokenizer.json (the backend as it is) and a tokenizer_config.json naming the special
+    tokens, add_bos_token and the chat template, which kvserve and transformers both read."""
+    tokenizer.backend.save(os.path.join(out_dir, "tokenizer.json"))
+    special = tokenizer.special_tokens_map
+    cfg: dict[str, Any] = {"tokenizer_class": "PreTrainedTokenizerFast",
+                           "add_bos_token": tokenizer.add_bos_token,
+                           "add_eos_token": False,
+                           "clean_up_tokenization_spaces": False, **special}
+    if tokenizer.chat_template is not None:
+        cfg["chat_template"] = tokenizer.chat_template
+    _write_json(os.path.join(out_dir, "tokenizer_config.json"), cfg)
+
+
+def _write_json(path: str, data: dict[str, Any]) -> None:
+    with open(path, "w", encoding="utf-8") as f:
+        json.dump(data, f, indent=2, ensure_ascii=False)
+        f.write("\n")
+
+
+def write_checkpoint(out_dir: str, tensors: dict[str, torch.Tensor], config: dict[str, Any],
+                     quantization_config: dict[str, Any], tokenizer: Tokenizer) -> None:
+    """One model.safetensors, config.json with quantization_config, AutoGPTQ's / AutoAWQ's
+    side file (quantize_config.json / quant_config.json) and the tokenizer files."""
+    os.makedirs(out_dir, exist_ok=True)
+    save_file({k: v.contiguous() for k, v in tensors.items()},
+              os.path.join(out_dir, "model.safetensors"), metadata={"format": "pt"})
+    _write_json(os.path.join(out_dir, "config.json"),
+                {**config, "quantization_config": quantization_config})
+    if quantization_config["quant_method"] == "gptq":
+        _write_json(os.path.join(out_dir, "quantize_config.json"), quantization_config)
+    else:
+        _write_json(os.path.join(out_dir, "quant_config.json"), {
+            "zero_point": True, "q_group_size": quantization_config["group_size"],
+            "w_bit": quantization_config["bits"], "version": "GEMM"})
+    save_tokenizer(tokenizer, out_dir)

@@ -1,0 +1,267 @@
+"""`kvserve quantize MODEL --method {int8,int4,gptq,awq} -o DIR`: a float (or GGUF) checkpoint
+written as a quantized safetensors checkpoint in a standard layout (kvserve/quant/export.py):
+
+    gptq        GPTQ (kvserve/quant/gptq.py), AutoGPTQ "gptq" v1 layout, bits 4 or 8
+    awq         AWQ (kvserve/quant/awq.py), AutoAWQ GEMM layout, bits 4
+    int4, int8  round to nearest on GPTQ's grid, no calibration, written in the same GPTQ
+                layout (desc_act false) at 4 / 8 bits: a GPTQ reader loads them as it
+                loads GPTQ. (Not rtn.py's Q4_1 arithmetic: its float per-group minimum has
+                no place in a layout with integer zero points.)
+
+Every linear of every decoder layer is quantized; embeddings, norms, biases and an untied
+lm_head stay float, written as float16 (the layouts' scale type, and what AutoGPTQ /
+AutoAWQ checkpoints hold).
+
+GPTQ quantizes sequentially, as AutoGPTQ with true_sequential: within a layer q/k/v, then
+o, then gate/up, then down, each from inputs computed with everything before it already
+quantized, and each layer from the quantized layers before it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import logging
+import os
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+import torch.nn.functional as F
+
+from kvserve.config import ModelConfig
+
+if TYPE_CHECKING:
+    from kvserve.quant.gptq import QuantizedLinear
+
+log = logging.getLogger(__name__)
+
+METHODS = ("int8", "int4", "gptq", "awq")
+ATTN = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")
+MLP_IN = ("mlp.gate_proj", "mlp.up_proj")
+LINEARS = (*ATTN, "self_attn.o_proj", *MLP_IN, "mlp.down_proj")
+
+
+@dataclass(frozen=True)
+class QuantizeArgs:
+    """The knobs of one quantization run; ValueError naming the flag when out of range."""
+
+    method: str
+    bits: int = 4
+    group_size: int | None = None  # None: the largest of 128, 64, 32 the model allows
+    sym: bool = False
+    act_order: bool = False
+    calib: str | None = None
+    calib_tokens: int = 2048
+    seq_len: int = 512
+
+    def __post_init__(self) -> None:
+        if self.method not in METHODS:
+            raise ValueError(f"--method must be one of {', '.join(METHODS)}, got "
+                             f"{self.method!r}")
+        if self.bits not in (4, 8):
+            raise ValueError(f"--bits must be 4 or 8, got {self.bits}")
+        if self.method == "int4" and self.bits != 4 or self.method == "int8" and self.bits != 8:
+            raise ValueError(f"--method {self.method} writes {self.method[3:]}-bit weights; "
+                             f"--bits {self.bits} contradicts it")
+        if self.method == "awq" and self.bits != 4:
+            raise ValueError(f"--method awq writes the 4-bit AWQ GEMM layout; --bits must be 4, "
+                             f"got {self.bits}")
+        if self.group_size is not None and self.group_size < 1:
+            raise ValueError(f"--group-size must be >= 1, got {self.group_size}")
+        if self.act_order and self.method != "gptq":
+            raise ValueError("--act-order (desc_act) is a GPTQ option; --method is "
+                             f"{self.method}")
+        if self.method in ("gptq", "awq"):
+            if self.calib is None:
+                raise ValueError(f"--method {self.method} needs calibration text: --calib FILE")
+            if not os.path.isfile(self.calib):
+                raise ValueError(f"--calib file {self.calib!r} does not exist")
+            if self.seq_len < 2:
+                raise ValueError(f"--seq-len must be >= 2, got {self.seq_len}")
+            if self.calib_tokens < self.seq_len:
+                raise ValueError(f"--calib-tokens must be >= --seq-len ({self.seq_len}), got "
+                                 f"{self.calib_tokens}")
+
+    def for_model(self, mc: ModelConfig) -> QuantizeArgs:
+        """These args with the group size settled for the model; ValueError unless every
+        linear's inputs divide into groups and its outputs into packed int32s."""
+        ins = {"hidden_size": mc.hidden_size, "intermediate_size": mc.intermediate_size,
+               "num_attention_heads * head_dim": mc.num_attention_heads * mc.head_dim}
+        if self.group_size is None:
+            fits = [g for g in (128, 64, 32) if all(k % g == 0 for k in ins.values())]
+            if not fits:
+                raise ValueError(f"no group size of 128, 64 or 32 divides the model's linear "
+                                 f"input widths {sorted(set(ins.values()))}; give --group-size")
+            return dataclasses.replace(self, group_size=fits[0]).for_model(mc)
+        for name, k in ins.items():
+            if k % self.group_size:
+                raise ValueError(f"--group-size {self.group_size} does not divide the model's "
+                                 f"{name} ({k}), the input width of some linear layers")
+        per = 32 // self.bits
+        outs = {**ins, "num_key_value_heads * head_dim": mc.num_key_value_heads * mc.head_dim}
+        for name, n in outs.items():
+            if n % per:
+                raise ValueError(f"{self.bits}-bit packing needs widths divisible by {per}; the "
+                                 f"model's {name} is {n}")
+        if mc.sliding_window is not None and self.seq_len > mc.sliding_window:
+            raise ValueError(f"--seq-len {self.seq_len} exceeds the model's sliding window "
+                             f"({mc.sliding_window})")
+        return self
+
+
+def _split_rows(ql: QuantizedLinear, sizes: tuple[int, ...]) -> list[QuantizedLinear]:
+    """A row-stacked QuantizedLinear (q/k/v, gate/up) back into one per linear."""
+    from kvserve.quant.gptq import QuantizedLinear
+
+    out, start = [], 0
+    for n in sizes:
+        out.append(QuantizedLinear(ql.q[start:start + n], ql.scales[start:start + n],
+                                   ql.zeros[start:start + n], ql.g_idx, ql.bits,
+                                   ql.group_size))
+        start += n
+    return out
+
+
+def _gptq_layer(lw: dict[str, torch.Tensor], x: torch.Tensor, mc: ModelConfig,
+                rope: tuple[torch.Tensor, torch.Tensor], a: QuantizeArgs
+                ) -> tuple[dict[str, QuantizedLinear], torch.Tensor]:
+    """GPTQ of one layer in AutoGPTQ's true-sequential order; returns (quantized linears by
+    name, the layer's output computed with them). lw is updated to the dequantized weights."""
+    from kvserve.quant.calibration import attention_core, mlp_core, rms_norm
+    from kvserve.quant.gptq import gptq_quantize, hessian
+
+    eps = mc.rms_norm_eps
+    result: dict[str, QuantizedLinear] = {}
+
+    def run(names: tuple[str, ...], inputs: torch.Tensor) -> None:
+        ws = [lw[f"{n}.weight"] for n in names]
+        ql = gptq_quantize(torch.cat(ws), hessian(inputs), a.bits, a.group_size, a.sym,
+                           a.act_order)
+        for n, part in zip(names, _split_rows(ql, tuple(w.shape[0] for w in ws)), strict=True):
+            result[n] = part
+            lw[f"{n}.weight"] = part.dequantize()
+
+    h = rms_norm(x, lw["input_layernorm.weight"], eps)
+    run(ATTN, h)
+    o_in = attention_core(h, lw, mc, rope)
+    run(("self_attn.o_proj",), o_in)
+    x = x + F.linear(o_in, lw["self_attn.o_proj.weight"])
+    h = rms_norm(x, lw["post_attention_layernorm.weight"], eps)
+    run(MLP_IN, h)
+    d_in = mlp_core(h, lw)
+    run(("mlp.down_proj",), d_in)
+    return result, x + F.linear(d_in, lw["mlp.down_proj.weight"])
+
+
+def quantize_checkpoint(model: str, out_dir: str, a: QuantizeArgs) -> None:
+    """Reads MODEL (a .gguf file or HF directory, or the default model's name), quantizes it
+    as `a` says and writes out_dir (which must not exist or be empty)."""
+    from kvserve.loader import load_checkpoint, resolve_model
+    from kvserve.quant import export
+    from kvserve.quant.awq import awq_group_quantize, awq_scale_layer
+    from kvserve.quant.calibration import (
+        calibration_batch,
+        layer_forward,
+        layer_weights,
+        rope_tables,
+    )
+    from kvserve.quant.gptq import rtn_quantize
+
+    if os.path.exists(out_dir) and (not os.path.isdir(out_dir) or os.listdir(out_dir)):
+        raise ValueError(f"output {out_dir!r} exists and is not an empty directory")
+    path = resolve_model(model)
+    ckpt = load_checkpoint(path)
+    mc = ckpt.model_config
+    a = a.for_model(mc)
+    assert a.group_size is not None
+    source_cfg = None
+    if os.path.isdir(path):
+        with open(os.path.join(path, "config.json"), encoding="utf-8") as f:
+            source_cfg = json.load(f)
+    weights = {k: v.float() for k, v in ckpt.weights()}
+
+    x = rope = None
+    if a.method in ("gptq", "awq"):
+        assert a.calib is not None
+        with open(a.calib, encoding="utf-8") as f:
+            ids = calibration_batch(ckpt.tokenizer, f.read(), a.calib_tokens, a.seq_len)
+        log.info("calibration: %d windows of %d tokens from %s", ids.shape[0], ids.shape[1],
+                 a.calib)
+        x = weights["model.embed_tokens.weight"][ids]
+        rope = rope_tables(mc, ids.shape[1])
+
+    pack = export.pack_awq if a.method == "awq" else export.pack_gptq
+    out: dict[str, torch.Tensor] = {}
+    t0 = time.perf_counter()
+    for i in range(mc.num_hidden_layers):
+        lw = layer_weights(weights, i)
+        if a.method == "gptq":
+            assert x is not None and rope is not None
+            qls, x = _gptq_layer(lw, x, mc, rope, a)
+        elif a.method == "awq":
+            assert x is not None and rope is not None
+            scaled = awq_scale_layer(lw, x, mc, rope, a.bits, a.group_size)
+            x = layer_forward(x, lw, mc, rope)  # AWQ: the next layer sees float inputs
+            lw = scaled
+            qls = {n: awq_group_quantize(lw[f"{n}.weight"], a.bits, a.group_size)
+                   for n in LINEARS}
+        else:
+            qls = {n: rtn_quantize(lw[f"{n}.weight"], a.bits, a.group_size, a.sym)
+                   for n in LINEARS}
+        prefix = f"model.layers.{i}."
+        for name, tensor in lw.items():
+            if name.endswith(".weight") and name[:-len(".weight")] in qls:
+                continue
+            out[prefix + name] = tensor.to(torch.float16)  # norms, biases
+        for name, ql in qls.items():
+            for suffix, tensor in pack(ql).items():
+                out[f"{prefix}{name}.{suffix}"] = tensor
+        log.info("layer %d/%d quantized (%.1fs)", i + 1, mc.num_hidden_layers,
+                 time.perf_counter() - t0)
+    for name, tensor in weights.items():
+        if not name.startswith("model.layers."):
+            out[name] = tensor.to(torch.float16)  # embeddings, final norm, lm_head
+
+    if a.method == "awq":
+        qcfg = export.awq_quantization_config(a.group_size)
+    else:
+        qcfg = export.gptq_quantization_config(a.bits, a.group_size, a.sym, a.act_order)
+    export.write_checkpoint(out_dir, out, export.hf_config(mc, source_cfg), qcfg,
+                            ckpt.tokenizer)
+    log.info("wrote %s (%s, %d bits, group %d)", out_dir, a.method, a.bits, a.group_size)
+
+
+def _run(ns: argparse.Namespace) -> int:
+    bits = ns.bits if ns.bits is not None else (8 if ns.method == "int8" else 4)
+    a = QuantizeArgs(method=ns.method, bits=bits, group_size=ns.group_size, sym=ns.sym,
+                     act_order=ns.act_order, calib=ns.calib, calib_tokens=ns.calib_tokens,
+                     seq_len=ns.seq_len)
+    with torch.inference_mode():
+        quantize_checkpoint(ns.model, ns.output, a)
+    return 0
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("quantize", help="write a GPTQ / AWQ / int4 / int8 safetensors "
+                       "checkpoint of a model")
+    p.add_argument("model", nargs="?", default=None,
+                   help="a .gguf file, an HF directory, or smollm2-135m (the default)")
+    p.add_argument("--method", required=True, choices=METHODS)
+    p.add_argument("--bits", type=int, default=None,
+                   help="4 or 8 (default: 8 for int8, else 4; awq: 4 only)")
+    p.add_argument("--group-size", type=int, default=None,
+                   help="inputs per scale / zero point; must divide every linear's input "
+                   "width (default: the largest of 128, 64, 32 that does)")
+    p.add_argument("--sym", action="store_true",
+                   help="symmetric grid (zero point at the middle); default asymmetric")
+    p.add_argument("--act-order", action="store_true",
+                   help="gptq: quantize columns in descending Hessian diagonal (desc_act)")
+    p.add_argument("--calib", default=None, help="calibration text file (gptq, awq)")
+    p.add_argument("--calib-tokens", type=int, default=2048,
+                   help="calibration tokens, in windows of --seq-len")
+    p.add_argument("--seq-len", type=int, default=512, help="tokens per calibration window")
+    p.add_argument("-o", "--output", required=True, help="the directory to write")
+    p.set_defaults(func=_run)

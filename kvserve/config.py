@@ -12,6 +12,8 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
+from kvserve.kv.layout import KV_CACHE_DTYPES
+
 _DTYPES = ("float32", "bfloat16", "float16")
 
 
@@ -94,7 +96,9 @@ class CacheConfig:
     # Exact block count, for tests and debugging; overrides the memory budget.
     num_blocks_override: int | None = None
     enable_prefix_caching: bool = True
-    kv_cache_dtype: str = "auto"  # "auto" = the model dtype
+    # "auto" = the model dtype; int8 / fp8_e4m3: quantized with a float32 scale per token, K/V
+    # and kv head (kvserve/kv/layout.py), about half float16's bytes per token.
+    kv_cache_dtype: str = "auto"
 
     def __post_init__(self) -> None:
         _require(self.block_size in (1, 2, 4, 8, 16, 32, 64, 128, 256),
@@ -107,8 +111,8 @@ class CacheConfig:
         _require(self.num_blocks_override is None or self.num_blocks_override >= 2,
                  f"num_blocks_override must be >= 2 (block 0 is the null block), "
                  f"got {self.num_blocks_override}")
-        _require(self.kv_cache_dtype in ("auto",) + _DTYPES,
-                 f"kv_cache_dtype must be one of auto, {', '.join(_DTYPES)}, "
+        _require(self.kv_cache_dtype in KV_CACHE_DTYPES,
+                 f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, "
                  f"got {self.kv_cache_dtype!r}")
 
 

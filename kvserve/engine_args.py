@@ -18,6 +18,7 @@ from kvserve.config import (
     SchedulerConfig,
     parse_memory,
 )
+from kvserve.kv.layout import KV_CACHE_DTYPES
 from kvserve.platform import default_device
 from kvserve.quant import detect_quantization, quant_method_names
 
@@ -115,10 +116,11 @@ class EngineArgs:
                        action="store_false")
         p.add_argument("--no-enable-chunked-prefill", dest="enable_chunked_prefill",
                        action="store_false")
-        p.add_argument("--kv-cache-dtype", default=None,
-                       choices=["auto", "float32", "float16", "bfloat16"],
-                       help="auto: the model dtype; default: float16 with --quantization gguf "
-                       "(as llama.cpp), else auto")
+        p.add_argument("--kv-cache-dtype", default=None, choices=list(KV_CACHE_DTYPES),
+                       help="auto: the model dtype; int8 / fp8_e4m3: quantized, one float32 "
+                       "scale per token, K/V and kv head (about 2x float16's tokens in the "
+                       "same memory); default: float16 with --quantization gguf (as "
+                       "llama.cpp), else auto")
         p.add_argument("--seed", type=int, default=d.seed,
                        help="seeds sampling for requests without their own seed: the same "
                        "requests in the same order give the same outputs run after run "

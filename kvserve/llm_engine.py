@@ -21,7 +21,13 @@ import torch
 from kvserve.config import EngineConfig
 from kvserve.detokenizer import IncrementalDetokenizer
 from kvserve.engine_args import EngineArgs
-from kvserve.kv.layout import bytes_per_block
+from kvserve.kv.layout import (
+    QUANTIZED_KV_DTYPES,
+    SCALE_BYTES,
+    bytes_per_block,
+    kv_elem_size,
+    resolve_kv_dtype,
+)
 from kvserve.loader import load_checkpoint, resolve_model
 from kvserve.loader.tokenizer import Tokenizer
 from kvserve.model_runner import ModelRunner, torch_dtype
@@ -113,10 +119,12 @@ class LLMEngine:
         t_end = time.perf_counter()
         bs = config.cache.block_size
         logger.info("loaded %s (%s, %s, quantization=%s, ops=%s, %d threads) in %.1fs "
-                    "(checkpoint %.1fs, ops %.1fs, weights %.1fs, KV cache %.1fs); KV cache: %d "
-                    "blocks x %d tokens = %d tokens", path, mc.architecture, config.dtype,
-                    config.quantization, ops.name, torch.get_num_threads(), t_end - t0,
-                    t_ckpt - t0, t_ops - t_ckpt, t_weights - t_ops, t_end - t_weights,
+                    "(checkpoint %.1fs, ops %.1fs, weights %.1fs, KV cache %.1fs); KV cache "
+                    "(%s): %d blocks x %d tokens = %d tokens", path, mc.architecture,
+                    config.dtype, config.quantization, ops.name, torch.get_num_threads(),
+                    t_end - t0, t_ckpt - t0, t_ops - t_ckpt, t_weights - t_ops,
+                    t_end - t_weights,
+                    resolve_kv_dtype(config.cache.kv_cache_dtype, config.dtype),
                     num_blocks - 1, bs, (num_blocks - 1) * bs)
         return engine
 
@@ -127,9 +135,11 @@ class LLMEngine:
         c, mc = config.cache, config.model_config
         if c.num_blocks_override is not None:
             return c.num_blocks_override
-        cache_dtype = config.dtype if c.kv_cache_dtype == "auto" else c.kv_cache_dtype
-        per_block = bytes_per_block(mc.num_hidden_layers, c.block_size, mc.num_key_value_heads,
-                                    mc.head_dim, torch_dtype(cache_dtype).itemsize)
+        cache_dtype = resolve_kv_dtype(c.kv_cache_dtype, config.dtype)
+        # A quantized cache's scales (a float32 per K / V row per kv head) count too.
+        per_block = bytes_per_block(
+            mc.num_hidden_layers, c.block_size, mc.num_key_value_heads, mc.head_dim,
+            kv_elem_size(cache_dtype), SCALE_BYTES if cache_dtype in QUANTIZED_KV_DTYPES else 0)
         budget = c.kv_cache_memory
         if budget is None:
             budget = int(available_memory(config.device) * c.kv_cache_memory_fraction)

@@ -13,7 +13,13 @@ import numpy as np
 import torch
 
 from kvserve.config import EngineConfig
-from kvserve.kv.layout import kv_cache_shape
+from kvserve.kv.layout import (
+    QUANTIZED_KV_DTYPES,
+    QuantizedKVCache,
+    kv_cache_shape,
+    kv_scales_shape,
+    resolve_kv_dtype,
+)
 from kvserve.outputs import ModelInput, ModelOutput, PositionLogprobs, SchedulerOutput
 from kvserve.sampler import Sampler, SamplingMetadata, compute_prompt_logprobs
 from kvserve.structured_output import StructuredOutputManager
@@ -46,13 +52,19 @@ class ModelRunner:
         self.block_size = config.cache.block_size
         self.vocab_size = config.model_config.vocab_size
         mc = config.model_config
-        cache_dtype = (config.dtype if config.cache.kv_cache_dtype == "auto"
-                       else config.cache.kv_cache_dtype)
+        cache_dtype = resolve_kv_dtype(config.cache.kv_cache_dtype, config.dtype)
+        shape = kv_cache_shape(mc.num_hidden_layers, num_blocks, self.block_size,
+                               mc.num_key_value_heads, mc.head_dim)
         # Zeroed, not empty: kernels may read whole blocks past seq_len and mask them out,
-        # and 0 * garbage-NaN would still be NaN.
-        self.kv_cache = zeros(kv_cache_shape(mc.num_hidden_layers, num_blocks, self.block_size,
-                                             mc.num_key_value_heads, mc.head_dim),
-                              torch_dtype(cache_dtype), self.device)
+        # and 0 * garbage-NaN would still be NaN (zero scales and zero fp8 bits are 0.0 too).
+        self.kv_cache: torch.Tensor | QuantizedKVCache
+        if cache_dtype in QUANTIZED_KV_DTYPES:
+            data_dtype = torch.int8 if cache_dtype == "int8" else torch.uint8  # e4m3fn bits
+            self.kv_cache = QuantizedKVCache(
+                zeros(shape, data_dtype, self.device),
+                zeros(kv_scales_shape(*shape[:1], *shape[2:5]), torch.float32, self.device))
+        else:
+            self.kv_cache = zeros(shape, torch_dtype(cache_dtype), self.device)
         # The engine seed feeds the generator of requests without their own seed, so the
         # same requests in the same order sample the same tokens run after run (vLLM's
         # --seed), whatever else the process does with torch's global generator.

@@ -38,6 +38,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from kvserve.kv.layout import QuantizedKVCache
 from kvserve.ops.build import (
     SRC_DIR,
     build_key,
@@ -47,7 +48,6 @@ from kvserve.ops.build import (
     stage_sources,
     toolchain,
 )
-from kvserve.kv.layout import QuantizedKVCache
 from kvserve.ops.reference import ReferenceOps
 from kvserve.quant.ggml_kquants import Q4_K, Q6_K
 from kvserve.quant.gguf import F32, Q4_1, Q8_0

@@ -236,7 +236,10 @@ def quantize_checkpoint(model: str, out_dir: str, a: QuantizeArgs) -> None:
 
 def _run(ns: argparse.Namespace) -> int:
     bits = ns.bits if ns.bits is not None else (8 if ns.method == "int8" else 4)
-    a = QuantizeArgs(method=ns.method, bits=bits, group_size=ns.group_size, sym=ns.sym,
+    # 8 bits are symmetric: q - zero must fit the int8 blocks kvserve runs them as (an
+    # asymmetric 8-bit grid's q - zero spans up to [-255, 255]).
+    sym = ns.sym or bits == 8
+    a = QuantizeArgs(method=ns.method, bits=bits, group_size=ns.group_size, sym=sym,
                      act_order=ns.act_order, calib=ns.calib, calib_tokens=ns.calib_tokens,
                      seq_len=ns.seq_len)
     with torch.inference_mode():

@@ -1,7 +1,8 @@
-"""4-bit GPTQ and AWQ checkpoints (HF safetensors), repacked at load into kvserve's int4 format.
+"""GPTQ (4- and 8-bit) and AWQ (4-bit) checkpoints (HF safetensors), repacked at load.
 
 Both store, per linear of N outputs and K inputs, groups of G inputs sharing a scale and a
-zero point: w[n, k] = s[g, n] * (q[k, n] - z[g, n]), q and z in [0, 15].
+zero point: w[n, k] = s[g, n] * (q[k, n] - z[g, n]), q and z in [0, 15] (4-bit; [0, 255]
+at 8 bits, one byte per field, 4 per int32 word, instead of a nibble).
 
     GPTQ (AutoGPTQ / GPTQModel, quant_method "gptq"):
       qweight int32 [K / 8, N]   nibble i (bits 4i..4i+3) of word r is q[8r + i, n]
@@ -16,11 +17,12 @@ zero point: w[n, k] = s[g, n] * (q[k, n] - z[g, n]), q and z in [0, 15].
       qzeros  int32 [K / G, N / 8]   likewise,  ORDER = 0 2 4 6 1 3 5 7
       scales  fp16 [K / G, N]
 
-They run as Q4_1 blocks (kvserve/quant/gguf.py), on the int8-activation kernels:
+They run as GGUF blocks (kvserve/quant/gguf.py), on the int8-activation kernels. 4-bit: Q4_1,
 w = d * q + m with d = s and m = -s * z per 32-input block (each block repeats its group's
-pair; m is rounded to float16, the blocks' type). With act-order the inputs are permuted so
-that each group's inputs are contiguous, and each call gathers x in that order (such a layer
-is not fused into the C++ layer stack).
+pair; m is rounded to float16, the blocks' type). 8-bit: Q8_0, w = d * (q - z) with d = s,
+which needs q - z in [-128, 127] (a symmetric export's zero of 128 always is). With act-order
+the inputs are permuted so that each group's inputs are contiguous, and each call gathers x in
+that order (such a layer is not fused into the C++ layer stack).
 """
 
 from __future__ import annotations
@@ -38,30 +40,36 @@ from kvserve.quant.base import (
     dense,
     require_float32,
 )
-from kvserve.quant.gguf import BLOCK, F32, Q4_1, pack
-from kvserve.quant.rtn import int4_to_q4_1
+from kvserve.quant.gguf import BLOCK, F32, Q4_1, Q8_0, pack
+from kvserve.quant.rtn import int4_to_q4_1, int8_to_q8_0
 
 if TYPE_CHECKING:
     from kvserve.config import EngineConfig
 
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)
-_NIBBLES = torch.arange(0, 32, 4, dtype=torch.int32)
 
 
-def unpack_rows(packed: torch.Tensor) -> torch.Tensor:
-    """int32 [R, C] -> int32 [8R, C]: nibble i of word [r, c] is row 8r + i."""
-    nib = (packed.unsqueeze(1) >> _NIBBLES[None, :, None]) & 15  # [R, 8, C]
-    return nib.reshape(-1, packed.shape[1])
+def _fields(packed: torch.Tensor, bits: int) -> torch.Tensor:
+    """int32 [..., C] -> [..., C, 32 / bits]: field i of each word (bits i*bits upwards)."""
+    shifts = torch.arange(0, 32, bits, dtype=torch.int32)
+    return (packed.unsqueeze(-1) >> shifts) & ((1 << bits) - 1)
 
 
-def unpack_cols(packed: torch.Tensor, order: tuple[int, ...] | None = None) -> torch.Tensor:
-    """int32 [R, C] -> int32 [R, 8C]: nibble i of word [r, c] is column 8c + order[i]."""
-    nib = (packed.unsqueeze(-1) >> _NIBBLES) & 15  # [R, C, 8]: nibble i at [..., i]
+def unpack_rows(packed: torch.Tensor, bits: int = 4) -> torch.Tensor:
+    """int32 [R, C] -> int32 [PR, C], P = 32 / bits: field i of word [r, c] is row Pr + i."""
+    f = _fields(packed, bits)  # [R, C, P]
+    return f.permute(0, 2, 1).reshape(-1, packed.shape[1])
+
+
+def unpack_cols(packed: torch.Tensor, order: tuple[int, ...] | None = None, bits: int = 4
+                ) -> torch.Tensor:
+    """int32 [R, C] -> int32 [R, PC]: field i of word [r, c] is column Pc + order[i]."""
+    f = _fields(packed, bits)  # [R, C, P]: field i at [..., i]
     if order is not None:
-        inv = torch.empty(8, dtype=torch.long)
-        inv[torch.tensor(order)] = torch.arange(8)
-        nib = nib[..., inv]  # column j of the 8 comes from nibble inv[j]
-    return nib.reshape(packed.shape[0], -1)
+        inv = torch.empty(len(order), dtype=torch.long)
+        inv[torch.tensor(order)] = torch.arange(len(order))
+        f = f[..., inv]  # column j of the P comes from field inv[j]
+    return f.reshape(packed.shape[0], -1)
 
 
 def _check(name: str, t: torch.Tensor | None, shape: tuple[int, ...], dtypes: tuple, what: str
@@ -77,8 +85,10 @@ def _check(name: str, t: torch.Tensor | None, shape: tuple[int, ...], dtypes: tu
 class Int4CheckpointLinearMethod:
     """A Linear loaded from GPTQ / AWQ tensors (per output shard), repacked as Q4_1 groups."""
 
-    def __init__(self, fmt: str, group_size: int, zero_offset: int, prefix: str) -> None:
+    def __init__(self, fmt: str, group_size: int, zero_offset: int, prefix: str,
+                 bits: int = 4) -> None:
         self.fmt = fmt  # "gptq" | "awq"
+        self.bits = bits  # 4, or 8 (GPTQ)
         self.group_size = group_size  # -1: one group of all K inputs
         self.zero_offset = zero_offset  # added to stored zeros (GPTQ v1: 1)
         self.prefix = prefix
@@ -132,9 +142,16 @@ class Int4CheckpointLinearMethod:
             q = q[:, perm]
             self.perm = perm
             self.fusable = False
-        blocks = int4_to_q4_1(q.to(torch.uint8), s, -s * z, g)
-        layer.weight = nn.Parameter(pack(blocks, Q4_1, k), requires_grad=False)
-        self.wtype = Q4_1
+        if self.bits == 4:
+            blocks, self.wtype = int4_to_q4_1(q.to(torch.uint8), s, -s * z, g), Q4_1
+        else:
+            v = q - z.repeat_interleave(g, dim=1).long()
+            if int(v.min()) < -128 or int(v.max()) > 127:
+                raise ValueError(f"{self.prefix}: 8-bit weights q - zero span "
+                                 f"[{int(v.min())}, {int(v.max())}]; kvserve runs 8-bit GPTQ "
+                                 f"as int8 blocks, which hold [-128, 127]")
+            blocks, self.wtype = int8_to_q8_0(v.to(torch.int8), s), Q8_0
+        layer.weight = nn.Parameter(pack(blocks, self.wtype, k), requires_grad=False)
 
     def _unpack(self, t: dict[str, torch.Tensor], n: int, k: int, g: int, what: str
                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -142,13 +159,16 @@ class Int4CheckpointLinearMethod:
         ints = (torch.int32,)
         floats = (torch.float16, torch.float32, torch.bfloat16)
         ng = k // g
-        if n % 8:
-            raise ValueError(f"{what}: {n} outputs do not pack 8 zeros per int32")
+        per = 32 // self.bits  # fields per int32 word
+        if n % per:
+            raise ValueError(f"{what}: {n} outputs do not pack {per} zeros per int32")
         scales = _check("scales", t.get("scales"), (ng, n), floats, what).float()
         if self.fmt == "gptq":
-            q = unpack_rows(_check("qweight", t.get("qweight"), (k // 8, n), ints, what))
-            z = unpack_cols(_check("qzeros", t.get("qzeros"), (ng, n // 8), ints, what))
-            z = z + self.zero_offset
+            q = unpack_rows(_check("qweight", t.get("qweight"), (k // per, n), ints, what),
+                            self.bits)
+            z = unpack_cols(_check("qzeros", t.get("qzeros"), (ng, n // per), ints, what),
+                            bits=self.bits)
+            z = (z + self.zero_offset) & ((1 << self.bits) - 1)
             gi = t.get("g_idx")
             gi = (torch.arange(k) // g if gi is None
                   else _check("g_idx", gi, (k,), (torch.int32, torch.int64), what).long())
@@ -161,9 +181,6 @@ class Int4CheckpointLinearMethod:
             z = unpack_cols(_check("qzeros", t.get("qzeros"), (ng, n // 8), ints, what),
                             AWQ_ORDER)
             gi = torch.arange(k) // g
-        if int(z.max()) > 15:
-            raise ValueError(f"{what}: zero points past 15 ({int(z.max())}): not a 4-bit "
-                             f"{self.fmt.upper()} checkpoint in this format")
         # q is [K, n] in both layouts; kvserve's rows are outputs.
         return q.T.contiguous(), z.T.float().contiguous(), scales.T.contiguous(), gi
 
@@ -196,13 +213,14 @@ class _Int4CheckpointMethod(QuantMethod):
         cls.settings(qc)
 
     @classmethod
-    def settings(cls, qc: dict[str, Any]) -> tuple[int, int]:
-        """(group_size, zero offset) from quantization_config; ValueError naming what was
-        found for what kvserve does not run."""
+    def settings(cls, qc: dict[str, Any]) -> tuple[int, int, int]:
+        """(bits, group_size, zero offset) from quantization_config; ValueError naming what
+        was found for what kvserve does not run."""
         bits = qc.get("bits", qc.get("w_bit"))
-        if bits != 4:
-            raise ValueError(f"{cls.fmt.upper()} checkpoint has bits={bits}; kvserve loads 4-bit "
-                             f"{cls.fmt.upper()}")
+        allowed = (4, 8) if cls.fmt == "gptq" else (4,)
+        if bits not in allowed:
+            raise ValueError(f"{cls.fmt.upper()} checkpoint has bits={bits}; kvserve loads "
+                             f"{' and '.join(map(str, allowed))}-bit {cls.fmt.upper()}")
         group = qc.get("group_size", qc.get("q_group_size", 128))
         if not isinstance(group, int) or (group != -1 and (group <= 0 or group % BLOCK)):
             raise ValueError(f"{cls.fmt.upper()} checkpoint has group_size={group!r}; kvserve "
@@ -215,12 +233,12 @@ class _Int4CheckpointMethod(QuantMethod):
             if version != "gemm":
                 raise ValueError(f"AWQ checkpoint has version={version!r}; kvserve loads the "
                                  f"GEMM layout")
-            return group, 0
+            return bits, group, 0
         fmt = qc.get("checkpoint_format", "gptq")
         if fmt not in ("gptq", "gptq_v2"):
             raise ValueError(f"GPTQ checkpoint has checkpoint_format={fmt!r}; kvserve loads "
                              f"gptq and gptq_v2")
-        return group, 1 if fmt == "gptq" else 0
+        return bits, group, 1 if fmt == "gptq" else 0
 
     def linear_method(self, prefix: str) -> LinearMethod:
         if prefix == "lm_head":  # GPTQ and AWQ exports keep the output layer in float
@@ -228,12 +246,12 @@ class _Int4CheckpointMethod(QuantMethod):
 
             return UnquantizedLinearMethod()
         assert self.config is not None and self.config.checkpoint_config is not None
-        group, offset = self.settings(dict(self.config.checkpoint_config))
-        return Int4CheckpointLinearMethod(self.fmt, group, offset, prefix)
+        bits, group, offset = self.settings(dict(self.config.checkpoint_config))
+        return Int4CheckpointLinearMethod(self.fmt, group, offset, prefix, bits)
 
 
 class GPTQQuantMethod(_Int4CheckpointMethod):
-    """4-bit GPTQ checkpoints (AutoGPTQ / GPTQModel layout, act-order and sym or asym)."""
+    """4- and 8-bit GPTQ checkpoints (AutoGPTQ / GPTQModel layout, act-order, sym or asym)."""
 
     name = "gptq"
     fmt = "gptq"

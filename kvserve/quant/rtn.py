@@ -79,10 +79,13 @@ def _half_bytes(x: torch.Tensor) -> torch.Tensor:
 
 
 def int8_to_q8_0(q: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
-    """(q int8 [N, K], s [N]) -> Q8_0 rows uint8 [N, K / 32 * 34]: fp16 d = s[n], 32 int8."""
+    """(q int8 [N, K], s [N] per row or [N, K / G] per group of G inputs) -> Q8_0 rows uint8
+    [N, K / 32 * 34]: each block's fp16 d is its row's (group's) scale, then 32 int8."""
     n, k = q.shape
     nb = k // BLOCK
-    d = _half_bytes(s[:, None].expand(n, nb))
+    per_block = s[:, None].expand(n, nb) if s.dim() == 1 else s.repeat_interleave(
+        nb // s.shape[1], dim=1)
+    d = _half_bytes(per_block)
     qs = q.reshape(n, nb, BLOCK).view(torch.uint8)
     return torch.cat([d, qs], dim=-1).reshape(n, -1)
 

@@ -18,7 +18,7 @@ from safetensors.torch import save_file
 from kvserve.loader import load_checkpoint
 from kvserve.models import build_model
 from kvserve.ops import get_ops
-from kvserve.quant.gguf import Q4_1, unpack
+from kvserve.quant.gguf import Q4_1, Q8_0, unpack
 from kvserve.quant.int4_checkpoints import Int4CheckpointLinearMethod
 from tests.helpers import PagedSequence, kvserve_model_from_hf, tiny_hf_model
 
@@ -32,13 +32,16 @@ def _int32(words: np.ndarray) -> torch.Tensor:
     return torch.from_numpy(words.astype(np.uint32).view(np.int32))
 
 
-def quantize_groups(w: torch.Tensor, g_idx: torch.Tensor) -> tuple[torch.Tensor, ...]:
-    """AutoGPTQ's asymmetric quantizer per group (columns by g_idx): scale = (max - min) / 15,
-    zero = round(-min / scale), q = clamp(round(w / scale) + zero, 0, 15); scales stored fp16.
+def quantize_groups(w: torch.Tensor, g_idx: torch.Tensor, bits: int = 4, sym: bool = False
+                    ) -> tuple[torch.Tensor, ...]:
+    """AutoGPTQ's quantizer per group (columns by g_idx): asymmetric, scale = (max - min) /
+    maxq and zero = round(-min / scale); symmetric, scale = 2 amax / maxq and zero =
+    (maxq + 1) / 2; q = clamp(round(w / scale) + zero, 0, maxq); scales fp16.
     Returns q [K, N] int, zeros [G, N] int, scales [G, N] float32 (fp16-exact), and the
     dequantized weight [N, K] the checkpoint stands for."""
     n, k = w.shape
     groups = int(g_idx.max()) + 1
+    maxq = (1 << bits) - 1
     q = torch.empty(k, n, dtype=torch.int64)
     zeros = torch.empty(groups, n, dtype=torch.int64)
     scales = torch.empty(groups, n)
@@ -46,24 +49,32 @@ def quantize_groups(w: torch.Tensor, g_idx: torch.Tensor) -> tuple[torch.Tensor,
         cols = (g_idx == g).nonzero().flatten()
         wg = w[:, cols]
         lo, hi = wg.min(1).values.clamp(max=0), wg.max(1).values.clamp(min=0)
-        s = ((hi - lo) / 15).clamp(min=1e-8).half().float()
-        z = torch.round(-lo / s).clamp(0, 15)
-        q[cols] = torch.clamp(torch.round(wg / s[:, None]) + z[:, None], 0, 15).long().T
+        if sym:
+            s = (2 * torch.maximum(-lo, hi) / maxq).clamp(min=1e-8).half().float()
+            z = torch.full_like(s, (maxq + 1) // 2)
+        else:
+            s = ((hi - lo) / maxq).clamp(min=1e-8).half().float()
+            z = torch.round(-lo / s).clamp(0, maxq)
+        q[cols] = torch.clamp(torch.round(wg / s[:, None]) + z[:, None], 0, maxq).long().T
         zeros[g], scales[g] = z.long(), s
     deq = (scales[g_idx] * (q - zeros[g_idx])).T.contiguous()
     return q, zeros, scales, deq
 
 
-def gptq_pack(q: torch.Tensor, zeros: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """AutoGPTQ's QuantLinear.pack (v1): 8 rows of q per int32 word of qweight [K / 8, N];
-    zeros minus 1, 8 columns per word of qzeros [G, N / 8]."""
-    qn, zn = q.numpy().astype(np.uint64), (zeros.numpy() - 1).astype(np.uint64) & 15
-    qweight = np.zeros((qn.shape[0] // 8, qn.shape[1]), np.uint64)
-    for j in range(8):
-        qweight |= qn[j::8] << np.uint64(4 * j)
-    qzeros = np.zeros((zn.shape[0], zn.shape[1] // 8), np.uint64)
-    for j in range(8):
-        qzeros |= zn[:, j::8] << np.uint64(4 * j)
+def gptq_pack(q: torch.Tensor, zeros: torch.Tensor, bits: int = 4
+              ) -> tuple[torch.Tensor, torch.Tensor]:
+    """AutoGPTQ's QuantLinear.pack (v1): P = 32 / bits rows of q per int32 word of qweight
+    [K / P, N]; zeros minus 1 (wrapping), P columns per word of qzeros [G, N / P]."""
+    p, mask = 32 // bits, (1 << bits) - 1
+    qn = q.numpy().astype(np.uint64)
+    zn = (zeros.numpy() - 1).astype(np.int64) & mask
+    zn = zn.astype(np.uint64)
+    qweight = np.zeros((qn.shape[0] // p, qn.shape[1]), np.uint64)
+    for j in range(p):
+        qweight |= qn[j::p] << np.uint64(bits * j)
+    qzeros = np.zeros((zn.shape[0], zn.shape[1] // p), np.uint64)
+    for j in range(p):
+        qzeros |= zn[:, j::p] << np.uint64(bits * j)
     return _int32(qweight), _int32(qzeros)
 
 
@@ -80,8 +91,8 @@ def awq_pack(q: torch.Tensor, zeros: torch.Tensor) -> tuple[torch.Tensor, torch.
     return pack_cols(q.numpy()), pack_cols(zeros.numpy())
 
 
-def write_checkpoint(path: Path, hf: Any, fmt: str, act_order: bool = False,
-                     **qc_overrides: Any) -> dict[str, torch.Tensor]:
+def write_checkpoint(path: Path, hf: Any, fmt: str, act_order: bool = False, bits: int = 4,
+                     qc_overrides: dict[str, Any] | None = None) -> dict[str, torch.Tensor]:
     """The tiny model as a GPTQ / AWQ directory; returns the dequantized weights by name."""
     rng = torch.Generator().manual_seed(7)
     tensors: dict[str, torch.Tensor] = {}
@@ -98,11 +109,11 @@ def write_checkpoint(path: Path, hf: Any, fmt: str, act_order: bool = False,
                 hash(layer_in + str(k)) % 1000))
             g_idx = torch.empty(k, dtype=torch.long)
             g_idx[perm] = torch.arange(k) // GROUP
-        q, zeros, scales, w = quantize_groups(t.detach().float(), g_idx)
+        q, zeros, scales, w = quantize_groups(t.detach().float(), g_idx, bits, sym=bits == 8)
         base = name.removesuffix(".weight")
         deq[name] = w
         if fmt == "gptq":
-            qweight, qzeros = gptq_pack(q, zeros)
+            qweight, qzeros = gptq_pack(q, zeros, bits)
             tensors[base + ".g_idx"] = g_idx.to(torch.int32)
         else:
             qweight, qzeros = awq_pack(q, zeros)
@@ -112,12 +123,13 @@ def write_checkpoint(path: Path, hf: Any, fmt: str, act_order: bool = False,
     path.mkdir(parents=True, exist_ok=True)
     save_file(tensors, str(path / "model.safetensors"))
     cfg = hf.config.to_dict()
-    qc: dict[str, Any] = ({"quant_method": "gptq", "bits": 4, "group_size": GROUP,
-                           "desc_act": act_order, "sym": False, "checkpoint_format": "gptq"}
+    qc: dict[str, Any] = ({"quant_method": "gptq", "bits": bits, "group_size": GROUP,
+                           "desc_act": act_order, "sym": bits == 8,
+                           "checkpoint_format": "gptq"}
                           if fmt == "gptq" else
                           {"quant_method": "awq", "bits": 4, "group_size": GROUP,
                            "zero_point": True, "version": "gemm"})
-    cfg["quantization_config"] = {**qc, **qc_overrides}
+    cfg["quantization_config"] = {**qc, **(qc_overrides or {})}
     (path / "config.json").write_text(json.dumps(cfg))
     vocab = {f"t{i}": i for i in range(hf.config.vocab_size)}
     tok = tokenizers.Tokenizer(tokenizers.models.WordLevel(vocab, unk_token="t0"))
@@ -132,11 +144,13 @@ def _logits(model: Any, prompt: list[int]) -> torch.Tensor:
     return runner.forward({runner.new_seq(): prompt})[0]
 
 
-@pytest.mark.parametrize("fmt, act_order", [("gptq", False), ("gptq", True), ("awq", False)])
-def test_checkpoint_loads_to_the_dequantized_model(tmp_path: Path, fmt: str,
-                                                   act_order: bool) -> None:
+@pytest.mark.parametrize("fmt, act_order, bits", [("gptq", False, 4), ("gptq", True, 4),
+                                                 ("awq", False, 4), ("gptq", False, 8),
+                                                 ("gptq", True, 8)])
+def test_checkpoint_loads_to_the_dequantized_model(tmp_path: Path, fmt: str, act_order: bool,
+                                                   bits: int) -> None:
     hf = tiny_hf_model("llama")
-    deq = write_checkpoint(tmp_path, hf, fmt, act_order)
+    deq = write_checkpoint(tmp_path, hf, fmt, act_order, bits)
     ckpt = load_checkpoint(str(tmp_path))
     assert dict(ckpt.model_config.quantization_config)["quant_method"] == fmt
     ops = get_ops("auto")
@@ -145,9 +159,11 @@ def test_checkpoint_loads_to_the_dequantized_model(tmp_path: Path, fmt: str,
     # rounded to float16, the only change), in the layer's own input order.
     lin = model.layers[1].self_attn.qkv_proj
     method = lin.quant_method
-    assert isinstance(method, Int4CheckpointLinearMethod) and method.wtype == Q4_1
-    q, d, m = unpack(lin.weight, Q4_1)
-    got = (d[..., None] * q.float() + m[..., None]).reshape(lin.out_features, -1)
+    wtype = Q4_1 if bits == 4 else Q8_0
+    assert isinstance(method, Int4CheckpointLinearMethod) and method.wtype == wtype
+    q, d, m = unpack(lin.weight, wtype)
+    got = (d[..., None] * q.float() + (m[..., None] if m is not None else 0)).reshape(
+        -(-lin.out_features // 16) * 16, -1)
     want = torch.cat([deq[f"model.layers.1.self_attn.{p}.weight"]
                       for p in ("q_proj", "k_proj", "v_proj")])
     if act_order:
@@ -165,8 +181,8 @@ def test_checkpoint_loads_to_the_dequantized_model(tmp_path: Path, fmt: str,
 
 
 @pytest.mark.parametrize("fmt, overrides, match", [
-    ("gptq", {"bits": 3}, "GPTQ checkpoint has bits=3; kvserve loads 4-bit GPTQ"),
-    ("gptq", {"bits": 8}, "has bits=8"),
+    ("gptq", {"bits": 3}, "kvserve loads 4 and 8-bit GPTQ"),
+    ("awq", {"bits": 8}, "AWQ checkpoint has bits=8; kvserve loads 4-bit AWQ"),
     ("gptq", {"group_size": 48}, "group_size=48; kvserve needs -1 or a positive multiple"),
     ("gptq", {"checkpoint_format": "marlin"}, "checkpoint_format='marlin'"),
     ("awq", {"version": "gemv"}, "version='gemv'; kvserve loads the GEMM layout"),
@@ -174,7 +190,7 @@ def test_checkpoint_loads_to_the_dequantized_model(tmp_path: Path, fmt: str,
 ])
 def test_unsupported_settings_name_what_was_found(tmp_path: Path, fmt: str,
                                                   overrides: dict[str, Any], match: str) -> None:
-    write_checkpoint(tmp_path, tiny_hf_model("llama"), fmt, **overrides)
+    write_checkpoint(tmp_path, tiny_hf_model("llama"), fmt, qc_overrides=overrides)
     with pytest.raises(ValueError, match=match):
         build_model(load_checkpoint(str(tmp_path)), get_ops("reference"), torch.float32, fmt)
 
@@ -201,3 +217,19 @@ def test_an_unquantized_load_of_a_quantized_checkpoint_says_why(tmp_path: Path) 
     with pytest.raises(ValueError, match="'qweight' has no place .* needs its quantization "
                                          "method"):
         build_model(load_checkpoint(str(tmp_path)), get_ops("reference"), torch.float32, "none")
+
+
+def test_asymmetric_8_bit_that_int8_blocks_cannot_hold_is_named(tmp_path: Path) -> None:
+    hf = tiny_hf_model("llama")
+    write_checkpoint(tmp_path, hf, "gptq", bits=8)
+    from safetensors.torch import load_file
+
+    tensors = load_file(str(tmp_path / "model.safetensors"))
+    # An asymmetric 8-bit export: q from 0, zeros at 1 (stored 0): q - zero up to 254.
+    name = "model.layers.0.self_attn.o_proj"
+    tensors[f"{name}.qzeros"] = torch.zeros_like(tensors[f"{name}.qzeros"])
+    tensors[f"{name}.qweight"] = torch.full_like(tensors[f"{name}.qweight"], -1)  # all 255
+    save_file(tensors, str(tmp_path / "model.safetensors"))
+    with pytest.raises(ValueError, match=r"o_proj: 8-bit weights q - zero span \[254, 254\]; "
+                                         r"kvserve runs 8-bit GPTQ as int8 blocks"):
+        build_model(load_checkpoint(str(tmp_path)), get_ops("reference"), torch.float32, "gptq")

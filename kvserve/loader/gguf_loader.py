@@ -30,7 +30,7 @@ from kvserve.loader.errors import CheckpointError
 from kvserve.loader.gguf_reader import GGUF_MAGIC, GGUFFile
 from kvserve.loader.gguf_tokenizer import tokenizer_from_gguf
 from kvserve.loader.tokenizer import Tokenizer
-from kvserve.quant.gguf import BLOCK_BYTES, GGUFWeight
+from kvserve.quant.gguf import KEPT_TYPES, GGUFWeight, block_weights
 
 # general.architecture -> (HF architecture, q/k/v have a bias, q/k rows permuted by llama.cpp)
 _ARCHS: dict[str, tuple[str, bool, bool]] = {
@@ -300,8 +300,9 @@ class GGUFCheckpoint:
                 continue
             shape = tuple(int(d) for d in reversed(t.shape.tolist()))
             # np.array copies out of the read-only memmap, so torch gets memory it owns.
-            if keep_quantized and int(t.tensor_type) in BLOCK_BYTES and len(shape) == 2 \
-                    and shape[1] % 32 == 0:
+            qtype = int(t.tensor_type)
+            if keep_quantized and qtype in KEPT_TYPES and len(shape) == 2 \
+                    and shape[1] % block_weights(qtype) == 0:
                 raw = torch.from_numpy(np.array(t.data, dtype=np.uint8).reshape(shape[0], -1))
                 yield gguf_to_hf_name(t.name), GGUFWeight(self._hf_rows(t.name, raw),
                                                           int(t.tensor_type), shape[1])

@@ -58,17 +58,34 @@ TYPE_NAMES = {Q4_1: "Q4_1", Q8_0: "Q8_0"}
 # One 64-byte chunk is one vpdpbusd: 16 rows x 4 quants against 4 activation bytes broadcast.
 GROUP = 16
 PACKED_BYTES = {q: GROUP * b for q, b in BLOCK_BYTES.items()}
+# K-quant matrices kept packed too (kvserve/quant/kquant_pack.py, ops/csrc/qlinear_kquant*.cpp:
+# Q8_K activations per 256 values) under "gguf"; 256 weights per super-block.
+Q4_K, Q6_K = 12, 14
+KQUANT_TYPES = (Q4_K, Q6_K)
+QK_K = 256
+# What the loader hands over as stored (GGUFWeight) when the method keeps blocks.
+KEPT_TYPES = tuple(BLOCK_BYTES) + KQUANT_TYPES
+
+
+def block_weights(qtype: int) -> int:
+    """Weights per block of a kept type."""
+    return QK_K if qtype in KQUANT_TYPES else BLOCK
 
 
 class GGUFWeight(NamedTuple):
-    """One GGUF matrix as stored: data uint8 [rows, K // 32 * block bytes], K weights a row."""
+    """One GGUF matrix as stored: data uint8 [rows, K // block * block bytes], K weights a
+    row."""
 
     data: torch.Tensor
     qtype: int
     k: int
 
     def dequantize(self) -> torch.Tensor:
-        return dequantize(self.data, self.qtype, self.k)
+        if self.qtype in BLOCK_BYTES:
+            return dequantize(self.data, self.qtype, self.k)
+        from kvserve.quant.ggml_blocks import dequantize as dequantize_any_type
+
+        return dequantize_any_type(self.data, self.qtype, self.k)
 
 
 def dequantize(data: torch.Tensor, qtype: int, k: int) -> torch.Tensor:
@@ -92,12 +109,18 @@ class GGUFLinearMethod:
 
     Each output shard (q/k/v of a fused qkv, gate/up) is loaded on its own; once all have
     arrived, shards of one kernel format are concatenated row-wise into a uint8 weight
-    (rows of blocks stack like rows of floats). Anything else — a float tensor, mixed formats,
-    K not a multiple of 32 — ends up dequantized into the usual float weight.
+    (rows of blocks stack like rows of floats). Anything else — a float tensor, a format
+    without a kernel, K not a multiple of the block — ends up dequantized into the usual float
+    weight.
 
     int8_activations: the concatenated blocks are repacked (`pack`) into a 3-D weight that
     `ops.qlinear` multiplies by int8-quantized activations; otherwise they stay as stored
-    (2-D) and `ops.linear` dequantizes them in registers."""
+    (2-D) and `ops.linear` dequantizes them in registers.
+
+    K-quants (Q4_K, Q6_K; int8_activations only) run through `ops.qlinear_kquant`. A Q4_K_M
+    file mixes them inside one fused layer (q and k Q4_K, v Q6_K): then each run of shards of
+    one type is packed on its own (`parts`) and the outputs are concatenated; such a layer is
+    not fused into the C++ layer stack."""
 
     fusable = True  # the fused layer stack reads float32 rows and both block layouts
 
@@ -106,6 +129,8 @@ class GGUFLinearMethod:
         self.shards: dict[int, GGUFWeight] = {}
         # The format layer.weight holds, for the kernels: F32 until blocks are kept.
         self.wtype = F32
+        # Several formats in one layer: (packed weight, wtype, first row, rows) per run.
+        self.parts: list[tuple[torch.Tensor, int, int, int]] = []
 
     def checkpoint_names(self, layer: Any) -> tuple[str, ...]:
         return dense_names(layer)
@@ -121,7 +146,7 @@ class GGUFLinearMethod:
         """A weight shard in a kernel format is kept until every shard is in; anything else
         (a bias, a float tensor, another block format) goes in as floats now."""
         if name != "weight" or not isinstance(tensor, GGUFWeight) \
-                or tensor.qtype not in BLOCK_BYTES:
+                or tensor.qtype not in KEPT_TYPES:
             copy_shard(layer, name, shard, dense(tensor))
             return
         size = layer.shard_sizes[shard]
@@ -133,8 +158,13 @@ class GGUFLinearMethod:
     def process_weights_after_loading(self, layer: Any) -> None:
         shards = [self.shards.get(i) for i in range(len(layer.shard_sizes))]
         self.shards = {}
+        k = layer.in_features
+        if (self.int8_activations and all(s is not None for s in shards)
+                and all(s.qtype in KQUANT_TYPES for s in shards) and k % QK_K == 0):
+            self._pack_kquants(layer, shards)  # type: ignore[arg-type]
+            return
         if all(s is not None for s in shards) and len({s.qtype for s in shards}) == 1 \
-                and layer.in_features % BLOCK == 0:
+                and shards[0].qtype in BLOCK_BYTES and layer.in_features % BLOCK == 0:
             data = torch.cat([s.data for s in shards]).contiguous()
             if self.int8_activations:
                 data = pack(data, shards[0].qtype, layer.in_features)
@@ -148,7 +178,41 @@ class GGUFLinearMethod:
                 layer.weight.data[start:start + size].copy_(s.dequantize())
             start += size
 
+    def _pack_kquants(self, layer: Any, shards: list[GGUFWeight]) -> None:
+        from kvserve.quant.kquant_pack import pack_kquant
+
+        runs: list[tuple[int, int, list[GGUFWeight]]] = []  # (qtype, first row, shards)
+        row = 0
+        for s in shards:
+            if runs and runs[-1][0] == s.qtype:
+                runs[-1][2].append(s)
+            else:
+                runs.append((s.qtype, row, [s]))
+            row += s.data.shape[0]
+        parts = [(pack_kquant(torch.cat([s.data for s in ss]).contiguous(), qtype,
+                              layer.in_features), qtype, start, sum(s.data.shape[0] for s in ss))
+                 for qtype, start, ss in runs]
+        if len(parts) == 1:
+            layer.weight = nn.Parameter(parts[0][0], requires_grad=False)
+            self.wtype = parts[0][1]
+        else:
+            self.parts = parts
+            self.fusable = False
+            self.wtype = parts[0][1]
+            # The parts hold the weight; the placeholder goes (it would take float memory).
+            layer.weight = nn.Parameter(torch.empty(0, dtype=torch.uint8), requires_grad=False)
+        # Only the qlinear kernels read K-quants: the fused stack takes F32 / Q4_1 / Q8_0.
+        self.fusable = False
+
     def apply(self, layer: Any, x: torch.Tensor) -> torch.Tensor:
+        if self.parts:
+            bias = layer.bias
+            return torch.cat([layer.ops.qlinear_kquant(
+                x, w, rows, None if bias is None else bias[start:start + rows], wtype=wtype)
+                for w, wtype, start, rows in self.parts], dim=-1)
+        if self.wtype in KQUANT_TYPES:
+            return layer.ops.qlinear_kquant(x, layer.weight, layer.out_features, layer.bias,
+                                            wtype=self.wtype)
         if layer.weight.dim() == 3:
             return layer.ops.qlinear(x, layer.weight, layer.out_features, layer.bias,
                                      wtype=self.wtype)

@@ -187,8 +187,13 @@ class AsyncEngine:
         self._grammar_pool = concurrent.futures.ThreadPoolExecutor(
             grammar_workers, thread_name_prefix="kvserve-grammar")
         self._grammars_pending = 0  # event loop only
-        # Event loop only: add_request calls between the queue check and the engine's answer.
-        self._pending_adds = 0
+        # Adds not yet in the engine's waiting queue: started - applied - abandoned. Each
+        # counter has one writer: started and abandoned (never submitted) the event loop,
+        # applied the engine thread, which counts an add before it publishes the stats that
+        # show it waiting, so no add is counted twice.
+        self._adds_started = 0
+        self._adds_abandoned = 0
+        self._adds_applied = 0
         # Engine thread writes, anyone reads: when its loop last came round (monotonic s).
         self._heartbeat = time.monotonic()
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -315,16 +320,19 @@ class AsyncEngine:
                              f"{self.max_model_len}-token context (max_model_len) can hold "
                              f"(at most {self.max_prompt_chars} characters)")
         arrival = time.monotonic()
-        self._pending_adds += 1
+        self._adds_started += 1
+        submitted = False
         try:
             prompt = await self.run_in_pool(self._preprocess, prompt, params)
             grammar = None
             if params.structured_outputs is not None:
                 grammar = await self._compile_grammar(params)
             self._check_accepting()
+            submitted = True  # _submit queues the command before it first awaits
             return await self._submit(request_id, prompt, params, priority, arrival, grammar)
         finally:
-            self._pending_adds -= 1
+            if not submitted:
+                self._adds_abandoned += 1
 
     async def _submit(self, request_id: str, prompt: PromptType, params: SamplingParams,
                       priority: int, arrival: float, grammar: Any) -> RequestStream:
@@ -390,7 +398,8 @@ class AsyncEngine:
         when the request reaches it; requests still being prepared count as waiting, since
         that is where they will land."""
         limit = self.engine.config.scheduler.max_waiting_requests
-        if limit is not None and self._stats.num_waiting_groups + self._pending_adds >= limit:
+        pending = self._adds_started - self._adds_applied - self._adds_abandoned
+        if limit is not None and self._stats.num_waiting_groups + pending >= limit:
             raise QueueFullError(f"the waiting queue is full ({limit} requests); retry later")
 
     def _preprocess(self, prompt: PromptType, params: SamplingParams) -> PromptType:
@@ -486,8 +495,10 @@ class AsyncEngine:
                 cmd = self._commands.get_nowait()
             except queue.Empty:
                 return
-            if isinstance(cmd, _Add) and not cmd.result.done():
-                cmd.result.set_exception(error)
+            if isinstance(cmd, _Add):
+                self._adds_applied += 1
+                if not cmd.result.done():
+                    cmd.result.set_exception(error)
 
     def _post(self, fn: Callable[..., Any], *args: Any) -> None:
         assert self._loop is not None
@@ -513,6 +524,7 @@ class AsyncEngine:
                 self._apply_abort(cmd)
 
     def _apply_add(self, cmd: _Add) -> None:
+        self._adds_applied += 1  # before any stats publish (see _adds_started)
         if cmd.result.cancelled():
             return
         try:

@@ -67,7 +67,7 @@ def test_cli_generate_streams_the_greedy_completion(llm: LLM) -> None:
         capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert proc.stdout == ref + "\n"
-    assert "KV cache:" in proc.stderr and "blocks" in proc.stderr
+    assert "KV cache (float16):" in proc.stderr and "blocks" in proc.stderr
     bad = subprocess.run([sys.executable, "-m", "kvserve.cli", "generate", "--prompt", "x",
                           "--model", "no-such-model"], capture_output=True, text=True,
                          timeout=300)

@@ -155,12 +155,14 @@ class QuantConfig:
     checkpoint_config: tuple[tuple[str, Any], ...] | None = None
 
     def __post_init__(self) -> None:
-        from kvserve.quant import get_quant_method_class
-
-        method = get_quant_method_class(self.method)  # ValueError naming the known methods
-        if self.group_size is None and method.default_group_size is not None:
-            object.__setattr__(self, "group_size", method.default_group_size)
-        method.check_quant_config(self)
+        # The method's own checks (its name in the registry, the knobs it takes) are the
+        # registry's: kvserve.quant.quant_config builds a checked QuantConfig, and the engine
+        # checks the one it is given (kvserve.quant.check_engine_config).
+        _require(isinstance(self.method, str) and bool(self.method),
+                 f"quantization must be a method name, got {self.method!r}")
+        _require(self.group_size is None or (isinstance(self.group_size, int)
+                                             and self.group_size >= 1),
+                 f"group_size must be a positive integer or None, got {self.group_size!r}")
 
 
 @dataclass(frozen=True)
@@ -182,9 +184,6 @@ class EngineConfig:
                  f"grammar_cache_bytes must be >= 0, got {self.grammar_cache_bytes}")
         _require(self.dtype in _DTYPES,
                  f"dtype must be one of {', '.join(_DTYPES)}, got {self.dtype!r}")
-        from kvserve.quant import get_quant_method_class
-
-        get_quant_method_class(self.quant.method).validate(self)
         _require(self.scheduler.max_model_len <= self.model_config.max_position_embeddings,
                  f"max_model_len ({self.scheduler.max_model_len}) must be <= the model's "
                  f"context length ({self.model_config.max_position_embeddings})")

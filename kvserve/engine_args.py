@@ -14,13 +14,17 @@ from kvserve.config import (
     CacheConfig,
     EngineConfig,
     ModelConfig,
-    QuantConfig,
     SchedulerConfig,
     parse_memory,
 )
 from kvserve.kv.layout import KV_CACHE_DTYPES
 from kvserve.platform import default_device
-from kvserve.quant import detect_quantization, quant_method_names
+from kvserve.quant import (
+    check_engine_config,
+    detect_quantization,
+    quant_config,
+    quant_method_names,
+)
 
 
 @dataclass
@@ -70,7 +74,7 @@ class EngineArgs:
             model_path, device, dtype, self.ops_backend, mc.quantization_dict)
         if not self.enable_chunked_prefill:
             budget = max(budget, max_len)
-        return EngineConfig(
+        return check_engine_config(EngineConfig(
             model=model_path,
             model_config=mc,
             cache=CacheConfig(block_size=self.block_size,
@@ -84,10 +88,9 @@ class EngineArgs:
                                       enable_chunked_prefill=self.enable_chunked_prefill,
                                       max_waiting_requests=self.max_waiting_requests),
             dtype=dtype, device=device, seed=self.seed, ops_backend=self.ops_backend,
-            quant=QuantConfig(method=quantization, group_size=self.quant_group_size,
-                              checkpoint_config=mc.quantization_config),
+            quant=quant_config(quantization, self.quant_group_size, mc.quantization_config),
             grammar_cache_bytes=parse_memory(self.grammar_cache_memory,
-                                             "grammar_cache_memory") or 0)
+                                             "grammar_cache_memory") or 0))
 
     @classmethod
     def from_kwargs(cls, **kwargs: object) -> EngineArgs:

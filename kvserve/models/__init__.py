@@ -8,8 +8,7 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
-from kvserve.config import QuantConfig
-from kvserve.quant import get_quant_method
+from kvserve.quant import get_quant_method, quant_config
 
 if TYPE_CHECKING:
     import torch
@@ -34,8 +33,7 @@ def build_model(ckpt: Any, ops: Any, dtype: torch.dtype, quant: QuantMethod | st
     Q4_1 / Q8_0 matrices as blocks)."""
     mc = ckpt.model_config
     if isinstance(quant, str):
-        quant = get_quant_method(QuantConfig(method=quant,
-                                             checkpoint_config=mc.quantization_config))
+        quant = get_quant_method(quant_config(quant, checkpoint_config=mc.quantization_config))
     model = get_model_class(mc.architecture)(mc, ops, dtype, max_positions=max_positions,
                                              quant=quant)
     model.load_weights(ckpt.weights(keep_quantized=quant.keeps_quantized))

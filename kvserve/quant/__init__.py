@@ -20,8 +20,10 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
+from kvserve.config import QuantConfig
+
 if TYPE_CHECKING:
-    from kvserve.config import QuantConfig
+    from kvserve.config import EngineConfig
     from kvserve.quant.base import QuantMethod
 
 _METHODS: dict[str, str] = {
@@ -47,8 +49,31 @@ def get_quant_method_class(name: str) -> type[QuantMethod]:
     return getattr(importlib.import_module(mod), cls)
 
 
+def quant_config(method: str = "none", group_size: int | None = None,
+                 checkpoint_config: tuple[tuple[str, Any], ...] | None = None) -> QuantConfig:
+    """A QuantConfig checked by its method (ValueError naming the method or the knob), with
+    the method's default group size filled in."""
+    cls = get_quant_method_class(method)
+    if group_size is None:
+        group_size = cls.default_group_size
+    config = QuantConfig(method, group_size, checkpoint_config)
+    cls.check_quant_config(config)
+    return config
+
+
+def check_engine_config(config: EngineConfig) -> EngineConfig:
+    """The engine config's quantization checked by its method (the model file, dtype and layer
+    widths it needs); returns the config."""
+    cls = get_quant_method_class(config.quant.method)
+    cls.check_quant_config(config.quant)
+    cls.validate(config)
+    return config
+
+
 def get_quant_method(config: QuantConfig) -> QuantMethod:
-    return get_quant_method_class(config.method)(config)
+    cls = get_quant_method_class(config.method)
+    cls.check_quant_config(config)
+    return cls(config)
 
 
 def detect_quantization(model_path: str, device: str, dtype: str, ops_backend: str,

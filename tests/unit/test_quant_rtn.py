@@ -18,6 +18,7 @@ from kvserve.layers.linear import Linear
 from kvserve.models import build_model
 from kvserve.ops import get_ops
 from kvserve.ops.reference import ReferenceOps
+from kvserve.quant import get_quant_method, quant_config
 from kvserve.quant.gguf import Q4_1, Q8_0, qlinear_reference
 from kvserve.quant.rtn import (
     RTNLinearMethod,
@@ -93,9 +94,12 @@ def test_linear_equals_its_dequantize_then_int8_matmul_oracle(bits: int, group: 
 
 def test_group_sizes_and_dtypes_are_checked() -> None:
     with pytest.raises(ValueError, match="needs group_size in 32, 64, 128, got 96"):
-        QuantConfig(method="int4", group_size=96)
+        quant_config("int4", 96)
     with pytest.raises(ValueError, match="'int8' takes no group_size"):
-        QuantConfig(method="int8", group_size=32)
+        quant_config("int8", 32)
+    with pytest.raises(ValueError, match="needs group_size in 32, 64, 128, got 96"):
+        get_quant_method(QuantConfig("int4", 96))  # unchecked configs are checked on use
+    assert quant_config("int4").group_size == 32  # the default
 
 
 @pytest.mark.parametrize("method, max_kl", [("int8", 0.02), ("int4", 0.01)])

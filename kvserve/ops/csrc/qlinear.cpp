@@ -24,7 +24,6 @@
 #include <omp.h>
 
 #include <algorithm>
-#include <cstring>
 
 #include "kernels.h"
 #include "simd.h"
@@ -40,20 +39,6 @@ constexpr int64_t kGroup = 16;
 // streaming 84-142 MB at M = 1: 8 KB draws ~45 GB/s against ~34 with none or 4 KB; still a
 // quarter of a 32 KB L1, which holds the group being read for the row tiles after the first.
 constexpr int64_t kPrefetchBytes = 8192;
-
-inline __m256i bcast4(const int8_t* p) {  // the 4 activation bytes at p, in every lane
-  int32_t v;
-  std::memcpy(&v, p, 4);
-  return _mm256_set1_epi32(v);
-}
-
-inline __m256i load256(const uint8_t* p) {
-  return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-}
-
-inline __m256 load_halves8(const uint8_t* p) {  // 8 fp16 -> fp32, exact
-  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-}
 
 // Format policies. dot<MT>(rec, x, isum): isum[m][h] = int32 lane r = sum over the block of
 // row (8h + r)'s quants times x[m][0..31] (x[m] = activation row m at the block's start).

@@ -23,7 +23,6 @@
 // records are re-read from cache for every MT rows after the first tile.
 #include <omp.h>
 
-#include <cstring>
 
 #include "kernels.h"
 #include "kquant.h"
@@ -49,20 +48,6 @@ using kq::kQK;
 
 // How far ahead of the record being read its stream is prefetched (as qlinear.cpp).
 constexpr int64_t kPrefetchBytes = 8192;
-
-inline __m256i bcast4(const int8_t* p) {  // the 4 activation bytes at p, in every lane
-  int32_t v;
-  std::memcpy(&v, p, 4);
-  return _mm256_set1_epi32(v);
-}
-
-inline __m256i load256(const uint8_t* p) {
-  return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-}
-
-inline __m256 load_halves8(const uint8_t* p) {  // 8 fp16 -> fp32, exact
-  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-}
 
 // 16 per-row bytes (rows 0..15) -> int32 lanes of rows 8h .. 8h + 7, zero- or sign-extended.
 inline __m256i widen_u8(__m128i b, int h) {

@@ -5,6 +5,7 @@
 
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
@@ -63,6 +64,21 @@ inline __m256 reduce8(const __m256* v) {
   __m256 lo = _mm256_permute2f128_ps(abcd, efgh, 0x20);
   __m256 hi = _mm256_permute2f128_ps(abcd, efgh, 0x31);
   return _mm256_add_ps(lo, hi);
+}
+
+// Loads the int8-activation kernels (qlinear.cpp, qlinear_kquant.cpp) share.
+inline __m256i bcast4(const int8_t* p) {  // the 4 activation bytes at p, in every lane
+  int32_t v;
+  std::memcpy(&v, p, 4);
+  return _mm256_set1_epi32(v);
+}
+
+inline __m256i load256(const uint8_t* p) {
+  return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+}
+
+inline __m256 load_halves8(const uint8_t* p) {  // 8 fp16 -> fp32, exact
+  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
 }
 
 // exp(x) for fp32 lanes: x = n ln2 + r with |r| <= ln2/2, exp(r) by its Taylor series to

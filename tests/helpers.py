@@ -142,3 +142,19 @@ class PagedSequence:
         hidden = self.model(inp, self.kv)
         logits = self.model.compute_logits(hidden)
         return [logits[qsl[b]:qsl[b + 1]] for b in range(len(order))]
+
+
+def paged_model_input(tables: torch.Tensor, block_size: int, seq_lens: list[int],
+                      q_lens: list[int]) -> ModelInput:
+    """A varlen step over block tables [B, blocks]: request b feeds the last q_lens[b] of its
+    seq_lens[b] tokens (slots from its table), every position producing logits."""
+    pos = [p for s, q in zip(seq_lens, q_lens) for p in range(s - q, s)]
+    rows = [b for b, q in enumerate(q_lens) for _ in range(q)]
+    slots = [int(tables[b, p // block_size]) * block_size + p % block_size
+             for b, p in zip(rows, pos)]
+    qsl = torch.tensor([0] + torch.tensor(q_lens).cumsum(0).tolist(), dtype=torch.int32)
+    return ModelInput(input_ids=torch.zeros(len(pos), dtype=torch.int64),
+                      positions=torch.tensor(pos), slot_mapping=torch.tensor(slots),
+                      block_tables=tables, seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
+                      query_start_loc=qsl, logits_indices=torch.arange(len(pos)),
+                      max_query_len=max(q_lens), max_seq_len=max(seq_lens))

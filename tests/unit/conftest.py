@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from kvserve.ops.cpu import CpuOps, cpu_has_avx2_fma
+from kvserve.ops.cpu import ISAS, CpuOps, cpu_has_avx2_fma
 
 
 @pytest.fixture(scope="module")
@@ -13,3 +13,15 @@ def ops() -> CpuOps:
     o = CpuOps()
     assert o.uses_kernels == cpu_has_avx2_fma()
     return o
+
+
+@pytest.fixture(scope="module", params=ISAS)
+def qlinear_ops(request: pytest.FixtureRequest) -> CpuOps:
+    """CpuOps whose int8-activation kernels (qlinear, qlinear_kquant) are the AVX-512 VNNI
+    ones, or the AVX2 ones; skipped where this CPU has neither that ISA nor VNNI."""
+    if not cpu_has_avx2_fma():
+        pytest.skip("needs an AVX2+FMA CPU")
+    ops = CpuOps(isa=request.param) if request.param == "avx2" else CpuOps()
+    if request.param == "avx512" and not ops._vnni:
+        pytest.skip("needs an AVX-512 VNNI CPU")
+    return ops

@@ -14,7 +14,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kvserve.ops.cpu import ISAS, CpuOps, cpu_has_avx2_fma
+from kvserve.ops.cpu import CpuOps, cpu_has_avx2_fma
 from kvserve.ops.reference import ReferenceOps
 from kvserve.quant.ggml_kquants import (
     KQUANT_BYTES,
@@ -158,20 +158,9 @@ def test_q8_k_activations_refuse_bad_input() -> None:
 # --- the kernels, bit for bit ---
 
 
-@pytest.fixture(scope="module", params=ISAS)
-def kq_ops(request: pytest.FixtureRequest) -> CpuOps:
-    """CpuOps whose qlinear_kquant runs the AVX-512 VNNI kernel, or the AVX2 one."""
-    if not cpu_has_avx2_fma():
-        pytest.skip("needs an AVX2+FMA CPU")
-    ops = CpuOps(isa=request.param) if request.param == "avx2" else CpuOps()
-    if request.param == "avx512" and not ops._vnni:
-        pytest.skip("needs an AVX-512 VNNI CPU")
-    return ops
-
-
 @pytest.mark.parametrize("qtype", KQ, ids=NAMES.get)
 @pytest.mark.parametrize("n,k", [(16, 256), (37, 768), (8, 512), (300, 2048)])
-def test_kernel_equals_oracle_bit_for_bit(kq_ops: CpuOps, qtype: int, n: int, k: int) -> None:
+def test_kernel_equals_oracle_bit_for_bit(qlinear_ops: CpuOps, qtype: int, n: int, k: int) -> None:
     packed = pack_kquant(random_blocks(qtype, n, k, seed=n + k), qtype, k)
     raw = unpack(packed, qtype, n)
     bias = torch.randn(n)
@@ -180,15 +169,15 @@ def test_kernel_equals_oracle_bit_for_bit(kq_ops: CpuOps, qtype: int, n: int, k:
     for m in (1, 2, 3, 4, 5, 7, 8, 9, 13, 300):
         x = torch.randn(m, k, generator=g) * 2
         expect = dot_kquant(raw, qtype, quantize_activations_q8_k(x))
-        assert torch.equal(kq_ops.qlinear_kquant(x, packed, n, wtype=qtype), expect), m
-        with_bias = kq_ops.qlinear_kquant(x, packed, n, bias, wtype=qtype)
+        assert torch.equal(qlinear_ops.qlinear_kquant(x, packed, n, wtype=qtype), expect), m
+        with_bias = qlinear_ops.qlinear_kquant(x, packed, n, bias, wtype=qtype)
         assert torch.equal(with_bias, expect + bias), m
         assert torch.equal(with_bias, ReferenceOps.qlinear_kquant(x, packed, n, bias,
                                                                   wtype=qtype)), m
 
 
 @pytest.mark.parametrize("qtype", KQ, ids=NAMES.get)
-def test_kernel_at_the_integer_bounds(kq_ops: CpuOps, qtype: int) -> None:
+def test_kernel_at_the_integer_bounds(qlinear_ops: CpuOps, qtype: int) -> None:
     """Every quant at its largest (Q4_K 15, Q6_K 31 or -32) and every activation at +-127:
     the AVX2 kernel's int16 partial sums at their limits (30480 and 32004) and Q4_K's scales
     and mins at 63."""
@@ -208,7 +197,7 @@ def test_kernel_at_the_integer_bounds(kq_ops: CpuOps, qtype: int) -> None:
     signs = torch.tensor([1.0, -1.0]).repeat(k // 2)
     for x in (torch.ones(3, k), -torch.ones(3, k), torch.ones(3, k) * signs):
         expect = dot_kquant(raw, qtype, quantize_activations_q8_k(x))
-        assert torch.equal(kq_ops.qlinear_kquant(x, packed, n, wtype=qtype), expect)
+        assert torch.equal(qlinear_ops.qlinear_kquant(x, packed, n, wtype=qtype), expect)
 
 
 @needs_kernels

@@ -33,6 +33,7 @@ from kvserve.ops.cpu import CpuOps
 from kvserve.ops.reference import ReferenceOps, dequantize_kv, quantize_kv
 from kvserve.ops.torch_ops import TorchOps
 from tests.helpers import assert_close_exact_dtype as close
+from tests.helpers import paged_model_input
 from tests.unit.test_attention_cpu import ATTN_CASES, attention_on_threads, make_batch
 
 REF = ReferenceOps()
@@ -300,7 +301,6 @@ def test_fused_stack_equals_per_op_layers_on_quantized_cache(isa_ops: CpuOps,
     from kvserve.config import ModelConfig
     from kvserve.layers.rotary import rope_cos_sin
     from kvserve.models.llama import LlamaDecoderLayer
-    from kvserve.outputs import ModelInput
 
     plain = CpuOps(isa=isa_ops.isa, fuse_layers=False)
     cfg = ModelConfig(architecture="LlamaForCausalLM", vocab_size=256, hidden_size=64,
@@ -322,20 +322,9 @@ def test_fused_stack_equals_per_op_layers_on_quantized_cache(isa_ops: CpuOps,
     caches = [QuantizedKVCache(torch.zeros(shape, dtype=DATA_DTYPE[kind]),
                                torch.zeros(shape[:-1])) for _ in range(2)]
 
-    def model_input(seq_lens: list[int], q_lens: list[int]) -> ModelInput:
-        pos = [p for s, q in zip(seq_lens, q_lens) for p in range(s - q, s)]
-        rows_ = [b for b, q in enumerate(q_lens) for _ in range(q)]
-        slots = [int(tables[b, p // bs]) * bs + p % bs for b, p in zip(rows_, pos)]
-        qsl = torch.tensor([0] + torch.tensor(q_lens).cumsum(0).tolist(), dtype=torch.int32)
-        return ModelInput(input_ids=torch.zeros(len(pos), dtype=torch.int64),
-                          positions=torch.tensor(pos), slot_mapping=torch.tensor(slots),
-                          block_tables=tables, seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
-                          query_start_loc=qsl, logits_indices=torch.arange(len(pos)),
-                          max_query_len=max(q_lens), max_seq_len=max(seq_lens))
-
     float_cache = torch.zeros(shape)
     for seq_lens, q_lens in (([5, 9], [5, 9]), ([6, 12], [1, 3])):
-        inp = model_input(seq_lens, q_lens)
+        inp = paged_model_input(tables, bs, seq_lens, q_lens)
         x = torch.randn(sum(q_lens), 64, generator=g)
         fused = isa_ops.fused_llama_stack(stacks[0], x, inp, caches[0], cos_sin)
         assert fused is not None  # the fused stack took the quantized cache

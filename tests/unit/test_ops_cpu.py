@@ -21,6 +21,7 @@ from kvserve.ops import get_ops
 from kvserve.ops.cpu import CpuOps, cpu_has_avx2_fma
 from kvserve.ops.reference import ReferenceOps
 from tests.helpers import assert_close_exact_dtype as close
+from tests.helpers import paged_model_input
 
 REF = ReferenceOps()
 
@@ -262,7 +263,6 @@ def test_fused_layer_equals_python_layer(dtype: torch.dtype) -> None:
     from kvserve.config import ModelConfig
     from kvserve.layers.rotary import rope_cos_sin
     from kvserve.models.llama import LlamaDecoderLayer
-    from kvserve.outputs import ModelInput
 
     fused, plain = CpuOps(fuse_layers=True), CpuOps(fuse_layers=False)
     if not fused.fuse_layers:
@@ -281,20 +281,9 @@ def test_fused_layer_equals_python_layer(dtype: torch.dtype) -> None:
     tables = torch.tensor([[3, 7, 1, 0], [10, 2, 5, 0]], dtype=torch.int32)
     caches = [torch.zeros(1, 2, 12, bs, 2, 16, dtype=dtype) for _ in layers]
 
-    def model_input(seq_lens: list[int], q_lens: list[int]) -> ModelInput:
-        pos = [p for s, q in zip(seq_lens, q_lens) for p in range(s - q, s)]
-        rows = [b for b, q in enumerate(q_lens) for _ in range(q)]
-        slots = [int(tables[b, p // bs]) * bs + p % bs for b, p in zip(rows, pos)]
-        qsl = torch.tensor([0] + torch.tensor(q_lens).cumsum(0).tolist(), dtype=torch.int32)
-        return ModelInput(input_ids=torch.zeros(len(pos), dtype=torch.int64),
-                          positions=torch.tensor(pos), slot_mapping=torch.tensor(slots),
-                          block_tables=tables, seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
-                          query_start_loc=qsl, logits_indices=torch.arange(len(pos)),
-                          max_query_len=max(q_lens), max_seq_len=max(seq_lens))
-
     # The first layer of a model gets no residual; a later one gets the stream so far.
     for seq_lens, q_lens, with_residual in (([5, 9], [5, 9], False), ([6, 12], [1, 3], True)):
-        inp = model_input(seq_lens, q_lens)
+        inp = paged_model_input(tables, bs, seq_lens, q_lens)
         x = torch.randn(sum(q_lens), 64, generator=g)
         residual = torch.randn(x.shape, generator=g) if with_residual else None
         out_f = fused.fused_llama_layer(layers[0], x, residual, inp, caches[0][0], cos_sin)

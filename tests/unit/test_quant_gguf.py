@@ -219,17 +219,6 @@ def test_activation_quantization_is_llama_cpps() -> None:
     assert torch.equal(ref[2], ref[1] * ref[3].float())
 
 
-@pytest.fixture(scope="module", params=ISAS)
-def qlinear_ops(request: pytest.FixtureRequest) -> CpuOps:
-    """CpuOps whose qlinear runs the AVX-512 VNNI kernel, or the AVX2 one."""
-    if not cpu_has_avx2_fma():
-        pytest.skip("needs an AVX2+FMA CPU")
-    ops = CpuOps(isa=request.param) if request.param == "avx2" else CpuOps()
-    if request.param == "avx512" and not ops._vnni:
-        pytest.skip("needs an AVX-512 VNNI CPU")
-    return ops
-
-
 @pytest.mark.parametrize("qtype", [Q4_1, Q8_0])
 @pytest.mark.parametrize("n,k", [(16, 32), (37, 96), (96, 576), (960, 576), (40, 1536)])
 def test_qlinear_kernel_equals_reference_bit_for_bit(qlinear_ops: CpuOps, qtype: int, n: int,

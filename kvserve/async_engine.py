@@ -315,10 +315,8 @@ class AsyncEngine:
         """
         self._check_accepting()
         self._check_queue()
-        if isinstance(prompt, str) and len(prompt) > self.max_prompt_chars:
-            raise ValueError(f"prompt has {len(prompt)} characters: more than any "
-                             f"{self.max_model_len}-token context (max_model_len) can hold "
-                             f"(at most {self.max_prompt_chars} characters)")
+        if isinstance(prompt, str):
+            self.check_text_chars(len(prompt))
         arrival = time.monotonic()
         self._adds_started += 1
         submitted = False
@@ -414,15 +412,27 @@ class AsyncEngine:
             self.engine.check_request(prompt, params)
         return prompt
 
+    def check_text_chars(self, n: int, field: str = "prompt") -> None:
+        """ValueError when n characters of text cannot fit the context, whatever they
+        tokenize to (checked before tokenizing them)."""
+        if n > self.max_prompt_chars:
+            raise ValueError(f"{field} has {n} characters: more than any {self.max_model_len}-"
+                             f"token context (max_model_len) can hold (at most "
+                             f"{self.max_prompt_chars} characters)")
+
     async def _compile_grammar(self, params: SamplingParams) -> Any:
         """The request's grammar, compiled in the grammar pool within grammar_timeout."""
         if self._grammars_pending >= self.max_pending_grammars:
             raise QueueFullError(f"{self._grammars_pending} grammars are being compiled, the "
                                  f"most this server queues; retry later")
         self._grammars_pending += 1
+        loop = asyncio.get_running_loop()
 
         def done(_f: Any) -> None:  # counts the thread's work, which outlives a timeout
-            self._loop_call(self._grammar_done)
+            try:
+                loop.call_soon_threadsafe(self._grammar_done)
+            except RuntimeError:  # the loop is closed: nobody counts any more
+                pass
 
         cf = self._grammar_pool.submit(self.engine.structured_output.compile,
                                        params.structured_outputs)  # type: ignore[arg-type]
@@ -436,16 +446,6 @@ class AsyncEngine:
 
     def _grammar_done(self) -> None:
         self._grammars_pending -= 1
-
-    def _loop_call(self, fn: Callable[..., Any], *args: Any) -> None:
-        loop = self._loop
-        if loop is None:
-            fn(*args)
-            return
-        try:
-            loop.call_soon_threadsafe(fn, *args)
-        except RuntimeError:  # the loop is closed
-            pass
 
     def _mark_done(self, request_id: str) -> None:
         self._in_flight.discard(request_id)

@@ -197,7 +197,6 @@ class GGUFLinearMethod:
             self.wtype = parts[0][1]
         else:
             self.parts = parts
-            self.fusable = False
             self.wtype = parts[0][1]
             # The parts hold the weight; the placeholder goes (it would take float memory).
             layer.weight = nn.Parameter(torch.empty(0, dtype=torch.uint8), requires_grad=False)

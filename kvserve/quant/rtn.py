@@ -143,8 +143,6 @@ class RTNLinearMethod:
         self.wtype = qtype
 
     def apply(self, layer: Any, x: torch.Tensor) -> torch.Tensor:
-        if self.wtype == F32:  # not loaded yet (a model built without weights)
-            return layer.ops.linear(x, layer.weight, layer.bias)
         return layer.ops.qlinear(x, layer.weight, layer.out_features, layer.bias,
                                  wtype=self.wtype)
 

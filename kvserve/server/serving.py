@@ -81,14 +81,14 @@ def check_common(ctx: ServingContext, req: _SamplingFields) -> None:
 
 def check_prompt_chars(ctx: ServingContext, req: Any) -> None:
     """Text clearly too long for the context is refused before it is tokenized (a 4 MiB
-    prompt takes seconds to tokenize only to be refused for length)."""
-    limit = ctx.engine.max_prompt_chars
-    n = text_chars(req)
-    if n > limit:
-        field = "messages" if hasattr(req, "messages") else "prompt"
-        raise bad_request(f"{field} has {n} characters: more than any {ctx.max_model_len}-token "
-                          f"context (max_model_len) can hold (at most {limit} characters)",
-                          field)
+    prompt takes seconds to tokenize only to be refused for length): the engine's own check,
+    here also for the text the server tokenizes itself (chat templates, add_special_tokens
+    false)."""
+    field = "messages" if hasattr(req, "messages") else "prompt"
+    try:
+        ctx.engine.check_text_chars(text_chars(req), field)
+    except ValueError as e:
+        raise bad_request(str(e), field) from None
 
 
 def text_chars(req: Any) -> int:

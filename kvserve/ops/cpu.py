@@ -49,6 +49,7 @@ from kvserve.ops.build import (
     toolchain,
 )
 from kvserve.ops.reference import ReferenceOps
+from kvserve.quant.base import KernelWeight
 from kvserve.quant.ggml_kquants import Q4_K, Q6_K
 from kvserve.quant.gguf import F32, Q4_1, Q8_0
 
@@ -81,8 +82,21 @@ SMALL_M_AVX512 = 2048
 KV_CACHE_DTYPES = (torch.float32, torch.float16, torch.int8, torch.uint8)
 # Weight formats (ggml type ids) the kernels read; the caller names the format (wtype).
 KERNEL_WTYPES = (F32, Q4_1, Q8_0)
+# Block formats (ggml type ids) the packed qlinear kernels read.
+PACKED_WTYPES = (Q4_1, Q8_0)
 # K-quant formats (ggml type ids) the packed qlinear_kquant kernels read.
 KQUANT_KERNEL_WTYPES = (Q4_K, Q6_K)
+
+
+def _kernels_read(p: KernelWeight) -> bool:
+    """Whether the fused stack's kernels read this run as it is: float32 rows, GGUF rows,
+    or packed groups of a format with a packed kernel."""
+    if not p.weight.is_contiguous():
+        return False
+    if p.weight.dim() == 3:
+        return p.weight.dtype == torch.uint8 and p.wtype in PACKED_WTYPES + KQUANT_KERNEL_WTYPES
+    return (p.weight.dtype, p.wtype) == (torch.float32, F32) or (
+        p.weight.dtype == torch.uint8 and p.wtype in KERNEL_WTYPES and p.wtype != F32)
 
 
 def cpu_has_avx2_fma() -> bool:
@@ -238,7 +252,7 @@ class CpuOps(ReferenceOps):
         x is quantized to int8 per 32 values and the kernels (csrc/qlinear*.cpp) give
         qlinear_reference's bits at any M."""
         if (self._ext is None or x.dtype != torch.float32 or x.dim() == 0
-                or wtype not in KERNEL_WTYPES
+                or wtype not in PACKED_WTYPES
                 or (bias is not None and (bias.dtype != torch.float32
                                           or not bias.is_contiguous()))):
             return super().qlinear(x, weight, n, bias, wtype=wtype)
@@ -308,20 +322,19 @@ class CpuOps(ReferenceOps):
         return self._layer_args[layer]
 
     def _fusable(self, layer: Any, cos_sin: torch.Tensor) -> Any:
-        """The fused kernel's LayerWeights (named fields, each linear's format as its
-        LinearMethod names it), or None when a piece of the layer is not float32 or GGUF
-        Q4_1 / Q8_0 blocks (half-precision weights, another quantization) or has an odd
-        head_dim."""
+        """The fused kernel's LayerWeights (named fields; each linear as its LinearMethod's
+        kernel_weights, the runs of output rows with their formats), or None when a piece of
+        the layer is not something the kernels read (half-precision weights, an act-order
+        permutation, a format without a kernel) or has an odd head_dim."""
         attn, mlp = layer.self_attn, layer.mlp
-        linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
-        tensors = [lin.weight for lin in linears if lin.weight.dtype != torch.uint8] + [
-            layer.input_layernorm.weight, layer.post_attention_layernorm.weight, cos_sin]
+        linears = {"qkv": attn.qkv_proj, "o": attn.o_proj, "gate_up": mlp.gate_up_proj,
+                   "down": mlp.down_proj}
+        runs = {name: lin.quant_method.kernel_weights(lin) for name, lin in linears.items()}
+        tensors = [layer.input_layernorm.weight, layer.post_attention_layernorm.weight, cos_sin]
         if attn.qkv_proj.bias is not None:
             tensors.append(attn.qkv_proj.bias)
-        if (any(not getattr(lin.quant_method, "fusable", False)
-                or lin.quant_method.wtype not in KERNEL_WTYPES for lin in linears)
-                or any(not lin.weight.is_contiguous() for lin in linears)
-                or any(lin.bias is not None for lin in linears[1:])
+        if (any(r is None or not all(map(_kernels_read, r)) for r in runs.values())
+                or any(linears[n].bias is not None for n in ("o", "gate_up", "down"))
                 or any(t.dtype != torch.float32 or not t.is_contiguous() for t in tensors)
                 or attn.head_dim % 8 != 0
                 or layer.input_layernorm.eps != layer.post_attention_layernorm.eps):
@@ -329,11 +342,10 @@ class CpuOps(ReferenceOps):
         w = self._ext.LayerWeights()
         w.in_norm, w.post_norm = layer.input_layernorm.weight, layer.post_attention_layernorm.weight
         w.eps = layer.input_layernorm.eps
-        w.qkv, w.qkv_bias, w.qkv_wtype = (attn.qkv_proj.weight, attn.qkv_proj.bias,
-                                          attn.qkv_proj.quant_method.wtype)
-        w.o, w.o_wtype = attn.o_proj.weight, attn.o_proj.quant_method.wtype
-        w.gate_up, w.gate_up_wtype = mlp.gate_up_proj.weight, mlp.gate_up_proj.quant_method.wtype
-        w.down, w.down_wtype = mlp.down_proj.weight, mlp.down_proj.quant_method.wtype
+        for name, r in runs.items():
+            setattr(w, name, self._ext.LinearWeights([p.weight for p in r], [p.wtype for p in r],
+                                                     [p.rows for p in r]))
+        w.qkv_bias = attn.qkv_proj.bias
         w.heads, w.kv_heads, w.head_dim, w.scale = (attn.num_heads, attn.num_kv_heads,
                                                     attn.head_dim, attn.scale)
         return w

@@ -9,6 +9,8 @@
                 load_shard                one checkpoint tensor into one output shard
                 process_weights_after_loading   repack once every shard is in
                 apply                     y = x W^T + b in the method's arithmetic
+                kernel_weights            the weight as the CPU kernels read it (KernelWeight
+                                          runs), for the fused layer stack; None if they cannot
 
 The model file builds its Linear layers with `quant.linear_method(prefix)` and never names a
 format; a checkpoint tensor it cannot place as stored (an embedding, a norm) it turns into
@@ -17,7 +19,7 @@ floats with `dense`, whatever the format.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, ClassVar, Protocol
+from typing import TYPE_CHECKING, Any, ClassVar, NamedTuple, Protocol
 
 import torch
 from torch import nn
@@ -47,16 +49,21 @@ def dense(tensor: torch.Tensor | QuantizedTensor) -> torch.Tensor:
     return tensor.dequantize() if is_quantized(tensor) else tensor  # type: ignore[return-value]
 
 
-class LinearMethod(Protocol):
-    """How one Linear layer stores and applies its weight (vLLM's LinearMethodBase).
+class KernelWeight(NamedTuple):
+    """Output rows [start, start + rows) of a linear's weight in one format, as the kernels
+    read it: float rows [rows, K] (wtype 0), GGUF rows [rows, row bytes] (ops.linear), or
+    16-row groups [groups, K / block, record bytes] (3-D: ops.qlinear, or ops.qlinear_kquant
+    for a K-quant). wtype is a ggml type id: the kernels are told the format rather than
+    guess it from a row length."""
 
-    fusable: the CPU backend's fused layer stack may read layer.weight directly (float32
-    rows, or GGUF blocks in the formats its kernels know). wtype: the format layer.weight
-    holds once loaded, as a ggml type id (0: float rows), which the kernels are told rather
-    than guess from a row length."""
-
-    fusable: bool
+    weight: torch.Tensor
     wtype: int
+    start: int
+    rows: int
+
+
+class LinearMethod(Protocol):
+    """How one Linear layer stores and applies its weight (vLLM's LinearMethodBase)."""
 
     def checkpoint_names(self, layer: Linear) -> tuple[str, ...]:
         """The tensors each output shard needs from a checkpoint ("weight", "bias"; a GPTQ
@@ -71,6 +78,13 @@ class LinearMethod(Protocol):
     def process_weights_after_loading(self, layer: Linear) -> None: ...
 
     def apply(self, layer: Linear, x: torch.Tensor) -> torch.Tensor: ...
+
+    def kernel_weights(self, layer: Linear) -> list[KernelWeight] | None:
+        """The loaded weight as runs of output rows in one format each, in order (one run
+        unless a fused projection mixes formats, as a Q4_K_M file's qkv does), which the CPU
+        backend's fused layer stack reads directly; None when apply does more than that (an
+        input permutation) and the layer must run in Python."""
+        ...
 
 
 def dense_names(layer: Linear) -> tuple[str, ...]:
@@ -99,9 +113,6 @@ class UnquantizedLinearMethod:
     """Dense weights in nn.Linear's [out, in] layout, which both the small-M kernels and
     MKL's large-M GEMM read row-contiguously. A quantized checkpoint tensor is dequantized."""
 
-    fusable = True
-    wtype = 0  # float rows
-
     def checkpoint_names(self, layer: Linear) -> tuple[str, ...]:
         return dense_names(layer)
 
@@ -118,6 +129,9 @@ class UnquantizedLinearMethod:
 
     def apply(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
         return layer.ops.linear(x, layer.weight, layer.bias)
+
+    def kernel_weights(self, layer: Linear) -> list[KernelWeight] | None:
+        return [KernelWeight(layer.weight, 0, 0, layer.out_features)]
 
 
 class QuantMethod:

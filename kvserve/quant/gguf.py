@@ -33,6 +33,7 @@ import torch
 from torch import nn
 
 from kvserve.quant.base import (
+    KernelWeight,
     LinearMethod,
     QuantizedTensor,
     QuantMethod,
@@ -65,6 +66,8 @@ KQUANT_TYPES = (Q4_K, Q6_K)
 QK_K = 256
 # What the loader hands over as stored (GGUFWeight) when the method keeps blocks.
 KEPT_TYPES = tuple(BLOCK_BYTES) + KQUANT_TYPES
+# The formats ops.linear's row kernels (gguf_exact) read as stored.
+ROW_TYPES = (Q4_1, Q8_0)
 
 
 def block_weights(qtype: int) -> int:
@@ -81,7 +84,7 @@ class GGUFWeight(NamedTuple):
     k: int
 
     def dequantize(self) -> torch.Tensor:
-        if self.qtype in BLOCK_BYTES:
+        if self.qtype in ROW_TYPES:
             return dequantize(self.data, self.qtype, self.k)
         from kvserve.quant.ggml_blocks import dequantize as dequantize_any_type
 
@@ -108,29 +111,21 @@ class GGUFLinearMethod:
     """A Linear whose checkpoint tensors may arrive as GGUFWeight blocks.
 
     Each output shard (q/k/v of a fused qkv, gate/up) is loaded on its own; once all have
-    arrived, shards of one kernel format are concatenated row-wise into a uint8 weight
-    (rows of blocks stack like rows of floats). Anything else — a float tensor, a format
-    without a kernel, K not a multiple of the block — ends up dequantized into the usual float
-    weight.
+    arrived, the shards are kept in runs of one format each (`parts`): a run's shards are
+    concatenated row-wise (rows of blocks stack like rows of floats) and, for int8 activations,
+    repacked into 16-row groups (`pack`; K-quants `pack_kquant`). One run is the usual case; a
+    Q4_K_M file mixes types inside one fused layer (q and k Q4_K, v Q6_K), and then the runs'
+    outputs are concatenated. Anything else (a float tensor, a format without a kernel, K not
+    a multiple of the block) ends up dequantized into the usual float weight.
 
-    int8_activations: the concatenated blocks are repacked (`pack`) into a 3-D weight that
-    `ops.qlinear` multiplies by int8-quantized activations; otherwise they stay as stored
-    (2-D) and `ops.linear` dequantizes them in registers.
-
-    K-quants (Q4_K, Q6_K; int8_activations only) run through `ops.qlinear_kquant`. A Q4_K_M
-    file mixes them inside one fused layer (q and k Q4_K, v Q6_K): then each run of shards of
-    one type is packed on its own (`parts`) and the outputs are concatenated; such a layer is
-    not fused into the C++ layer stack."""
-
-    fusable = True  # the fused layer stack reads float32 rows and both block layouts
+    int8_activations: runs go to `ops.qlinear` / `ops.qlinear_kquant` (llama.cpp's
+    arithmetic); otherwise Q4_1 / Q8_0 rows stay as stored and `ops.linear` dequantizes them
+    in registers."""
 
     def __init__(self, int8_activations: bool = True) -> None:
         self.int8_activations = int8_activations
         self.shards: dict[int, GGUFWeight] = {}
-        # The format layer.weight holds, for the kernels: F32 until blocks are kept.
-        self.wtype = F32
-        # Several formats in one layer: (packed weight, wtype, first row, rows) per run.
-        self.parts: list[tuple[torch.Tensor, int, int, int]] = []
+        self.parts: list[KernelWeight] = []  # set once loaded
 
     def checkpoint_names(self, layer: Any) -> tuple[str, ...]:
         return dense_names(layer)
@@ -155,67 +150,73 @@ class GGUFLinearMethod:
                              f"not fit shard {shard} of shape {(size, layer.in_features)}")
         self.shards[shard] = tensor
 
+    def _kept(self, qtype: int, k: int) -> bool:
+        """Whether a matrix of this format and width runs on the kernels as stored."""
+        if not self.int8_activations:
+            return qtype in ROW_TYPES and k % BLOCK == 0
+        if qtype in KQUANT_TYPES:
+            return k % QK_K == 0
+        return qtype in PACKED_BYTES and k % BLOCK == 0
+
     def process_weights_after_loading(self, layer: Any) -> None:
         shards = [self.shards.get(i) for i in range(len(layer.shard_sizes))]
         self.shards = {}
         k = layer.in_features
-        if (self.int8_activations and all(s is not None for s in shards)
-                and all(s.qtype in KQUANT_TYPES for s in shards) and k % QK_K == 0):
-            self._pack_kquants(layer, shards)  # type: ignore[arg-type]
+        if not all(s is not None and self._kept(s.qtype, k) for s in shards):
+            start = 0
+            for i, s in enumerate(shards):
+                size = layer.shard_sizes[i]
+                if s is not None:
+                    layer.weight.data[start:start + size].copy_(s.dequantize())
+                start += size
+            self.parts = [KernelWeight(layer.weight, F32, 0, layer.out_features)]
             return
-        if all(s is not None for s in shards) and len({s.qtype for s in shards}) == 1 \
-                and shards[0].qtype in BLOCK_BYTES and layer.in_features % BLOCK == 0:
-            data = torch.cat([s.data for s in shards]).contiguous()
-            if self.int8_activations:
-                data = pack(data, shards[0].qtype, layer.in_features)
-            layer.weight = nn.Parameter(data, requires_grad=False)
-            self.wtype = shards[0].qtype
-            return
-        start = 0
-        for i, s in enumerate(shards):
-            size = layer.shard_sizes[i]
-            if s is not None:
-                layer.weight.data[start:start + size].copy_(s.dequantize())
-            start += size
-
-    def _pack_kquants(self, layer: Any, shards: list[GGUFWeight]) -> None:
-        from kvserve.quant.kquant_pack import pack_kquant
-
         runs: list[tuple[int, int, list[GGUFWeight]]] = []  # (qtype, first row, shards)
         row = 0
         for s in shards:
+            assert s is not None
             if runs and runs[-1][0] == s.qtype:
                 runs[-1][2].append(s)
             else:
                 runs.append((s.qtype, row, [s]))
             row += s.data.shape[0]
-        parts = [(pack_kquant(torch.cat([s.data for s in ss]).contiguous(), qtype,
-                              layer.in_features), qtype, start, sum(s.data.shape[0] for s in ss))
-                 for qtype, start, ss in runs]
-        if len(parts) == 1:
-            layer.weight = nn.Parameter(parts[0][0], requires_grad=False)
-            self.wtype = parts[0][1]
-        else:
-            self.parts = parts
-            self.wtype = parts[0][1]
-            # The parts hold the weight; the placeholder goes (it would take float memory).
-            layer.weight = nn.Parameter(torch.empty(0, dtype=torch.uint8), requires_grad=False)
-        # Only the qlinear kernels read K-quants: the fused stack takes F32 / Q4_1 / Q8_0.
-        self.fusable = False
+        self.parts = [KernelWeight(self._repack(torch.cat([s.data for s in ss]).contiguous(),
+                                                qtype, k),
+                                   qtype, start, sum(s.data.shape[0] for s in ss))
+                      for qtype, start, ss in runs]
+        # One run: it is the weight. Several: the parts hold it, and the float placeholder
+        # goes (it would take memory).
+        layer.weight = nn.Parameter(self.parts[0].weight if len(self.parts) == 1
+                                    else torch.empty(0, dtype=torch.uint8), requires_grad=False)
+
+    def _repack(self, data: torch.Tensor, qtype: int, k: int) -> torch.Tensor:
+        if qtype in KQUANT_TYPES:
+            from kvserve.quant.kquant_pack import pack_kquant
+
+            return pack_kquant(data, qtype, k)
+        return pack(data, qtype, k) if self.int8_activations else data
 
     def apply(self, layer: Any, x: torch.Tensor) -> torch.Tensor:
-        if self.parts:
-            bias = layer.bias
-            return torch.cat([layer.ops.qlinear_kquant(
-                x, w, rows, None if bias is None else bias[start:start + rows], wtype=wtype)
-                for w, wtype, start, rows in self.parts], dim=-1)
-        if self.wtype in KQUANT_TYPES:
-            return layer.ops.qlinear_kquant(x, layer.weight, layer.out_features, layer.bias,
-                                            wtype=self.wtype)
-        if layer.weight.dim() == 3:
-            return layer.ops.qlinear(x, layer.weight, layer.out_features, layer.bias,
-                                     wtype=self.wtype)
-        return layer.ops.linear(x, layer.weight, layer.bias, wtype=self.wtype)
+        return apply_kernel_weights(layer.ops, x, self.parts, layer.bias)
+
+    def kernel_weights(self, layer: Any) -> list[KernelWeight] | None:
+        return self.parts
+
+
+def apply_kernel_weights(ops: Any, x: torch.Tensor, parts: list[KernelWeight],
+                         bias: torch.Tensor | None) -> torch.Tensor:
+    """x times a weight held as KernelWeight runs, each on the kernel for its format, the
+    runs' outputs side by side: what the fused layer stack computes for such a linear."""
+    outs = []
+    for p in parts:
+        b = bias if bias is None or len(parts) == 1 else bias[p.start:p.start + p.rows]
+        if p.wtype in KQUANT_TYPES:
+            outs.append(ops.qlinear_kquant(x, p.weight, p.rows, b, wtype=p.wtype))
+        elif p.weight.dim() == 3:
+            outs.append(ops.qlinear(x, p.weight, p.rows, b, wtype=p.wtype))
+        else:
+            outs.append(ops.linear(x, p.weight, b, wtype=p.wtype))
+    return outs[0] if len(outs) == 1 else torch.cat(outs, dim=-1)
 
 
 class GGUFQuantMethod(QuantMethod):

@@ -33,6 +33,7 @@ import torch
 from torch import nn
 
 from kvserve.quant.base import (
+    KernelWeight,
     LinearMethod,
     QuantizedTensor,
     QuantMethod,
@@ -95,7 +96,6 @@ class Int4CheckpointLinearMethod:
         self.parts: dict[int, dict[str, torch.Tensor]] = {}
         self.perm: torch.Tensor | None = None  # act-order: x's inputs in group order
         self.wtype = F32
-        self.fusable = True
 
     def checkpoint_names(self, layer: Any) -> tuple[str, ...]:
         return ("qweight", "qzeros", "scales") + (("bias",) if layer.bias is not None else ())
@@ -141,7 +141,6 @@ class Int4CheckpointLinearMethod:
                                  f"exactly {g} inputs")
             q = q[:, perm]
             self.perm = perm
-            self.fusable = False
         if self.bits == 4:
             blocks, self.wtype = int4_to_q4_1(q.to(torch.uint8), s, -s * z, g), Q4_1
         else:
@@ -189,6 +188,11 @@ class Int4CheckpointLinearMethod:
             x = x.index_select(-1, self.perm)
         return layer.ops.qlinear(x, layer.weight, layer.out_features, layer.bias,
                                  wtype=self.wtype)
+
+    def kernel_weights(self, layer: Any) -> list[KernelWeight] | None:
+        # The fused stack cannot gather an act-order layer's inputs.
+        return (None if self.perm is not None
+                else [KernelWeight(layer.weight, self.wtype, 0, layer.out_features)])
 
 
 class _Int4CheckpointMethod(QuantMethod):

@@ -26,6 +26,7 @@ import torch
 from torch import nn
 
 from kvserve.quant.base import (
+    KernelWeight,
     LinearMethod,
     QuantizedTensor,
     QuantMethod,
@@ -108,8 +109,6 @@ class RTNLinearMethod:
     """A Linear whose float weight is quantized once loaded (process_weights_after_loading)
     into GGUF blocks and packed for the int8-activation kernels (ops.qlinear)."""
 
-    fusable = True
-
     def __init__(self, bits: int, group_size: int | None) -> None:
         self.bits = bits
         self.group_size = group_size
@@ -145,6 +144,9 @@ class RTNLinearMethod:
     def apply(self, layer: Any, x: torch.Tensor) -> torch.Tensor:
         return layer.ops.qlinear(x, layer.weight, layer.out_features, layer.bias,
                                  wtype=self.wtype)
+
+    def kernel_weights(self, layer: Any) -> list[KernelWeight] | None:
+        return [KernelWeight(layer.weight, self.wtype, 0, layer.out_features)]
 
 
 class _RTNQuantMethod(QuantMethod):

@@ -7,12 +7,14 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
 import torch
 from gguf import GGMLQuantizationType as Q
 
 from kvserve.loader import load_checkpoint
 from kvserve.models import build_model
 from kvserve.ops import get_ops
+from kvserve.ops.cpu import CpuOps
 from kvserve.ops.reference import ReferenceOps
 from kvserve.quant.gguf import Q4_K, Q6_K, GGUFLinearMethod
 from tests.helpers import PagedSequence
@@ -20,6 +22,10 @@ from tests.unit.test_loader import write_gguf
 
 Q4_K_M = {"attn_q": Q.Q4_K, "attn_k": Q.Q4_K, "attn_v": Q.Q6_K, "attn_output": Q.Q4_K,
           "ffn_gate": Q.Q4_K, "ffn_up": Q.Q4_K, "ffn_down": Q.Q6_K}
+
+
+def _wtypes(lin: torch.nn.Module) -> list[int]:
+    return [p.wtype for p in lin.quant_method.kernel_weights(lin)]
 
 
 def test_q4_k_m_runs_packed_and_near_the_float_model(tmp_path: Path) -> None:
@@ -38,12 +44,11 @@ def test_q4_k_m_runs_packed_and_near_the_float_model(tmp_path: Path) -> None:
         kv = layer.self_attn.kv_size
         assert [(wt, start, rows) for _w, wt, start, rows in qkv.parts] == [
             (Q4_K, 0, q_rows + kv), (Q6_K, q_rows + kv, kv)]
-        assert not qkv.fusable
-        assert layer.mlp.gate_up_proj.quant_method.wtype == Q4_K
+        assert _wtypes(layer.mlp.gate_up_proj) == [Q4_K]
         assert layer.mlp.gate_up_proj.weight.dim() == 3  # packed 16-row groups
-        assert layer.mlp.down_proj.quant_method.wtype == Q6_K
-        assert layer.self_attn.o_proj.quant_method.wtype == Q4_K
-    assert packed.lm_head.quant_method.wtype == Q6_K
+        assert _wtypes(layer.mlp.down_proj) == [Q6_K]
+        assert _wtypes(layer.self_attn.o_proj) == [Q4_K]
+    assert _wtypes(packed.lm_head) == [Q6_K]
     # Each packed linear: the K-quant oracle's bits, within ~1% of the float linear on the
     # same blocks dequantized (what Q8_K activations cost; measured 0.5-1%).
     g = torch.Generator().manual_seed(0)
@@ -53,8 +58,7 @@ def test_q4_k_m_runs_packed_and_near_the_float_model(tmp_path: Path) -> None:
         x = torch.randn(4, ours.in_features, generator=g)
         y, want = ours(x), ref(x)
         assert (y - want).abs().max() < 0.02 * want.abs().max(), name
-        qm = ours.quant_method
-        parts = qm.parts or [(ours.weight, qm.wtype, 0, ours.out_features)]
+        parts = ours.quant_method.kernel_weights(ours)
         oracle = torch.cat([ReferenceOps.qlinear_kquant(x, w, rows, wtype=wt)
                             for w, wt, _start, rows in parts], dim=-1)
         assert torch.equal(y, oracle), name
@@ -66,3 +70,35 @@ def test_q4_k_m_runs_packed_and_near_the_float_model(tmp_path: Path) -> None:
         logits.append(runner.forward({runner.new_seq(): prompt})[0])
     err = (logits[0] - logits[1]).abs().max() / logits[1].abs().max()
     assert 0 < err < 0.12, err
+
+
+@pytest.mark.parametrize("bias", [False, True], ids=["no_bias", "qkv_bias"])
+def test_fused_stack_runs_mixed_k_quant_layers_as_the_python_layers_do(
+        qlinear_ops: CpuOps, tmp_path: Path, bias: bool) -> None:
+    """The fused C++ stack takes a Q4_K_M layer (its qkv two runs, Q4_K then Q6_K) and gives
+    the Python layers' logits bit for bit on the same kernels: a prefill of two sequences
+    (M > 1: each run's rows go into place through the scratch), then decode steps of one
+    (M = 1: straight into place); with a qkv bias (Qwen2's) split between the runs too."""
+    types = {f"blk.{i}.{t}.weight": q for i in range(2) for t, q in Q4_K_M.items()}
+    types["output.weight"] = Q.Q6_K
+    path = tmp_path / "q4km.gguf"
+    write_gguf(path, types=types)
+    ck = load_checkpoint(str(path))
+    fused_ops = CpuOps(isa=qlinear_ops.isa, fuse_layers=True)
+    plain_ops = CpuOps(isa=qlinear_ops.isa, fuse_layers=False)
+    models = [build_model(ck, o, torch.float32, "gguf") for o in (fused_ops, plain_ops)]
+    if bias:
+        g = torch.Generator().manual_seed(4)
+        for layers in zip(*(m.layers for m in models)):
+            b = torch.randn(layers[0].self_attn.qkv_proj.out_features, generator=g)
+            for la in layers:
+                la.self_attn.qkv_proj.bias = torch.nn.Parameter(b.clone(), requires_grad=False)
+    runners = [PagedSequence(m, block_size=4) for m in models]
+    seqs = [[r.new_seq(), r.new_seq()] for r in runners]
+    steps = [{0: [5, 9, 2, 7, 1, 3, 200, 11], 1: [8, 8, 3]}, {0: [4]}, {0: [6], 1: [7]}]
+    for chunks in steps:
+        outs = [r.forward({s[i]: toks for i, toks in chunks.items()})
+                for r, s in zip(runners, seqs)]
+        for a, b in zip(*outs):
+            assert torch.equal(a, b)
+    assert fused_ops._stacks and None not in fused_ops._stacks.values()  # it did fuse

@@ -143,7 +143,7 @@ def test_linear_method_stacks_shards_of_one_format() -> None:
         lin.load_shard("weight", i, GGUFWeight(p, Q4_1, 64))
     lin.process_weights_after_loading()
     assert lin.weight.dtype == torch.uint8 and torch.equal(lin.weight, torch.cat(parts))
-    assert lin.quant_method.wtype == Q4_1  # the format the kernels are told
+    assert [p.wtype for p in lin.quant_method.kernel_weights(lin)] == [Q4_1]  # told the format
     x = torch.randn(2, 64)
     ref = F.linear(x, torch.cat([dequantize(p, Q4_1, 64) for p in parts]))
     torch.testing.assert_close(lin(x), ref, rtol=1e-5, atol=1e-5)
@@ -156,7 +156,8 @@ def test_linear_method_dequantizes_mixed_formats_and_floats() -> None:
     lin.load_shard("weight", 1, GGUFWeight(q8, Q8_0, 64))
     lin.load_shard("weight", 2, f)
     lin.process_weights_after_loading()
-    assert lin.weight.dtype == torch.float32 and lin.quant_method.wtype == 0
+    assert lin.weight.dtype == torch.float32
+    assert [p.wtype for p in lin.quant_method.kernel_weights(lin)] == [0]
     assert torch.equal(lin.weight, torch.cat([dequantize(q4, Q4_1, 64),
                                               dequantize(q8, Q8_0, 64), f]))
     with pytest.raises(ValueError, match="does not fit shard 1"):
@@ -284,5 +285,5 @@ def test_linear_method_packs_for_int8_activations() -> None:
     lin.process_weights_after_loading()
     assert torch.equal(lin.weight, pack(torch.cat(parts), Q8_0, 64))
     x = torch.randn(2, 64)
-    assert lin.quant_method.wtype == Q8_0
+    assert [p.wtype for p in lin.quant_method.kernel_weights(lin)] == [Q8_0]
     assert torch.equal(lin(x), qlinear_reference(x, lin.weight, Q8_0, 16))

@@ -257,6 +257,14 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("x"), py::arg("weight"), py::arg("wtype"), py::arg("N"), py::arg("bias"),
         py::arg("avx512") = false, nogil());
   // module_local: two builds of the extension (another source hash) may share a process.
+  using LinW = LlamaStack::LinearWeights;
+  py::class_<LinW>(m, "LinearWeights", py::module_local(),
+                   "one linear's weight for LlamaStack: runs of output rows, a format each")
+      .def(py::init([](std::vector<torch::Tensor> parts, std::vector<int64_t> wtypes,
+                       std::vector<int64_t> rows) {
+             return LinW{std::move(parts), std::move(wtypes), std::move(rows)};
+           }),
+           py::arg("parts"), py::arg("wtypes"), py::arg("rows"));
   using LW = LlamaStack::LayerWeights;
   py::class_<LW>(m, "LayerWeights", py::module_local(),
                  "one decoder layer's weights and shape for LlamaStack (fields by name)")
@@ -269,10 +277,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def_readwrite("o", &LW::o)
       .def_readwrite("gate_up", &LW::gate_up)
       .def_readwrite("down", &LW::down)
-      .def_readwrite("qkv_wtype", &LW::qkv_wtype)
-      .def_readwrite("o_wtype", &LW::o_wtype)
-      .def_readwrite("gate_up_wtype", &LW::gate_up_wtype)
-      .def_readwrite("down_wtype", &LW::down_wtype)
       .def_readwrite("heads", &LW::heads)
       .def_readwrite("kv_heads", &LW::kv_heads)
       .def_readwrite("head_dim", &LW::head_dim)

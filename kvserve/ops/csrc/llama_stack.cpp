@@ -31,20 +31,36 @@ int64_t aligned(int64_t n) { return (n + 15) / 16 * 16; }
 
 }  // namespace
 
-LlamaStack::Linear LlamaStack::make_linear(const torch::Tensor& w,
-                                           const c10::optional<torch::Tensor>& b,
-                                           int64_t wtype, int64_t N, int64_t K,
-                                           const char* name) {
-  Linear l{w, b, N, K, w.dim() == 3, kvs::WType::F32};
-  TORCH_CHECK(w.defined() && w.device().is_cpu() && w.is_contiguous(), name,
-              " must be a contiguous CPU tensor");
-  if (l.packed) {
-    l.wt = checked_packed_type(w, wtype, K, N);
-  } else {
-    TORCH_CHECK(w.dim() == 2 && w.size(0) == N, name, " must have ", N, " rows, got ",
-                w.sizes());
-    l.wt = checked_weight_type(w, wtype, K);
+LlamaStack::Linear LlamaStack::make_linear(const LinearWeights& lw,
+                                           const c10::optional<torch::Tensor>& b, int64_t N,
+                                           int64_t K, const char* name) {
+  const size_t n = lw.parts.size();
+  TORCH_CHECK(n > 0 && lw.wtypes.size() == n && lw.rows.size() == n, name,
+              " needs one wtype and one row count per part, got ", n, " parts, ",
+              lw.wtypes.size(), " wtypes, ", lw.rows.size(), " row counts");
+  Linear l{{}, b, N, K};
+  int64_t start = 0;
+  for (size_t i = 0; i < n; ++i) {
+    const torch::Tensor& w = lw.parts[i];
+    const int64_t rows = lw.rows[i], wtype = lw.wtypes[i];
+    TORCH_CHECK(w.defined() && w.device().is_cpu() && w.is_contiguous() && rows > 0, name,
+                " part ", i, " must be a contiguous CPU tensor of rows > 0");
+    Part p{Part::kRows, w, 0, start, rows};
+    if (w.dim() == 3 && kvs_args::is_kquant(wtype)) {
+      p.kind = Part::kKPacked;
+      p.wtype = static_cast<int>(checked_kquant_type(w, wtype, K, rows));
+    } else if (w.dim() == 3) {
+      p.kind = Part::kPacked;
+      p.wtype = static_cast<int>(checked_packed_type(w, wtype, K, rows));
+    } else {
+      TORCH_CHECK(w.dim() == 2 && w.size(0) == rows, name, " part ", i, " must have ", rows,
+                  " rows, got ", w.sizes());
+      p.wtype = static_cast<int>(checked_weight_type(w, wtype, K));
+    }
+    l.parts.push_back(p);
+    start += rows;
   }
+  TORCH_CHECK(start == N, name, "'s parts hold ", start, " rows, the layer has ", N);
   bias_ptr(b, N);  // checks it
   return l;
 }
@@ -63,9 +79,8 @@ LlamaStack::LlamaStack(const std::vector<LayerWeights>& layers, bool avx512, int
     l.heads = t.heads;
     l.kv_heads = t.kv_heads;
     l.head_dim = t.head_dim;
-    const torch::Tensor &gate_up_w = t.gate_up, &down_w = t.down;
-    TORCH_CHECK(l.in_norm.defined() && l.post_norm.defined() && gate_up_w.defined() &&
-                    down_w.defined(),
+    TORCH_CHECK(l.in_norm.defined() && l.post_norm.defined() && !t.qkv.parts.empty() &&
+                    !t.o.parts.empty() && !t.gate_up.parts.empty() && !t.down.parts.empty(),
                 "LayerWeights needs in_norm, post_norm, qkv, o, gate_up and down");
     check_f32(l.in_norm, "input norm");
     check_f32(l.post_norm, "post-attention norm");
@@ -76,17 +91,19 @@ LlamaStack::LlamaStack(const std::vector<LayerWeights>& layers, bool avx512, int
     TORCH_CHECK(l.heads > 0 && l.kv_heads > 0 && l.heads % l.kv_heads == 0 &&
                     l.head_dim > 0 && l.head_dim % 2 == 0,
                 "heads ", l.heads, ", kv heads ", l.kv_heads, ", head_dim ", l.head_dim);
-    // The MLP width: gate_up's rows / 2, unless packed (its last group may be padded), then
-    // down's K (make_linear below rejects a width that does not fit both).
-    if (gate_up_w.dim() == 2) l.inter = gate_up_w.size(0) / 2;
-    else l.inter = down_w.dim() == 3 ? down_w.size(1) * 32 : down_w.size(1);
+    // The MLP width: gate_up's rows / 2 (make_linear below rejects a width that does not
+    // fit down's K).
+    int64_t gate_up_rows = 0;
+    for (int64_t r : t.gate_up.rows) gate_up_rows += r;
+    l.inter = gate_up_rows / 2;
     const int64_t q_size = l.heads * l.head_dim, kv_size = l.kv_heads * l.head_dim;
-    l.qkv = make_linear(t.qkv, t.qkv_bias, t.qkv_wtype, q_size + 2 * kv_size, l.hidden,
-                        "qkv_proj");
-    l.o = make_linear(t.o, c10::nullopt, t.o_wtype, l.hidden, q_size, "o_proj");
-    l.gate_up = make_linear(gate_up_w, c10::nullopt, t.gate_up_wtype, 2 * l.inter, l.hidden,
-                            "gate_up_proj");
-    l.down = make_linear(down_w, c10::nullopt, t.down_wtype, l.hidden, l.inter, "down_proj");
+    l.qkv = make_linear(t.qkv, t.qkv_bias, q_size + 2 * kv_size, l.hidden, "qkv_proj");
+    l.o = make_linear(t.o, c10::nullopt, l.hidden, q_size, "o_proj");
+    l.gate_up = make_linear(t.gate_up, c10::nullopt, 2 * l.inter, l.hidden, "gate_up_proj");
+    l.down = make_linear(t.down, c10::nullopt, l.hidden, l.inter, "down_proj");
+    for (const Linear* lin : {&l.qkv, &l.o, &l.gate_up, &l.down})
+      if (lin->parts.size() > 1)
+        for (const Part& p : lin->parts) w_part_ = std::max(w_part_, p.N);
     TORCH_CHECK(layers_.empty() || l.hidden == layers_[0].hidden, "layers disagree on hidden");
     w_qkv_ = std::max(w_qkv_, l.qkv.N);
     w_q_ = std::max(w_q_, q_size);
@@ -96,23 +113,51 @@ LlamaStack::LlamaStack(const std::vector<LayerWeights>& layers, bool avx512, int
   }
 }
 
-// CpuOps' routing: packed -> qlinear; M <= small_m -> the small-M kernel; else torch's GEMM
+// CpuOps' routing (kvserve.quant.gguf.apply_kernel_weights): packed -> qlinear, packed
+// K-quant -> qlinear_kquant; rows: M <= small_m -> the small-M kernel, else torch's GEMM
 // (CpuOps.linear's F.linear, a GGUF row weight dequantized first).
-void LlamaStack::linear(const Linear& l, const float* x, int64_t M, float* out,
+void LlamaStack::run_part(const Part& p, int64_t K, const float* x, int64_t M,
+                          const float* b, float* out, int nthreads) const {
+  const uint8_t* w = static_cast<const uint8_t*>(p.w.data_ptr());
+  switch (p.kind) {
+    case Part::kPacked:
+      quantized_linear(x, K, M, K, w, static_cast<kvs::WType>(p.wtype), b, out, p.N, vnni_,
+                       nthreads);
+      return;
+    case Part::kKPacked:
+      kquant_linear(x, K, M, K, w, static_cast<kvs::KType>(p.wtype), b, out, p.N, vnni_,
+                    nthreads);
+      return;
+    case Part::kRows:
+      break;
+  }
+  const auto wt = static_cast<kvs::WType>(p.wtype);
+  if (M <= small_m_) {
+    (avx512_ ? kvs::linear_small_m_avx512 : kvs::linear_small_m)(x, K, w, wt, b, out, M, p.N,
+                                                                   K, nthreads);
+    return;
+  }
+  // the call CpuOps.linear makes, its result copied into the scratch
+  auto xt = torch::from_blob(const_cast<float*>(x), {M, K}, torch::kFloat32);
+  c10::optional<torch::Tensor> bias;
+  if (b != nullptr) bias = torch::from_blob(const_cast<float*>(b), {p.N}, torch::kFloat32);
+  auto y = at::linear(xt, wt == kvs::WType::F32 ? p.w : dequantize_weight(p.w, p.wtype, K),
+                      bias).contiguous();
+  std::memcpy(out, y.data_ptr<float>(), sizeof(float) * M * p.N);
+}
+
+void LlamaStack::linear(const Linear& l, const float* x, int64_t M, float* out, float* tmp,
                         int nthreads) const {
   const float* b = l.bias.has_value() ? l.bias->data_ptr<float>() : nullptr;
-  if (l.packed) {
-    quantized_linear(x, l.K, M, l.K, l.w.data_ptr<uint8_t>(), l.wt, b, out, l.N, vnni_,
-                     nthreads);
-  } else if (M <= small_m_) {
-    (avx512_ ? kvs::linear_small_m_avx512 : kvs::linear_small_m)(x, l.K, l.w.data_ptr(), l.wt,
-                                                                   b, out, M, l.N, l.K, nthreads);
-  } else {  // the call CpuOps.linear makes, its result copied into the scratch
-    auto xt = torch::from_blob(const_cast<float*>(x), {M, l.K}, torch::kFloat32);
-    auto y = at::linear(xt, l.wt == kvs::WType::F32
-                                ? l.w : dequantize_weight(l.w, static_cast<int>(l.wt), l.K),
-                        l.bias).contiguous();
-    std::memcpy(out, y.data_ptr<float>(), sizeof(float) * M * l.N);
+  for (const Part& p : l.parts) {
+    const float* pb = b != nullptr ? b + p.start : nullptr;
+    if (l.parts.size() == 1 || M == 1) {  // its rows are contiguous in out
+      run_part(p, l.K, x, M, pb, out + p.start, nthreads);
+      continue;
+    }
+    run_part(p, l.K, x, M, pb, tmp, nthreads);
+    for (int64_t m = 0; m < M; ++m)
+      std::memcpy(out + m * l.N + p.start, tmp + m * p.N, sizeof(float) * p.N);
   }
 }
 
@@ -165,18 +210,19 @@ std::tuple<torch::Tensor, torch::Tensor> LlamaStack::forward(
   // [T, hidden]; qkv; q and k rotated; attention out; o; gate_up; its SiLU product; the
   // residual after the first norm.
   const int64_t sizes[] = {hidden, hidden, w_qkv_, w_q_, w_k_, w_q_, hidden, 2 * w_i_, w_i_,
-                           hidden};
+                           hidden, w_part_};
   int64_t total = 0;
   for (int64_t n : sizes) total += aligned(T * n);
   auto scratch = torch::empty({total}, x.options());
-  float* bufs[10];
+  float* bufs[11];
   float* p = scratch.data_ptr<float>();
-  for (int i = 0; i < 10; ++i) {
+  for (int i = 0; i < 11; ++i) {
     bufs[i] = p;
     p += aligned(T * sizes[i]);
   }
   float *h = bufs[0], *h2 = bufs[1], *qkv = bufs[2], *qr = bufs[3], *kr = bufs[4];
   float *att = bufs[5], *o = bufs[6], *gu = bufs[7], *act = bufs[8], *res_a = bufs[9];
+  float* tmp = bufs[10];  // a multi-part linear's part, before its rows go into place
   float *mlp = out.data_ptr<float>(), *res_b = res_out.data_ptr<float>();
 
   const int nthreads = at::get_num_threads();
@@ -199,7 +245,7 @@ std::tuple<torch::Tensor, torch::Tensor> LlamaStack::forward(
                         hidden, eps, nthreads);
       res = res_a;
     }
-    linear(l.qkv, h, T, qkv, nthreads);
+    linear(l.qkv, h, T, qkv, tmp, nthreads);
     const int64_t* pp = pos.data_ptr<int64_t>();
     kvs::rotary(qkv, nq, D, qr, T, H, D, pp, cos_sin.data_ptr<float>(), cos_sin.size(0),
                 nthreads);
@@ -214,12 +260,12 @@ std::tuple<torch::Tensor, torch::Tensor> LlamaStack::forward(
     const auto a = attention_args(qr, q_size, D, k_cache, v_cache, kv_type, meta, att, H, Hkv,
                                   D, bs, l.scale, {k_sc, v_sc});
     kvs::paged_attention(a, nthreads);
-    linear(l.o, att, T, o, nthreads);
+    linear(l.o, att, T, o, tmp, nthreads);
     kvs::add_rms_norm(o, hidden, res, hidden, l.post_norm.data_ptr<float>(), h2, res_b, T,
                       hidden, eps, nthreads);
-    linear(l.gate_up, h2, T, gu, nthreads);
+    linear(l.gate_up, h2, T, gu, tmp, nthreads);
     kvs::silu_and_mul(gu, 2 * l.inter, act, T, l.inter, nthreads);
-    linear(l.down, act, T, mlp, nthreads);
+    linear(l.down, act, T, mlp, tmp, nthreads);
     xin = mlp;
   }
   return {out, res_out};

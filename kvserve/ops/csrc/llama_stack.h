@@ -10,16 +10,23 @@
 
 class LlamaStack {
  public:
-  // One layer, as CpuOps._fusable fills it (bound to Python as LayerWeights, by name). Each
-  // linear's weight is float32 [N, K] (wtype 0), GGUF rows (uint8 [N, row bytes]) or packed
-  // groups (uint8 [groups, K / 32, record bytes]) in the format its wtype names (a ggml type
-  // id, kvs::WType); they are checked here, once, and kept alive.
+  // One linear's weight (bound as LinearWeights): its output rows in runs of one format
+  // each, in order (kvserve.quant.base.KernelWeight; one run unless a fused projection mixes
+  // formats, as a Q4_K_M file's qkv does). A run is float32 rows [rows, K] (wtype 0), GGUF
+  // rows (uint8 [rows, row bytes]), packed groups (uint8 [groups, K / 32, record bytes]) or
+  // packed K-quant groups (uint8 [groups, K / 256, record bytes]) in the format its wtype
+  // names (a ggml type id: kvs::WType or kvs::KType).
+  struct LinearWeights {
+    std::vector<torch::Tensor> parts;
+    std::vector<int64_t> wtypes, rows;
+  };
+  // One layer, as CpuOps._fusable fills it (bound to Python as LayerWeights, by name). The
+  // weights are checked here, once, and kept alive.
   struct LayerWeights {
     torch::Tensor in_norm, post_norm;  // float32 [hidden]
     double eps = 0;
-    torch::Tensor qkv, o, gate_up, down;
+    LinearWeights qkv, o, gate_up, down;
     c10::optional<torch::Tensor> qkv_bias;
-    int64_t qkv_wtype = 0, o_wtype = 0, gate_up_wtype = 0, down_wtype = 0;
     int64_t heads = 0, kv_heads = 0, head_dim = 0;
     double scale = 0;  // attention's, usually head_dim ** -0.5
   };
@@ -40,12 +47,16 @@ class LlamaStack {
       const c10::optional<torch::Tensor>& kv_scales = c10::nullopt) const;
 
  private:
-  struct Linear {
+  struct Part {
+    enum Kind { kRows, kPacked, kKPacked } kind;  // linear / qlinear / qlinear_kquant
     torch::Tensor w;
+    int wtype;  // the kvs::WType or kvs::KType its kind takes
+    int64_t start, N;  // output rows [start, start + N)
+  };
+  struct Linear {
+    std::vector<Part> parts;
     c10::optional<torch::Tensor> bias;
     int64_t N, K;
-    bool packed;  // 16-row groups for qlinear, else rows for linear
-    kvs::WType wt;
   };
   struct Layer {
     torch::Tensor in_norm, post_norm;
@@ -54,13 +65,20 @@ class LlamaStack {
     Linear qkv, o, gate_up, down;
   };
 
-  static Linear make_linear(const torch::Tensor& w, const c10::optional<torch::Tensor>& b,
-                            int64_t wtype, int64_t N, int64_t K, const char* name);
-  void linear(const Linear& l, const float* x, int64_t M, float* out, int nthreads) const;
+  static Linear make_linear(const LinearWeights& w, const c10::optional<torch::Tensor>& b,
+                            int64_t N, int64_t K, const char* name);
+  // out [M, l.N] = x [M, l.K] times the linear; a run of several parts writes each part's
+  // rows through tmp ([M, widest part]) unless M is 1.
+  void linear(const Linear& l, const float* x, int64_t M, float* out, float* tmp,
+              int nthreads) const;
+  void run_part(const Part& p, int64_t K, const float* x, int64_t M, const float* bias,
+                float* out, int nthreads) const;
 
   std::vector<Layer> layers_;
   // The widest layer's qkv, q, k and MLP widths: the scratch per token.
   int64_t w_qkv_ = 0, w_q_ = 0, w_k_ = 0, w_i_ = 0;
+  // The widest part of a linear that has several (0: none has), for linear's tmp.
+  int64_t w_part_ = 0;
   bool avx512_, vnni_;
   int64_t small_m_;
 };

@@ -1,8 +1,12 @@
-"""`kvserve quantize MODEL --method {int8,int4,gptq,awq} -o DIR`: a float (or GGUF) checkpoint
-written as a quantized safetensors checkpoint in a standard layout (kvserve/quant/export.py):
+"""`kvserve quantize MODEL --method {int8,int4,gptq,awq,smoothquant} -o DIR`: a float (or
+GGUF) checkpoint written as a quantized safetensors checkpoint in a standard layout
+(kvserve/quant/export.py):
 
     gptq        GPTQ (kvserve/quant/gptq.py), AutoGPTQ "gptq" v1 layout, bits 4 or 8
     awq         AWQ (kvserve/quant/awq.py), AutoAWQ GEMM layout, bits 4
+    smoothquant SmoothQuant W8A8 (kvserve/quant/smoothquant.py, --alpha): norms smoothed
+                into q/k/v and gate/up, int8 weights per channel, compressed-tensors
+                "int-quantized" layout (activations int8 per token at run time)
     int4, int8  round to nearest on GPTQ's grid, no calibration, written in the same GPTQ
                 layout (desc_act false) at 4 / 8 bits: a GPTQ reader loads them as it
                 loads GPTQ. (Not rtn.py's Q4_1 arithmetic: its float per-group minimum has
@@ -38,7 +42,9 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-METHODS = ("int8", "int4", "gptq", "awq")
+METHODS = ("int8", "int4", "gptq", "awq", "smoothquant")
+CALIBRATED = ("gptq", "awq", "smoothquant")
+BLOCK_INPUTS = 32  # W8A8 runs on Q8_0 blocks: every linear's inputs must divide by 32
 ATTN = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")
 MLP_IN = ("mlp.gate_proj", "mlp.up_proj")
 LINEARS = (*ATTN, "self_attn.o_proj", *MLP_IN, "mlp.down_proj")
@@ -56,6 +62,7 @@ class QuantizeArgs:
     calib: str | None = None
     calib_tokens: int = 2048
     seq_len: int = 512
+    alpha: float = 0.5  # smoothquant's migration strength
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:
@@ -66,6 +73,11 @@ class QuantizeArgs:
         if self.method == "int4" and self.bits != 4 or self.method == "int8" and self.bits != 8:
             raise ValueError(f"--method {self.method} writes {self.method[3:]}-bit weights; "
                              f"--bits {self.bits} contradicts it")
+        if self.method == "smoothquant" and self.bits != 8:
+            raise ValueError(f"--method smoothquant writes 8-bit weights (W8A8); --bits must "
+                             f"be 8, got {self.bits}")
+        if not 0 <= self.alpha <= 1:
+            raise ValueError(f"--alpha must be in [0, 1], got {self.alpha}")
         if self.method == "awq" and self.bits != 4:
             raise ValueError(f"--method awq writes the 4-bit AWQ GEMM layout; --bits must be 4, "
                              f"got {self.bits}")
@@ -74,7 +86,7 @@ class QuantizeArgs:
         if self.act_order and self.method != "gptq":
             raise ValueError("--act-order (desc_act) is a GPTQ option; --method is "
                              f"{self.method}")
-        if self.method in ("gptq", "awq"):
+        if self.method in CALIBRATED:
             if self.calib is None:
                 raise ValueError(f"--method {self.method} needs calibration text: --calib FILE")
             if not os.path.isfile(self.calib):
@@ -87,9 +99,19 @@ class QuantizeArgs:
 
     def for_model(self, mc: ModelConfig) -> QuantizeArgs:
         """These args with the group size settled for the model; ValueError unless every
-        linear's inputs divide into groups and its outputs into packed int32s."""
+        linear's inputs divide into groups and its outputs into packed int32s (W8A8: blocks
+        of 32 inputs)."""
         ins = {"hidden_size": mc.hidden_size, "intermediate_size": mc.intermediate_size,
                "num_attention_heads * head_dim": mc.num_attention_heads * mc.head_dim}
+        if mc.sliding_window is not None and self.seq_len > mc.sliding_window:
+            raise ValueError(f"--seq-len {self.seq_len} exceeds the model's sliding window "
+                             f"({mc.sliding_window})")
+        if self.method == "smoothquant":
+            for name, k in ins.items():
+                if k % BLOCK_INPUTS:
+                    raise ValueError(f"W8A8 runs on blocks of {BLOCK_INPUTS} inputs; the "
+                                     f"model's {name} ({k}) does not divide by {BLOCK_INPUTS}")
+            return self
         if self.group_size is None:
             fits = [g for g in (128, 64, 32) if all(k % g == 0 for k in ins.values())]
             if not fits:
@@ -106,9 +128,6 @@ class QuantizeArgs:
             if n % per:
                 raise ValueError(f"{self.bits}-bit packing needs widths divisible by {per}; the "
                                  f"model's {name} is {n}")
-        if mc.sliding_window is not None and self.seq_len > mc.sliding_window:
-            raise ValueError(f"--seq-len {self.seq_len} exceeds the model's sliding window "
-                             f"({mc.sliding_window})")
         return self
 
 
@@ -156,6 +175,31 @@ def _gptq_layer(lw: dict[str, torch.Tensor], x: torch.Tensor, mc: ModelConfig,
     return result, x + F.linear(d_in, lw["mlp.down_proj.weight"])
 
 
+def _smoothquant(weights: dict[str, torch.Tensor], x: torch.Tensor, mc: ModelConfig,
+                 rope: tuple[torch.Tensor, torch.Tensor], alpha: float
+                 ) -> dict[str, torch.Tensor]:
+    """SmoothQuant's tensors: every layer smoothed from its float calibration inputs, then
+    each linear as int8 `weight` and float16 `weight_scale` [N, 1] (compressed-tensors);
+    the rest in float16."""
+    from kvserve.quant.rtn import quantize_int8
+    from kvserve.quant.smoothquant import smooth_model
+
+    t0 = time.perf_counter()
+    smoothed = smooth_model(weights, x, mc, rope, alpha, progress=lambda i: log.info(
+        "layer %d/%d smoothed (%.1fs)", i + 1, mc.num_hidden_layers, time.perf_counter() - t0))
+    linears = {f"model.layers.{i}.{n}.weight" for i in range(mc.num_hidden_layers)
+               for n in LINEARS}
+    out: dict[str, torch.Tensor] = {}
+    for name, tensor in smoothed.items():
+        if name in linears:
+            q, s = quantize_int8(tensor)
+            out[name] = q
+            out[name[:-len("weight")] + "weight_scale"] = s.to(torch.float16)[:, None]
+        else:
+            out[name] = tensor.to(torch.float16)
+    return out
+
+
 def quantize_checkpoint(model: str, out_dir: str, a: QuantizeArgs) -> None:
     """Reads MODEL (a .gguf file or HF directory, or the default model's name), quantizes it
     as `a` says and writes out_dir (which must not exist or be empty)."""
@@ -176,7 +220,6 @@ def quantize_checkpoint(model: str, out_dir: str, a: QuantizeArgs) -> None:
     ckpt = load_checkpoint(path)
     mc = ckpt.model_config
     a = a.for_model(mc)
-    assert a.group_size is not None
     source_cfg = None
     if os.path.isdir(path):
         with open(os.path.join(path, "config.json"), encoding="utf-8") as f:
@@ -184,7 +227,7 @@ def quantize_checkpoint(model: str, out_dir: str, a: QuantizeArgs) -> None:
     weights = {k: v.float() for k, v in ckpt.weights()}
 
     x = rope = None
-    if a.method in ("gptq", "awq"):
+    if a.method in CALIBRATED:
         assert a.calib is not None
         with open(a.calib, encoding="utf-8") as f:
             ids = calibration_batch(ckpt.tokenizer, f.read(), a.calib_tokens, a.seq_len)
@@ -192,6 +235,14 @@ def quantize_checkpoint(model: str, out_dir: str, a: QuantizeArgs) -> None:
                  a.calib)
         x = weights["model.embed_tokens.weight"][ids]
         rope = rope_tables(mc, ids.shape[1])
+    if a.method == "smoothquant":
+        assert x is not None and rope is not None
+        out = _smoothquant(weights, x, mc, rope, a.alpha)
+        export.write_checkpoint(out_dir, out, export.hf_config(mc, source_cfg),
+                                export.w8a8_quantization_config(), ckpt.tokenizer)
+        log.info("wrote %s (smoothquant W8A8, alpha %.2f)", out_dir, a.alpha)
+        return
+    assert a.group_size is not None
 
     pack = export.pack_awq if a.method == "awq" else export.pack_gptq
     out: dict[str, torch.Tensor] = {}
@@ -235,21 +286,22 @@ def quantize_checkpoint(model: str, out_dir: str, a: QuantizeArgs) -> None:
 
 
 def _run(ns: argparse.Namespace) -> int:
-    bits = ns.bits if ns.bits is not None else (8 if ns.method == "int8" else 4)
+    bits = ns.bits if ns.bits is not None else (8 if ns.method in ("int8", "smoothquant")
+                                                 else 4)
     # 8 bits are symmetric: q - zero must fit the int8 blocks kvserve runs them as (an
     # asymmetric 8-bit grid's q - zero spans up to [-255, 255]).
     sym = ns.sym or bits == 8
     a = QuantizeArgs(method=ns.method, bits=bits, group_size=ns.group_size, sym=sym,
                      act_order=ns.act_order, calib=ns.calib, calib_tokens=ns.calib_tokens,
-                     seq_len=ns.seq_len)
+                     seq_len=ns.seq_len, alpha=ns.alpha)
     with torch.inference_mode():
         quantize_checkpoint(ns.model, ns.output, a)
     return 0
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("quantize", help="write a GPTQ / AWQ / int4 / int8 safetensors "
-                       "checkpoint of a model")
+    p = sub.add_parser("quantize", help="write a GPTQ / AWQ / int4 / int8 / SmoothQuant W8A8 "
+                       "safetensors checkpoint of a model")
     p.add_argument("model", nargs="?", default=None,
                    help="a .gguf file, an HF directory, or smollm2-135m (the default)")
     p.add_argument("--method", required=True, choices=METHODS)
@@ -262,7 +314,11 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="symmetric grid (zero point at the middle); default asymmetric")
     p.add_argument("--act-order", action="store_true",
                    help="gptq: quantize columns in descending Hessian diagonal (desc_act)")
-    p.add_argument("--calib", default=None, help="calibration text file (gptq, awq)")
+    p.add_argument("--calib", default=None,
+                   help="calibration text file (gptq, awq, smoothquant)")
+    p.add_argument("--alpha", type=float, default=0.5,
+                   help="smoothquant: how much of the activations' range moves into the "
+                   "weights, in [0, 1] (default 0.5, the paper's)")
     p.add_argument("--calib-tokens", type=int, default=2048,
                    help="calibration tokens, in windows of --seq-len")
     p.add_argument("--seq-len", type=int, default=512, help="tokens per calibration window")

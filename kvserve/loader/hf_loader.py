@@ -123,13 +123,26 @@ def model_config_from_hf(cfg: dict[str, Any], path: str,
 
 
 def _quantization_config(cfg: dict[str, Any]) -> tuple[tuple[str, Any], ...] | None:
-    """config.json's quantization_config, its scalar entries (bits, group_size, desc_act, sym,
-    zero_point, version, checkpoint_format, ...) frozen as sorted items."""
+    """config.json's quantization_config frozen as sorted items: its scalar entries (bits,
+    group_size, desc_act, sym, zero_point, version, checkpoint_format, ...), nested dicts
+    flattened to dotted keys (compressed-tensors' config_groups.group_0.weights.num_bits)
+    and lists of scalars as tuples (its ignore list)."""
     qc = cfg.get("quantization_config")
     if not isinstance(qc, dict) or not qc:
         return None
-    return tuple(sorted((k, v) for k, v in qc.items()
-                        if v is None or isinstance(v, (str, int, float, bool))))
+    items: list[tuple[str, Any]] = []
+
+    def walk(prefix: str, d: dict[str, Any]) -> None:
+        for k, v in d.items():
+            if isinstance(v, dict):
+                walk(f"{prefix}{k}.", v)
+            elif v is None or isinstance(v, (str, int, float, bool)):
+                items.append((prefix + k, v))
+            elif isinstance(v, list) and all(isinstance(e, (str, int, float, bool)) for e in v):
+                items.append((prefix + k, tuple(v)))
+
+    walk("", qc)
+    return tuple(sorted(items))
 
 
 def _token_content(value: Any) -> str | None:

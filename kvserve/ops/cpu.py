@@ -51,7 +51,7 @@ from kvserve.ops.build import (
 from kvserve.ops.reference import ReferenceOps
 from kvserve.quant.base import KernelWeight
 from kvserve.quant.ggml_kquants import Q4_K, Q6_K
-from kvserve.quant.gguf import F32, Q4_1, Q8_0
+from kvserve.quant.gguf import F32, Q4_1, Q8_0, W8A8
 
 logger = logging.getLogger("kvserve.ops")
 
@@ -83,7 +83,7 @@ KV_CACHE_DTYPES = (torch.float32, torch.float16, torch.int8, torch.uint8)
 # Weight formats (ggml type ids) the kernels read; the caller names the format (wtype).
 KERNEL_WTYPES = (F32, Q4_1, Q8_0)
 # Block formats (ggml type ids) the packed qlinear kernels read.
-PACKED_WTYPES = (Q4_1, Q8_0)
+PACKED_WTYPES = (Q4_1, Q8_0, W8A8)
 # K-quant formats (ggml type ids) the packed qlinear_kquant kernels read.
 KQUANT_KERNEL_WTYPES = (Q4_K, Q6_K)
 

@@ -10,6 +10,9 @@ seam they implement; models never mention a format).
     gptq, awq   4-bit GPTQ / AWQ checkpoints, repacked at load as Q4_1 blocks
                 (kvserve/quant/int4_checkpoints.py); found by config.json's
                 quantization_config
+    w8a8        int8 weights per channel x int8 activations per token (SmoothQuant's W8A8,
+                kvserve/quant/smoothquant.py): quantized at load from floats, or a
+                compressed-tensors checkpoint (`kvserve quantize --method smoothquant`)
 
 Adding a method is a file in this folder plus a line in _METHODS. Methods import lazily, so
 `--quantization`'s choices cost no import.
@@ -34,6 +37,7 @@ _METHODS: dict[str, str] = {
     "int4": "kvserve.quant.rtn:Int4QuantMethod",
     "int8": "kvserve.quant.rtn:Int8QuantMethod",
     "none": "kvserve.quant.base:NoQuantization",
+    "w8a8": "kvserve.quant.smoothquant:W8A8QuantMethod",
 }
 
 

@@ -100,6 +100,21 @@ def awq_quantization_config(group_size: int) -> dict[str, Any]:
             "version": "gemm", "modules_to_not_convert": None}
 
 
+def w8a8_quantization_config() -> dict[str, Any]:
+    """compressed-tensors' quantization_config for int8 weights per channel and dynamic int8
+    activations per token ("int-quantized": per linear `weight` int8 [N, K] and
+    `weight_scale` [N, 1]), lm_head left in float, as llm-compressor writes W8A8."""
+    int8 = {"num_bits": 8, "type": "int", "symmetric": True, "group_size": None,
+            "block_structure": None, "actorder": None, "observer": None}
+    return {"quant_method": "compressed-tensors", "format": "int-quantized",
+            "quantization_status": "compressed", "ignore": ["lm_head"],
+            "config_groups": {"group_0": {
+                "targets": ["Linear"],
+                "weights": {**int8, "strategy": "channel", "dynamic": False,
+                            "observer": "minmax"},
+                "input_activations": {**int8, "strategy": "token", "dynamic": True}}}}
+
+
 def hf_config(mc: ModelConfig, source_config: dict[str, Any] | None) -> dict[str, Any]:
     """config.json for the output: the source's own when it had one (an HF directory), else
     a transformers-style config built from the ModelConfig (a GGUF file)."""
@@ -148,7 +163,8 @@ def _write_json(path: str, data: dict[str, Any]) -> None:
 def write_checkpoint(out_dir: str, tensors: dict[str, torch.Tensor], config: dict[str, Any],
                      quantization_config: dict[str, Any], tokenizer: Tokenizer) -> None:
     """One model.safetensors, config.json with quantization_config, AutoGPTQ's / AutoAWQ's
-    side file (quantize_config.json / quant_config.json) and the tokenizer files."""
+    side file (quantize_config.json / quant_config.json; none for compressed-tensors) and
+    the tokenizer files."""
     os.makedirs(out_dir, exist_ok=True)
     save_file({k: v.contiguous() for k, v in tensors.items()},
               os.path.join(out_dir, "model.safetensors"), metadata={"format": "pt"})
@@ -156,7 +172,7 @@ def write_checkpoint(out_dir: str, tensors: dict[str, torch.Tensor], config: dic
                 {**config, "quantization_config": quantization_config})
     if quantization_config["quant_method"] == "gptq":
         _write_json(os.path.join(out_dir, "quantize_config.json"), quantization_config)
-    else:
+    elif quantization_config["quant_method"] == "awq":
         _write_json(os.path.join(out_dir, "quant_config.json"), {
             "zero_point": True, "q_group_size": quantization_config["group_size"],
             "w_bit": quantization_config["bits"], "version": "GEMM"})

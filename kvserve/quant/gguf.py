@@ -68,6 +68,10 @@ QK_K = 256
 KEPT_TYPES = tuple(BLOCK_BYTES) + KQUANT_TYPES
 # The formats ops.linear's row kernels (gguf_exact) read as stored.
 ROW_TYPES = (Q4_1, Q8_0)
+# kvserve's own format id (past ggml's), for ops.qlinear: Q8_0 groups whose blocks carry their
+# row's scale (per output channel), against activations quantized per token
+# (quantize_activations_per_token): SmoothQuant's W8A8 (kvserve/quant/smoothquant.py).
+W8A8 = 256
 
 
 def block_weights(qtype: int) -> int:
@@ -278,6 +282,7 @@ def pack(data: torch.Tensor, qtype: int, k: int) -> torch.Tensor:
 
 def check_packed(packed: torch.Tensor, qtype: int) -> None:
     """ValueError unless packed is [groups, nb, record bytes] of the named format."""
+    qtype = Q8_0 if qtype == W8A8 else qtype  # the same records
     if qtype not in PACKED_BYTES:
         raise ValueError(f"qtype must be one of {sorted(TYPE_NAMES.values())}, got {qtype}")
     if packed.dim() != 3 or packed.shape[-1] != PACKED_BYTES[qtype]:
@@ -291,6 +296,7 @@ def unpack(packed: torch.Tensor, qtype: int
     m float32 or None): the integers and scales the kernels compute with (Q8_0 quants signed
     again)."""
     check_packed(packed, qtype)
+    qtype = Q8_0 if qtype == W8A8 else qtype
     groups, nb = packed.shape[:2]
 
     def half(lo: int) -> torch.Tensor:  # 16 fp16 at byte lo -> [G*16, nb]
@@ -323,16 +329,32 @@ def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, ...]:
     return q.reshape(m, k), d, d * total.float(), total
 
 
+def quantize_activations_per_token(x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """quantize_activations' outputs with one scale per row (W8A8's dynamic per-token int8):
+    amax over the whole row, d = amax / 127 for each of its blocks, q = round-half-even(x *
+    (127 / amax)); sum and s = d * sum per block of 32 as before."""
+    m, k = x.shape
+    xb = x.float().reshape(m, k // BLOCK, BLOCK)
+    amax = x.float().abs().amax(-1, keepdim=True)  # [M, 1]
+    inv = torch.where(amax > 0, torch.full_like(amax, 127) / torch.where(amax > 0, amax, 1), 0)
+    q = torch.round(xb * inv[..., None]).to(torch.int8)
+    total = q.to(torch.int32).sum(-1, dtype=torch.int32)
+    d = (amax / 127).expand(m, k // BLOCK)
+    return q.reshape(m, k), d, d * total.float(), total
+
+
 def qlinear_reference(x: torch.Tensor, packed: torch.Tensor, qtype: int, n: int,
                       bias: torch.Tensor | None = None) -> torch.Tensor:
     """The packed kernels' result, bit for bit: per output (m, n), blocks b in order,
         acc = acc + float(sum_i qw[n, b, i] * qx[m, b, i]) * (dw[n, b] * dx[m, b])
         acc = acc + mw[n, b] * s[m, b]                                (Q4_1 only)
     then + bias[n]. The int sums are exact (float64 holds them), so only the float32
-    operations above, one rounding each, decide the bits."""
+    operations above, one rounding each, decide the bits. W8A8: the Q8_0 sum over activations
+    quantized per token."""
     qw, dw, mw = unpack(packed, qtype)
     lead, k = x.shape[:-1], x.shape[-1]
-    qx, dx, sx, _ = quantize_activations(x.reshape(-1, k))
+    quantize = quantize_activations_per_token if qtype == W8A8 else quantize_activations
+    qx, dx, sx, _ = quantize(x.reshape(-1, k))
     qx = qx.reshape(qx.shape[0], -1, BLOCK).double()
     qw = qw[:n].double()
     acc = torch.zeros(qx.shape[0], n)

@@ -214,8 +214,69 @@ def test_quantize_writes_a_complete_checkpoint(tiny_dir: tuple[Path, Any], tmp_p
     assert err < 0.02, err  # int8 activations, float16 Q4_1 minimum there: ~0.006
 
 
+def test_smoothquant_writes_compressed_tensors_w8a8(tiny_dir: tuple[Path, Any],
+                                                   tmp_path: Path) -> None:
+    """--method smoothquant: compressed-tensors "int-quantized" tensors and config; the
+    checkpoint's weights (int8 x per-channel scale, norms smoothed) make a float model close
+    to the source (smoothing exact, int8 weights), and kvserve finds the method by the config
+    and runs it with per-token int8 activations near that model."""
+    src, hf = tiny_dir
+    out = tmp_path / "sq"
+    r = _quantize(str(src), "--method", "smoothquant", "--alpha", "0.5", "--calib", str(CALIB),
+                  "--calib-tokens", "512", "--seq-len", "128", "-o", str(out))
+    assert r.returncode == 0, r.stderr
+    qc = json.loads((out / "config.json").read_text())["quantization_config"]
+    assert (qc["quant_method"], qc["format"], qc["ignore"]) == (
+        "compressed-tensors", "int-quantized", ["lm_head"])
+    group = qc["config_groups"]["group_0"]
+    assert group["targets"] == ["Linear"]
+    assert {k: group["weights"][k] for k in ("num_bits", "type", "symmetric", "strategy")} == {
+        "num_bits": 8, "type": "int", "symmetric": True, "strategy": "channel"}
+    assert {k: group["input_activations"][k] for k in ("num_bits", "strategy", "dynamic")} == {
+        "num_bits": 8, "strategy": "token", "dynamic": True}
+    t = _tensors(out)
+    float_sd = hf.state_dict()
+    deq_sd = {}
+    for name, tensor in t.items():
+        if name.endswith(".weight_scale"):
+            continue
+        lin = name.endswith(".weight") and name[:-len(".weight")] + ".weight_scale" in t
+        if lin:
+            scale = t[name[:-len(".weight")] + ".weight_scale"]
+            assert tensor.dtype == torch.int8 and tuple(tensor.shape) == tuple(
+                float_sd[name].shape) and int(tensor.min()) >= -127
+            assert scale.dtype == torch.float16 and tuple(scale.shape) == (tensor.shape[0], 1)
+            deq_sd[name] = tensor.float() * scale.float()
+        else:
+            assert tensor.dtype == torch.float16, name
+            deq_sd[name] = tensor.float()
+    assert sum(n.endswith(".weight_scale") for n in t) == 2 * len(LINEARS)
+    # The norms were smoothed (not the source's), yet the model computes the same function.
+    norm = "model.layers.0.input_layernorm.weight"
+    assert not torch.allclose(deq_sd[norm], float_sd[norm], rtol=1e-2)
+    hf_q = tiny_hf_model("llama", seed=3)
+    hf_q.load_state_dict(deq_sd)
+    ids = torch.tensor([list(b"This License applies to any program or other work")])
+    with torch.no_grad():
+        ref, got = hf(ids).logits[0], hf_q(ids).logits[0]
+    rel = (got - ref).norm() / ref.norm()
+    assert rel < 0.02, rel  # int8 weights per channel, float16 tensors: ~0.004
+    ckpt = load_checkpoint(str(out))
+    assert dict(ckpt.model_config.quantization_config or ())["quant_method"] == (
+        "compressed-tensors")
+    model = build_model(ckpt, get_ops("auto"), torch.float32, "w8a8")
+    ref_q = kvserve_model_from_hf(hf_q, "LlamaForCausalLM", get_ops("reference"))
+    prompt = list(b"Everyone is permitted to copy")
+    ours, theirs = _logits(model, prompt), _logits(ref_q, prompt)
+    err = (ours - theirs).abs().max() / theirs.abs().max()
+    assert err < 0.05, err  # per-token int8 activations
+
+
 @pytest.mark.parametrize("args, message", [
     (["--method", "gptq", "--bits", "3"], "--bits must be 4 or 8, got 3"),
+    (["--method", "smoothquant", "--bits", "4"], "--method smoothquant writes 8-bit weights"),
+    (["--method", "smoothquant", "--alpha", "1.5"], "--alpha must be in [0, 1], got 1.5"),
+    (["--method", "smoothquant"], "--method smoothquant needs calibration text"),
     (["--method", "awq", "--bits", "8"], "--method awq writes the 4-bit AWQ GEMM layout"),
     (["--method", "int4", "--group-size", "48"],
      "--group-size 48 does not divide the model's hidden_size (64)"),

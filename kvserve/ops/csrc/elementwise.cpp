@@ -322,23 +322,30 @@ void write_kv(const float* key, int64_t k_st, int64_t k_sh, const float* value, 
   }
 }
 
-// One block of 32 values -> 32 int8 quants; returns amax. Scalar and vector paths agree bit
-// for bit: max and the int conversions are exact, and both compute x * (127 / amax) with one
-// fp32 multiply rounded half to even (nearbyintf under the default rounding mode).
-static float quantize_block(const float* x, int8_t* q, int32_t* sum) {
+// One block of 32 values: its amax, and its 32 int8 quants against inv = 127 / amax (of the
+// block, or of the whole row for quantize_acts_per_token) with their sum. Scalar and vector
+// paths agree bit for bit: max and the int conversions are exact, and both compute x * inv
+// with one fp32 multiply rounded half to even (nearbyintf under the default rounding mode).
+static float block_amax(const float* x) {
 #if KVS_AVX2
   const __m256 sign = _mm256_set1_ps(-0.f);
-  __m256 v[4];
   __m256 mx = _mm256_setzero_ps();
-  for (int i = 0; i < 4; ++i) {
-    v[i] = _mm256_loadu_ps(x + 8 * i);
-    mx = _mm256_max_ps(mx, _mm256_andnot_ps(sign, v[i]));
-  }
-  const float amax = hmax(mx);
-  const __m256 inv = _mm256_set1_ps(amax > 0.f ? 127.f / amax : 0.f);
+  for (int i = 0; i < 4; ++i)
+    mx = _mm256_max_ps(mx, _mm256_andnot_ps(sign, _mm256_loadu_ps(x + 8 * i)));
+  return hmax(mx);
+#else
+  float amax = 0.f;
+  for (int i = 0; i < 32; ++i) amax = std::max(amax, std::fabs(x[i]));
+  return amax;
+#endif
+}
+
+static void quantize_block_at(const float* x, float inv, int8_t* q, int32_t* sum) {
+#if KVS_AVX2
+  const __m256 vinv = _mm256_set1_ps(inv);
   __m256i r[4];
   for (int i = 0; i < 4; ++i)
-    r[i] = _mm256_cvtps_epi32(_mm256_round_ps(_mm256_mul_ps(v[i], inv),
+    r[i] = _mm256_cvtps_epi32(_mm256_round_ps(_mm256_mul_ps(_mm256_loadu_ps(x + 8 * i), vinv),
                                               _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
   // int32 -> int8 keeping order: the packs interleave 128-bit lanes, the permute undoes it.
   const __m256i p = _mm256_packs_epi16(_mm256_packs_epi32(r[0], r[1]),
@@ -350,18 +357,13 @@ static float quantize_block(const float* x, int8_t* q, int32_t* sum) {
   s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, _MM_SHUFFLE(1, 0, 3, 2)));
   s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, _MM_SHUFFLE(2, 3, 0, 1)));
   *sum = _mm_cvtsi128_si32(s4);
-  return amax;
 #else
-  float amax = 0.f;
-  for (int i = 0; i < 32; ++i) amax = std::max(amax, std::fabs(x[i]));
-  const float inv = amax > 0.f ? 127.f / amax : 0.f;
   int32_t total = 0;
   for (int i = 0; i < 32; ++i) {
     q[i] = static_cast<int8_t>(std::nearbyint(x[i] * inv));
     total += q[i];
   }
   *sum = total;
-  return amax;
 #endif
 }
 
@@ -372,10 +374,29 @@ void quantize_acts(const float* x, int64_t ldx, int64_t M, int64_t K, int8_t* q,
   for (int64_t m = 0; m < M; ++m)
     for (int64_t b = 0; b < nb; ++b) {
       const int64_t i = m * nb + b;
-      const float amax = quantize_block(x + m * ldx + 32 * b, q + m * K + 32 * b, sum + i);
+      const float amax = block_amax(x + m * ldx + 32 * b);
+      quantize_block_at(x + m * ldx + 32 * b, amax > 0.f ? 127.f / amax : 0.f,
+                        q + m * K + 32 * b, sum + i);
       d[i] = amax / 127.f;
       s[i] = d[i] * static_cast<float>(sum[i]);
     }
+}
+
+void quantize_acts_per_token(const float* x, int64_t ldx, int64_t M, int64_t K, int8_t* q,
+                             float* d, float* s, int32_t* sum, int nthreads) {
+  const int64_t nb = K / 32;
+#pragma omp parallel for num_threads(nthreads) if (go_parallel(nthreads, M, M * K))
+  for (int64_t m = 0; m < M; ++m) {
+    float amax = 0.f;
+    for (int64_t b = 0; b < nb; ++b) amax = std::max(amax, block_amax(x + m * ldx + 32 * b));
+    const float inv = amax > 0.f ? 127.f / amax : 0.f, dm = amax / 127.f;
+    for (int64_t b = 0; b < nb; ++b) {
+      const int64_t i = m * nb + b;
+      quantize_block_at(x + m * ldx + 32 * b, inv, q + m * K + 32 * b, sum + i);
+      d[i] = dm;
+      s[i] = dm * static_cast<float>(sum[i]);
+    }
+  }
 }
 
 }  // namespace kvs

@@ -16,7 +16,10 @@ namespace kvs {
 // 32 int8 q; weight j is d * q[j]).
 // The caller names the format (kvserve's LinearMethod knows it): a row length cannot tell
 // formats apart (Q4_0 and Q4_K both take 0.5625 bytes per weight).
-enum class WType : int { F32 = 0, Q4_1 = 3, Q8_0 = 8 };
+// W8A8 is kvserve's own id (past ggml's): Q8_0 records whose blocks all carry their row's
+// scale (per output channel), run against activations quantized per token (one scale per
+// row, quantize_acts_per_token): SmoothQuant's W8A8 on the Q8_0 kernels.
+enum class WType : int { F32 = 0, Q4_1 = 3, Q8_0 = 8, W8A8 = 256 };
 int64_t row_bytes(WType wt, int64_t K);  // bytes of one weight row of K weights
 
 // The KV cache's element type. I8 and FP8_E4M3 are quantized: int8 (-127..127) or the e4m3fn
@@ -59,6 +62,12 @@ struct QActs {
 };
 void quantize_acts(const float* x, int64_t ldx, int64_t M, int64_t K, int8_t* q, float* d,
                    float* s, int32_t* sum, int nthreads);
+// The same layout with one scale per row (W8A8's per-token activations): amax over the whole
+// row, every block of row m getting d = amax / 127 and its quants x * (127 / amax) rounded
+// half to even; s and sum per block as above. See quantize_activations_per_token in
+// kvserve/quant/gguf.py.
+void quantize_acts_per_token(const float* x, int64_t ldx, int64_t M, int64_t K, int8_t* q,
+                             float* d, float* s, int32_t* sum, int nthreads);
 
 // out[m, n] (n < N; out [M, N] contiguous) from a packed weight w: ceil(N / 16) groups of 16
 // rows, each K / 32 records of 16 * 20 (Q4_1) or 16 * 34 (Q8_0) bytes (the layout is in

@@ -79,8 +79,9 @@ inline torch::Tensor as_int64(const torch::Tensor& t) {
 inline kvs::WType weight_format(int64_t wtype) {
   TORCH_CHECK(wtype == static_cast<int>(kvs::WType::F32) ||
                   wtype == static_cast<int>(kvs::WType::Q4_1) ||
-                  wtype == static_cast<int>(kvs::WType::Q8_0),
-              "wtype must be 0 (F32), 3 (Q4_1) or 8 (Q8_0), got ", wtype);
+                  wtype == static_cast<int>(kvs::WType::Q8_0) ||
+                  wtype == static_cast<int>(kvs::WType::W8A8),
+              "wtype must be 0 (F32), 3 (Q4_1), 8 (Q8_0) or 256 (W8A8), got ", wtype);
   return static_cast<kvs::WType>(wtype);
 }
 
@@ -88,6 +89,8 @@ inline kvs::WType weight_format(int64_t wtype) {
 // length must be that format's for K weights.
 inline kvs::WType checked_weight_type(const torch::Tensor& weight, int64_t wtype, int64_t K) {
   const kvs::WType wt = weight_format(wtype);
+  TORCH_CHECK(wt != kvs::WType::W8A8, "W8A8 (wtype 256) weights are packed groups for "
+              "qlinear, not rows");
   if (wt == kvs::WType::F32) {
     TORCH_CHECK(weight.scalar_type() == torch::kFloat32,
                 "a wtype 0 (F32) weight must be float32, got ", weight.scalar_type());
@@ -151,9 +154,14 @@ inline void quantized_linear(const float* x, int64_t ldx, int64_t M, int64_t K,
     s.resize(M * K / 32);
     sum.resize(M * K / 32);
   }
-  kvs::quantize_acts(x, ldx, M, K, q.data(), d.data(), s.data(), sum.data(), nthreads);
+  // W8A8: the Q8_0 kernels against activations quantized per token.
+  const bool per_token = wt == kvs::WType::W8A8;
+  (per_token ? kvs::quantize_acts_per_token : kvs::quantize_acts)(x, ldx, M, K, q.data(),
+                                                                   d.data(), s.data(),
+                                                                   sum.data(), nthreads);
   const kvs::QActs a{q.data(), d.data(), s.data(), sum.data(), M, K};
-  (avx512 ? kvs::qlinear_avx512 : kvs::qlinear)(a, w, wt, bias, out, N, nthreads);
+  (avx512 ? kvs::qlinear_avx512 : kvs::qlinear)(a, w, per_token ? kvs::WType::Q8_0 : wt, bias,
+                                                out, N, nthreads);
 }
 
 // GGUF rows of K weights in the named format -> float32 [N, K], the kernels' values; a

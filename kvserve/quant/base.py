@@ -35,7 +35,17 @@ Linear = Any
 class QuantizedTensor(Protocol):
     """A checkpoint tensor the loader kept as stored (kvserve.quant.gguf.GGUFWeight, ...)."""
 
+    @property
+    def shape(self) -> tuple[int, ...]:
+        """The shape of dequantize()'s result."""
+        ...
+
     def dequantize(self) -> torch.Tensor: ...
+
+    def rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """Float rows ids of the matrix, each equal to its row of dequantize() (an embedding
+        lookup that never dequantizes the whole table, as llama.cpp's get_rows)."""
+        ...
 
 
 def is_quantized(tensor: torch.Tensor | QuantizedTensor) -> bool:

@@ -94,6 +94,16 @@ class GGUFWeight(NamedTuple):
 
         return dequantize_any_type(self.data, self.qtype, self.k)
 
+    @property
+    def shape(self) -> tuple[int, int]:
+        return (self.data.shape[0], self.k)
+
+    def rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """Rows ids dequantized (row by row, so each equals its row of dequantize()), on ids'
+        device."""
+        picked = self.data.index_select(0, ids.to(self.data.device))
+        return GGUFWeight(picked, self.qtype, self.k).dequantize().to(ids.device)
+
 
 def dequantize(data: torch.Tensor, qtype: int, k: int) -> torch.Tensor:
     """uint8 [rows, K // 32 * block bytes] -> float32 [rows, K], gguf-py's arithmetic."""

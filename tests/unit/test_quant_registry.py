@@ -21,7 +21,7 @@ from tests.helpers import PagedSequence, kvserve_model_from_hf, model_config_fro
 
 def test_registry_names_and_errors() -> None:
     assert quant_method_names() == ["awq", "gguf", "gguf_exact", "gptq", "int4", "int8",
-                                    "none"]
+                                    "none", "w8a8"]
     assert isinstance(get_quant_method(QuantConfig()), NoQuantization)
     gguf = get_quant_method(QuantConfig(method="gguf"))
     exact = get_quant_method(QuantConfig(method="gguf_exact"))
@@ -30,7 +30,7 @@ def test_registry_names_and_errors() -> None:
     assert isinstance(lm, GGUFLinearMethod) and lm.int8_activations
     assert not exact.linear_method("lm_head").int8_activations  # type: ignore[attr-defined]
     with pytest.raises(ValueError, match="quantization must be one of awq, gguf, gguf_exact, "
-                                         "gptq, int4, int8, none, got 'marlin'"):
+                                         "gptq, int4, int8, none, w8a8, got 'marlin'"):
         get_quant_method(QuantConfig(method="marlin"))
 
 

@@ -15,9 +15,9 @@ Routing, decided per call here and never inside the kernels:
   F.linear (MKL's GEMM wins at large M);
 - linear's kernel: the AVX-512 one when the CPU has AVX-512F, else the AVX2 one; the
   environment variable KVSERVE_CPU_ISA=avx2 (or CpuOps(isa="avx2")) forces the AVX2 one.
-- qlinear (packed GGUF weights x int8 activations, quantization "gguf"): the kernel at every
-  M, the VNNI one where the AVX-512 ISA is chosen and the CPU has VNNI, else the AVX2 one
-  (the same bits either way).
+- qlinear (packed GGUF Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q8_0 weights x int8 activations,
+  quantization "gguf"): the kernel at every M, the VNNI one where the AVX-512 ISA is chosen
+  and the CPU has VNNI, else the AVX2 one (the same bits either way).
 - qlinear_kquant (packed GGUF Q4_K / Q6_K x Q8_K activations): the kernel at every M, VNNI or
   AVX2 as qlinear (the same bits, ggml_kquants.dot_kquant's).
 - otherwise the kernel, with the semantics of the reference docstrings.
@@ -50,7 +50,7 @@ from kvserve.ops.build import (
 )
 from kvserve.ops.reference import ReferenceOps
 from kvserve.quant.ggml_kquants import Q4_K, Q6_K
-from kvserve.quant.gguf import F32, Q4_1, Q8_0
+from kvserve.quant.gguf import F32, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0
 
 logger = logging.getLogger("kvserve.ops")
 
@@ -80,7 +80,10 @@ SMALL_M_AVX512 = 2048
 # on the dequantized values. Others (bfloat16): the reference.
 KV_CACHE_DTYPES = (torch.float32, torch.float16, torch.int8, torch.uint8)
 # Weight formats (ggml type ids) the kernels read; the caller names the format (wtype).
-KERNEL_WTYPES = (F32, Q4_1, Q8_0)
+# linear's row kernels (csrc/linear*.cpp, also gguf_exact) read these as stored rows:
+ROW_WTYPES = (F32, Q4_1, Q8_0)
+# qlinear's int8-activation kernels (csrc/qlinear*.cpp) read these packed (gguf.pack):
+PACKED_WTYPES = (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0)
 # K-quant formats (ggml type ids) the packed qlinear_kquant kernels read.
 KQUANT_KERNEL_WTYPES = (Q4_K, Q6_K)
 
@@ -216,8 +219,8 @@ class CpuOps(ReferenceOps):
                *, wtype: int = F32) -> torch.Tensor:
         """weight: float32 [N, K] (wtype F32), or uint8 GGUF Q4_1 / Q8_0 blocks of the format
         wtype names (kvserve/quant/gguf.py), which the kernels read as stored and dequantize
-        for torch's GEMM at large M."""
-        if (self._ext is None or x.dtype != torch.float32 or wtype not in KERNEL_WTYPES
+        for torch's GEMM at large M. Other block formats (no row kernel): the reference."""
+        if (self._ext is None or x.dtype != torch.float32 or wtype not in ROW_WTYPES
                 or weight.dtype not in (torch.float32, torch.uint8)
                 or (bias is not None and (bias.dtype != torch.float32
                                           or not bias.is_contiguous()))
@@ -234,11 +237,11 @@ class CpuOps(ReferenceOps):
 
     def qlinear(self, x: torch.Tensor, weight: torch.Tensor, n: int,
                 bias: torch.Tensor | None = None, *, wtype: int) -> torch.Tensor:
-        """weight: packed GGUF groups (kvserve/quant/gguf.py pack) of the format wtype names;
-        x is quantized to int8 per 32 values and the kernels (csrc/qlinear*.cpp) give
-        qlinear_reference's bits at any M."""
+        """weight: packed GGUF groups (kvserve/quant/gguf.py pack) of the format wtype names
+        (PACKED_WTYPES: Q4_0, Q4_1, Q5_0, Q5_1, Q8_0); x is quantized to int8 per 32 values and
+        the kernels (csrc/qlinear*.cpp) give qlinear_reference's bits at any M."""
         if (self._ext is None or x.dtype != torch.float32 or x.dim() == 0
-                or wtype not in KERNEL_WTYPES
+                or wtype not in PACKED_WTYPES
                 or (bias is not None and (bias.dtype != torch.float32
                                           or not bias.is_contiguous()))):
             return super().qlinear(x, weight, n, bias, wtype=wtype)
@@ -309,9 +312,9 @@ class CpuOps(ReferenceOps):
 
     def _fusable(self, layer: Any, cos_sin: torch.Tensor) -> Any:
         """The fused kernel's LayerWeights (named fields, each linear's format as its
-        LinearMethod names it), or None when a piece of the layer is not float32 or GGUF
-        Q4_1 / Q8_0 blocks (half-precision weights, another quantization) or has an odd
-        head_dim."""
+        LinearMethod names it), or None when a piece of the layer is not float32 rows, GGUF
+        rows of ROW_WTYPES or groups packed in PACKED_WTYPES (half-precision weights, another
+        quantization) or has an odd head_dim."""
         attn, mlp = layer.self_attn, layer.mlp
         linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
         tensors = [lin.weight for lin in linears if lin.weight.dtype != torch.uint8] + [
@@ -319,7 +322,8 @@ class CpuOps(ReferenceOps):
         if attn.qkv_proj.bias is not None:
             tensors.append(attn.qkv_proj.bias)
         if (any(not getattr(lin.quant_method, "fusable", False)
-                or lin.quant_method.wtype not in KERNEL_WTYPES for lin in linears)
+                or lin.quant_method.wtype not in (PACKED_WTYPES if lin.weight.dim() == 3
+                                                  else ROW_WTYPES) for lin in linears)
                 or any(not lin.weight.is_contiguous() for lin in linears)
                 or any(lin.bias is not None for lin in linears[1:])
                 or any(t.dtype != torch.float32 or not t.is_contiguous() for t in tensors)

@@ -14,7 +14,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+import torch.nn.functional as F
+from torch import nn
 
+from kvserve.ops.cpu import ISAS, PACKED_WTYPES, ROW_WTYPES, CpuOps, cpu_has_avx2_fma
 from kvserve.quant import ggml_blocks
 from kvserve.quant.gguf import (
     BLOCK_BYTES,
@@ -23,6 +26,7 @@ from kvserve.quant.gguf import (
     Q4_1,
     Q5_0,
     Q5_1,
+    Q8_0,
     TYPE_NAMES,
     check_packed,
     pack,
@@ -33,6 +37,7 @@ from kvserve.quant.gguf import (
 
 NEW = [Q4_0, Q5_0, Q5_1]
 HAS_M = {Q4_1, Q5_1}
+needs_kernels = pytest.mark.skipif(not cpu_has_avx2_fma(), reason="needs an AVX2+FMA CPU")
 
 
 def random_blocks(qtype: int, n: int, k: int, seed: int = 0) -> torch.Tensor:
@@ -151,3 +156,129 @@ def test_qlinear_reference_is_close_to_llama_cpps_dot(qtype: int) -> None:
     err = (ours - theirs).double().abs()
     assert (err <= 2.0**-9 * scale).all(), float((err / scale).max())
     assert not torch.equal(ours, theirs)  # the two quantize activations differently
+
+
+@pytest.mark.parametrize("qtype", NEW, ids=TYPE_NAMES.get)
+@pytest.mark.parametrize("n,k", [(16, 32), (37, 96), (1, 64), (96, 576), (40, 1536)])
+def test_qlinear_kernel_equals_reference_bit_for_bit(qlinear_ops: CpuOps, qtype: int, n: int,
+                                                     k: int) -> None:
+    packed = pack(random_blocks(qtype, n, k, seed=n + k + qtype), qtype, k)
+    g = torch.Generator().manual_seed(n * k + qtype)
+    bias = torch.randn(n, generator=g)
+    # every tile height of both kernels (AVX2 1 and 3, VNNI 1, 2 x 4 and 8) and their
+    # leftovers, up past one pass
+    for m in (1, 2, 3, 4, 5, 7, 8, 9, 16, 17, 33, 64):
+        x = torch.randn(m, k, generator=g) * 2
+        for b in (None, bias):
+            ours = qlinear_ops.qlinear(x, packed, n, b, wtype=qtype)
+            assert torch.equal(ours, qlinear_reference(x, packed, qtype, n, b)), (m, b is None)
+
+
+@pytest.mark.parametrize("qtype", NEW + [Q4_1], ids=TYPE_NAMES.get)
+def test_qlinear_kernel_exact_at_the_extreme_quants(qlinear_ops: CpuOps, qtype: int) -> None:
+    """Every weight quant at its largest stored value (15, or 31 with bit 4) against
+    activation quants all +127 or all -127: the largest int sums the kernels meet (the AVX2
+    kernel's int16 partial sums would wrap if widened too late), exactly d_w * d_x * isum."""
+    k = 64
+    raw = torch.zeros(16, k // 32, BLOCK_BYTES[qtype], dtype=torch.uint8)
+    raw[..., 0:2] = torch.tensor([0x00, 0x3C], dtype=torch.uint8)  # d = 1.0
+    qh_at, qs_at = {Q4_0: (None, 2), Q4_1: (None, 4), Q5_0: (2, 6), Q5_1: (4, 8)}[qtype]
+    raw[..., qs_at:qs_at + 16] = 0xFF
+    if qh_at is not None:
+        raw[..., qh_at:qh_at + 4] = 0xFF
+    packed = pack(raw.reshape(16, -1), qtype, k)
+    x = torch.cat([torch.full((1, k), 0.5), torch.full((1, k), -0.5)])  # q = +-127, d = 0.5/127
+    ours = qlinear_ops.qlinear(x, packed, 16, wtype=qtype)
+    assert torch.equal(ours, qlinear_reference(x, packed, qtype, 16))
+    top = {Q4_0: 7, Q4_1: 15, Q5_0: 15, Q5_1: 31}[qtype]
+    d_x = torch.tensor(0.5) / 127
+    want = torch.tensor(float(top * 127 * 32)) * d_x + torch.tensor(float(top * 127 * 32)) * d_x
+    assert torch.equal(ours[0], want.expand(16)) and torch.equal(ours[1], -want.expand(16))
+
+
+@needs_kernels
+def test_qlinear_is_batch_invariant_and_isa_invariant() -> None:
+    ops, avx2 = CpuOps(), CpuOps(isa="avx2")
+    for qtype in NEW:
+        packed = pack(random_blocks(qtype, 72, 576, seed=3), qtype, 576)
+        x = torch.randn(40, 576)
+        alone = torch.cat([ops.qlinear(x[i:i + 1], packed, 72, wtype=qtype) for i in range(40)])
+        assert torch.equal(ops.qlinear(x, packed, 72, wtype=qtype), alone)
+        assert torch.equal(avx2.qlinear(x, packed, 72, wtype=qtype), alone)
+
+
+@needs_kernels
+def test_kernels_name_the_formats_they_read() -> None:
+    """The packed kernels take all five block formats; the row kernels (ops.linear,
+    gguf_exact) still only Q4_1 / Q8_0, and say so."""
+    assert ROW_WTYPES == (0, Q4_1, Q8_0) and set(PACKED_WTYPES) == {Q4_0, Q4_1, Q5_0, Q5_1, Q8_0}
+    ops = CpuOps()
+    raw = random_blocks(Q5_0, 20, 64, seed=7)
+    x = torch.randn(2, 64)
+    with pytest.raises(RuntimeError, match=r"wtype must be 0 \(F32\), 3 \(Q4_1\) or 8 \(Q8_0\) "
+                                           r"for a weight read as rows, got 6 \(Q4_0 / Q5_0 / "
+                                           r"Q5_1 run packed only: qlinear\)"):
+        ops._ext.linear(x, raw, Q5_0, None, False)
+    with pytest.raises(RuntimeError, match="got 7"):
+        ops._ext.dequantize(random_blocks(Q5_1, 4, 64), Q5_1, 64)
+    # CpuOps routes a row weight of a packed-only format to the reference (dequantized)
+    assert torch.equal(ops.linear(x, raw, wtype=Q5_0),
+                       F.linear(x, ggml_blocks.dequantize(raw, Q5_0, 64)))
+    packed = pack(raw, Q5_0, 64)
+    with pytest.raises(RuntimeError, match="packed wtype 7 records take 384 bytes, the "
+                                           "weight's have 352"):
+        ops._ext.qlinear(x, packed, Q5_1, 20, None, False)
+    with pytest.raises(RuntimeError, match=r"wtype must be 0 \(F32\), 2 \(Q4_0\), 3 \(Q4_1\), "
+                                           r"6 \(Q5_0\), 7 \(Q5_1\) or 8 \(Q8_0\), got 5"):
+        ops._ext.qlinear(x, packed, 5, 20, None, False)
+
+
+@pytest.mark.parametrize("isa", ISAS)
+def test_fused_layer_runs_the_packed_formats(isa: str) -> None:
+    """A decoder layer whose linears are packed Q5_0 (qkv, with bias), Q4_0 (o), Q5_1
+    (gate_up) and Q5_0 (down): the fused C++ layer (llama_stack.cpp, quantized_linear) equals
+    the Python layer on the same kernels bit for bit."""
+    from kvserve.config import ModelConfig
+    from kvserve.layers.rotary import rope_cos_sin
+    from kvserve.models.llama import LlamaDecoderLayer
+    from kvserve.quant.gguf import GGUFQuantMethod
+    from tests.helpers import paged_model_input
+
+    if not cpu_has_avx2_fma():
+        pytest.skip("needs an AVX2+FMA CPU")
+    fused, plain = (CpuOps(isa=isa, fuse_layers=f) for f in (True, False))
+    if isa == "avx512" and not fused._vnni:
+        pytest.skip("needs an AVX-512 VNNI CPU")
+    cfg = ModelConfig(architecture="LlamaForCausalLM", vocab_size=256, hidden_size=96,
+                      intermediate_size=160, num_hidden_layers=1, num_attention_heads=4,
+                      num_key_value_heads=2, head_dim=24, max_position_embeddings=64,
+                      attention_bias=True)
+    g = torch.Generator().manual_seed(4)
+    formats = {("self_attn", "qkv_proj"): Q5_0, ("self_attn", "o_proj"): Q4_0,
+               ("mlp", "gate_up_proj"): Q5_1, ("mlp", "down_proj"): Q5_0}
+    layers = [LlamaDecoderLayer(cfg, 0, o, torch.float32, GGUFQuantMethod())
+              for o in (fused, plain)]
+    for (part, name), qtype in formats.items():
+        lins = [getattr(getattr(la, part), name) for la in layers]
+        raw = random_blocks(qtype, lins[0].out_features, lins[0].in_features, seed=qtype)
+        for lin in lins:
+            lin.weight = nn.Parameter(pack(raw, qtype, lin.in_features), requires_grad=False)
+            lin.quant_method.wtype = qtype
+    bias = torch.randn(layers[0].self_attn.qkv_proj.out_features, generator=g)
+    for la in layers:
+        la.self_attn.qkv_proj.bias.data.copy_(bias)
+        for norm in (la.input_layernorm, la.post_attention_layernorm):
+            norm.weight.data.copy_(torch.linspace(0.5, 1.5, cfg.hidden_size))
+    cos_sin = rope_cos_sin(24, 64, 10000.0, None)
+    tables = torch.tensor([[3, 7, 1, 0], [10, 2, 5, 0]], dtype=torch.int32)
+    caches = [torch.zeros(1, 2, 12, 4, 2, 24) for _ in layers]
+    for seq_lens, q_lens, with_residual in (([5, 9], [5, 9], False), ([6, 10], [1, 1], True)):
+        inp = paged_model_input(tables, 4, seq_lens, q_lens)
+        x = torch.randn(sum(q_lens), cfg.hidden_size, generator=g)
+        residual = torch.randn(x.shape, generator=g) if with_residual else None
+        out_f = fused.fused_llama_layer(layers[0], x, residual, inp, caches[0][0], cos_sin)
+        assert out_f is not None  # the stack took every packed format
+        out_p = layers[1](x, residual, inp, caches[1], cos_sin)
+        for a, b in zip(out_f, out_p):
+            assert torch.equal(a, b) and a.isfinite().all()
+    assert torch.equal(caches[0], caches[1]) and caches[0].abs().sum() > 0

@@ -111,7 +111,7 @@ def test_kernel_takes_the_named_format_and_checks_its_rows() -> None:
                                            "weight has 68"):
         ops._ext.linear(x, q8, Q4_1, None, False)  # Q8_0 bytes named Q4_1
     with pytest.raises(RuntimeError, match=r"wtype must be 0 \(F32\), 3 \(Q4_1\) or 8"):
-        ops._ext.linear(x, q8, 2, None, False)  # Q4_0: not a kernel format (yet)
+        ops._ext.linear(x, q8, 2, None, False)  # Q4_0: packed only (test_qlinear_q5.py)
     with pytest.raises(RuntimeError, match="must be uint8 GGUF blocks"):
         ops._ext.linear(x, torch.randn(4, 64), Q8_0, None, False)
     with pytest.raises(RuntimeError, match="must be float32"):

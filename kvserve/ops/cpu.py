@@ -15,9 +15,9 @@ Routing, decided per call here and never inside the kernels:
   F.linear (MKL's GEMM wins at large M);
 - linear's kernel: the AVX-512 one when the CPU has AVX-512F, else the AVX2 one; the
   environment variable KVSERVE_CPU_ISA=avx2 (or CpuOps(isa="avx2")) forces the AVX2 one.
-- qlinear (packed GGUF weights x int8 activations, quantization "gguf"): the kernel at every
-  M, the VNNI one where the AVX-512 ISA is chosen and the CPU has VNNI, else the AVX2 one
-  (the same bits either way).
+- qlinear (packed GGUF Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q8_0 weights x int8 activations,
+  quantization "gguf"): the kernel at every M, the VNNI one where the AVX-512 ISA is chosen
+  and the CPU has VNNI, else the AVX2 one (the same bits either way).
 - qlinear_kquant (packed GGUF Q4_K / Q6_K x Q8_K activations): the kernel at every M, VNNI or
   AVX2 as qlinear (the same bits, ggml_kquants.dot_kquant's).
 - otherwise the kernel, with the semantics of the reference docstrings.
@@ -51,7 +51,7 @@ from kvserve.ops.build import (
 from kvserve.ops.reference import ReferenceOps
 from kvserve.quant.base import KernelWeight
 from kvserve.quant.ggml_kquants import Q4_K, Q6_K
-from kvserve.quant.gguf import F32, Q4_1, Q8_0, W8A8
+from kvserve.quant.gguf import F32, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, W8A8
 
 logger = logging.getLogger("kvserve.ops")
 
@@ -81,9 +81,11 @@ SMALL_M_AVX512 = 2048
 # on the dequantized values. Others (bfloat16): the reference.
 KV_CACHE_DTYPES = (torch.float32, torch.float16, torch.int8, torch.uint8)
 # Weight formats (ggml type ids) the kernels read; the caller names the format (wtype).
-KERNEL_WTYPES = (F32, Q4_1, Q8_0)
-# Block formats (ggml type ids) the packed qlinear kernels read.
-PACKED_WTYPES = (Q4_1, Q8_0, W8A8)
+# linear's row kernels (csrc/linear*.cpp, also gguf_exact) read these as stored rows:
+ROW_WTYPES = (F32, Q4_1, Q8_0)
+# qlinear's int8-activation kernels (csrc/qlinear*.cpp) read these packed (gguf.pack; W8A8:
+# Q8_0 records against per-token activations):
+PACKED_WTYPES = (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, W8A8)
 # K-quant formats (ggml type ids) the packed qlinear_kquant kernels read.
 KQUANT_KERNEL_WTYPES = (Q4_K, Q6_K)
 
@@ -96,7 +98,7 @@ def _kernels_read(p: KernelWeight) -> bool:
     if p.weight.dim() == 3:
         return p.weight.dtype == torch.uint8 and p.wtype in PACKED_WTYPES + KQUANT_KERNEL_WTYPES
     return (p.weight.dtype, p.wtype) == (torch.float32, F32) or (
-        p.weight.dtype == torch.uint8 and p.wtype in KERNEL_WTYPES and p.wtype != F32)
+        p.weight.dtype == torch.uint8 and p.wtype in ROW_WTYPES and p.wtype != F32)
 
 
 def cpu_has_avx2_fma() -> bool:
@@ -230,8 +232,8 @@ class CpuOps(ReferenceOps):
                *, wtype: int = F32) -> torch.Tensor:
         """weight: float32 [N, K] (wtype F32), or uint8 GGUF Q4_1 / Q8_0 blocks of the format
         wtype names (kvserve/quant/gguf.py), which the kernels read as stored and dequantize
-        for torch's GEMM at large M."""
-        if (self._ext is None or x.dtype != torch.float32 or wtype not in KERNEL_WTYPES
+        for torch's GEMM at large M. Other block formats (no row kernel): the reference."""
+        if (self._ext is None or x.dtype != torch.float32 or wtype not in ROW_WTYPES
                 or weight.dtype not in (torch.float32, torch.uint8)
                 or (bias is not None and (bias.dtype != torch.float32
                                           or not bias.is_contiguous()))
@@ -248,9 +250,9 @@ class CpuOps(ReferenceOps):
 
     def qlinear(self, x: torch.Tensor, weight: torch.Tensor, n: int,
                 bias: torch.Tensor | None = None, *, wtype: int) -> torch.Tensor:
-        """weight: packed GGUF groups (kvserve/quant/gguf.py pack) of the format wtype names;
-        x is quantized to int8 per 32 values and the kernels (csrc/qlinear*.cpp) give
-        qlinear_reference's bits at any M."""
+        """weight: packed GGUF groups (kvserve/quant/gguf.py pack) of the format wtype names
+        (PACKED_WTYPES: Q4_0, Q4_1, Q5_0, Q5_1, Q8_0); x is quantized to int8 per 32 values and
+        the kernels (csrc/qlinear*.cpp) give qlinear_reference's bits at any M."""
         if (self._ext is None or x.dtype != torch.float32 or x.dim() == 0
                 or wtype not in PACKED_WTYPES
                 or (bias is not None and (bias.dtype != torch.float32

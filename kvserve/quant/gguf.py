@@ -9,14 +9,16 @@ instead of 32. `dequantize` below is the pure-torch reference, itself tested aga
     Q4_1 (ggml type 3), 20 bytes: fp16 d, fp16 m, 16 bytes qs;
          weight j = d * (qs[j] & 15) + m, weight 16 + j = d * (qs[j] >> 4) + m
     Q8_0 (ggml type 8), 34 bytes: fp16 d, 32 int8 q; weight j = d * q[j]
+    Q4_0 (2), Q5_0 (6), Q5_1 (7): 18, 22, 24 bytes, laid out in ggml_blocks.py; only packed
+         (below), never read as rows: ROW_TYPES are the row kernels' formats.
 
 Other GGUF types are dequantized to the model's dtype at load, as before.
 
 Two ways to run the blocks (two registry entries, kvserve/quant/__init__.py):
 
 - "gguf" (the default on the CPU): llama.cpp's arithmetic. The weights are repacked at load
-  (`pack`, same bytes) into groups of 16 rows whose int4/int8 quants interleave 4 at a time,
-  and each activation row is quantized to int8 per 32 values (`quantize_activations`, the
+  (`pack`, same bytes) into groups of 16 rows whose int4/int5/int8 quants interleave 4 at a
+  time, and each activation row is quantized to int8 per 32 values (`quantize_activations`, the
   Q8_1 scheme llama.cpp applies before its quantized dot products). The kernels
   (ops/csrc/qlinear*.cpp) then sum int8 products exactly in int32 per block, with VNNI or
   AVX2, and scale per block in float32: ~4x less compute per weight than dequantizing, and a
@@ -32,6 +34,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 import torch
 from torch import nn
 
+from kvserve.quant import ggml_blocks
 from kvserve.quant.base import (
     KernelWeight,
     LinearMethod,
@@ -46,28 +49,41 @@ from kvserve.quant.base import (
 if TYPE_CHECKING:
     from kvserve.config import EngineConfig
 
-F32, Q4_1, Q8_0 = 0, 3, 8  # ggml type ids: every weight's format is named by one
+F32, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0 = 0, 2, 3, 6, 7, 8  # ggml type ids: one names each format
 BLOCK = 32
-BLOCK_BYTES = {Q4_1: 20, Q8_0: 34}
-TYPE_NAMES = {Q4_1: "Q4_1", Q8_0: "Q8_0"}
+BLOCK_BYTES = {Q4_0: 18, Q4_1: 20, Q5_0: 22, Q5_1: 24, Q8_0: 34}  # a stored block
+TYPE_NAMES = {Q4_0: "Q4_0", Q4_1: "Q4_1", Q5_0: "Q5_0", Q5_1: "Q5_1", Q8_0: "Q8_0"}
+# The formats ops.linear's row kernels read as stored (gguf_exact); the others run packed only.
+ROW_TYPES = (Q4_1, Q8_0)
 # The packed layout: weight rows in groups of GROUP; per (group, block) one record of
-# GROUP * BLOCK_BYTES bytes, so packing costs no memory and the ceiling stays the same:
-#   Q4_1 (320 bytes): d fp16[16], m fp16[16], then 4 chunks c of 64 bytes; byte 4r + j of
-#        chunk c holds row r's quant 4c + j in its low nibble and quant 16 + 4c + j in its high.
-#   Q8_0 (544 bytes): d fp16[16], then 8 chunks c of 64 bytes; byte 4r + j of chunk c is row
-#        r's quant 4c + j plus 128, as uint8 (VNNI multiplies unsigned by signed bytes).
+# GROUP * BLOCK_BYTES bytes, so packing costs no memory and the ceiling stays the same.
+# Offsets [lo, hi) in a record; r < 16 a row, j < 4, c < 4 a chunk; d, m fp16[16] (row r's at
+# 2r); a chunk is 64 bytes whose byte 4r + j belongs to row r:
+#   Q4_1 (320):  [0, 32) d  [32, 64) m  [64, 320) 4 chunks
+#   Q4_0 (288):  [0, 32) d              [32, 288) 4 chunks
+#   Q5_0 (352):  [0, 32) d              [32, 96) qh plane  [96, 352) 4 chunks
+#   Q5_1 (384):  [0, 32) d  [32, 64) m  [64, 128) qh plane  [128, 384) 4 chunks
+#        chunk c, byte 4r + j: row r's stored qs[4c + j], i.e. quant 4c + j in its low nibble
+#        and quant 16 + 4c + j in its high (the low 4 bits, unsigned, for the 5-bit types)
+#        qh plane, byte 4r + j: bit b (b < 8) = bit 4 of row r's quant 4b + j, so chunk c's
+#        low nibbles take bit c and its high nibbles bit 4 + c (a shift, or one vptestmb)
+#   Q8_0 (544):  [0, 32) d  [32, 544) 8 chunks; byte 4r + j of chunk c is row r's quant
+#        4c + j plus 128, as uint8 (VNNI multiplies unsigned by signed bytes).
 # One 64-byte chunk is one vpdpbusd: 16 rows x 4 quants against 4 activation bytes broadcast.
+# Quants stay unsigned (Q4_0 q + 8, Q5_0 q + 16, Q8_0 q + 128 on VNNI); the kernels take back
+# OFFSET * sum(activation quants) per block, so the int32 sums are the signed ones, exact.
 GROUP = 16
 PACKED_BYTES = {q: GROUP * b for q, b in BLOCK_BYTES.items()}
+OFFSET = {Q4_0: 8, Q5_0: 16}
 # K-quant matrices kept packed too (kvserve/quant/kquant_pack.py, ops/csrc/qlinear_kquant*.cpp:
 # Q8_K activations per 256 values) under "gguf"; 256 weights per super-block.
 Q4_K, Q6_K = 12, 14
 KQUANT_TYPES = (Q4_K, Q6_K)
 QK_K = 256
-# What the loader hands over as stored (GGUFWeight) when the method keeps blocks.
-KEPT_TYPES = tuple(BLOCK_BYTES) + KQUANT_TYPES
-# The formats ops.linear's row kernels (gguf_exact) read as stored.
-ROW_TYPES = (Q4_1, Q8_0)
+# What the loader hands over as stored (GGUFWeight) when the method keeps blocks: every type
+# a kernel reads (GGUFLinearMethod keeps Q4_0 / Q5_0 / Q5_1 for int8 activations only, the
+# row kernels of gguf_exact reading ROW_TYPES).
+KEPT_TYPES = tuple(PACKED_BYTES) + KQUANT_TYPES
 # kvserve's own format id (past ggml's), for ops.qlinear: Q8_0 groups whose blocks carry their
 # row's scale (per output channel), against activations quantized per token
 # (quantize_activations_per_token): SmoothQuant's W8A8 (kvserve/quant/smoothquant.py).
@@ -88,11 +104,9 @@ class GGUFWeight(NamedTuple):
     k: int
 
     def dequantize(self) -> torch.Tensor:
-        if self.qtype in ROW_TYPES:
+        if self.qtype in BLOCK_BYTES:
             return dequantize(self.data, self.qtype, self.k)
-        from kvserve.quant.ggml_blocks import dequantize as dequantize_any_type
-
-        return dequantize_any_type(self.data, self.qtype, self.k)
+        return ggml_blocks.dequantize(self.data, self.qtype, self.k)
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -109,6 +123,8 @@ def dequantize(data: torch.Tensor, qtype: int, k: int) -> torch.Tensor:
     """uint8 [rows, K // 32 * block bytes] -> float32 [rows, K], gguf-py's arithmetic."""
     if qtype not in BLOCK_BYTES:
         raise ValueError(f"qtype must be one of {sorted(TYPE_NAMES.values())}, got {qtype}")
+    if qtype not in ROW_TYPES:
+        return ggml_blocks.dequantize(data, qtype, k)
     rows = data.shape[0]
     blocks = data.reshape(rows, k // BLOCK, BLOCK_BYTES[qtype])
     d = blocks[..., 0:2].contiguous().view(torch.float16).float()  # [rows, nb, 1]
@@ -268,43 +284,58 @@ class GGUFExactQuantMethod(GGUFQuantMethod):
     int8_activations = False
 
 
+# Where each stored block keeps its fields: (d, m or None, qh or None, qs), byte offsets.
+_STORED_AT = {Q4_0: (0, None, None, 2), Q4_1: (0, 2, None, 4), Q5_0: (0, None, 2, 6),
+              Q5_1: (0, 2, 4, 8)}
+
+
 def pack(data: torch.Tensor, qtype: int, k: int) -> torch.Tensor:
     """uint8 blocks [N, K // 32 * block bytes] -> the packed layout [ceil(N / 16), K // 32,
     packed bytes]. Rows past N (to fill the last group) are zero blocks: they compute zeros."""
+    if qtype not in PACKED_BYTES:
+        raise ValueError(f"qtype must be one of {sorted(TYPE_NAMES.values())}, got {qtype}")
     n, nb = data.shape[0], k // BLOCK
     groups = -(-n // GROUP)
     blocks = torch.zeros(groups * GROUP, nb, BLOCK_BYTES[qtype], dtype=torch.uint8)
     blocks[:n] = data.reshape(n, nb, BLOCK_BYTES[qtype])
     blocks = blocks.reshape(groups, GROUP, nb, -1).transpose(1, 2)  # [G, nb, 16, bytes]
-    if qtype == Q4_1:
-        scales = blocks[..., 0:4].reshape(groups, nb, GROUP, 2, 2).transpose(2, 3)
-        # [.., r, c, j]: byte 4c + j, which already holds quant 4c + j (low nibble) and
-        # 16 + 4c + j (high), as a packed byte must
-        qs = blocks[..., 4:].reshape(groups, nb, GROUP, 4, 4)
-        chunks = qs.transpose(2, 3)  # [G, nb, c, r, j]
-    else:
-        scales = blocks[..., 0:2]
+    if qtype == Q8_0:
         qs = (blocks[..., 2:].view(torch.int8).to(torch.int16) + 128).to(torch.uint8)
         chunks = qs.reshape(groups, nb, GROUP, 8, 4).transpose(2, 3)
-    return torch.cat([scales.reshape(groups, nb, -1), chunks.reshape(groups, nb, -1)],
-                     dim=-1).contiguous()
+        return torch.cat([blocks[..., 0:2].reshape(groups, nb, -1),
+                          chunks.reshape(groups, nb, -1)], dim=-1).contiguous()
+    d_at, m_at, qh_at, qs_at = _STORED_AT[qtype]
+    parts = [blocks[..., d_at:d_at + 2]]  # d[r] at 2r
+    if m_at is not None:
+        parts.append(blocks[..., m_at:m_at + 2])  # m[r] at 32 + 2r
+    if qh_at is not None:
+        qh = blocks[..., qh_at:qh_at + 4].to(torch.int64)  # little endian: bit i = quant i's
+        qh = qh[..., 0] | qh[..., 1] << 8 | qh[..., 2] << 16 | qh[..., 3] << 24
+        bits = (qh[..., None] >> torch.arange(32)) & 1  # [G, nb, r, 4b + j]
+        plane = (bits.reshape(groups, nb, GROUP, 8, 4) << torch.arange(8)[:, None]).sum(3)
+        parts.append(plane.to(torch.uint8))  # [G, nb, r, j]: bit b = quant 4b + j's bit 4
+    # [.., r, c, j]: byte 4c + j, which already holds quant 4c + j (low nibble) and
+    # 16 + 4c + j (high), as a packed byte must
+    qs = blocks[..., qs_at:qs_at + 16].reshape(groups, nb, GROUP, 4, 4)
+    return torch.cat([p.reshape(groups, nb, -1) for p in parts]
+                     + [qs.transpose(2, 3).reshape(groups, nb, -1)], dim=-1).contiguous()
 
 
 def check_packed(packed: torch.Tensor, qtype: int) -> None:
-    """ValueError unless packed is [groups, nb, record bytes] of the named format."""
+    """ValueError unless packed is uint8 [groups, nb, record bytes] of the named format."""
     qtype = Q8_0 if qtype == W8A8 else qtype  # the same records
     if qtype not in PACKED_BYTES:
         raise ValueError(f"qtype must be one of {sorted(TYPE_NAMES.values())}, got {qtype}")
-    if packed.dim() != 3 or packed.shape[-1] != PACKED_BYTES[qtype]:
-        raise ValueError(f"packed {TYPE_NAMES[qtype]} weights are [groups, K / 32, "
-                         f"{PACKED_BYTES[qtype]}], got {tuple(packed.shape)}")
+    if packed.dtype != torch.uint8 or packed.dim() != 3 or packed.shape[-1] != PACKED_BYTES[qtype]:
+        raise ValueError(f"packed {TYPE_NAMES[qtype]} weights are uint8 [groups, K / 32, "
+                         f"{PACKED_BYTES[qtype]}], got {packed.dtype} {tuple(packed.shape)}")
 
 
 def unpack(packed: torch.Tensor, qtype: int
            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """packed (of the format qtype) -> (quants int32 [G*16, nb, 32], d float32 [G*16, nb],
-    m float32 or None): the integers and scales the kernels compute with (Q8_0 quants signed
-    again)."""
+    m float32 or None): the integers and scales the kernels compute with, signed again where
+    the format is (Q4_0 q - 8, Q5_0 q - 16, Q8_0)."""
     check_packed(packed, qtype)
     qtype = Q8_0 if qtype == W8A8 else qtype
     groups, nb = packed.shape[:2]
@@ -313,14 +344,21 @@ def unpack(packed: torch.Tensor, qtype: int
         h = packed[..., lo:lo + 2 * GROUP].contiguous().view(torch.float16).float()
         return h.transpose(1, 2).reshape(groups * GROUP, nb)
 
-    if qtype == Q4_1:
-        chunks = packed[..., 64:].reshape(groups, nb, 4, GROUP, 4).to(torch.int32)
-        lo, hi = chunks & 15, chunks >> 4  # [G, nb, c, r, j]
-        q = torch.cat([lo, hi], dim=2).permute(0, 3, 1, 2, 4)  # [G, r, nb, 8, 4]
-        return q.reshape(groups * GROUP, nb, BLOCK), half(0), half(32)
-    chunks = packed[..., 32:].reshape(groups, nb, 8, GROUP, 4).to(torch.int32) - 128
-    q = chunks.permute(0, 3, 1, 2, 4).reshape(groups * GROUP, nb, BLOCK)
-    return q, half(0), None
+    if qtype == Q8_0:
+        chunks = packed[..., 32:].reshape(groups, nb, 8, GROUP, 4).to(torch.int32) - 128
+        q = chunks.permute(0, 3, 1, 2, 4).reshape(groups * GROUP, nb, BLOCK)
+        return q, half(0), None
+    has_m, five = qtype in (Q4_1, Q5_1), qtype in (Q5_0, Q5_1)
+    qs_at = 32 + 32 * has_m + 64 * five
+    chunks = packed[..., qs_at:].reshape(groups, nb, 4, GROUP, 4).to(torch.int32)
+    lo, hi = chunks & 15, chunks >> 4  # [G, nb, c, r, j]
+    q = torch.cat([lo, hi], dim=2).permute(0, 3, 1, 2, 4)  # [G, r, nb, 8, 4]: quant 4c + j
+    if five:
+        plane = packed[..., qs_at - 64:qs_at].reshape(groups, nb, GROUP, 4).to(torch.int32)
+        bits = (plane[..., None] >> torch.arange(8, dtype=torch.int32)) & 1  # [G, nb, r, j, b]
+        q = q | bits.permute(0, 2, 1, 4, 3) << 4  # [G, r, nb, b, j]: quant 4b + j's bit 4
+    q = q.reshape(groups * GROUP, nb, BLOCK) - OFFSET.get(qtype, 0)
+    return q, half(0), half(32) if has_m else None
 
 
 def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, ...]:
@@ -357,10 +395,11 @@ def qlinear_reference(x: torch.Tensor, packed: torch.Tensor, qtype: int, n: int,
                       bias: torch.Tensor | None = None) -> torch.Tensor:
     """The packed kernels' result, bit for bit: per output (m, n), blocks b in order,
         acc = acc + float(sum_i qw[n, b, i] * qx[m, b, i]) * (dw[n, b] * dx[m, b])
-        acc = acc + mw[n, b] * s[m, b]                                (Q4_1 only)
-    then + bias[n]. The int sums are exact (float64 holds them), so only the float32
-    operations above, one rounding each, decide the bits. W8A8: the Q8_0 sum over activations
-    quantized per token."""
+        acc = acc + mw[n, b] * s[m, b]                                (Q4_1, Q5_1 only)
+    then + bias[n], acc starting at +0, qw the signed quants `unpack` gives (the kernels sum
+    the unsigned ones and take back OFFSET * sum(qx): the same integer). The int sums are
+    exact (float64 holds them), so only the float32 operations above, one rounding each,
+    decide the bits. W8A8: the Q8_0 sum over activations quantized per token."""
     qw, dw, mw = unpack(packed, qtype)
     lead, k = x.shape[:-1], x.shape[-1]
     quantize = quantize_activations_per_token if qtype == W8A8 else quantize_activations

@@ -484,7 +484,8 @@ def test_gguf_blocks_kept_where_the_kernels_read_them(
     """quantization "gguf_exact" on a file mixing 14 tensor types: a Q8_0 matrix stays in
     blocks, a fused projection whose shards mix formats (q Q4_0, k Q4_1, v Q5_0) and every
     other type are dequantized; the logits equal the all-float model's bit for bit. With
-    "gguf" the same Q8_0 matrix is packed (3-D) and the rest is the same floats."""
+    "gguf" the same Q8_0 matrix is packed (3-D), and so is each format's run of the mixed
+    projection."""
     from kvserve.models import build_model
     from kvserve.ops import get_ops
     from tests.helpers import PagedSequence
@@ -494,8 +495,10 @@ def test_gguf_blocks_kept_where_the_kernels_read_them(
               for q in ("gguf_exact", "none")}
     packed = build_model(ck, get_ops("auto"), torch.float32, "gguf")
     assert packed.layers[1].mlp.down_proj.weight.dim() == 3
-    assert torch.equal(packed.layers[0].self_attn.qkv_proj.weight,
-                       models["none"].layers[0].self_attn.qkv_proj.weight)
+    # The mixed qkv: a packed run per format, each on its kernel (q Q4_0, k Q4_1, v Q5_0).
+    qkv = packed.layers[0].self_attn.qkv_proj
+    assert [(p.wtype, p.rows, p.weight.dim()) for p in qkv.quant_method.kernel_weights(qkv)] == [
+        (2, 256, 3), (3, 128, 3), (6, 128, 3)]
     q = models["gguf_exact"]
     assert q.layers[1].mlp.down_proj.weight.dtype == torch.uint8  # Q8_0, kept
     assert q.layers[0].self_attn.qkv_proj.weight.dtype == torch.float32  # mixed shards

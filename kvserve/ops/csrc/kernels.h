@@ -15,12 +15,18 @@ namespace kvs {
 // d * (qs[j] & 15) + m, weight 16 + j is d * (qs[j] >> 4) + m) and Q8_0 (34 bytes: fp16 d,
 // 32 int8 q; weight j is d * q[j]).
 // The caller names the format (kvserve's LinearMethod knows it): a row length cannot tell
-// formats apart (Q4_0 and Q4_K both take 0.5625 bytes per weight).
+// formats apart (Q4_0 and Q4_K both take 0.5625 bytes per weight). Q4_0, Q5_0 and Q5_1 are
+// packed formats only (qlinear below): no row kernel reads them.
 // W8A8 is kvserve's own id (past ggml's): Q8_0 records whose blocks all carry their row's
 // scale (per output channel), run against activations quantized per token (one scale per
 // row, quantize_acts_per_token): SmoothQuant's W8A8 on the Q8_0 kernels.
-enum class WType : int { F32 = 0, Q4_1 = 3, Q8_0 = 8, W8A8 = 256 };
-int64_t row_bytes(WType wt, int64_t K);  // bytes of one weight row of K weights
+enum class WType : int {
+  F32 = 0, Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q8_0 = 8, W8A8 = 256
+};
+inline bool is_row_format(WType wt) {
+  return wt == WType::F32 || wt == WType::Q4_1 || wt == WType::Q8_0;
+}
+int64_t row_bytes(WType wt, int64_t K);  // bytes of one row of K weights; a row format only
 
 // The KV cache's element type. I8 and FP8_E4M3 are quantized: int8 (-127..127) or the e4m3fn
 // bit pattern (one byte each), with one float32 scale per K / V row of each kv head beside
@@ -69,12 +75,33 @@ void quantize_acts(const float* x, int64_t ldx, int64_t M, int64_t K, int8_t* q,
 void quantize_acts_per_token(const float* x, int64_t ldx, int64_t M, int64_t K, int8_t* q,
                              float* d, float* s, int32_t* sum, int nthreads);
 
-// out[m, n] (n < N; out [M, N] contiguous) from a packed weight w: ceil(N / 16) groups of 16
-// rows, each K / 32 records of 16 * 20 (Q4_1) or 16 * 34 (Q8_0) bytes (the layout is in
-// kvserve/quant/gguf.py). Per (m, n), over blocks b in order, one fp32 rounding per op:
-//   isum = sum_i qw[n, b, i] * q[m, b, i]   (exact, int32)
+// One packed record (16 rows x one block of 32 weights) of a block format, byte offsets of
+// its fields (-1: absent); kvserve/quant/gguf.py draws the layout. d (and m) are fp16[16];
+// a chunk is 64 bytes, byte 4r + j of row r; a quant is stored unsigned, as q + offset.
+//   nibbles: 4 chunks at qs, chunk c = quant 4c + j (low nibble), 16 + 4c + j (high)
+//   qh >= 0: a 64-byte plane, byte 4r + j bit b = bit 4 of quant 4b + j (the 5-bit types)
+//   else (Q8_0): 8 chunks at qs, chunk c = quant 4c + j + 128 as uint8
+struct PackedFormat {
+  int64_t record, m, qh, qs;
+  int32_t offset;
+  bool nibbles;
+};
+constexpr PackedFormat packed_format(WType wt) {
+  switch (wt) {
+    case WType::Q4_0: return {288, -1, -1, 32, 8, true};
+    case WType::Q4_1: return {320, 32, -1, 64, 0, true};
+    case WType::Q5_0: return {352, -1, 32, 96, 16, true};
+    case WType::Q5_1: return {384, 32, 64, 128, 0, true};
+    default: return {544, -1, -1, 32, 128, false};  // Q8_0
+  }
+}
+
+// out[m, n] (n < N; out [M, N] contiguous) from a packed weight w of a block format:
+// ceil(N / 16) groups of 16 rows, each K / 32 records of packed_format(wt).record bytes.
+// Per (m, n), over blocks b in order, one fp32 rounding per op:
+//   isum = sum_i qw[n, b, i] * q[m, b, i]   (exact, int32; qw signed: stored - offset)
 //   acc  = acc + (float)isum * (dw[n, b] * d[m, b])
-//   acc  = acc + mw[n, b] * s[m, b]          (Q4_1 only)
+//   acc  = acc + mw[n, b] * s[m, b]          (Q4_1, Q5_1 only)
 // then out = acc + bias[n] when bias is given. Every tile shape and ISA gives these bits, so
 // the result depends on neither M nor the CPU.
 void qlinear(const QActs& a, const uint8_t* w, WType wt, const float* bias, float* out,

@@ -255,8 +255,7 @@ inline float dequant_one(const uint8_t* row, WType wt, int64_t k) {
 int64_t row_bytes(WType wt, int64_t K) {
   switch (wt) {
     case WType::Q4_1: return K / 32 * 20;
-    case WType::Q8_0:
-    case WType::W8A8: return K / 32 * 34;
+    case WType::Q8_0: return K / 32 * 34;
     default: return K * 4;
   }
 }

@@ -1,19 +1,27 @@
 // Quantized linear on packed GGUF weights, AVX2: out[M, N] = x W^T with x quantized to int8
 // per block of 32 (QActs) and W in the 16-row packed layout of kvserve/quant/gguf.py (`pack`).
 //
-// One record (group g of 16 weight rows, block b of 32 weights) at w + (g * K/32 + b) * RB:
+// One record (group g of 16 weight rows, block b of 32 weights) at w + (g * K/32 + b) * RB,
+// its fields at kernels.h packed_format(wt):
 //
 //   Q4_1, RB = 320:  d fp16[16] | m fp16[16] | chunk 0 | chunk 1 | chunk 2 | chunk 3
+//   Q4_0, RB = 288:  d fp16[16] | chunk 0 .. 3
+//   Q5_0, RB = 352:  d fp16[16] | qh plane | chunk 0 .. 3
+//   Q5_1, RB = 384:  d fp16[16] | m fp16[16] | qh plane | chunk 0 .. 3
 //   Q8_0, RB = 544:  d fp16[16] | chunk 0 | ... | chunk 7
 //   chunk c, 64 bytes:  byte 4r + j (row r = 0..15, j = 0..3) =
-//     Q4_1: quant 4c + j (low nibble), quant 16 + 4c + j (high nibble), unsigned 0..15
+//     nibble formats: quant 4c + j (low nibble), quant 16 + 4c + j (high nibble), unsigned
 //     Q8_0: quant 4c + j + 128, as uint8
+//   qh plane, 64 bytes: byte 4r + j, bit b = bit 4 of row r's quant 4b + j
 //
 // A chunk is two ymm, rows 0..7 and rows 8..15, multiplied against the 4 activation bytes
 // of its quants broadcast to all 8 lanes: maddubs (u8 x s8 -> int16 pairs) then madd with
-// ones (-> int32 per row) gives every row its 4-product sum in its own lane. The int sums are
-// exact in any order; the float part follows kernels.h's order exactly, one rounding per
-// mul or add (-ffp-contract=off, no FMA), so every tile shape here and the VNNI twin agree.
+// ones (-> int32 per row) gives every row its 4-product sum in its own lane. The 5-bit types
+// OR bit 4 in first: chunk c's low nibbles take plane bit c (<< 4 - c), its high nibbles bit
+// 4 + c (>> c). Quants stored unsigned (Q4_0 + 8, Q5_0 + 16) give sum(q * x) + offset *
+// sum(x); the kernel takes back offset * QActs.sum per block. The int sums are exact in any
+// order; the float part follows kernels.h's order exactly, one rounding per mul or add
+// (-ffp-contract=off, no FMA), so every tile shape here and the VNNI twin agree.
 //
 // Parallel split: threads take contiguous ranges of groups (each streams its own slab of the
 // weight); when there are fewer groups than threads, the spare threads split the rows too.
@@ -41,22 +49,43 @@ constexpr int64_t kGroup = 16;
 constexpr int64_t kPrefetchBytes = 8192;
 
 // Format policies. dot<MT>(rec, x, isum): isum[m][h] = int32 lane r = sum over the block of
-// row (8h + r)'s quants times x[m][0..31] (x[m] = activation row m at the block's start).
-struct Q41 {
-  static constexpr int64_t kRecord = 320;
-  static constexpr bool kMin = true;
+// row (8h + r)'s stored quants times x[m][0..31] (x[m] = activation row m at the block's
+// start); tile() takes back kOffset * sum(x).
+template <WType W>
+struct Nibbles {
+  static constexpr PackedFormat F = packed_format(W);
+  static constexpr int64_t kRecord = F.record, kMin = F.m;
+  static constexpr int32_t kOffset = F.offset;
+  static constexpr bool kFive = F.qh >= 0;
   template <int MT>
   static inline void dot(const uint8_t* rec, const int8_t* const* x, __m256i (*isum)[2]) {
-    const __m256i nib = _mm256_set1_epi8(15);
-    // Summed in int16 before widening: an int16 lane gathers 8 maddubs pairs, 16 products
-    // of |q| <= 15 by |x| <= 128, so |sum| <= 30720 < 2^15 (no wrap, no saturation).
+    const __m256i nib = _mm256_set1_epi8(15), bit4 = _mm256_set1_epi8(16);
+    const __m256i ones = _mm256_set1_epi16(1);
+    // Summed in int16 before widening: an int16 lane gathers 8 maddubs pairs (4 chunks) of
+    // 4-bit quants, 16 products of |q| <= 15 by |x| <= 128, so |sum| <= 30720 < 2^15; of
+    // 5-bit ones only 4 pairs (2 chunks): 8 products of q <= 31 by |x| <= 127 (QActs never
+    // holds -128), |sum| <= 31496 (no wrap, no saturation).
+    constexpr int kWiden = kFive ? 2 : 4;
+    __m256i plane[2];
+    if constexpr (kFive) {
+      plane[0] = load256(rec + F.qh);
+      plane[1] = load256(rec + F.qh + 32);
+    }
     __m256i acc[MT][2];
     for (int m = 0; m < MT; ++m) acc[m][0] = acc[m][1] = _mm256_setzero_si256();
     for (int c = 0; c < 4; ++c) {
-      const __m256i r0 = load256(rec + 64 + 64 * c), r1 = load256(rec + 96 + 64 * c);
-      const __m256i lo0 = _mm256_and_si256(r0, nib), lo1 = _mm256_and_si256(r1, nib);
-      const __m256i hi0 = _mm256_and_si256(_mm256_srli_epi16(r0, 4), nib);
-      const __m256i hi1 = _mm256_and_si256(_mm256_srli_epi16(r1, 4), nib);
+      const __m256i r0 = load256(rec + F.qs + 64 * c), r1 = load256(rec + F.qs + 32 + 64 * c);
+      __m256i lo0 = _mm256_and_si256(r0, nib), lo1 = _mm256_and_si256(r1, nib);
+      __m256i hi0 = _mm256_and_si256(_mm256_srli_epi16(r0, 4), nib);
+      __m256i hi1 = _mm256_and_si256(_mm256_srli_epi16(r1, 4), nib);
+      if constexpr (kFive) {
+        // The 16-bit shifts move bits across a lane's two bytes, but never into bit 4 of
+        // either for shifts 0..4; the mask keeps bit 4 only.
+        lo0 = _mm256_or_si256(lo0, _mm256_and_si256(_mm256_slli_epi16(plane[0], 4 - c), bit4));
+        lo1 = _mm256_or_si256(lo1, _mm256_and_si256(_mm256_slli_epi16(plane[1], 4 - c), bit4));
+        hi0 = _mm256_or_si256(hi0, _mm256_and_si256(_mm256_srli_epi16(plane[0], c), bit4));
+        hi1 = _mm256_or_si256(hi1, _mm256_and_si256(_mm256_srli_epi16(plane[1], c), bit4));
+      }
       for (int m = 0; m < MT; ++m) {
         const __m256i xl = bcast4(x[m] + 4 * c), xh = bcast4(x[m] + 16 + 4 * c);
         acc[m][0] = _mm256_add_epi16(acc[m][0], _mm256_add_epi16(_mm256_maddubs_epi16(lo0, xl),
@@ -64,16 +93,21 @@ struct Q41 {
         acc[m][1] = _mm256_add_epi16(acc[m][1], _mm256_add_epi16(_mm256_maddubs_epi16(lo1, xl),
                                                                  _mm256_maddubs_epi16(hi1, xh)));
       }
+      if (c % kWiden == kWiden - 1) {
+        for (int m = 0; m < MT; ++m)
+          for (int h = 0; h < 2; ++h) {
+            const __m256i w = _mm256_madd_epi16(acc[m][h], ones);
+            isum[m][h] = c < kWiden ? w : _mm256_add_epi32(isum[m][h], w);
+            acc[m][h] = _mm256_setzero_si256();
+          }
+      }
     }
-    const __m256i ones = _mm256_set1_epi16(1);
-    for (int m = 0; m < MT; ++m)
-      for (int h = 0; h < 2; ++h) isum[m][h] = _mm256_madd_epi16(acc[m][h], ones);
   }
 };
 
 struct Q80 {
-  static constexpr int64_t kRecord = 544;
-  static constexpr bool kMin = false;
+  static constexpr int64_t kRecord = 544, kMin = -1;
+  static constexpr int32_t kOffset = 0;  // multiplied signed (below): nothing to take back
   template <int MT>
   static inline void dot(const uint8_t* rec, const int8_t* const* x, __m256i (*isum)[2]) {
     // The stored byte (q + 128, up to 255) times x would saturate maddubs' int16 pairs, so
@@ -113,6 +147,12 @@ inline void tile(const QActs& a, int64_t m0, const uint8_t* gw, const float* bia
     for (int m = 0; m < MT; ++m) x[m] = a.q + (m0 + m) * K + b * 32;
     __m256i isum[MT][2];
     Fmt::template dot<MT>(rec, x, isum);
+    if constexpr (Fmt::kOffset != 0)
+      for (int m = 0; m < MT; ++m) {
+        const __m256i off = _mm256_set1_epi32(Fmt::kOffset * a.sum[(m0 + m) * nb + b]);
+        isum[m][0] = _mm256_sub_epi32(isum[m][0], off);
+        isum[m][1] = _mm256_sub_epi32(isum[m][1], off);
+      }
     const __m256 dw[2] = {load_halves8(rec), load_halves8(rec + 16)};
     for (int m = 0; m < MT; ++m) {
       const __m256 dx = _mm256_set1_ps(a.d[(m0 + m) * nb + b]);
@@ -120,8 +160,8 @@ inline void tile(const QActs& a, int64_t m0, const uint8_t* gw, const float* bia
         acc[m][h] = _mm256_add_ps(acc[m][h], _mm256_mul_ps(_mm256_cvtepi32_ps(isum[m][h]),
                                                            _mm256_mul_ps(dw[h], dx)));
     }
-    if constexpr (Fmt::kMin) {
-      const __m256 mw[2] = {load_halves8(rec + 32), load_halves8(rec + 48)};
+    if constexpr (Fmt::kMin >= 0) {
+      const __m256 mw[2] = {load_halves8(rec + Fmt::kMin), load_halves8(rec + Fmt::kMin + 16)};
       for (int m = 0; m < MT; ++m) {
         const __m256 s = _mm256_set1_ps(a.s[(m0 + m) * nb + b]);
         for (int h = 0; h < 2; ++h)
@@ -223,12 +263,17 @@ void run_fmt(const QActs& a, const uint8_t* w, const float* bias, float* out, in
 void qlinear(const QActs& a, const uint8_t* w, WType wt, const float* bias, float* out,
              int64_t N, int nthreads) {
 #if KVS_AVX2
-  if (wt == WType::Q4_1) run_fmt<Q41>(a, w, bias, out, N, nthreads);
-  else run_fmt<Q80>(a, w, bias, out, N, nthreads);
+  switch (wt) {
+    case WType::Q4_0: return run_fmt<Nibbles<WType::Q4_0>>(a, w, bias, out, N, nthreads);
+    case WType::Q4_1: return run_fmt<Nibbles<WType::Q4_1>>(a, w, bias, out, N, nthreads);
+    case WType::Q5_0: return run_fmt<Nibbles<WType::Q5_0>>(a, w, bias, out, N, nthreads);
+    case WType::Q5_1: return run_fmt<Nibbles<WType::Q5_1>>(a, w, bias, out, N, nthreads);
+    default: return run_fmt<Q80>(a, w, bias, out, N, nthreads);
+  }
 #else
   // Scalar: the same integers and the same float operations in the same order.
-  const bool q41 = wt == WType::Q4_1;
-  const int64_t M = a.M, K = a.K, nb = K / 32, rb = q41 ? 320 : 544;
+  const PackedFormat f = packed_format(wt);
+  const int64_t M = a.M, K = a.K, nb = K / 32, rb = f.record;
 #pragma omp parallel for schedule(static) num_threads(nthreads)
   for (int64_t n = 0; n < N; ++n) {
     const int64_t g = n / kGroup, r = n % kGroup;
@@ -240,13 +285,14 @@ void qlinear(const QActs& a, const uint8_t* w, WType wt, const float* bias, floa
         int32_t isum = 0;
         for (int64_t i = 0; i < 32; ++i) {
           const int64_t c = i % 16 / 4, j = i % 4;
-          const int32_t q = q41 ? (rec[64 + 64 * c + 4 * r + j] >> (i < 16 ? 0 : 4)) & 15
-                                : rec[32 + 64 * (i / 4) + 4 * r + j] - 128;
-          isum += q * x[i];
+          int32_t q = f.nibbles ? (rec[f.qs + 64 * c + 4 * r + j] >> (i < 16 ? 0 : 4)) & 15
+                                : rec[f.qs + 64 * (i / 4) + 4 * r + j];
+          if (f.qh >= 0) q |= (rec[f.qh + 4 * r + j] >> (i / 4) & 1) << 4;
+          isum += (q - f.offset) * x[i];
         }
         acc = acc + static_cast<float>(isum) *
                         (half_to_float(load_u16(rec + 2 * r)) * a.d[m * nb + b]);
-        if (q41) acc = acc + half_to_float(load_u16(rec + 32 + 2 * r)) * a.s[m * nb + b];
+        if (f.m >= 0) acc = acc + half_to_float(load_u16(rec + f.m + 2 * r)) * a.s[m * nb + b];
       }
       out[m * N + n] = bias ? acc + bias[n] : acc;
     }

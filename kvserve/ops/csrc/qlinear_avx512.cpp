@@ -5,7 +5,10 @@
 // Why it is fast: a 64-byte chunk of a record is 16 weight rows x 4 quants, and one vpdpbusd
 // multiplies it by 4 activation bytes broadcast to every lane: 64 multiply-adds, landing in
 // 16 int32 lanes that are 16 output rows. No horizontal reduction is ever needed, and the
-// float work (convert, scale, add) happens once per 32 weights instead of per weight.
+// float work (convert, scale, add) happens once per 32 weights instead of per weight. The
+// 5-bit types (Q5_0, Q5_1) stream their bit 4 as a 64-byte plane beside the nibbles (5.5 / 6
+// bits per weight, as stored): one vptestmb per chunk half picks the bytes whose quant has it,
+// and a masked add puts it in before the vpdpbusd.
 //
 // Every tile shape gives the same bits: the int sums are exact, and the float operations per
 // (m, n, block) are fixed by the spec. So the result depends neither on M nor on the ISA
@@ -38,19 +41,21 @@ inline __m512i bcast4(const int8_t* p) {  // 4 activation bytes to every 32-bit 
   return _mm512_set1_epi32(v);
 }
 
-// G consecutive groups (16 rows each) against MT activation rows m0.. of `a`.
+// G consecutive groups (16 rows each) against MT activation rows m0.. of `a`, records of the
+// format W (kernels.h packed_format).
 //   w: the first group's records; gbytes: bytes per group (K / 32 records)
 //   out: out + m0 * ldo + first column; cols: valid columns from there (the last group may be
 //   partial); bias: bias + first column or nullptr.
-template <bool kQ41, int G, int MT, bool kPf>
+template <WType W, int G, int MT, bool kPf>
 inline void tile(const QActs& a, int64_t m0, const uint8_t* w, int64_t gbytes,
                  const float* bias, float* out, int64_t ldo, int64_t cols) {
-  constexpr int64_t kRB = kQ41 ? 320 : 544;
+  constexpr PackedFormat F = packed_format(W);
+  constexpr int64_t kRB = F.record;
   const int64_t K = a.K, nb = K / 32;
   __m512 acc[G][MT];
   for (int g = 0; g < G; ++g)
     for (int m = 0; m < MT; ++m) acc[g][m] = _mm512_setzero_ps();
-  const __m512i nib = _mm512_set1_epi8(15);
+  const __m512i nib = _mm512_set1_epi8(15), bit4 = _mm512_set1_epi8(16);
 
   for (int64_t b = 0; b < nb; ++b) {
     __m512i lo[G][MT], hi[G][MT];  // two int chains per output vector (hide vpdpbusd latency)
@@ -62,11 +67,19 @@ inline void tile(const QActs& a, int64_t m0, const uint8_t* w, int64_t gbytes,
       if constexpr (kPf)
         for (int64_t o = 0; o < kRB; o += 64) _mm_prefetch(reinterpret_cast<const char*>(r) +
                                                            kPrefetchBytes + o, _MM_HINT_T0);
-      if constexpr (kQ41) {
+      if constexpr (F.nibbles) {
+        [[maybe_unused]] const __m512i plane =
+            F.qh >= 0 ? _mm512_loadu_si512(r + F.qh) : _mm512_setzero_si512();
         for (int c = 0; c < 4; ++c) {
-          const __m512i v = _mm512_loadu_si512(r + 64 + 64 * c);
-          const __m512i wl = _mm512_and_si512(v, nib);
-          const __m512i wh = _mm512_and_si512(_mm512_srli_epi16(v, 4), nib);
+          const __m512i v = _mm512_loadu_si512(r + F.qs + 64 * c);
+          __m512i wl = _mm512_and_si512(v, nib);
+          __m512i wh = _mm512_and_si512(_mm512_srli_epi16(v, 4), nib);
+          if constexpr (F.qh >= 0) {  // bit 4: plane bit c (low nibbles), 4 + c (high)
+            wl = _mm512_mask_add_epi8(wl, _mm512_test_epi8_mask(plane, _mm512_set1_epi8(
+                                              static_cast<char>(1 << c))), wl, bit4);
+            wh = _mm512_mask_add_epi8(wh, _mm512_test_epi8_mask(plane, _mm512_set1_epi8(
+                                              static_cast<char>(16 << c))), wh, bit4);
+          }
           for (int m = 0; m < MT; ++m) {
             lo[g][m] = _mm512_dpbusd_epi32(lo[g][m], wl, bcast4(xq + m * K + 4 * c));
             hi[g][m] = _mm512_dpbusd_epi32(hi[g][m], wh, bcast4(xq + m * K + 16 + 4 * c));
@@ -74,8 +87,8 @@ inline void tile(const QActs& a, int64_t m0, const uint8_t* w, int64_t gbytes,
         }
       } else {
         for (int c = 0; c < 8; c += 2) {
-          const __m512i v0 = _mm512_loadu_si512(r + 32 + 64 * c);
-          const __m512i v1 = _mm512_loadu_si512(r + 96 + 64 * c);
+          const __m512i v0 = _mm512_loadu_si512(r + F.qs + 64 * c);
+          const __m512i v1 = _mm512_loadu_si512(r + F.qs + 64 + 64 * c);
           for (int m = 0; m < MT; ++m) {
             lo[g][m] = _mm512_dpbusd_epi32(lo[g][m], v0, bcast4(xq + m * K + 4 * c));
             hi[g][m] = _mm512_dpbusd_epi32(hi[g][m], v1, bcast4(xq + m * K + 4 * c + 4));
@@ -89,14 +102,15 @@ inline void tile(const QActs& a, int64_t m0, const uint8_t* w, int64_t gbytes,
       for (int m = 0; m < MT; ++m) {
         const int64_t mb = (m0 + m) * nb + b;
         __m512i isum = _mm512_add_epi32(lo[g][m], hi[g][m]);
-        // Q8_0 quants were stored + 128: take back 128 * sum(activation quants).
-        if constexpr (!kQ41) isum = _mm512_sub_epi32(isum, _mm512_set1_epi32(128 * a.sum[mb]));
+        // Quants stored unsigned (Q8_0 + 128, Q4_0 + 8, Q5_0 + 16): take back offset * sum(x).
+        if constexpr (F.offset != 0)
+          isum = _mm512_sub_epi32(isum, _mm512_set1_epi32(F.offset * a.sum[mb]));
         const __m512 scale = _mm512_mul_ps(dw, _mm512_set1_ps(a.d[mb]));
         acc[g][m] = _mm512_add_ps(acc[g][m], _mm512_mul_ps(_mm512_cvtepi32_ps(isum), scale));
       }
-      if constexpr (kQ41) {
+      if constexpr (F.m >= 0) {
         const __m512 mw =
-            _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(r + 32)));
+            _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(r + F.m)));
         for (int m = 0; m < MT; ++m)
           acc[g][m] = _mm512_add_ps(
               acc[g][m], _mm512_mul_ps(mw, _mm512_set1_ps(a.s[(m0 + m) * nb + b])));
@@ -117,26 +131,26 @@ inline void tile(const QActs& a, int64_t m0, const uint8_t* w, int64_t gbytes,
 
 // Rows m0 .. m0 + rows - 1 against G groups, MT rows per tile; the first tile streams the
 // weights from DRAM (prefetching), the rest re-read them from L1.
-template <bool kQ41, int G, int MT>
+template <WType W, int G, int MT>
 inline void row_tiles(const QActs& a, int64_t m0, int64_t rows, const uint8_t* w,
                       int64_t gbytes, const float* bias, float* out, int64_t ldo,
                       int64_t cols) {
   int64_t m = 0;
   for (; m + MT <= rows; m += MT) {
-    if (m == 0) tile<kQ41, G, MT, true>(a, m0, w, gbytes, bias, out, ldo, cols);
-    else tile<kQ41, G, MT, false>(a, m0 + m, w, gbytes, bias, out + m * ldo, ldo, cols);
+    if (m == 0) tile<W, G, MT, true>(a, m0, w, gbytes, bias, out, ldo, cols);
+    else tile<W, G, MT, false>(a, m0 + m, w, gbytes, bias, out + m * ldo, ldo, cols);
   }
   if constexpr (MT > 1) {
     if (m < rows)
-      row_tiles<kQ41, G, MT - 1>(a, m0 + m, rows - m, w, gbytes, bias, out + m * ldo, ldo,
+      row_tiles<W, G, MT - 1>(a, m0 + m, rows - m, w, gbytes, bias, out + m * ldo, ldo,
                                  cols);
   }
 }
 
-template <bool kQ41, int G, int MT>
+template <WType W, int G, int MT>
 void run(const QActs& a, const uint8_t* w, const float* bias, float* out, int64_t N,
          int nthreads) {
-  constexpr int64_t kRB = kQ41 ? 320 : 544;
+  constexpr int64_t kRB = packed_format(W).record;
   const int64_t M = a.M, K = a.K, gbytes = K / 32 * kRB;
   const int64_t groups = (N + 15) / 16, tiles = (groups + G - 1) / G;
   // Activation rows per pass over a thread's weight slab: ~256 KB of quants stay in L2.
@@ -150,17 +164,17 @@ void run(const QActs& a, const uint8_t* w, const float* bias, float* out, int64_
     const float* bt = bias ? bias + n0 : nullptr;
     float* ot = out + m0 * N + n0;
     if (g0 + G <= groups) {
-      row_tiles<kQ41, G, MT>(a, m0, mb, wt, gbytes, bt, ot, N, N - n0);
+      row_tiles<W, G, MT>(a, m0, mb, wt, gbytes, bt, ot, N, N - n0);
     } else {  // the last, short tile: one group at a time
       for (int64_t g = g0; g < groups; ++g)
-        row_tiles<kQ41, 1, MT>(a, m0, mb, w + g * gbytes, gbytes,
+        row_tiles<W, 1, MT>(a, m0, mb, w + g * gbytes, gbytes,
                                bias ? bias + g * 16 : nullptr, out + m0 * N + g * 16, N,
                                N - g * 16);
     }
   });
 }
 
-template <bool kQ41>
+template <WType W>
 void run_fmt(const QActs& a, const uint8_t* w, const float* bias, float* out, int64_t N,
              int nthreads) {
   // Tiles (32 zmm): 3 * G * MT accumulators (two int chains and a float sum per output
@@ -168,17 +182,22 @@ void run_fmt(const QActs& a, const uint8_t* w, const float* bias, float* out, in
   // stream (as the float32 kernel at M == 1; 4 groups side by side streamed 12-14% slower
   // on Zen 5, builds alternated over the default model's linears); M < 8: 2 groups x 4 rows;
   // otherwise 1 group x 8 rows, its records re-read from L1 for every 8 rows.
-  if (a.M == 1) run<kQ41, 1, 1>(a, w, bias, out, N, nthreads);
-  else if (a.M < 8) run<kQ41, 2, 4>(a, w, bias, out, N, nthreads);
-  else run<kQ41, 1, 8>(a, w, bias, out, N, nthreads);
+  if (a.M == 1) run<W, 1, 1>(a, w, bias, out, N, nthreads);
+  else if (a.M < 8) run<W, 2, 4>(a, w, bias, out, N, nthreads);
+  else run<W, 1, 8>(a, w, bias, out, N, nthreads);
 }
 
 }  // namespace
 
 void qlinear_avx512(const QActs& a, const uint8_t* w, WType wt, const float* bias, float* out,
                     int64_t N, int nthreads) {
-  if (wt == WType::Q4_1) run_fmt<true>(a, w, bias, out, N, nthreads);
-  else run_fmt<false>(a, w, bias, out, N, nthreads);
+  switch (wt) {
+    case WType::Q4_0: return run_fmt<WType::Q4_0>(a, w, bias, out, N, nthreads);
+    case WType::Q4_1: return run_fmt<WType::Q4_1>(a, w, bias, out, N, nthreads);
+    case WType::Q5_0: return run_fmt<WType::Q5_0>(a, w, bias, out, N, nthreads);
+    case WType::Q5_1: return run_fmt<WType::Q5_1>(a, w, bias, out, N, nthreads);
+    default: return run_fmt<WType::Q8_0>(a, w, bias, out, N, nthreads);
+  }
 }
 
 }  // namespace kvs

@@ -77,20 +77,21 @@ inline torch::Tensor as_int64(const torch::Tensor& t) {
 
 // The ggml type id the caller names -> a format the kernels take.
 inline kvs::WType weight_format(int64_t wtype) {
-  TORCH_CHECK(wtype == static_cast<int>(kvs::WType::F32) ||
-                  wtype == static_cast<int>(kvs::WType::Q4_1) ||
-                  wtype == static_cast<int>(kvs::WType::Q8_0) ||
-                  wtype == static_cast<int>(kvs::WType::W8A8),
-              "wtype must be 0 (F32), 3 (Q4_1), 8 (Q8_0) or 256 (W8A8), got ", wtype);
+  TORCH_CHECK(wtype == 0 || wtype == 2 || wtype == 3 || wtype == 6 || wtype == 7 || wtype == 8 ||
+                  wtype == 256,
+              "wtype must be 0 (F32), 2 (Q4_0), 3 (Q4_1), 6 (Q5_0), 7 (Q5_1), 8 (Q8_0) or 256 "
+              "(W8A8), got ", wtype);
   return static_cast<kvs::WType>(wtype);
 }
 
 // A weight [N, row bytes] in the named format: float32 rows, or uint8 GGUF blocks whose row
 // length must be that format's for K weights.
 inline kvs::WType checked_weight_type(const torch::Tensor& weight, int64_t wtype, int64_t K) {
+  TORCH_CHECK(kvs::is_row_format(static_cast<kvs::WType>(wtype)),
+              "wtype must be 0 (F32), 3 (Q4_1) or 8 (Q8_0) for a weight read as rows, got ",
+              wtype, wtype == 2 || wtype == 6 || wtype == 7 || wtype == 256
+                         ? " (Q4_0 / Q5_0 / Q5_1 / W8A8 run packed only: qlinear)" : "");
   const kvs::WType wt = weight_format(wtype);
-  TORCH_CHECK(wt != kvs::WType::W8A8, "W8A8 (wtype 256) weights are packed groups for "
-              "qlinear, not rows");
   if (wt == kvs::WType::F32) {
     TORCH_CHECK(weight.scalar_type() == torch::kFloat32,
                 "a wtype 0 (F32) weight must be float32, got ", weight.scalar_type());
@@ -108,7 +109,7 @@ inline kvs::WType checked_weight_type(const torch::Tensor& weight, int64_t wtype
 }
 
 // A packed weight [ceil(N / 16), K / 32, 16 x block bytes] (kvserve/quant/gguf.py pack) in
-// the named format, for K inputs and N outputs.
+// the named block format (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0), for K inputs and N outputs.
 inline kvs::WType checked_packed_type(const torch::Tensor& weight, int64_t wtype, int64_t K,
                                       int64_t N) {
   TORCH_CHECK(weight.device().is_cpu() && weight.scalar_type() == torch::kUInt8 &&
@@ -117,7 +118,7 @@ inline kvs::WType checked_packed_type(const torch::Tensor& weight, int64_t wtype
               weight.scalar_type(), " ", weight.sizes());
   const kvs::WType wt = weight_format(wtype);
   TORCH_CHECK(wt != kvs::WType::F32, "a packed weight needs a block format, got wtype 0");
-  const int64_t rb = 16 * kvs::row_bytes(wt, 32);
+  const int64_t rb = kvs::packed_format(wt).record;
   TORCH_CHECK(weight.size(2) == rb, "packed wtype ", wtype, " records take ", rb,
               " bytes, the weight's have ", weight.size(2));
   TORCH_CHECK(K == weight.size(1) * 32, "x [M, K] must have K = ", weight.size(1) * 32,

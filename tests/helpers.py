@@ -158,3 +158,18 @@ def paged_model_input(tables: torch.Tensor, block_size: int, seq_lens: list[int]
                       block_tables=tables, seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
                       query_start_loc=qsl, logits_indices=torch.arange(len(pos)),
                       max_query_len=max(q_lens), max_seq_len=max(seq_lens))
+
+
+def next_token_kl(model: Any, ref: Any, prompt: list[int]) -> tuple[float, float]:
+    """(mean KL(ref || model) of the next-token distributions at every prompt position, the
+    share of positions whose greedy tokens agree), one prefill of the prompt each; asserts
+    the fused C++ stack took model's layers where its ops fuse."""
+    logps = []
+    for m in (model, ref):
+        runner = PagedSequence(m, num_blocks=16, block_size=16)
+        logps.append(torch.log_softmax(runner.forward({runner.new_seq(): prompt})[0], -1))
+    ours, theirs = logps
+    if getattr(model.ops, "fuse_layers", False):
+        assert model.ops._stacks.get(model.layers) is not None
+    kl = float((theirs.exp() * (theirs - ours)).sum(-1).mean())
+    return kl, float((ours.argmax(-1) == theirs.argmax(-1)).float().mean())

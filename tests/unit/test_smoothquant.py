@@ -28,7 +28,7 @@ from kvserve.quant.smoothquant import (
     fake_w8a8,
     smooth_layer,
 )
-from tests.helpers import PagedSequence
+from tests.helpers import next_token_kl
 from tests.unit.test_gptq_awq import _inputs, smol  # noqa: F401  (smol: the fixture)
 
 
@@ -121,16 +121,8 @@ def test_w8a8_at_load_stays_near_float32(smollm2_exact: Any) -> None:
         assert isinstance(lin.quant_method, W8A8LinearMethod)
         assert [p.wtype for p in lin.quant_method.kernel_weights(lin)] == [W8A8]
     prompt = ckpt.tokenizer.encode("The capital of France is Paris, and the capital of Italy")
-    logps = []
-    for m in (model, exact):
-        runner = PagedSequence(m, num_blocks=16, block_size=16)
-        logps.append(torch.log_softmax(runner.forward({runner.new_seq(): prompt})[0], -1))
-    ours, ref = logps
-    if getattr(model.ops, "fuse_layers", False):
-        assert model.ops._stacks.get(model.layers) is not None
-    kl = float((ref.exp() * (ref - ours)).sum(-1).mean())
+    kl, agree = next_token_kl(model, exact, prompt)
     assert 0 < kl < 0.15, kl
-    agree = (ours.argmax(-1) == ref.argmax(-1)).float().mean()
     assert agree >= 0.8, agree
 
 

@@ -1,4 +1,5 @@
-"""GGUF K-quant matrices (Q4_K, Q6_K) repacked for the int8 kernels (ops/csrc/qlinear_kquant*.cpp).
+"""GGUF K-quant matrices (Q4_K, Q5_K, Q6_K) repacked for the int8 kernels
+(ops/csrc/qlinear_kquant*.cpp).
 
 The weight rows go in groups of 16, as the Q4_1 / Q8_0 packing does (kvserve/quant/gguf.py):
 one vpdpbusd multiplies 16 rows x 4 quants (64 bytes) by 4 activation bytes broadcast, and
@@ -10,7 +11,7 @@ Per (group g, super-block i) one record of 16 * (stored record) bytes, at
 packed[g, i]: every field of the stored super-block (ggml_kquants.py documents them) in stored
 order, each transposed over the group's 16 rows in units of u bytes: unit j of row r lies at
 field start + (16 * j + r) * u. So packing moves bytes and adds none (the ceiling stays 4.5 /
-6.5625 bits per weight), and it is one rule for every field:
+5.5 / 6.5625 bits per weight), and it is one rule for every field:
 
     u = 2  fp16 d, dmin:    d[r] at 2r                       (16 halves, one load + cvtph)
     u = 1  scale bytes:     plane j = stored byte j of rows 0..15   (16 bytes, one xmm)
@@ -20,6 +21,11 @@ field start + (16 * j + r) * u. So packing moves bytes and adds none (the ceilin
     [0, 32) d[16]   [32, 64) dmin[16]   [64, 256) 12 scale planes
     [256, 2304) 32 chunks: chunk 8c + l4, byte 4r + j = row r's qs[32c + 4 l4 + j], which holds
                  weight 64c + 4 l4 + j (low nibble, sub-block 2c) and 64c + 32 + 4 l4 + j (high)
+  Q5_K, 176 -> 2816 bytes:
+    [0, 32) d[16]   [32, 64) dmin[16]   [64, 256) 12 scale planes (as Q4_K)
+    [256, 768) 8 qh chunks: chunk l4, byte 4r + j = row r's qh[4 l4 + j], whose bit b is bit 4
+                 of weight 32b + 4 l4 + j: bits 2c and 2c + 1 go with qs chunk 8c + l4's nibbles
+    [768, 2816) 32 qs chunks, as Q4_K's
   Q6_K, 210 -> 3360 bytes:
     [0, 2048) 32 ql chunks: chunk 16h + l4 (l4 < 16): row r's ql[64h + 4 l4 + j]
     [2048, 3072) 16 qh chunks: chunk 8h + l4 (l4 < 8): row r's qh[32h + 4 l4 + j]
@@ -32,12 +38,13 @@ from __future__ import annotations
 
 import torch
 
-from kvserve.quant.ggml_kquants import KQUANT_BYTES, KQUANT_NAMES, Q4_K, Q6_K, QK_K, as_blocks
+from kvserve.quant.ggml_kquants import KQUANT_BYTES, KQUANT_NAMES, Q4_K, Q5_K, Q6_K, QK_K, as_blocks
 
 GROUP = 16
 # (start, stop, unit) of each stored field, in stored order; the packed record keeps the order.
 FIELDS = {
     Q4_K: ((0, 2, 2), (2, 4, 2), (4, 16, 1), (16, 144, 4)),
+    Q5_K: ((0, 2, 2), (2, 4, 2), (4, 16, 1), (16, 48, 4), (48, 176, 4)),
     Q6_K: ((0, 128, 4), (128, 192, 4), (192, 208, 1), (208, 210, 2)),
 }
 PACKED_KQUANT_BYTES = {q: GROUP * KQUANT_BYTES[q] for q in FIELDS}

@@ -8,6 +8,12 @@
 //     plane p = stored scale byte p of rows 0..15; chunk byte 4r + j = row r's qs[32c + 4l4 + j]:
 //     low nibble weight 64c + 4l4 + j (sub-block 2c), high nibble 64c + 32 + 4l4 + j (2c + 1)
 //
+//   Q5_K, 2816 bytes (16 x 176):
+//   0        32       64                  256                    768                    2816
+//   | d[16]  | dmin[16] | 12 scale planes | 8 qh chunks: l4 < 8  | 32 qs chunks as Q4_K's |
+//     qh chunk byte 4r + j = row r's qh[4l4 + j]: its bit 2c is bit 4 of the weight in the low
+//     nibble of qs chunk 8c + l4's byte 4r + j, its bit 2c + 1 that of the high nibble's
+//
 //   Q6_K, 3360 bytes (16 x 210):
 //   0                          2048                        3072              3328     3360
 //   | 32 ql chunks: 16h + l4    | 16 qh chunks: 8h + l4      | 16 scale planes | d[16] |
@@ -26,9 +32,11 @@ namespace kq {
 constexpr int64_t kQK = 256;    // weights per super-block
 constexpr int64_t kGroup = 16;  // rows per record
 constexpr int64_t kQ4KRecord = 2304, kQ4KScales = 64, kQ4KQs = 256;
+constexpr int64_t kQ5KRecord = 2816, kQ5KScales = 64, kQ5KQh = 256, kQ5KQs = 768;
 constexpr int64_t kQ6KRecord = 3360, kQ6KQh = 2048, kQ6KScales = 3072, kQ6KD = 3328;
 
-// Q4_K's 12 scale planes -> 8 scales and 8 mins (6 bits) of rows 0..15, a byte each:
+// Q4_K's (and Q5_K's) 12 scale planes -> 8 scales and 8 mins (6 bits) of rows 0..15, a
+// byte each:
 //   j < 4:  sc[j] = p[j] & 63                    mn[j] = p[4 + j] & 63
 //           sc[j + 4] = p[8 + j] & 15 | (p[j] >> 6) << 4
 //           mn[j + 4] = p[8 + j] >> 4 | (p[4 + j] >> 6) << 4

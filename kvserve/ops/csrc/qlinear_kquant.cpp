@@ -1,5 +1,5 @@
-// Packed GGUF K-quants (Q4_K, Q6_K) against Q8_K activations, AVX2: out[M, N] = x W^T with x
-// quantized to int8 per 256 values (Q8KActs) and W in the 16-row records of kquant.h. The
+// Packed GGUF K-quants (Q4_K, Q5_K, Q6_K) against Q8_K activations, AVX2: out[M, N] = x W^T
+// with x quantized to int8 per 256 values (Q8KActs) and W in the 16-row records of kquant.h. The
 // spec (integer sums, then the float order of ggml_kquants.py dot_kquant) is in kernels.h.
 //
 // A 64-byte chunk of a record is 16 rows x 4 quant bytes: two ymm, rows 0..7 and rows 8..15,
@@ -10,6 +10,9 @@
 //   Q4_K sub-block (32 weights): 8 chunks, their maddubs summed in int16, then one madd by the
 //       row's scale (duplicated in both int16 halves of its lane) -> int32. Bound: an int16
 //       lane gathers 16 products of q <= 15 by |x| <= 127: |sum| <= 30480 < 2^15.
+//   Q5_K sub-block (32 weights): q (0..31) is the Q4_K nibble with bit 4 from its qh chunk;
+//       2 x 4 chunks summed in int16 (|sum| <= 8 * 31 * 127 = 31496 < 2^15), each run madd by
+//       the scale. Mins as Q4_K's.
 //   Q6_K sub-block (16 weights): q + 32 (0..63) is assembled from its nibble and its 2 high
 //       bits, 2 chunks summed in int16 (|sum| <= 4 * 63 * 127 = 32004 < 2^15), madd by the
 //       scale; 32 * sum_s scale_s * bsum_s takes the + 32 back, exactly.
@@ -38,7 +41,12 @@
 namespace kvs {
 
 int64_t kquant_record_bytes(KType kt) {
-  return kt == KType::Q4_K ? kq::kQ4KRecord : kq::kQ6KRecord;
+  switch (kt) {
+    case KType::Q4_K: return kq::kQ4KRecord;
+    case KType::Q5_K: return kq::kQ5KRecord;
+    case KType::Q6_K: return kq::kQ6KRecord;
+  }
+  return 0;
 }
 
 namespace {
@@ -61,13 +69,34 @@ inline __m256i widen_i8(__m128i b, int h) {
 inline __m256i dup16(__m256i v) { return _mm256_blend_epi16(v, _mm256_slli_epi32(v, 16), 0xAA); }
 // An int16 broadcast with zero high halves: madd(v32, bc16(s)) = v32 * s for v32 in int16.
 inline __m256i bc16(int32_t s) { return _mm256_set1_epi32(static_cast<uint16_t>(s)); }
+// Every byte's bit `from` moved to bit `to` (0..7), the other bits left for the caller's mask
+// of bit `to`: a 16-bit shift, and the bits it carries across a lane's two bytes never land
+// there (a right shift fills bit to < 8 - (from - to) of a byte from the byte itself, a left
+// shift bit to >= to - from).
+inline __m256i move_bit(__m256i v, int from, int to) {
+  return from >= to ? _mm256_srli_epi16(v, from - to) : _mm256_slli_epi16(v, to - from);
+}
 
 // Format policies. dot<MT>(rec, x, bs, isum, msum): for activation rows m < MT (x[m]: its
 // quants at the super-block's start, bs[m]: its 16 bsums), isum[m][h] / msum[m][h] = int32
 // lane r = row 8h + r's isum / msum (kernels.h). msum is left unset where kMin is false.
+// kD / kDmin: the record offsets of d[16] / dmin[16].
+// Q4_K / Q5_K: msum[m][h] = sum_s min_s * (the two bsums of sub-block s), rows 8h.. .
+template <int MT>
+inline void min_sums(const __m128i* mn, const int16_t* const* bs, __m256i (*msum)[2]) {
+  for (int m = 0; m < MT; ++m)
+    for (int h = 0; h < 2; ++h) {
+      __m256i acc = _mm256_setzero_si256();
+      for (int s = 0; s < 8; ++s)  // |bsum of 32| <= 32 * 127: an int16
+        acc = _mm256_add_epi32(acc, _mm256_madd_epi16(widen_u8(mn[s], h),
+                                                      bc16(bs[m][2 * s] + bs[m][2 * s + 1])));
+      msum[m][h] = acc;
+    }
+}
+
 struct Q4K {
   static constexpr int64_t kRecord = kq::kQ4KRecord;
-  static constexpr int64_t kD = 0;
+  static constexpr int64_t kD = 0, kDmin = 32;
   static constexpr bool kMin = true;
   template <int MT>
   static inline void dot(const uint8_t* rec, const int8_t* const* x, const int16_t* const* bs,
@@ -105,20 +134,66 @@ struct Q4K {
                                                          _mm256_madd_epi16(hi[m][h], s1)));
       }
     }
-    for (int m = 0; m < MT; ++m)
+    min_sums<MT>(mn, bs, msum);
+  }
+};
+
+struct Q5K {
+  static constexpr int64_t kRecord = kq::kQ5KRecord;
+  static constexpr int64_t kD = 0, kDmin = 32;
+  static constexpr bool kMin = true;
+  template <int MT>
+  static inline void dot(const uint8_t* rec, const int8_t* const* x, const int16_t* const* bs,
+                         __m256i (*isum)[2], __m256i (*msum)[2]) {
+    __m128i sc[8], mn[8];
+    kq::q4k_scales(rec + kq::kQ5KScales, sc, mn);
+    const __m256i nib = _mm256_set1_epi8(15), b4 = _mm256_set1_epi8(16);
+    for (int m = 0; m < MT; ++m) isum[m][0] = isum[m][1] = _mm256_setzero_si256();
+    for (int c = 0; c < 4; ++c) {  // sub-blocks 2c (low nibbles) and 2c + 1 (high)
+      __m256i s0[2], s1[2];
       for (int h = 0; h < 2; ++h) {
-        __m256i acc = _mm256_setzero_si256();
-        for (int s = 0; s < 8; ++s)  // |bsum of 32| <= 32 * 127: an int16
-          acc = _mm256_add_epi32(acc, _mm256_madd_epi16(widen_u8(mn[s], h),
-                                                        bc16(bs[m][2 * s] + bs[m][2 * s + 1])));
-        msum[m][h] = acc;
+        s0[h] = dup16(widen_u8(sc[2 * c], h));
+        s1[h] = dup16(widen_u8(sc[2 * c + 1], h));
       }
+      for (int half = 0; half < 2; ++half) {  // chunks l4 = 4 half .. 4 half + 3
+        __m256i lo[MT][2], hi[MT][2];
+        for (int m = 0; m < MT; ++m)
+          for (int h = 0; h < 2; ++h) lo[m][h] = hi[m][h] = _mm256_setzero_si256();
+        for (int e = 0; e < 4; ++e) {
+          const int l4 = 4 * half + e;
+          const uint8_t* p = rec + kq::kQ5KQs + 64 * (8 * c + l4);
+          const uint8_t* qh = rec + kq::kQ5KQh + 64 * l4;
+          __m256i wl[2], wh[2];
+          for (int h = 0; h < 2; ++h) {
+            const __m256i v = load256(p + 32 * h), b = load256(qh + 32 * h);
+            wl[h] = _mm256_or_si256(_mm256_and_si256(v, nib),
+                                    _mm256_and_si256(move_bit(b, 2 * c, 4), b4));
+            wh[h] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(v, 4), nib),
+                                    _mm256_and_si256(move_bit(b, 2 * c + 1, 4), b4));
+          }
+          for (int m = 0; m < MT; ++m) {
+            const __m256i xl = bcast4(x[m] + 64 * c + 4 * l4);
+            const __m256i xh = bcast4(x[m] + 64 * c + 32 + 4 * l4);
+            for (int h = 0; h < 2; ++h) {
+              lo[m][h] = _mm256_add_epi16(lo[m][h], _mm256_maddubs_epi16(wl[h], xl));
+              hi[m][h] = _mm256_add_epi16(hi[m][h], _mm256_maddubs_epi16(wh[h], xh));
+            }
+          }
+        }
+        for (int m = 0; m < MT; ++m)
+          for (int h = 0; h < 2; ++h)
+            isum[m][h] = _mm256_add_epi32(isum[m][h],
+                                          _mm256_add_epi32(_mm256_madd_epi16(lo[m][h], s0[h]),
+                                                           _mm256_madd_epi16(hi[m][h], s1[h])));
+      }
+    }
+    min_sums<MT>(mn, bs, msum);
   }
 };
 
 struct Q6K {
   static constexpr int64_t kRecord = kq::kQ6KRecord;
-  static constexpr int64_t kD = kq::kQ6KD;
+  static constexpr int64_t kD = kq::kQ6KD, kDmin = 0;
   static constexpr bool kMin = false;
   template <int MT>
   static inline void dot(const uint8_t* rec, const int8_t* const* x, const int16_t* const* bs,
@@ -208,7 +283,8 @@ inline void tile(const Q8KActs& a, int64_t m0, const uint8_t* gw, const float* b
                                                              _mm256_cvtepi32_ps(isum[m][h])));
     }
     if constexpr (Fmt::kMin) {
-      const __m256 dm[2] = {load_halves8(rec + 32), load_halves8(rec + 48)};
+      const __m256 dm[2] = {load_halves8(rec + Fmt::kDmin),
+                            load_halves8(rec + Fmt::kDmin + 16)};
       for (int m = 0; m < MT; ++m) {
         const __m256 xd = _mm256_set1_ps(a.d[(m0 + m) * nsb + i]);
         for (int h = 0; h < 2; ++h)
@@ -340,8 +416,11 @@ void quantize_acts_q8k(const float* x, int64_t ldx, int64_t M, int64_t K, int8_t
 void qlinear_kquant(const Q8KActs& a, const uint8_t* w, KType kt, const float* bias,
                     float* out, int64_t N, int nthreads) {
   if (a.M == 0 || N == 0) return;
-  if (kt == KType::Q4_K) run_fmt<Q4K>(a, w, bias, out, N, nthreads);
-  else run_fmt<Q6K>(a, w, bias, out, N, nthreads);
+  switch (kt) {
+    case KType::Q4_K: return run_fmt<Q4K>(a, w, bias, out, N, nthreads);
+    case KType::Q5_K: return run_fmt<Q5K>(a, w, bias, out, N, nthreads);
+    case KType::Q6_K: return run_fmt<Q6K>(a, w, bias, out, N, nthreads);
+  }
 }
 
 }  // namespace kvs

@@ -1,13 +1,14 @@
-// AVX-512 VNNI kernel for packed GGUF K-quants (Q4_K, Q6_K) against Q8_K activations; the
+// AVX-512 VNNI kernel for packed GGUF K-quants (Q4_K, Q5_K, Q6_K) against Q8_K activations; the
 // spec is in kernels.h, the record layout in kquant.h, the AVX2 twin is qlinear_kquant.cpp.
 //
 // A 64-byte chunk is 16 weight rows x 4 quants, so one vpdpbusd against 4 activation bytes
 // broadcast does 64 multiply-adds into 16 int32 lanes that are the group's 16 output rows;
 // per sub-block the int32 sum is then scaled by each row's scale (vpmulld; a sub-block's sum
-// reaches 60960 (Q4_K) and does not fit the int16 factor of a madd):
+// reaches 60960 (Q4_K), 125984 (Q5_K), and does not fit the int16 factor of a madd):
 //
 //   Q4_K sub-block (32 weights) = 8 chunks x { low nibbles | high nibbles } (sub-blocks 2c,
 //       2c + 1 of chunk row c side by side), 2 dpbusd per chunk, 2 vpmulld per chunk row.
+//   Q5_K: Q4_K's, each nibble with its bit 4 from the qh chunk (q 0..31).
 //   Q6_K sub-block (16 weights) = 4 chunks of q + 32 (0..63, nibble | 2 high bits); its
 //       dpbusd chain starts at -32 * bsum instead of 0, which takes the + 32 back exactly.
 //   Q4_K mins: sum_s min_s * (the two bsums of s), one vpmaddwd per sub-block.
@@ -57,11 +58,30 @@ inline __m512 load_halves16(const uint8_t* p) {  // 16 fp16 -> fp32, exact
 // An int16 broadcast with zero high halves: madd(v32, bc16(s)) = v32 * s for v32 in int16.
 inline __m512i bc16(int32_t s) { return _mm512_set1_epi32(static_cast<uint16_t>(s)); }
 
+// Every byte's bit `from` moved to bit `to` (0..7), the other bits left for the caller's mask
+// of bit `to` (the AVX2 twin's move_bit says why a 16-bit shift is enough).
+inline __m512i move_bit(__m512i v, int from, int to) {
+  return from >= to ? _mm512_srli_epi16(v, from - to) : _mm512_slli_epi16(v, to - from);
+}
+
+// Q4_K / Q5_K: msum[m] = sum_s min_s * (the two bsums of sub-block s).
+template <int MT>
+inline void min_sums(const __m128i* mn, const int16_t* const* bs, __m512i* msum) {
+  for (int m = 0; m < MT; ++m) {
+    __m512i acc = _mm512_setzero_si512();
+    for (int s = 0; s < 8; ++s)  // |bsum of 32| <= 32 * 127: an int16
+      acc = _mm512_add_epi32(acc, _mm512_madd_epi16(_mm512_cvtepu8_epi32(mn[s]),
+                                                    bc16(bs[m][2 * s] + bs[m][2 * s + 1])));
+    msum[m] = acc;
+  }
+}
+
 // dot<MT>(rec, x, bs, isum, msum): isum[m] / msum[m] lane r = row r's isum / msum for
-// activation row m (x[m]: its quants at the super-block, bs[m]: its 16 bsums).
+// activation row m (x[m]: its quants at the super-block, bs[m]: its 16 bsums); kD / kDmin:
+// the record offsets of d[16] / dmin[16].
 struct Q4K {
   static constexpr int64_t kRecord = kq::kQ4KRecord;
-  static constexpr int64_t kD = 0;
+  static constexpr int64_t kD = 0, kDmin = 32;
   static constexpr bool kMin = true;
   template <int MT>
   static inline void dot(const uint8_t* rec, const int8_t* const* x, const int16_t* const* bs,
@@ -88,19 +108,49 @@ struct Q4K {
         isum[m] = _mm512_add_epi32(isum[m], _mm512_add_epi32(_mm512_mullo_epi32(lo[m], s0),
                                                              _mm512_mullo_epi32(hi[m], s1)));
     }
-    for (int m = 0; m < MT; ++m) {
-      __m512i acc = _mm512_setzero_si512();
-      for (int s = 0; s < 8; ++s)  // |bsum of 32| <= 32 * 127: an int16
-        acc = _mm512_add_epi32(acc, _mm512_madd_epi16(_mm512_cvtepu8_epi32(mn[s]),
-                                                      bc16(bs[m][2 * s] + bs[m][2 * s + 1])));
-      msum[m] = acc;
+    min_sums<MT>(mn, bs, msum);
+  }
+};
+
+struct Q5K {
+  static constexpr int64_t kRecord = kq::kQ5KRecord;
+  static constexpr int64_t kD = 0, kDmin = 32;
+  static constexpr bool kMin = true;
+  template <int MT>
+  static inline void dot(const uint8_t* rec, const int8_t* const* x, const int16_t* const* bs,
+                         __m512i* isum, __m512i* msum) {
+    __m128i sc[8], mn[8];
+    kq::q4k_scales(rec + kq::kQ5KScales, sc, mn);
+    const __m512i nib = _mm512_set1_epi8(15), b4 = _mm512_set1_epi8(16);
+    for (int m = 0; m < MT; ++m) isum[m] = _mm512_setzero_si512();
+    for (int c = 0; c < 4; ++c) {  // sub-blocks 2c (low nibbles) and 2c + 1 (high)
+      __m512i lo[MT], hi[MT];
+      for (int m = 0; m < MT; ++m) lo[m] = hi[m] = _mm512_setzero_si512();
+      for (int l4 = 0; l4 < 8; ++l4) {
+        const __m512i v = load512(rec + kq::kQ5KQs + 64 * (8 * c + l4));
+        const __m512i b = load512(rec + kq::kQ5KQh + 64 * l4);
+        const __m512i wl = _mm512_or_si512(_mm512_and_si512(v, nib),
+                                           _mm512_and_si512(move_bit(b, 2 * c, 4), b4));
+        const __m512i wh = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(v, 4), nib),
+                                           _mm512_and_si512(move_bit(b, 2 * c + 1, 4), b4));
+        for (int m = 0; m < MT; ++m) {
+          lo[m] = _mm512_dpbusd_epi32(lo[m], wl, bcast4(x[m] + 64 * c + 4 * l4));
+          hi[m] = _mm512_dpbusd_epi32(hi[m], wh, bcast4(x[m] + 64 * c + 32 + 4 * l4));
+        }
+      }
+      const __m512i s0 = _mm512_cvtepu8_epi32(sc[2 * c]);
+      const __m512i s1 = _mm512_cvtepu8_epi32(sc[2 * c + 1]);
+      for (int m = 0; m < MT; ++m)
+        isum[m] = _mm512_add_epi32(isum[m], _mm512_add_epi32(_mm512_mullo_epi32(lo[m], s0),
+                                                             _mm512_mullo_epi32(hi[m], s1)));
     }
+    min_sums<MT>(mn, bs, msum);
   }
 };
 
 struct Q6K {
   static constexpr int64_t kRecord = kq::kQ6KRecord;
-  static constexpr int64_t kD = kq::kQ6KD;
+  static constexpr int64_t kD = kq::kQ6KD, kDmin = 0;
   static constexpr bool kMin = false;
   template <int MT>
   static inline void dot(const uint8_t* rec, const int8_t* const* x, const int16_t* const* bs,
@@ -174,7 +224,7 @@ inline void tile(const Q8KActs& a, int64_t m0, const uint8_t* gw, const float* b
                                                      _mm512_cvtepi32_ps(isum[m])));
     }
     if constexpr (Fmt::kMin) {
-      const __m512 dm = load_halves16(rec + 32);
+      const __m512 dm = load_halves16(rec + Fmt::kDmin);
       for (int m = 0; m < MT; ++m) {
         const __m512 xd = _mm512_set1_ps(a.d[(m0 + m) * nsb + i]);
         mins[m] = _mm512_sub_ps(mins[m], _mm512_mul_ps(_mm512_mul_ps(dm, xd),
@@ -239,8 +289,11 @@ void run_fmt(const Q8KActs& a, const uint8_t* w, const float* bias, float* out, 
 void qlinear_kquant_avx512(const Q8KActs& a, const uint8_t* w, KType kt, const float* bias,
                            float* out, int64_t N, int nthreads) {
   if (a.M == 0 || N == 0) return;
-  if (kt == KType::Q4_K) run_fmt<Q4K>(a, w, bias, out, N, nthreads);
-  else run_fmt<Q6K>(a, w, bias, out, N, nthreads);
+  switch (kt) {
+    case KType::Q4_K: return run_fmt<Q4K>(a, w, bias, out, N, nthreads);
+    case KType::Q5_K: return run_fmt<Q5K>(a, w, bias, out, N, nthreads);
+    case KType::Q6_K: return run_fmt<Q6K>(a, w, bias, out, N, nthreads);
+  }
 }
 
 }  // namespace kvs

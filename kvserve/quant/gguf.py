@@ -10,7 +10,8 @@ instead of 32. `dequantize` below is the pure-torch reference, itself tested aga
          weight j = d * (qs[j] & 15) + m, weight 16 + j = d * (qs[j] >> 4) + m
     Q8_0 (ggml type 8), 34 bytes: fp16 d, 32 int8 q; weight j = d * q[j]
 
-Other GGUF types are dequantized to the model's dtype at load, as before.
+The K-quants in KQUANT_TYPES stay packed too under "gguf" (kvserve/quant/kquant_pack.py); other
+GGUF types are dequantized to the model's dtype at load, as before.
 
 Two ways to run the blocks (two registry entries, kvserve/quant/__init__.py):
 
@@ -61,8 +62,8 @@ GROUP = 16
 PACKED_BYTES = {q: GROUP * b for q, b in BLOCK_BYTES.items()}
 # K-quant matrices kept packed too (kvserve/quant/kquant_pack.py, ops/csrc/qlinear_kquant*.cpp:
 # Q8_K activations per 256 values) under "gguf"; 256 weights per super-block.
-Q4_K, Q6_K = 12, 14
-KQUANT_TYPES = (Q4_K, Q6_K)
+Q4_K, Q5_K, Q6_K = 12, 13, 14
+KQUANT_TYPES = (Q4_K, Q5_K, Q6_K)
 QK_K = 256
 # What the loader hands over as stored (GGUFWeight) when the method keeps blocks.
 KEPT_TYPES = tuple(BLOCK_BYTES) + KQUANT_TYPES

@@ -50,7 +50,7 @@ from kvserve.ops.build import (
 )
 from kvserve.ops.reference import ReferenceOps
 from kvserve.quant.base import KernelWeight
-from kvserve.quant.ggml_kquants import Q4_K, Q5_K, Q6_K
+from kvserve.quant.ggml_kquants import Q2_K, Q3_K, Q4_K, Q5_K, Q6_K
 from kvserve.quant.gguf import F32, Q4_1, Q8_0, W8A8
 
 logger = logging.getLogger("kvserve.ops")
@@ -85,7 +85,7 @@ KERNEL_WTYPES = (F32, Q4_1, Q8_0)
 # Block formats (ggml type ids) the packed qlinear kernels read.
 PACKED_WTYPES = (Q4_1, Q8_0, W8A8)
 # K-quant formats (ggml type ids) the packed qlinear_kquant kernels read.
-KQUANT_KERNEL_WTYPES = (Q4_K, Q5_K, Q6_K)
+KQUANT_KERNEL_WTYPES = (Q2_K, Q3_K, Q4_K, Q5_K, Q6_K)
 
 
 def _kernels_read(p: KernelWeight) -> bool:
@@ -262,8 +262,9 @@ class CpuOps(ReferenceOps):
     def qlinear_kquant(self, x: torch.Tensor, weight: torch.Tensor, n: int,
                        bias: torch.Tensor | None = None, *, wtype: int) -> torch.Tensor:
         """weight: packed K-quant groups (kvserve/quant/kquant_pack.py pack_kquant) of the
-        format wtype names (Q4_K, Q5_K, Q6_K); x is quantized to Q8_K per 256 values and the kernels
-        (csrc/qlinear_kquant*.cpp) give ReferenceOps.qlinear_kquant's bits at any M."""
+        format wtype names (KQUANT_KERNEL_WTYPES); x is quantized to Q8_K per 256 values and
+        the kernels (csrc/qlinear_kquant*.cpp) give ReferenceOps.qlinear_kquant's bits at any
+        M."""
         if (self._ext is None or x.dtype != torch.float32 or x.dim() == 0
                 or wtype not in KQUANT_KERNEL_WTYPES
                 or (bias is not None and (bias.dtype != torch.float32

@@ -18,6 +18,8 @@ from kvserve.ops.cpu import CpuOps, cpu_has_avx2_fma
 from kvserve.ops.reference import ReferenceOps
 from kvserve.quant.ggml_kquants import (
     KQUANT_BYTES,
+    Q2_K,
+    Q3_K,
     Q4_K,
     Q5_K,
     Q6_K,
@@ -32,9 +34,10 @@ from kvserve.quant.kquant_pack import (
     unpack,
 )
 
-KQ = [Q4_K, Q5_K, Q6_K]
-NAMES = {Q4_K: "Q4_K", Q5_K: "Q5_K", Q6_K: "Q6_K"}
-D_AT = {Q4_K: (0, 2), Q5_K: (0, 2), Q6_K: (208, None)}  # fp16 d and dmin in a stored record
+KQ = [Q2_K, Q3_K, Q4_K, Q5_K, Q6_K]
+NAMES = {Q2_K: "Q2_K", Q3_K: "Q3_K", Q4_K: "Q4_K", Q5_K: "Q5_K", Q6_K: "Q6_K"}
+# fp16 d and dmin in a stored record
+D_AT = {Q2_K: (80, 82), Q3_K: (108, None), Q4_K: (0, 2), Q5_K: (0, 2), Q6_K: (208, None)}
 needs_kernels = pytest.mark.skipif(not cpu_has_avx2_fma(), reason="needs an AVX2+FMA CPU")
 
 
@@ -72,6 +75,15 @@ def test_pack_round_trips_every_byte(qtype: int, n: int) -> None:
 def _stored_offset(qtype: int, at: int) -> int:
     """Offset at in a packed record -> (row r, stored byte) as kquant.h draws it, flattened as
     r * record + byte; written from the diagram, not from pack_kquant's field table."""
+    if qtype in (Q2_K, Q3_K):
+        rb = KQUANT_BYTES[qtype]
+        # (packed start, stored start, unit) of each field, in order, from the diagram
+        q3 = ((0, 0, 4), (512, 32, 4), (1536, 96, 1), (1728, 108, 2))
+        q2 = ((0, 0, 1), (256, 16, 4), (1280, 80, 2), (1312, 82, 2))
+        pstart, sstart, u = [f for f in (q3 if qtype == Q3_K else q2) if f[0] <= at][-1]
+        unit, rest = divmod(at - pstart, 16 * u)  # unit j of rows 0..15
+        r, j = divmod(rest, u)
+        return r * rb + sstart + u * unit + j
     if qtype in (Q4_K, Q5_K):
         rb = KQUANT_BYTES[qtype]
         if at < 64:  # d[16], dmin[16]
@@ -182,13 +194,20 @@ def test_kernel_equals_oracle_bit_for_bit(qlinear_ops: CpuOps, qtype: int, n: in
 
 @pytest.mark.parametrize("qtype", KQ, ids=NAMES.get)
 def test_kernel_at_the_integer_bounds(qlinear_ops: CpuOps, qtype: int) -> None:
-    """Every quant at its largest (Q4_K 15, Q5_K 31, Q6_K 31 or -32) and every activation at
-    +-127: the AVX2 kernel's int16 partial sums at their limits (30480, 31496 and 32004) and
-    Q4_K's / Q5_K's scales and mins at 63."""
+    """Every quant at its largest (Q2_K 3, Q3_K 3 or -4, Q4_K 15, Q5_K 31, Q6_K 31 or -32) and
+    every activation at +-127: the AVX2 kernel's int16 partial sums at their limits (Q4_K
+    30480, Q5_K 31496, Q6_K 32004), every scale and min at its largest (Q3_K: 31 and -32)."""
     n, k = 32, 512
     rb = KQUANT_BYTES[qtype]
     raw = random_blocks(qtype, n, k, seed=9).reshape(n, 2, rb)
-    if qtype in (Q4_K, Q5_K):
+    if qtype == Q2_K:
+        raw[..., 0:16] = 255  # every scale and min 15
+        raw[: n // 2, :, 16:80] = 255  # quants 3
+        raw[n // 2:, :, 16:80] = 0
+    elif qtype == Q3_K:
+        raw[: n // 2, :, 0:108] = 255  # q = 3, scales 63 - 32 = 31
+        raw[n // 2:, :, 0:108] = 0  # q = -4, scales -32
+    elif qtype in (Q4_K, Q5_K):
         raw[..., 4:16] = 255  # every scale and min 63
         raw[: n // 2, :, 16:] = 255  # quants 15 (Q5_K: qh too, 31)
         raw[n // 2:, :, 16:] = 0
@@ -253,8 +272,8 @@ def test_kernel_refuses_bad_shapes_and_formats_by_name() -> None:
     with pytest.raises(RuntimeError, match="packed wtype 14 records take 3360 bytes, the "
                                            "weight's have 2304"):
         ext.qlinear_kquant(x, packed, Q6_K, 20, None, False)
-    with pytest.raises(RuntimeError, match=r"must be 12 \(Q4_K\), 13 \(Q5_K\) or 14 \(Q6_K\), "
-                                           r"got 3"):
+    with pytest.raises(RuntimeError, match=r"must be 10 \(Q2_K\), 11 \(Q3_K\), 12 \(Q4_K\), "
+                                           r"13 \(Q5_K\) or 14 \(Q6_K\), got 3"):
         ext.qlinear_kquant(x, packed, 3, 20, None, False)
     with pytest.raises(RuntimeError, match="contiguous uint8 \\[groups, K / 256"):
         ext.qlinear_kquant(x, packed.view(-1), Q4_K, 20, None, False)

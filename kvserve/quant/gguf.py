@@ -62,8 +62,8 @@ GROUP = 16
 PACKED_BYTES = {q: GROUP * b for q, b in BLOCK_BYTES.items()}
 # K-quant matrices kept packed too (kvserve/quant/kquant_pack.py, ops/csrc/qlinear_kquant*.cpp:
 # Q8_K activations per 256 values) under "gguf"; 256 weights per super-block.
-Q4_K, Q5_K, Q6_K = 12, 13, 14
-KQUANT_TYPES = (Q4_K, Q5_K, Q6_K)
+Q2_K, Q3_K, Q4_K, Q5_K, Q6_K = 10, 11, 12, 13, 14
+KQUANT_TYPES = (Q2_K, Q3_K, Q4_K, Q5_K, Q6_K)
 QK_K = 256
 # What the loader hands over as stored (GGUFWeight) when the method keeps blocks.
 KEPT_TYPES = tuple(BLOCK_BYTES) + KQUANT_TYPES
@@ -225,9 +225,9 @@ def apply_kernel_weights(ops: Any, x: torch.Tensor, parts: list[KernelWeight],
 
 
 class GGUFQuantMethod(QuantMethod):
-    """quantization "gguf": a GGUF file's Q4_1 / Q8_0 matrices kept and packed, run against
-    int8 activations (llama.cpp's arithmetic). The default for a .gguf file in float32 on
-    kvserve's CPU kernels."""
+    """quantization "gguf": a GGUF file's Q4_1 / Q8_0 and K-quant (KQUANT_TYPES) matrices kept
+    and packed, run against int8 activations (llama.cpp's arithmetic). The default for a .gguf
+    file in float32 on kvserve's CPU kernels."""
 
     name = "gguf"
     keeps_quantized = True

@@ -1,7 +1,7 @@
-"""Q4_K_M- and Q5_K_M-like GGUF files under quantization "gguf": every K-quant matrix stays
-packed for the K-quant kernels (a fused projection mixing types in runs of one type each), the
-model's logits stay near the float model's on the same blocks dequantized (what Q8_K activations
-cost), and the fused C++ stack equals the Python layers bit for bit."""
+"""Q4_K_M-, Q5_K_M-, Q3_K_M- and Q2_K-like GGUF files under quantization "gguf": every K-quant
+matrix stays packed for the K-quant kernels (a fused projection mixing types in runs of one
+type each), the model's logits stay near the float model's on the same blocks dequantized (what
+Q8_K activations cost), and the fused C++ stack equals the Python layers bit for bit."""
 
 from __future__ import annotations
 
@@ -37,8 +37,19 @@ def _q5_k_m(i: int) -> dict[str, Q]:
             "ffn_gate": Q.Q5_K, "ffn_up": Q.Q5_K, "ffn_down": more}
 
 
-# file kind -> layer -> tensor -> type; output.weight is Q6_K in both, as llama.cpp writes it
-FILES = {"Q4_K_M": lambda i: Q4_K_M, "Q5_K_M": _q5_k_m}
+def _q3_k_m(i: int) -> dict[str, Q]:
+    down = Q.Q4_K if _use_more_bits(i, N_LAYERS) else Q.Q3_K
+    return {"attn_q": Q.Q3_K, "attn_k": Q.Q3_K, "attn_v": Q.Q5_K, "attn_output": Q.Q4_K,
+            "ffn_gate": Q.Q3_K, "ffn_up": Q.Q3_K, "ffn_down": down}
+
+
+Q2_K_FILE = {"attn_q": Q.Q2_K, "attn_k": Q.Q2_K, "attn_v": Q.Q3_K, "attn_output": Q.Q3_K,
+             "ffn_gate": Q.Q2_K, "ffn_up": Q.Q2_K, "ffn_down": Q.Q3_K}
+
+# file kind -> layer -> tensor -> type, after llama.cpp's choices for 2 layers of 2 KV heads
+# (llama-quant.cpp); output.weight is Q6_K in all, as llama.cpp writes it
+FILES = {"Q4_K_M": lambda i: Q4_K_M, "Q5_K_M": _q5_k_m, "Q3_K_M": _q3_k_m,
+         "Q2_K": lambda i: Q2_K_FILE}
 
 
 def _write(tmp_path: Path, kind: str) -> tuple[Path, dict[str, Q]]:
@@ -103,7 +114,7 @@ def test_k_m_file_runs_packed_and_near_the_float_model(tmp_path: Path, kind: str
                             for w, wt, _start, rows in parts], dim=-1)
         assert torch.equal(y, oracle), name
     # The whole (random-weight) model: errors add up over the layers (measured 0.068 Q4_K_M,
-    # 0.094 Q5_K_M).
+    # 0.094 Q5_K_M, 0.067 Q3_K_M, 0.026 Q2_K).
     prompt = [5, 9, 2, 7, 1, 3, 200, 11]
     logits = []
     for m in (packed, floats):
@@ -117,11 +128,12 @@ def test_k_m_file_runs_packed_and_near_the_float_model(tmp_path: Path, kind: str
 @pytest.mark.parametrize("bias", [False, True], ids=["no_bias", "qkv_bias"])
 def test_fused_stack_runs_mixed_k_quant_layers_as_the_python_layers_do(
         qlinear_ops: CpuOps, tmp_path: Path, bias: bool, kind: str) -> None:
-    """The fused C++ stack takes a Q4_K_M layer (its qkv two runs, Q4_K then Q6_K), or a
-    Q5_K_M one (one Q5_K run, or Q5_K then Q6_K), and gives the Python layers' logits bit for
-    bit on the same kernels: a prefill of two sequences (M > 1: each run's rows go into place
-    through the scratch), then decode steps of one (M = 1: straight into place); with a qkv
-    bias (Qwen2's) split between the runs too."""
+    """The fused C++ stack takes a Q4_K_M layer (its qkv two runs, Q4_K then Q6_K), a Q5_K_M
+    one (one Q5_K run, or Q5_K then Q6_K), a Q3_K_M or Q2_K one (Q3_K then Q5_K, Q2_K then
+    Q3_K), and gives the Python layers' logits bit for bit on the same kernels: a prefill of
+    two sequences (M > 1: each run's rows go into place through the scratch), then decode
+    steps of one (M = 1: straight into place); with a qkv bias (Qwen2's) split between the
+    runs too."""
     path, _types = _write(tmp_path, kind)
     ck = load_checkpoint(str(path))
     fused_ops = CpuOps(isa=qlinear_ops.isa, fuse_layers=True)

@@ -1,5 +1,5 @@
-// Packed GGUF K-quants (Q2_K..Q6_K) against Q8_K activations, AVX2: out[M, N] = x W^T
-// with x quantized to int8 per 256 values (Q8KActs) and W in the 16-row records of kquant.h. The
+// Packed GGUF K-quants (Q2_K..Q6_K) against Q8_K activations, AVX2: out[M, N] = x W^T with x
+// quantized to int8 per 256 values (Q8KActs) and W in the 16-row records of kquant.h. The
 // spec (integer sums, then the float order of ggml_kquants.py dot_kquant) is in kernels.h.
 //
 // A 64-byte chunk of a record is 16 rows x 4 quant bytes: two ymm, rows 0..7 and rows 8..15,
@@ -90,6 +90,7 @@ inline __m256i move_bit(__m256i v, int from, int to) {
 // lane r = row 8h + r's isum / msum (kernels.h). msum is left unset where kMin is false.
 // kD / kDmin: the record offsets of d[16] / dmin[16]; kJoint: Q2_K's float order (one sum of
 // dw * isum - dm * msum) instead of separate sums and mins.
+
 // Q2_K / Q3_K: weight 128h + 32c + 4l4 + j (sub-block 8h + 2c + l4 / 4) has its 2 low bits at
 // bits 2c of qs chunk 8h + l4 (kquant.h). isum[m][r] += sum over the 16 sub-blocks of
 // scale_s * sum_{j in s} u_j * x_j, for u = Bits::get(rec, h, c, l4, r) (0..7) and the

@@ -83,6 +83,7 @@ inline void min_sums(const __m128i* mn, const int16_t* const* bs, __m512i* msum)
 // dot<MT>(rec, x, bs, isum, msum): isum[m] / msum[m] lane r = row r's isum / msum for
 // activation row m (x[m]: its quants at the super-block, bs[m]: its 16 bsums); kD / kDmin:
 // the record offsets of d[16] / dmin[16]; kJoint: Q2_K's float order (kernels.h).
+
 // Q2_K / Q3_K (kquant.h): weight 128h + 32c + 4l4 + j, sub-block 8h + 2c + l4 / 4, has its
 // 2 low bits at bits 2c of qs chunk 8h + l4. isum[m] = sum_s scale_s * (start_s + sum_{j in s}
 // u_j * x_j), u = Bits::get(rec, h, c, l4) (0..7), each sub-block's chain from start(m, s).

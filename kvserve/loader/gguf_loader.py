@@ -3,8 +3,8 @@
 Read with kvserve.loader.gguf_reader (a memmap, so opening costs little memory; ~15x faster
 than gguf.GGUFReader on a large vocabulary) and dequantized one tensor at a time with
 gguf.quants.dequantize: every type the installed gguf package can dequantize is supported
-(F32, F16, BF16, Q4_0/1, Q5_0/1, Q8_0, Q2_K..Q6_K, and more). With keep_quantized, Q4_1 and
-Q8_0 matrices are handed over as stored (kvserve/quant/gguf.py).
+(F32, F16, BF16, Q4_0/1, Q5_0/1, Q8_0, Q2_K..Q6_K, and more). With keep_quantized, the
+matrices of kvserve/quant/gguf.py's KEPT_TYPES are handed over as stored.
 
 Shapes: GGUF lists dims fastest-first, so a GGUF [in, out] tensor is the HF [out, in] matrix.
 
@@ -292,7 +292,7 @@ class GGUFCheckpoint:
 
     def weights(self, keep_quantized: bool = False
                 ) -> Iterator[tuple[str, torch.Tensor | GGUFWeight]]:
-        """(HF name, float32 tensor) pairs; with keep_quantized, the Q4_1 / Q8_0 matrices come
+        """(HF name, float32 tensor) pairs; with keep_quantized, the KEPT_TYPES matrices come
         as GGUFWeight blocks instead (rows un-permuted like the floats), for the model's
         GGUFLinearMethod layers to keep and the rest to dequantize."""
         for t in self.reader.tensors:

@@ -15,11 +15,11 @@ Routing, decided per call here and never inside the kernels:
   F.linear (MKL's GEMM wins at large M);
 - linear's kernel: the AVX-512 one when the CPU has AVX-512F, else the AVX2 one; the
   environment variable KVSERVE_CPU_ISA=avx2 (or CpuOps(isa="avx2")) forces the AVX2 one.
-- qlinear (packed GGUF Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q8_0 weights x int8 activations,
-  quantization "gguf"): the kernel at every M, the VNNI one where the AVX-512 ISA is chosen
-  and the CPU has VNNI, else the AVX2 one (the same bits either way).
-- qlinear_kquant (packed GGUF Q4_K / Q6_K x Q8_K activations): the kernel at every M, VNNI or
-  AVX2 as qlinear (the same bits, ggml_kquants.dot_kquant's).
+- qlinear (packed GGUF Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q8_0 weights, or W8A8, x int8
+  activations): the kernel at every M, the VNNI one where the AVX-512 ISA is chosen and the
+  CPU has VNNI, else the AVX2 one (the same bits either way).
+- qlinear_kquant (packed GGUF K-quants x Q8_K activations, KQUANT_KERNEL_WTYPES): the kernel
+  at every M, VNNI or AVX2 as qlinear (the same bits, ggml_kquants.dot_kquant's).
 - otherwise the kernel, with the semantics of the reference docstrings.
 """
 
@@ -50,7 +50,7 @@ from kvserve.ops.build import (
 )
 from kvserve.ops.reference import ReferenceOps
 from kvserve.quant.base import KernelWeight
-from kvserve.quant.ggml_kquants import Q4_K, Q6_K
+from kvserve.quant.ggml_kquants import Q2_K, Q3_K, Q4_K, Q5_K, Q6_K
 from kvserve.quant.gguf import F32, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, W8A8
 
 logger = logging.getLogger("kvserve.ops")
@@ -87,7 +87,7 @@ ROW_WTYPES = (F32, Q4_1, Q8_0)
 # Q8_0 records against per-token activations):
 PACKED_WTYPES = (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, W8A8)
 # K-quant formats (ggml type ids) the packed qlinear_kquant kernels read.
-KQUANT_KERNEL_WTYPES = (Q4_K, Q6_K)
+KQUANT_KERNEL_WTYPES = (Q2_K, Q3_K, Q4_K, Q5_K, Q6_K)
 
 
 def _kernels_read(p: KernelWeight) -> bool:
@@ -264,8 +264,9 @@ class CpuOps(ReferenceOps):
     def qlinear_kquant(self, x: torch.Tensor, weight: torch.Tensor, n: int,
                        bias: torch.Tensor | None = None, *, wtype: int) -> torch.Tensor:
         """weight: packed K-quant groups (kvserve/quant/kquant_pack.py pack_kquant) of the
-        format wtype names (Q4_K, Q6_K); x is quantized to Q8_K per 256 values and the kernels
-        (csrc/qlinear_kquant*.cpp) give ReferenceOps.qlinear_kquant's bits at any M."""
+        format wtype names (KQUANT_KERNEL_WTYPES); x is quantized to Q8_K per 256 values and
+        the kernels (csrc/qlinear_kquant*.cpp) give ReferenceOps.qlinear_kquant's bits at any
+        M."""
         if (self._ext is None or x.dtype != torch.float32 or x.dim() == 0
                 or wtype not in KQUANT_KERNEL_WTYPES
                 or (bias is not None and (bias.dtype != torch.float32

@@ -76,7 +76,7 @@ class ReferenceOps:
     def qlinear_kquant(x: torch.Tensor, weight: torch.Tensor, n: int,
                        bias: torch.Tensor | None = None, *, wtype: int) -> torch.Tensor:
         """weight: packed K-quant groups [ceil(n / 16), K / 256, record bytes] of the ggml type
-        wtype (Q4_K or Q6_K; kvserve/quant/kquant_pack.py); x quantized to Q8_K per 256 values
+        wtype (kvserve/quant/kquant_pack.py FIELDS); x quantized to Q8_K per 256 values
         as llama.cpp does, the integer dot products scaled in ggml_kquants.dot_kquant's float
         order, then + bias[n]."""
         from kvserve.quant.ggml_kquants import dot_kquant, quantize_activations_q8_k

@@ -12,7 +12,8 @@ instead of 32. `dequantize` below is the pure-torch reference, itself tested aga
     Q4_0 (2), Q5_0 (6), Q5_1 (7): 18, 22, 24 bytes, laid out in ggml_blocks.py; only packed
          (below), never read as rows: ROW_TYPES are the row kernels' formats.
 
-Other GGUF types are dequantized to the model's dtype at load, as before.
+The K-quants in KQUANT_TYPES stay packed too under "gguf" (kvserve/quant/kquant_pack.py); other
+GGUF types are dequantized to the model's dtype at load, as before.
 
 Two ways to run the blocks (two registry entries, kvserve/quant/__init__.py):
 
@@ -77,8 +78,8 @@ PACKED_BYTES = {q: GROUP * b for q, b in BLOCK_BYTES.items()}
 OFFSET = {Q4_0: 8, Q5_0: 16}
 # K-quant matrices kept packed too (kvserve/quant/kquant_pack.py, ops/csrc/qlinear_kquant*.cpp:
 # Q8_K activations per 256 values) under "gguf"; 256 weights per super-block.
-Q4_K, Q6_K = 12, 14
-KQUANT_TYPES = (Q4_K, Q6_K)
+Q2_K, Q3_K, Q4_K, Q5_K, Q6_K = 10, 11, 12, 13, 14
+KQUANT_TYPES = (Q2_K, Q3_K, Q4_K, Q5_K, Q6_K)
 QK_K = 256
 # What the loader hands over as stored (GGUFWeight) when the method keeps blocks: every type
 # a kernel reads (GGUFLinearMethod keeps Q4_0 / Q5_0 / Q5_1 for int8 activations only, the
@@ -250,9 +251,9 @@ def apply_kernel_weights(ops: Any, x: torch.Tensor, parts: list[KernelWeight],
 
 
 class GGUFQuantMethod(QuantMethod):
-    """quantization "gguf": a GGUF file's Q4_1 / Q8_0 matrices kept and packed, run against
-    int8 activations (llama.cpp's arithmetic). The default for a .gguf file in float32 on
-    kvserve's CPU kernels."""
+    """quantization "gguf": a GGUF file's Q4_1 / Q8_0 and K-quant (KQUANT_TYPES) matrices kept
+    and packed, run against int8 activations (llama.cpp's arithmetic). The default for a .gguf
+    file in float32 on kvserve's CPU kernels."""
 
     name = "gguf"
     keeps_quantized = True

@@ -1,7 +1,7 @@
-"""A Q4_K_M-like GGUF file (q, k, o, gate, up Q4_K; v, down, output Q6_K) under quantization
-"gguf": every K-quant matrix stays packed for the K-quant kernels (a fused projection mixing
-Q4_K and Q6_K in runs of one type each), and the model's logits stay near the float model's
-on the same blocks dequantized (what Q8_K activations cost)."""
+"""Q4_K_M-, Q5_K_M-, Q3_K_M- and Q2_K-like GGUF files under quantization "gguf": every K-quant
+matrix stays packed for the K-quant kernels (a fused projection mixing types in runs of one
+type each), the model's logits stay near the float model's on the same blocks dequantized (what
+Q8_K activations cost), and the fused C++ stack equals the Python layers bit for bit."""
 
 from __future__ import annotations
 
@@ -16,44 +16,95 @@ from kvserve.models import build_model
 from kvserve.ops import get_ops
 from kvserve.ops.cpu import CpuOps
 from kvserve.ops.reference import ReferenceOps
-from kvserve.quant.gguf import Q4_K, Q6_K, GGUFLinearMethod
+from kvserve.quant.gguf import GGUFLinearMethod
 from tests.helpers import PagedSequence
 from tests.unit.test_loader import write_gguf
 
+N_LAYERS = 2
 Q4_K_M = {"attn_q": Q.Q4_K, "attn_k": Q.Q4_K, "attn_v": Q.Q6_K, "attn_output": Q.Q4_K,
           "ffn_gate": Q.Q4_K, "ffn_up": Q.Q4_K, "ffn_down": Q.Q6_K}
+
+
+def _use_more_bits(i: int, n: int) -> bool:
+    """llama.cpp's rule (llama-quant.cpp) for the layers whose attn_v / ffn_down a _M file
+    keeps at Q6_K: of 2 layers, the last."""
+    return i < n // 8 or i >= 7 * n // 8 or (i - n // 8) % 3 == 2
+
+
+def _q5_k_m(i: int) -> dict[str, Q]:
+    more = Q.Q6_K if _use_more_bits(i, N_LAYERS) else Q.Q5_K
+    return {"attn_q": Q.Q5_K, "attn_k": Q.Q5_K, "attn_v": more, "attn_output": Q.Q5_K,
+            "ffn_gate": Q.Q5_K, "ffn_up": Q.Q5_K, "ffn_down": more}
+
+
+def _q3_k_m(i: int) -> dict[str, Q]:
+    down = Q.Q4_K if _use_more_bits(i, N_LAYERS) else Q.Q3_K
+    return {"attn_q": Q.Q3_K, "attn_k": Q.Q3_K, "attn_v": Q.Q5_K, "attn_output": Q.Q4_K,
+            "ffn_gate": Q.Q3_K, "ffn_up": Q.Q3_K, "ffn_down": down}
+
+
+Q2_K_FILE = {"attn_q": Q.Q2_K, "attn_k": Q.Q2_K, "attn_v": Q.Q3_K, "attn_output": Q.Q3_K,
+             "ffn_gate": Q.Q2_K, "ffn_up": Q.Q2_K, "ffn_down": Q.Q3_K}
+
+# file kind -> layer -> tensor -> type, after llama.cpp's choices for 2 layers of 2 KV heads
+# (llama-quant.cpp); output.weight is Q6_K in all, as llama.cpp writes it
+FILES = {"Q4_K_M": lambda i: Q4_K_M, "Q5_K_M": _q5_k_m, "Q3_K_M": _q3_k_m,
+         "Q2_K": lambda i: Q2_K_FILE}
+
+
+def _write(tmp_path: Path, kind: str) -> tuple[Path, dict[str, Q]]:
+    types = {f"blk.{i}.{t}.weight": q for i in range(N_LAYERS) for t, q in FILES[kind](i).items()}
+    types["output.weight"] = Q.Q6_K
+    path = tmp_path / f"{kind.lower()}.gguf"
+    write_gguf(path, n_layers=N_LAYERS, types=types)
+    return path, types
+
+
+def _runs(types: list[Q], rows: list[int]) -> list[tuple[int, int, int]]:
+    """Shards of these types and row counts -> (type, first row, rows) of each run of one
+    type, in order: the parts a GGUFLinearMethod must keep."""
+    runs: list[tuple[int, int, int]] = []
+    start = 0
+    for t, n in zip(types, rows, strict=True):
+        if runs and runs[-1][0] == int(t):
+            runs[-1] = (runs[-1][0], runs[-1][1], runs[-1][2] + n)
+        else:
+            runs.append((int(t), start, n))
+        start += n
+    return runs
 
 
 def _wtypes(lin: torch.nn.Module) -> list[int]:
     return [p.wtype for p in lin.quant_method.kernel_weights(lin)]
 
 
-def test_q4_k_m_runs_packed_and_near_the_float_model(tmp_path: Path) -> None:
-    types = {f"blk.{i}.{t}.weight": q for i in range(2) for t, q in Q4_K_M.items()}
-    types["output.weight"] = Q.Q6_K
-    path = tmp_path / "q4km.gguf"
-    write_gguf(path, types=types)
+@pytest.mark.parametrize("kind", list(FILES))
+def test_k_m_file_runs_packed_and_near_the_float_model(tmp_path: Path, kind: str) -> None:
+    path, types = _write(tmp_path, kind)
     ck = load_checkpoint(str(path))
     packed = build_model(ck, get_ops("auto"), torch.float32, "gguf")
     floats = build_model(ck, get_ops("auto"), torch.float32, "none")
-    for layer in packed.layers:
+    for i, layer in enumerate(packed.layers):
+        t = {name: types[f"blk.{i}.{name}.weight"] for name in Q4_K_M}
         qkv = layer.self_attn.qkv_proj.quant_method
         assert isinstance(qkv, GGUFLinearMethod)
-        # q and k (Q4_K) pack together, v (Q6_K) on its own, rows in order.
-        q_rows = layer.self_attn.q_size
-        kv = layer.self_attn.kv_size
-        assert [(wt, start, rows) for _w, wt, start, rows in qkv.parts] == [
-            (Q4_K, 0, q_rows + kv), (Q6_K, q_rows + kv, kv)]
-        assert _wtypes(layer.mlp.gate_up_proj) == [Q4_K]
+        # q and k pack together, v with them where it is of their type, rows in order
+        q_rows, kv = layer.self_attn.q_size, layer.self_attn.kv_size
+        assert [(wt, start, rows) for _w, wt, start, rows in qkv.parts] == _runs(
+            [t["attn_q"], t["attn_k"], t["attn_v"]], [q_rows, kv, kv])
+        assert _wtypes(layer.mlp.gate_up_proj) == [t["ffn_gate"]]
         assert layer.mlp.gate_up_proj.weight.dim() == 3  # packed 16-row groups
-        assert _wtypes(layer.mlp.down_proj) == [Q6_K]
-        assert _wtypes(layer.self_attn.o_proj) == [Q4_K]
-    assert _wtypes(packed.lm_head) == [Q6_K]
+        assert _wtypes(layer.mlp.down_proj) == [t["ffn_down"]]
+        assert _wtypes(layer.self_attn.o_proj) == [t["attn_output"]]
+    assert _wtypes(packed.lm_head) == [Q.Q6_K]
+    if kind == "Q5_K_M":  # both shapes of qkv: one Q5_K run, then Q5_K and Q6_K runs
+        assert [len(la.self_attn.qkv_proj.quant_method.parts) for la in packed.layers] == [1, 2]
     # Each packed linear: the K-quant oracle's bits, within ~1% of the float linear on the
     # same blocks dequantized (what Q8_K activations cost; measured 0.5-1%).
     g = torch.Generator().manual_seed(0)
-    for name in ("layers.0.self_attn.qkv_proj", "layers.1.mlp.gate_up_proj",
-                 "layers.1.mlp.down_proj", "layers.0.self_attn.o_proj", "lm_head"):
+    for name in ("layers.0.self_attn.qkv_proj", "layers.1.self_attn.qkv_proj",
+                 "layers.1.mlp.gate_up_proj", "layers.0.mlp.down_proj", "layers.1.mlp.down_proj",
+                 "layers.0.self_attn.o_proj", "lm_head"):
         ours, ref = packed.get_submodule(name), floats.get_submodule(name)
         x = torch.randn(4, ours.in_features, generator=g)
         y, want = ours(x), ref(x)
@@ -62,7 +113,8 @@ def test_q4_k_m_runs_packed_and_near_the_float_model(tmp_path: Path) -> None:
         oracle = torch.cat([ReferenceOps.qlinear_kquant(x, w, rows, wtype=wt)
                             for w, wt, _start, rows in parts], dim=-1)
         assert torch.equal(y, oracle), name
-    # The whole (random-weight) model: errors add up over the layers (measured 0.068).
+    # The whole (random-weight) model: errors add up over the layers (measured 0.068 Q4_K_M,
+    # 0.094 Q5_K_M, 0.067 Q3_K_M, 0.026 Q2_K).
     prompt = [5, 9, 2, 7, 1, 3, 200, 11]
     logits = []
     for m in (packed, floats):
@@ -72,17 +124,17 @@ def test_q4_k_m_runs_packed_and_near_the_float_model(tmp_path: Path) -> None:
     assert 0 < err < 0.12, err
 
 
+@pytest.mark.parametrize("kind", list(FILES))
 @pytest.mark.parametrize("bias", [False, True], ids=["no_bias", "qkv_bias"])
 def test_fused_stack_runs_mixed_k_quant_layers_as_the_python_layers_do(
-        qlinear_ops: CpuOps, tmp_path: Path, bias: bool) -> None:
-    """The fused C++ stack takes a Q4_K_M layer (its qkv two runs, Q4_K then Q6_K) and gives
-    the Python layers' logits bit for bit on the same kernels: a prefill of two sequences
-    (M > 1: each run's rows go into place through the scratch), then decode steps of one
-    (M = 1: straight into place); with a qkv bias (Qwen2's) split between the runs too."""
-    types = {f"blk.{i}.{t}.weight": q for i in range(2) for t, q in Q4_K_M.items()}
-    types["output.weight"] = Q.Q6_K
-    path = tmp_path / "q4km.gguf"
-    write_gguf(path, types=types)
+        qlinear_ops: CpuOps, tmp_path: Path, bias: bool, kind: str) -> None:
+    """The fused C++ stack takes a Q4_K_M layer (its qkv two runs, Q4_K then Q6_K), a Q5_K_M
+    one (one Q5_K run, or Q5_K then Q6_K), a Q3_K_M or Q2_K one (Q3_K then Q5_K, Q2_K then
+    Q3_K), and gives the Python layers' logits bit for bit on the same kernels: a prefill of
+    two sequences (M > 1: each run's rows go into place through the scratch), then decode
+    steps of one (M = 1: straight into place); with a qkv bias (Qwen2's) split between the
+    runs too."""
+    path, _types = _write(tmp_path, kind)
     ck = load_checkpoint(str(path))
     fused_ops = CpuOps(isa=qlinear_ops.isa, fuse_layers=True)
     plain_ops = CpuOps(isa=qlinear_ops.isa, fuse_layers=False)

@@ -206,9 +206,10 @@ std::vector<torch::Tensor> quantize_acts_q8k(const torch::Tensor& x) {
   return {q, d, bsums};
 }
 
-// x [M, K] float32 against a packed K-quant weight [ceil(N / 16), K / 256, 2304 (Q4_K) or
-// 3360 (Q6_K)] (kvserve/quant/kquant_pack.py) -> [M, N]: x quantized to Q8_K, then the exact
-// integer dot products in ggml_kquants.dot_kquant's float order (kernels.h qlinear_kquant).
+// x [M, K] float32 against a packed K-quant weight [ceil(N / 16), K / 256, record bytes
+// (kernels.h kquant_record_bytes)] (kvserve/quant/kquant_pack.py) -> [M, N]: x quantized to
+// Q8_K, then the exact integer dot products in ggml_kquants.dot_kquant's float order
+// (kernels.h qlinear_kquant).
 // avx512: the VNNI kernel.
 torch::Tensor qlinear_kquant(const torch::Tensor& x, const torch::Tensor& weight, int64_t wtype,
                              int64_t N, const c10::optional<torch::Tensor>& bias, bool avx512) {

@@ -163,8 +163,9 @@ void rotary(const float* x, int64_t st, int64_t sh, float* out, int64_t T, int64
 // The K-quant formats the packed kernels take, numbered as ggml numbers them (the caller names
 // the format, as for WType). Their records are 16 rows x one 256-weight super-block
 // (kquant.h; kvserve/quant/kquant_pack.py pack_kquant).
-enum class KType : int { Q4_K = 12, Q6_K = 14 };
-int64_t kquant_record_bytes(KType kt);  // 2304 (Q4_K) or 3360 (Q6_K)
+enum class KType : int { Q2_K = 10, Q3_K = 11, Q4_K = 12, Q5_K = 13, Q6_K = 14 };
+// 1344 (Q2_K), 1760 (Q3_K), 2304 (Q4_K), 2816 (Q5_K), 3360 (Q6_K)
+int64_t kquant_record_bytes(KType kt);
 
 // Activation rows as Q8_K per 256 values, llama.cpp's quantize_row_q8_K_ref: max = the value
 // of largest |x| (the first on a tie), iscale = -127 / max, q = min(127, round-half-even(
@@ -184,7 +185,9 @@ void quantize_acts_q8k(const float* x, int64_t ldx, int64_t M, int64_t K, int8_t
 // groups, each K / 256 records. Per (m, n), super-blocks i in order, every integer exact:
 //   isum = sum_s scale_s * sum_{j in s} q[j] * qx[j]      msum = sum_s min_s * bsums over s
 //   dw = d * xd_i,  dm = dmin * xd_i
-//   sums = sums + dw * (float)isum;  mins = mins - dm * (float)msum   (Q4_K; Q6_K: no mins)
+//   sums = sums + dw * (float)isum;  mins = mins - dm * (float)msum   (Q4_K, Q5_K)
+//   sums = sums + dw * (float)isum                                      (Q3_K, Q6_K: no mins)
+//   sums = sums + (dw * (float)isum - dm * (float)msum)                 (Q2_K)
 // then out = mins + sums (+ bias[n]), one fp32 rounding per operation: ggml_kquants.py
 // dot_kquant's order, so every ISA, tile and M give its bits.
 void qlinear_kquant(const Q8KActs& a, const uint8_t* w, KType kt, const float* bias,

@@ -2,11 +2,29 @@
 // (VNNI) read: 16 weight rows x one 256-weight super-block, every stored field transposed over
 // the 16 rows (kvserve/quant/kquant_pack.py says why and draws it). Offsets in one record:
 //
+//   Q2_K, 1344 bytes (16 x 84):
+//   0                    256                                   1280     1312        1344
+//   | 16 scale planes     | 16 qs chunks: 8h + l4 (h < 2, l4 < 8) | d[16]  | dmin[16] |
+//     plane s = row's scale_s | min_s << 4; chunk byte 4r + j = row r's qs[32h + 4l4 + j],
+//     whose bits 2c, 2c + 1 are weight 128h + 32c + 4l4 + j (sub-block 8h + 2c + l4 / 4)
+//
+//   Q3_K, 1760 bytes (16 x 110):
+//   0                   512                        1536              1728     1760
+//   | 8 hmask chunks: l4 | 16 qs chunks as Q2_K's   | 12 scale planes | d[16] |
+//     hmask chunk byte 4r + j = row r's hmask[4l4 + j]: its bit 4h + c is the high bit of the
+//     weight whose low 2 bits are bits 2c of qs chunk 8h + l4's byte 4r + j
+//
 //   Q4_K, 2304 bytes (16 x 144):
 //   0        32       64                  256                                         2304
 //   | d[16]  | dmin[16] | 12 scale planes | 32 chunks of 64: chunk 8c + l4 (c < 4, l4 < 8) |
 //     plane p = stored scale byte p of rows 0..15; chunk byte 4r + j = row r's qs[32c + 4l4 + j]:
 //     low nibble weight 64c + 4l4 + j (sub-block 2c), high nibble 64c + 32 + 4l4 + j (2c + 1)
+//
+//   Q5_K, 2816 bytes (16 x 176):
+//   0        32       64                  256                    768                    2816
+//   | d[16]  | dmin[16] | 12 scale planes | 8 qh chunks: l4 < 8  | 32 qs chunks as Q4_K's |
+//     qh chunk byte 4r + j = row r's qh[4l4 + j]: its bit 2c is bit 4 of the weight in the low
+//     nibble of qs chunk 8c + l4's byte 4r + j, its bit 2c + 1 that of the high nibble's
 //
 //   Q6_K, 3360 bytes (16 x 210):
 //   0                          2048                        3072              3328     3360
@@ -25,10 +43,14 @@ namespace kq {
 
 constexpr int64_t kQK = 256;    // weights per super-block
 constexpr int64_t kGroup = 16;  // rows per record
+constexpr int64_t kQ2KRecord = 1344, kQ2KQs = 256, kQ2KD = 1280, kQ2KDmin = 1312;
+constexpr int64_t kQ3KRecord = 1760, kQ3KQs = 512, kQ3KScales = 1536, kQ3KD = 1728;
 constexpr int64_t kQ4KRecord = 2304, kQ4KScales = 64, kQ4KQs = 256;
+constexpr int64_t kQ5KRecord = 2816, kQ5KScales = 64, kQ5KQh = 256, kQ5KQs = 768;
 constexpr int64_t kQ6KRecord = 3360, kQ6KQh = 2048, kQ6KScales = 3072, kQ6KD = 3328;
 
-// Q4_K's 12 scale planes -> 8 scales and 8 mins (6 bits) of rows 0..15, a byte each:
+// Q4_K's (and Q5_K's) 12 scale planes -> 8 scales and 8 mins (6 bits) of rows 0..15, a
+// byte each:
 //   j < 4:  sc[j] = p[j] & 63                    mn[j] = p[4 + j] & 63
 //           sc[j + 4] = p[8 + j] & 15 | (p[j] >> 6) << 4
 //           mn[j + 4] = p[8 + j] >> 4 | (p[4 + j] >> 6) << 4
@@ -46,6 +68,25 @@ inline void q4k_scales(const uint8_t* planes, __m128i* sc, __m128i* mn) {
     sc[j + 4] = _mm_or_si128(_mm_and_si128(r, m15), _mm_and_si128(_mm_srli_epi16(p, 2), m48));
     mn[j + 4] = _mm_or_si128(_mm_and_si128(_mm_srli_epi16(r, 4), m15),
                              _mm_and_si128(_mm_srli_epi16(q, 2), m48));
+  }
+}
+
+// Q3_K's 12 scale planes -> its 16 scales (6 bits stored + 32, so -32..31) of rows 0..15, an
+// int8 each:
+//   low 4 bits:  p[s] & 15 (s < 8), p[s - 8] >> 4 (s >= 8)
+//   high 2 bits: bits 2 (s / 4), 2 (s / 4) + 1 of p[8 + s % 4]
+// The 16-bit shifts keep only bits of the byte itself, as q4k_scales says.
+inline void q3k_scales(const uint8_t* planes, __m128i* sc) {
+  const __m128i m15 = _mm_set1_epi8(15), m48 = _mm_set1_epi8(48), k32 = _mm_set1_epi8(32);
+  for (int s = 0; s < 16; ++s) {
+    const __m128i p = _mm_loadu_si128(reinterpret_cast<const __m128i*>(planes + 16 * (s % 8)));
+    const __m128i q = _mm_loadu_si128(reinterpret_cast<const __m128i*>(planes + 16 * (8 + s % 4)));
+    const __m128i lo = _mm_and_si128(s < 8 ? p : _mm_srli_epi16(p, 4), m15);
+    // bits 2 (s / 4), + 1 to bits 4, 5
+    const int at = 2 * (s / 4);
+    const __m128i hi = _mm_and_si128(at == 0 ? _mm_slli_epi16(q, 4) : at == 2 ? _mm_slli_epi16(q, 2)
+                                     : at == 4 ? q : _mm_srli_epi16(q, 2), m48);
+    sc[s] = _mm_sub_epi8(_mm_or_si128(lo, hi), k32);
   }
 }
 

@@ -1,4 +1,4 @@
-// Packed GGUF K-quants (Q4_K, Q6_K) against Q8_K activations, AVX2: out[M, N] = x W^T with x
+// Packed GGUF K-quants (Q2_K..Q6_K) against Q8_K activations, AVX2: out[M, N] = x W^T with x
 // quantized to int8 per 256 values (Q8KActs) and W in the 16-row records of kquant.h. The
 // spec (integer sums, then the float order of ggml_kquants.py dot_kquant) is in kernels.h.
 //
@@ -7,9 +7,18 @@
 // maddubs (u8 x s8 -> int16 pairs) sums a row's products inside its own 32-bit lane, so a
 // lane is a row from the first multiply to the store, and no horizontal sum is needed.
 //
+//   Q2_K sub-block (16 weights): q (0..3) is 2 bits of a qs chunk, 4 chunks summed in int16
+//       (|sum| <= 8 * 3 * 127 = 3048), madd by the scale (0..15); mins (0..15) as Q4_K's, one
+//       bsum per sub-block.
+//   Q3_K sub-block (16 weights): q + 4 (0..7) is 2 bits of a qs chunk and 1 of an hmask chunk,
+//       4 chunks summed in int16 (|sum| <= 7112), madd by the signed scale (-32..31); then
+//       4 * sum_s scale_s * bsum_s takes the + 4 back, exactly.
 //   Q4_K sub-block (32 weights): 8 chunks, their maddubs summed in int16, then one madd by the
 //       row's scale (duplicated in both int16 halves of its lane) -> int32. Bound: an int16
 //       lane gathers 16 products of q <= 15 by |x| <= 127: |sum| <= 30480 < 2^15.
+//   Q5_K sub-block (32 weights): q (0..31) is the Q4_K nibble with bit 4 from its qh chunk;
+//       2 x 4 chunks summed in int16 (|sum| <= 8 * 31 * 127 = 31496 < 2^15), each run madd by
+//       the scale. Mins as Q4_K's.
 //   Q6_K sub-block (16 weights): q + 32 (0..63) is assembled from its nibble and its 2 high
 //       bits, 2 chunks summed in int16 (|sum| <= 4 * 63 * 127 = 32004 < 2^15), madd by the
 //       scale; 32 * sum_s scale_s * bsum_s takes the + 32 back, exactly.
@@ -38,7 +47,14 @@
 namespace kvs {
 
 int64_t kquant_record_bytes(KType kt) {
-  return kt == KType::Q4_K ? kq::kQ4KRecord : kq::kQ6KRecord;
+  switch (kt) {
+    case KType::Q2_K: return kq::kQ2KRecord;
+    case KType::Q3_K: return kq::kQ3KRecord;
+    case KType::Q4_K: return kq::kQ4KRecord;
+    case KType::Q5_K: return kq::kQ5KRecord;
+    case KType::Q6_K: return kq::kQ6KRecord;
+  }
+  return 0;
 }
 
 namespace {
@@ -61,14 +77,129 @@ inline __m256i widen_i8(__m128i b, int h) {
 inline __m256i dup16(__m256i v) { return _mm256_blend_epi16(v, _mm256_slli_epi32(v, 16), 0xAA); }
 // An int16 broadcast with zero high halves: madd(v32, bc16(s)) = v32 * s for v32 in int16.
 inline __m256i bc16(int32_t s) { return _mm256_set1_epi32(static_cast<uint16_t>(s)); }
+// Every byte's bit `from` moved to bit `to` (0..7), the other bits left for the caller's mask
+// of bit `to`: a 16-bit shift, and the bits it carries across a lane's two bytes never land
+// there (a right shift fills bit to < 8 - (from - to) of a byte from the byte itself, a left
+// shift bit to >= to - from).
+inline __m256i move_bit(__m256i v, int from, int to) {
+  return from >= to ? _mm256_srli_epi16(v, from - to) : _mm256_slli_epi16(v, to - from);
+}
 
 // Format policies. dot<MT>(rec, x, bs, isum, msum): for activation rows m < MT (x[m]: its
 // quants at the super-block's start, bs[m]: its 16 bsums), isum[m][h] / msum[m][h] = int32
 // lane r = row 8h + r's isum / msum (kernels.h). msum is left unset where kMin is false.
+// kD / kDmin: the record offsets of d[16] / dmin[16]; kJoint: Q2_K's float order (one sum of
+// dw * isum - dm * msum) instead of separate sums and mins.
+
+// Q2_K / Q3_K: weight 128h + 32c + 4l4 + j (sub-block 8h + 2c + l4 / 4) has its 2 low bits at
+// bits 2c of qs chunk 8h + l4 (kquant.h). isum[m][r] += sum over the 16 sub-blocks of
+// scale_s * sum_{j in s} u_j * x_j, for u = Bits::get(rec, h, c, l4, r) (0..7) and the
+// signed int8 scales sc[s].
+template <int MT, class Bits>
+inline void sub_block_sums(const uint8_t* rec, const __m128i* sc, const int8_t* const* x,
+                           __m256i (*isum)[2]) {
+  for (int m = 0; m < MT; ++m) isum[m][0] = isum[m][1] = _mm256_setzero_si256();
+  for (int h = 0; h < 2; ++h)
+    for (int c = 0; c < 4; ++c)
+      for (int half = 0; half < 2; ++half) {  // sub-block 8h + 2c + half: l4 = 4 half ..
+        __m256i t[MT][2];
+        for (int m = 0; m < MT; ++m) t[m][0] = t[m][1] = _mm256_setzero_si256();
+        for (int e = 0; e < 4; ++e) {
+          const int l4 = 4 * half + e;
+          __m256i u[2];
+          for (int r = 0; r < 2; ++r) u[r] = Bits::get(rec, h, c, l4, r);
+          for (int m = 0; m < MT; ++m) {
+            const __m256i xb = bcast4(x[m] + 128 * h + 32 * c + 4 * l4);
+            for (int r = 0; r < 2; ++r)
+              t[m][r] = _mm256_add_epi16(t[m][r], _mm256_maddubs_epi16(u[r], xb));
+          }
+        }
+        for (int r = 0; r < 2; ++r) {
+          const __m256i s = dup16(widen_i8(sc[8 * h + 2 * c + half], r));
+          for (int m = 0; m < MT; ++m)
+            isum[m][r] = _mm256_add_epi32(isum[m][r], _mm256_madd_epi16(t[m][r], s));
+        }
+      }
+}
+
+// sum_s v_s * bsum_s over the 16 sub-blocks of 16, for int8 v (|bsum| <= 16 * 127: an int16).
+template <bool kSigned>
+inline __m256i bsum_dot(const __m128i* v, const int16_t* bs, int r) {
+  __m256i acc = _mm256_setzero_si256();
+  for (int s = 0; s < 16; ++s)
+    acc = _mm256_add_epi32(acc, _mm256_madd_epi16(kSigned ? widen_i8(v[s], r)
+                                                          : widen_u8(v[s], r), bc16(bs[s])));
+  return acc;
+}
+
+struct Q2K {
+  static constexpr int64_t kRecord = kq::kQ2KRecord;
+  static constexpr int64_t kD = kq::kQ2KD, kDmin = kq::kQ2KDmin;
+  static constexpr bool kMin = true, kJoint = true;
+  struct Bits {  // q: bits 2c of the qs chunk
+    static inline __m256i get(const uint8_t* rec, int h, int c, int l4, int r) {
+      const __m256i q = load256(rec + kq::kQ2KQs + 64 * (8 * h + l4) + 32 * r);
+      return _mm256_and_si256(_mm256_srli_epi16(q, 2 * c), _mm256_set1_epi8(3));
+    }
+  };
+  template <int MT>
+  static inline void dot(const uint8_t* rec, const int8_t* const* x, const int16_t* const* bs,
+                         __m256i (*isum)[2], __m256i (*msum)[2]) {
+    __m128i sc[16], mn[16];  // plane s = scale_s | min_s << 4 (4 bits each)
+    const __m128i m15 = _mm_set1_epi8(15);
+    for (int s = 0; s < 16; ++s) {
+      const __m128i p = _mm_loadu_si128(reinterpret_cast<const __m128i*>(rec + 16 * s));
+      sc[s] = _mm_and_si128(p, m15);
+      mn[s] = _mm_and_si128(_mm_srli_epi16(p, 4), m15);
+    }
+    sub_block_sums<MT, Bits>(rec, sc, x, isum);  // scales 0..15: as int8, the same
+    for (int m = 0; m < MT; ++m)
+      for (int r = 0; r < 2; ++r) msum[m][r] = bsum_dot<false>(mn, bs[m], r);
+  }
+};
+
+struct Q3K {
+  static constexpr int64_t kRecord = kq::kQ3KRecord;
+  static constexpr int64_t kD = kq::kQ3KD, kDmin = 0;
+  static constexpr bool kMin = false, kJoint = false;
+  struct Bits {  // q + 4: bits 2c of the qs chunk | bit 4h + c of hmask chunk l4, at bit 2
+    static inline __m256i get(const uint8_t* rec, int h, int c, int l4, int r) {
+      const __m256i q = load256(rec + kq::kQ3KQs + 64 * (8 * h + l4) + 32 * r);
+      const __m256i hm = load256(rec + 64 * l4 + 32 * r);
+      return _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(q, 2 * c), _mm256_set1_epi8(3)),
+                             _mm256_and_si256(move_bit(hm, 4 * h + c, 2), _mm256_set1_epi8(4)));
+    }
+  };
+  template <int MT>
+  static inline void dot(const uint8_t* rec, const int8_t* const* x, const int16_t* const* bs,
+                         __m256i (*isum)[2], __m256i (*)[2]) {
+    __m128i sc[16];
+    kq::q3k_scales(rec + kq::kQ3KScales, sc);
+    sub_block_sums<MT, Bits>(rec, sc, x, isum);
+    for (int m = 0; m < MT; ++m)  // - 4 * sum_s scale_s * bsum_s
+      for (int r = 0; r < 2; ++r)
+        isum[m][r] = _mm256_sub_epi32(isum[m][r],
+                                      _mm256_slli_epi32(bsum_dot<true>(sc, bs[m], r), 2));
+  }
+};
+
+// Q4_K / Q5_K: msum[m][h] = sum_s min_s * (the two bsums of sub-block s), rows 8h.. .
+template <int MT>
+inline void min_sums(const __m128i* mn, const int16_t* const* bs, __m256i (*msum)[2]) {
+  for (int m = 0; m < MT; ++m)
+    for (int h = 0; h < 2; ++h) {
+      __m256i acc = _mm256_setzero_si256();
+      for (int s = 0; s < 8; ++s)  // |bsum of 32| <= 32 * 127: an int16
+        acc = _mm256_add_epi32(acc, _mm256_madd_epi16(widen_u8(mn[s], h),
+                                                      bc16(bs[m][2 * s] + bs[m][2 * s + 1])));
+      msum[m][h] = acc;
+    }
+}
+
 struct Q4K {
   static constexpr int64_t kRecord = kq::kQ4KRecord;
-  static constexpr int64_t kD = 0;
-  static constexpr bool kMin = true;
+  static constexpr int64_t kD = 0, kDmin = 32;
+  static constexpr bool kMin = true, kJoint = false;
   template <int MT>
   static inline void dot(const uint8_t* rec, const int8_t* const* x, const int16_t* const* bs,
                          __m256i (*isum)[2], __m256i (*msum)[2]) {
@@ -105,21 +236,67 @@ struct Q4K {
                                                          _mm256_madd_epi16(hi[m][h], s1)));
       }
     }
-    for (int m = 0; m < MT; ++m)
+    min_sums<MT>(mn, bs, msum);
+  }
+};
+
+struct Q5K {
+  static constexpr int64_t kRecord = kq::kQ5KRecord;
+  static constexpr int64_t kD = 0, kDmin = 32;
+  static constexpr bool kMin = true, kJoint = false;
+  template <int MT>
+  static inline void dot(const uint8_t* rec, const int8_t* const* x, const int16_t* const* bs,
+                         __m256i (*isum)[2], __m256i (*msum)[2]) {
+    __m128i sc[8], mn[8];
+    kq::q4k_scales(rec + kq::kQ5KScales, sc, mn);
+    const __m256i nib = _mm256_set1_epi8(15), b4 = _mm256_set1_epi8(16);
+    for (int m = 0; m < MT; ++m) isum[m][0] = isum[m][1] = _mm256_setzero_si256();
+    for (int c = 0; c < 4; ++c) {  // sub-blocks 2c (low nibbles) and 2c + 1 (high)
+      __m256i s0[2], s1[2];
       for (int h = 0; h < 2; ++h) {
-        __m256i acc = _mm256_setzero_si256();
-        for (int s = 0; s < 8; ++s)  // |bsum of 32| <= 32 * 127: an int16
-          acc = _mm256_add_epi32(acc, _mm256_madd_epi16(widen_u8(mn[s], h),
-                                                        bc16(bs[m][2 * s] + bs[m][2 * s + 1])));
-        msum[m][h] = acc;
+        s0[h] = dup16(widen_u8(sc[2 * c], h));
+        s1[h] = dup16(widen_u8(sc[2 * c + 1], h));
       }
+      for (int half = 0; half < 2; ++half) {  // chunks l4 = 4 half .. 4 half + 3
+        __m256i lo[MT][2], hi[MT][2];
+        for (int m = 0; m < MT; ++m)
+          for (int h = 0; h < 2; ++h) lo[m][h] = hi[m][h] = _mm256_setzero_si256();
+        for (int e = 0; e < 4; ++e) {
+          const int l4 = 4 * half + e;
+          const uint8_t* p = rec + kq::kQ5KQs + 64 * (8 * c + l4);
+          const uint8_t* qh = rec + kq::kQ5KQh + 64 * l4;
+          __m256i wl[2], wh[2];
+          for (int h = 0; h < 2; ++h) {
+            const __m256i v = load256(p + 32 * h), b = load256(qh + 32 * h);
+            wl[h] = _mm256_or_si256(_mm256_and_si256(v, nib),
+                                    _mm256_and_si256(move_bit(b, 2 * c, 4), b4));
+            wh[h] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(v, 4), nib),
+                                    _mm256_and_si256(move_bit(b, 2 * c + 1, 4), b4));
+          }
+          for (int m = 0; m < MT; ++m) {
+            const __m256i xl = bcast4(x[m] + 64 * c + 4 * l4);
+            const __m256i xh = bcast4(x[m] + 64 * c + 32 + 4 * l4);
+            for (int h = 0; h < 2; ++h) {
+              lo[m][h] = _mm256_add_epi16(lo[m][h], _mm256_maddubs_epi16(wl[h], xl));
+              hi[m][h] = _mm256_add_epi16(hi[m][h], _mm256_maddubs_epi16(wh[h], xh));
+            }
+          }
+        }
+        for (int m = 0; m < MT; ++m)
+          for (int h = 0; h < 2; ++h)
+            isum[m][h] = _mm256_add_epi32(isum[m][h],
+                                          _mm256_add_epi32(_mm256_madd_epi16(lo[m][h], s0[h]),
+                                                           _mm256_madd_epi16(hi[m][h], s1[h])));
+      }
+    }
+    min_sums<MT>(mn, bs, msum);
   }
 };
 
 struct Q6K {
   static constexpr int64_t kRecord = kq::kQ6KRecord;
-  static constexpr int64_t kD = kq::kQ6KD;
-  static constexpr bool kMin = false;
+  static constexpr int64_t kD = kq::kQ6KD, kDmin = 0;
+  static constexpr bool kMin = false, kJoint = false;
   template <int MT>
   static inline void dot(const uint8_t* rec, const int8_t* const* x, const int16_t* const* bs,
                          __m256i (*isum)[2], __m256i (*)[2]) {
@@ -201,23 +378,31 @@ inline void tile(const Q8KActs& a, int64_t m0, const uint8_t* gw, const float* b
     __m256i isum[MT][2], msum[MT][2];
     Fmt::template dot<MT>(rec, x, bs, isum, msum);
     const __m256 dw[2] = {load_halves8(rec + Fmt::kD), load_halves8(rec + Fmt::kD + 16)};
+    __m256 dm[2];
+    if constexpr (Fmt::kMin) {
+      dm[0] = load_halves8(rec + Fmt::kDmin);
+      dm[1] = load_halves8(rec + Fmt::kDmin + 16);
+    }
     for (int m = 0; m < MT; ++m) {
       const __m256 xd = _mm256_set1_ps(a.d[(m0 + m) * nsb + i]);
-      for (int h = 0; h < 2; ++h)
-        sums[m][h] = _mm256_add_ps(sums[m][h], _mm256_mul_ps(_mm256_mul_ps(dw[h], xd),
-                                                             _mm256_cvtepi32_ps(isum[m][h])));
-    }
-    if constexpr (Fmt::kMin) {
-      const __m256 dm[2] = {load_halves8(rec + 32), load_halves8(rec + 48)};
-      for (int m = 0; m < MT; ++m) {
-        const __m256 xd = _mm256_set1_ps(a.d[(m0 + m) * nsb + i]);
-        for (int h = 0; h < 2; ++h)
-          mins[m][h] = _mm256_sub_ps(mins[m][h], _mm256_mul_ps(_mm256_mul_ps(dm[h], xd),
-                                                               _mm256_cvtepi32_ps(msum[m][h])));
+      for (int h = 0; h < 2; ++h) {
+        const __m256 ws = _mm256_mul_ps(_mm256_mul_ps(dw[h], xd), _mm256_cvtepi32_ps(isum[m][h]));
+        if constexpr (Fmt::kMin) {
+          const __m256 ms = _mm256_mul_ps(_mm256_mul_ps(dm[h], xd),
+                                          _mm256_cvtepi32_ps(msum[m][h]));
+          if constexpr (Fmt::kJoint) {  // Q2_K: sums = sums + (dw * isum - dm * msum)
+            sums[m][h] = _mm256_add_ps(sums[m][h], _mm256_sub_ps(ws, ms));
+          } else {
+            sums[m][h] = _mm256_add_ps(sums[m][h], ws);
+            mins[m][h] = _mm256_sub_ps(mins[m][h], ms);
+          }
+        } else {
+          sums[m][h] = _mm256_add_ps(sums[m][h], ws);
+        }
       }
     }
   }
-  // out = mins + sums (Q6_K: +0 + sums, which turns a -0 into +0 as the oracle does)
+  // out = mins + sums (Q2_K, Q3_K, Q6_K: +0 + sums, which turns a -0 into +0 as the oracle does)
   const __m256i mask[2] = {tail_mask(cols < 8 ? cols : 8), tail_mask(cols > 8 ? cols - 8 : 0)};
   for (int m = 0; m < MT; ++m) {
     float* o = out + (m0 + m) * N;
@@ -340,8 +525,13 @@ void quantize_acts_q8k(const float* x, int64_t ldx, int64_t M, int64_t K, int8_t
 void qlinear_kquant(const Q8KActs& a, const uint8_t* w, KType kt, const float* bias,
                     float* out, int64_t N, int nthreads) {
   if (a.M == 0 || N == 0) return;
-  if (kt == KType::Q4_K) run_fmt<Q4K>(a, w, bias, out, N, nthreads);
-  else run_fmt<Q6K>(a, w, bias, out, N, nthreads);
+  switch (kt) {
+    case KType::Q2_K: return run_fmt<Q2K>(a, w, bias, out, N, nthreads);
+    case KType::Q3_K: return run_fmt<Q3K>(a, w, bias, out, N, nthreads);
+    case KType::Q4_K: return run_fmt<Q4K>(a, w, bias, out, N, nthreads);
+    case KType::Q5_K: return run_fmt<Q5K>(a, w, bias, out, N, nthreads);
+    case KType::Q6_K: return run_fmt<Q6K>(a, w, bias, out, N, nthreads);
+  }
 }
 
 }  // namespace kvs

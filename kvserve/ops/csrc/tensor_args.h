@@ -270,13 +270,23 @@ inline kvs::AttentionArgs attention_args(const float* q, int64_t q_st, int64_t q
 
 // Whether the ggml type id names a K-quant format the packed kernels take.
 inline bool is_kquant(int64_t wtype) {
-  return wtype == static_cast<int>(kvs::KType::Q4_K) ||
-         wtype == static_cast<int>(kvs::KType::Q6_K);
+  switch (wtype) {
+    case static_cast<int>(kvs::KType::Q2_K):
+    case static_cast<int>(kvs::KType::Q3_K):
+    case static_cast<int>(kvs::KType::Q4_K):
+    case static_cast<int>(kvs::KType::Q5_K):
+    case static_cast<int>(kvs::KType::Q6_K):
+      return true;
+    default:
+      return false;
+  }
 }
 
 // The ggml type id the caller names -> a K-quant format the packed kernels take.
 inline kvs::KType kquant_format(int64_t wtype) {
-  TORCH_CHECK(is_kquant(wtype), "a packed K-quant wtype must be 12 (Q4_K) or 14 (Q6_K), got ", wtype);
+  TORCH_CHECK(is_kquant(wtype),
+              "a packed K-quant wtype must be 10 (Q2_K), 11 (Q3_K), 12 (Q4_K), 13 (Q5_K) or "
+              "14 (Q6_K), got ", wtype);
   return static_cast<kvs::KType>(wtype);
 }
 

@@ -21,7 +21,9 @@ from kvserve.kv.layout import (
     resolve_kv_dtype,
 )
 from kvserve.outputs import ModelInput, ModelOutput, PositionLogprobs, SchedulerOutput
-from kvserve.sampler import Sampler, SamplingMetadata, compute_prompt_logprobs
+from kvserve.sample.logprobs import compute_prompt_logprobs
+from kvserve.sample.metadata import SamplingMetadata
+from kvserve.sample.sampler import Sampler
 from kvserve.structured_output import StructuredOutputManager
 
 logger = logging.getLogger(__name__)

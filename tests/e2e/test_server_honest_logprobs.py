@@ -6,7 +6,7 @@ prompt plus output, in one prefill: row i of its float32 log_softmax is the dist
 token i + 1. It shares no code with the engine's scheduling, paging, sampler, logprob
 gathering or the server's formatting. The server's paged attention may sum in another order
 than that one prefill, hence a tolerance of 1e-3.
-kvserve reports raw logprobs (sampler.py: the model's log_softmax before logit_bias,
+kvserve reports raw logprobs (sample/sampler.py: the model's log_softmax before logit_bias,
 penalties and temperature, vLLM's default), so sampled tokens are pinned to the same raw
 distribution, and shown not to be the temperature-scaled one.
 """

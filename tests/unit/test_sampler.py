@@ -8,14 +8,10 @@ import pytest
 import torch
 
 from kvserve.request import Request
-from kvserve.sampler import (
-    Sampler,
-    SamplingMetadata,
-    apply_min_p,
-    apply_penalties,
-    apply_top_k_top_p,
-    compute_prompt_logprobs,
-)
+from kvserve.sample.logprobs import compute_prompt_logprobs
+from kvserve.sample.metadata import SamplingMetadata
+from kvserve.sample.processors import apply_min_p, apply_penalties, apply_top_k_top_p
+from kvserve.sample.sampler import Sampler
 from kvserve.sampling_params import SamplingParams
 
 NEG_INF = float("-inf")

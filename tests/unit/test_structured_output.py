@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from kvserve.request import Request
-from kvserve.sampler import apply_token_bitmask
+from kvserve.sample.processors import apply_token_bitmask
 from kvserve.sampling_params import SamplingParams, StructuredOutputsParams
 from kvserve.structured_output import StructuredOutputManager
 

@@ -1,4 +1,5 @@
-"""Logits processors and sampling for one batch: one sampled position per request.
+"""Logits processors and sampling for one batch of rows: one per request, or several (a
+request's rows are laid out in metadata.py).
 
 One step, in vLLM v1's order:
 
@@ -16,9 +17,11 @@ i with probability probs[i], from one random number per row and no device sync. 
 exponential race, argmax(probs / q) with q ~ Exp(1) per token, needs V random numbers per
 row; drawing them cost ~6 ms per step at 8 rows of a 49k vocabulary on the CPU, more than the
 forward pass.) Each seeded request draws its u from its own generator, which lives in the
-Sampler across steps, so its tokens do not depend on what else is in the batch. Unseeded rows
-draw from one generator shared by the batch and seeded by the engine seed, so their tokens
-repeat when the same requests arrive in the same order. Greedy rows need no random numbers.
+Sampler across steps, so its tokens do not depend on what else is in the batch; a request with
+several rows draws their u in row order, so its row j draws what a one-row step would draw j
+steps later. Unseeded rows draw from one generator shared by the batch and seeded by the engine
+seed, so their tokens repeat when the same requests arrive in the same order. Greedy rows need
+no random numbers.
 
 Everything is batched; the only per-request Python loops are the ones that build the metadata
 from request lists and the ones that draw seeded random rows.
@@ -46,9 +49,10 @@ from kvserve.sampling_params import _SEED_RANGE
 
 
 def sample_from_probs(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
-    """Inverse CDF: per row, the first token whose cumulative probability reaches u * total,
-    u [R] in (0, 1]. The cumulative sum never decreases, and the target is > 0 and <= the
-    total, so the token found has probability > 0: a masked (zero) token is never picked."""
+    """Inverse CDF: per row, the first token whose cumulative probability reaches u * total;
+    probs [M, V], u [M] in (0, 1]. The cumulative sum never decreases, and the target is > 0
+    and <= the total, so the token found has probability > 0: a masked (zero) token is never
+    picked."""
     cum = probs.cumsum(dim=1)
     target = u.to(cum.dtype).unsqueeze(1) * cum[:, -1:]
     return torch.searchsorted(cum, target).squeeze(1).clamp_max(probs.shape[1] - 1)
@@ -56,10 +60,10 @@ def sample_from_probs(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
 
 @dataclass
 class SamplerOutput:
-    token_ids: list[int]  # [B]
-    # [B]: None for rows that asked no logprobs; the whole list is None when no row did.
+    token_ids: list[int]  # [N], a token per row (SamplingMetadata.per_request splits them)
+    # [N]: None for rows that asked no logprobs; the whole list is None when no row did.
     logprobs: list[PositionLogprobs | None] | None
-    sampled: torch.Tensor  # [B] int64 on the logits' device (for feeding the next step)
+    sampled: torch.Tensor  # [N] int64 on the logits' device (for feeding the next step)
 
 
 class Sampler:
@@ -89,7 +93,8 @@ class Sampler:
         self._generators.pop(request_id, None)
 
     def __call__(self, logits: torch.Tensor, meta: SamplingMetadata) -> SamplerOutput:
-        """logits [B, V] of the model (not modified); rows in the order of meta.request_ids."""
+        """logits [N, V] of the model (not modified), in meta's row order: request b's rows
+        at meta.row_offsets[b] .. meta.row_offsets[b + 1] - 1."""
         logits = logits.float()
         raw_logprobs = None if meta.no_logprobs else torch.log_softmax(logits, dim=1)
         logits = self.process_logits(logits, meta)
@@ -104,13 +109,13 @@ class Sampler:
 
         logprobs: list[PositionLogprobs | None] | None = None
         if raw_logprobs is not None:
-            want = [b for b, k in enumerate(meta.num_logprobs) if k is not None]
+            want = [n for n, k in enumerate(meta.num_logprobs) if k is not None]
             idx = torch.tensor(want, dtype=torch.int64, device=logits.device)
             rows = gather_logprobs(raw_logprobs[idx], sampled[idx],
-                                   [meta.num_logprobs[b] or 0 for b in want])
+                                   [meta.num_logprobs[n] or 0 for n in want])
             logprobs = [None] * len(meta.num_logprobs)
-            for b, entry in zip(want, rows, strict=True):
-                logprobs[b] = entry
+            for n, entry in zip(want, rows, strict=True):
+                logprobs[n] = entry
         return SamplerOutput(sampled.tolist(), logprobs, sampled)
 
     @staticmethod
@@ -130,7 +135,7 @@ class Sampler:
         return logits
 
     def _sample_random(self, logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
-        """logits [R, V] of the random rows."""
+        """logits [Nr, V] of the random rows."""
         assert meta.temperature is not None
         logits = apply_temperature(logits, meta.temperature)
         logits = apply_top_k_top_p(logits, meta.top_k, meta.top_p, meta.max_top_k)
@@ -140,19 +145,23 @@ class Sampler:
         return sample_from_probs(probs, self._uniforms(probs, meta))
 
     def _uniforms(self, probs: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
-        """u [R] ~ U(0, 1]: seeded rows from their own generator, the rest from the shared one.
+        """u [Nr] ~ U(0, 1]: seeded rows from their own generator, the rest from the shared one.
 
         A seeded row's draw depends only on its generator's state, never on its row position
-        or the batch size, which is what makes seeded output batch-independent.
+        or the batch size, which is what makes seeded output batch-independent. Its draws are
+        one per row in row order (a request's rows are consecutive, row 0 first).
         """
         device = probs.device
         u = torch.empty(probs.shape[0], dtype=torch.float64, device=device)
-        seeded = [(r, b) for r, b in enumerate(meta.random_rows) if meta.seeds[b] is not None]
+        row_req = meta.row_requests
+        # (index into u, request) of each random row.
+        owners = [(r, row_req[n]) for r, n in enumerate(meta.random_rows)]
+        seeded = [(r, b) for r, b in owners if meta.seeds[b] is not None]
         if len(seeded) < len(meta.random_rows):
             shared = self._shared_generator(device)
             if not seeded:
                 return 1 - u.uniform_(generator=shared)  # [0, 1) -> (0, 1]
-            unseeded = [r for r, b in enumerate(meta.random_rows) if meta.seeds[b] is None]
+            unseeded = [r for r, b in owners if meta.seeds[b] is None]
             draws = torch.empty(len(unseeded), dtype=u.dtype, device=device)
             u[torch.tensor(unseeded, device=device)] = draws.uniform_(generator=shared)
         for r, b in seeded:

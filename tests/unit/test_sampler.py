@@ -343,3 +343,67 @@ def test_prompt_logprobs() -> None:
         assert set(entry) == set(raw[i].topk(2).indices.tolist()) | {tgt}
         assert entry[tgt].logprob == pytest.approx(raw[i, tgt].item(), abs=1e-6)
         assert entry[tgt].rank == _expected_rank(raw[i], tgt)
+
+
+# --- several rows per request (draft tokens) -------------------------------------------------
+
+
+def _with_outputs(r: Request, tokens: list[int]) -> Request:
+    """A copy of r (same id, so the same seeded generator) with tokens appended as output."""
+    return _req(r.request_id, r.sampling_params, r.prompt_token_ids,
+                r.output_token_ids + tokens, r.eos_token_ids)
+
+
+def test_row_j_of_a_request_equals_one_row_after_its_first_j_drafts() -> None:
+    """Row j of a request with drafts d is the single-row step of that request after d[:j]
+    were appended: the same processed logits (penalties and min_tokens count d[:j]), the same
+    seeded draw (its generator draws once per row, row 0 first) and the same logprobs."""
+    vocab = 64
+    drafts = [3, 4]
+    a = _req("a", SamplingParams(temperature=0.0, frequency_penalty=0.5), output=[1])
+    b = _req("b", SamplingParams(temperature=0.9, seed=77, repetition_penalty=1.3,
+                                 frequency_penalty=0.6, presence_penalty=0.4, min_tokens=3,
+                                 stop_token_ids=[4], logit_bias={5: 1.0}, logprobs=2,
+                                 top_k=40),
+             prompt=[7, 8], output=[2], eos=(0,))
+    c = _req("c", SamplingParams(temperature=1.0, seed=5))
+    meta = SamplingMetadata.from_requests([a, b, c], vocab, spec_token_ids=[[], drafts, []])
+    assert meta.row_offsets == [0, 1, 4, 5] and meta.num_rows == 5
+    assert meta.row_requests == [0, 1, 1, 1, 2]
+    assert meta.per_request(list("vwxyz")) == [["v"], ["w", "x", "y"], ["z"]]
+    # Row 1 + j of b counts b's output [2] plus drafts[:j].
+    assert meta.output_counts is not None
+    assert torch.equal(meta.output_counts[2] - meta.output_counts[1],
+                       torch.nn.functional.one_hot(torch.tensor(3), vocab).float())
+
+    gen = torch.Generator().manual_seed(0)
+    logits = torch.randn(5, vocab, generator=gen) * 0.3  # flat: every u picks its own token
+    processed = Sampler.process_logits(logits, meta)
+    # min_tokens=3 with 1 output token: rows j = 0, 1 mask stop id 4 and EOS, row 2 does not.
+    assert processed[1, 4] == processed[2, 0] == NEG_INF and processed[3, 4] > NEG_INF
+
+    multi = Sampler(seed=1)(logits, meta)
+    single_sampler = Sampler(seed=1)
+    for j in range(len(drafts) + 1):
+        bj = _with_outputs(b, drafts[:j])
+        single = SamplingMetadata.from_requests([bj], vocab)
+        row = logits[1 + j: 2 + j]
+        assert torch.equal(processed[1 + j], Sampler.process_logits(row, single)[0]), j
+        one = single_sampler(row, single)
+        assert multi.token_ids[1 + j] == one.token_ids[0], j
+        assert multi.logprobs is not None and one.logprobs is not None
+        assert multi.logprobs[1 + j] == one.logprobs[0], j
+    assert len(set(multi.token_ids[1:4])) == 3  # three draws, not one u reused
+    # The requests without drafts are their one-row selves.
+    plain = SamplingMetadata.from_requests([a, b, c], vocab)
+    plain_rows = Sampler.process_logits(logits[[0, 1, 4]], plain)
+    assert torch.equal(processed[[0, 1, 4]], plain_rows)
+    assert [multi.token_ids[n] for n in (0, 1, 4)] == Sampler(seed=1)(logits[[0, 1, 4]],
+                                                                      plain).token_ids
+
+
+def test_spec_token_ids_need_one_list_per_request() -> None:
+    reqs = [_req("a", SamplingParams()), _req("b", SamplingParams())]
+    with pytest.raises(ValueError, match=r"spec_token_ids needs one list per request \(2\), "
+                                         r"got 1"):
+        SamplingMetadata.from_requests(reqs, 8, spec_token_ids=[[1]])

@@ -112,6 +112,8 @@ class ModelRunner:
                 targets = req.all_token_ids[start + 1: last + 1]
                 prompt_lp[req.request_id] = (req, targets, start + 1)
                 lp_rows.extend(range(int(qsl[b]), int(qsl[b]) + len(targets)))
+        # The sampling rows, in SamplingMetadata's row order: one per request, its last
+        # position (a chunk ending in k drafts would give its last k + 1).
         sample_rows = [int(qsl[b + 1]) - 1 for b in sample_idx]
         dev = self.device
         inp = ModelInput(
@@ -133,26 +135,35 @@ class ModelRunner:
         hidden = self.model(inp, self.kv_cache)
         # Logits only for the rows that sample or need prompt logprobs.
         logits = self.model.compute_logits(hidden[inp.logits_indices])
-        n_sample = len(sample_idx)
         requests = [so.scheduled[b].request for b in sample_idx]
         out = ModelOutput(req_ids=[r.request_id for r in requests], sampled_token_ids=[],
                           logprobs=[])
-        if n_sample:
+        row = 0  # logits rows used so far: the sampling rows come first
+        if requests:
+            # The rows prepare_inputs computed logits for: one per request, no drafts yet.
             meta = SamplingMetadata.from_requests(requests, self.vocab_size, logits.device)
             so_mgr = self.structured_output
-            if so_mgr is not None:
-                meta.token_bitmask = so_mgr.token_bitmask(requests)
-            sampled = self.sampler(logits[:n_sample], meta)
-            out.sampled_token_ids = [[t] for t in sampled.token_ids]
-            if meta.token_bitmask is not None:
+            grammar = None if so_mgr is None else so_mgr.token_bitmask(requests)
+            if grammar is not None:
+                # A grammar's mask is for the token after the request's own tokens: its row 0.
+                reqs_with_grammar, masks = grammar
+                first_rows = [meta.row_offsets[b] for b in reqs_with_grammar.tolist()]
+                meta.token_bitmask = (torch.tensor(first_rows, dtype=torch.int64), masks)
+            row = meta.num_rows
+            sampled = self.sampler(logits[:row], meta)
+            # Each request's rows' tokens, in row order. With one row per request that is
+            # the request's next token; with drafts, rejection sampling will choose the kept ones.
+            out.sampled_token_ids = meta.per_request(sampled.token_ids)
+            if grammar is not None:
                 assert so_mgr is not None
                 # Every sampled token is appended (aborts land only between steps), so the
                 # matcher advances here rather than in the scheduler.
-                for b in meta.token_bitmask[0].tolist():
-                    so_mgr.accept(requests[b].request_id, sampled.token_ids[b])
-            lps = sampled.logprobs or [None] * n_sample  # None: no row asked for logprobs
-            out.logprobs = [None if lp is None else [lp] for lp in lps]
-        row = n_sample
+                for b in grammar[0].tolist():
+                    for t in out.sampled_token_ids[b]:
+                        so_mgr.accept(requests[b].request_id, t)
+            # None: no row asked for logprobs; a request's rows all ask, or none does.
+            row_lps = meta.per_request(sampled.logprobs or [None] * row)
+            out.logprobs = [None if r[0] is None else r for r in row_lps]
         for req_id, (req, targets, first_pos) in prompt_lp.items():
             k = len(targets)
             lps: list[PositionLogprobs | None] = compute_prompt_logprobs(

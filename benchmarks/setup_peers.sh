@@ -32,6 +32,18 @@ TOOLS=(llama-server llama-quantize llama-bench llama-perplexity llama-batched-be
 
 log() { printf '[setup_peers %s] %s\n' "$(date +%T)" "$*" >&2; }
 
+# -march=native turns on ggml's AMX kernels where the CPU has AMX (Sapphire Rapids and
+# later), and they segfault in the first matmul of this llama.cpp (ggml_backend_amx_mul_mat on
+# Q4_1 / Q8_0, llama.cpp issue #20824, closed unfixed): every tool and the bindings crash. So
+# on such a CPU the build keeps everything native but AMX. (GCC: an explicit -mno-* wins over
+# -march=native wherever it stands.) The flags are stamped beside each build, and a build made
+# with other flags is rebuilt.
+NATIVE_CFLAGS=""
+if grep -qw amx_int8 /proc/cpuinfo 2>/dev/null; then
+    NATIVE_CFLAGS="-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"
+fi
+flags_match() { [ "$(cat "$1" 2>/dev/null)" = "$NATIVE_CFLAGS" ]; }
+
 mkdir -p "$CACHE/src"
 if [ ! -x "$VENV/bin/python" ]; then
     log "creating $VENV"
@@ -45,12 +57,15 @@ if [ ! -f "$SDIST" ]; then
 fi
 
 # 1. llama-cpp-python (the Python bindings + `python -m llama_cpp.server`).
-if ! "$VENV/bin/python" -c "import llama_cpp, llama_cpp.server" 2>/dev/null; then
-    log "building llama-cpp-python $LCP_VERSION (native CPU build)"
+if ! "$VENV/bin/python" -c "import llama_cpp, llama_cpp.server" 2>/dev/null \
+        || ! flags_match "$VENV/.native-cflags"; then
+    log "building llama-cpp-python $LCP_VERSION (native CPU build${NATIVE_CFLAGS:+ without AMX})"
     t0=$(date +%s)
     CMAKE_ARGS="-DGGML_NATIVE=ON -DLLAMA_CURL=OFF -DLLAMA_BUILD_TESTS=OFF \
--DLLAMA_BUILD_EXAMPLES=OFF ${PEERS_CMAKE_ARGS:-}" CMAKE_BUILD_PARALLEL_LEVEL="$JOBS" \
-        "$VENV/bin/pip" install -q "$SDIST[server]"
+-DLLAMA_BUILD_EXAMPLES=OFF '-DCMAKE_C_FLAGS=$NATIVE_CFLAGS' '-DCMAKE_CXX_FLAGS=$NATIVE_CFLAGS' \
+${PEERS_CMAKE_ARGS:-}" CMAKE_BUILD_PARALLEL_LEVEL="$JOBS" \
+        "$VENV/bin/pip" install -q --no-cache-dir --force-reinstall "$SDIST[server]"
+    printf '%s' "$NATIVE_CFLAGS" >"$VENV/.native-cflags"
     log "llama-cpp-python built in $(( $(date +%s) - t0 ))s"
 fi
 
@@ -59,17 +74,21 @@ fi
 #    bindings instead; the others: "not measured").
 missing=()
 for t in "${TOOLS[@]}"; do
-    [ -x "$BUILD/bin/$t" ] || missing+=("$t")
+    if [ ! -x "$BUILD/bin/$t" ] || ! flags_match "$BUILD/.native-cflags"; then
+        missing+=("$t")
+    fi
 done
 if [ "${#missing[@]}" -gt 0 ]; then
     [ -d "$SRC" ] || tar xzf "$SDIST" -C "$CACHE/src"
-    log "configuring llama.cpp for: ${missing[*]}"
+    log "configuring llama.cpp for: ${missing[*]}${NATIVE_CFLAGS:+ (without AMX)}"
     # LLAMA_BUILD_TOOLS holds tools/ (quantize, llama-bench, perplexity, batched-bench,
     # server); it defaults to ON for a standalone build, and is said here so it stays so.
     if cmake -S "$SRC/vendor/llama.cpp" -B "$BUILD" -DCMAKE_BUILD_TYPE=Release \
             -DGGML_NATIVE=ON -DLLAMA_CURL=OFF -DLLAMA_OPENSSL=OFF -DLLAMA_BUILD_TOOLS=ON \
             -DLLAMA_BUILD_SERVER=ON -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF \
-            -DBUILD_SHARED_LIBS=OFF ${PEERS_CMAKE_ARGS:-} >"$CACHE/llama.cpp-cmake.log" 2>&1
+            -DBUILD_SHARED_LIBS=OFF "-DCMAKE_C_FLAGS=$NATIVE_CFLAGS" \
+            "-DCMAKE_CXX_FLAGS=$NATIVE_CFLAGS" ${PEERS_CMAKE_ARGS:-} \
+            >"$CACHE/llama.cpp-cmake.log" 2>&1
     then
         for t in "${missing[@]}"; do
             log "building $t"
@@ -81,6 +100,8 @@ if [ "${#missing[@]}" -gt 0 ]; then
                 log "$t did not build; see $CACHE/$t-build.log"
             fi
         done
+        # Only now: an interrupted build leaves no stamp, so the next run finishes it.
+        printf '%s' "$NATIVE_CFLAGS" >"$BUILD/.native-cflags"
     else
         log "llama.cpp did not configure; see $CACHE/llama.cpp-cmake.log"
     fi

@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 PROMPT ?= Explain in two sentences why the sky is blue.
 
-.PHONY: setup run serve test fuzz bench
+.PHONY: setup run serve test fuzz bench bench-quant
 setup: $(VENV)/.installed
 
 # torch is pinned to 2.13.0 everywhere: that is the CPU wheel; any other spec pulls a
@@ -37,9 +37,17 @@ FUZZ_EXAMPLES ?= 300
 fuzz: setup
 	KVSERVE_FUZZ_EXAMPLES=$(FUZZ_EXAMPLES) $(PY) -m pytest tests/e2e/test_fuzz_openapi.py $(PYTEST_ARGS)
 
-# The side-by-side benchmark: builds the peers (llama-cpp-python, llama-server) into
+# The side-by-side benchmark: builds the peers (llama-cpp-python, llama.cpp's tools) into
 # benchmarks/.peers-venv and benchmarks/.cache on first use, then measures kvserve and them
 # in one run and writes BENCHMARKS.md (~15 minutes on 2 cores, plus ~15 for the first build).
 bench: setup
 	$(PIP) install -q --no-build-isolation -e '.[test,bench]'
 	$(PY) benchmarks/compare $(BENCH_ARGS)
+
+# Issue 11's quantization table (opt-in: about an hour on 2 cores): the F32 GGUF, the models of
+# benchmarks/models.py (Qwen2.5-Coder 1.5B / 0.5B from PyPI part wheels, the default model
+# requantized by llama-quantize) and the quant step's rows, kvserve beside llama.cpp's tools;
+# the peers are built first as for `bench`. BENCH_ARGS adds flags (--isa avx2, --quant-rows).
+bench-quant: setup
+	$(PIP) install -q --no-build-isolation -e '.[test,bench]'
+	$(PY) benchmarks/compare --steps peers,f32,models,quant $(BENCH_ARGS)

@@ -44,8 +44,10 @@ def cpu_info() -> dict[str, Any]:
         out["cpus"] = int(fields.get("CPU(s)", "0") or 0)
         out["threads_per_core"] = fields.get("Thread(s) per core")
         flags = set(fields.get("Flags", "").split())
-        out["isa"] = [f for f in ("avx2", "fma", "avx512f", "avx512_bf16", "avx_vnni", "amx_tile")
-                      if f in flags]
+        # avx512_vnni: what kvserve's AVX-512 int8 kernel needs (else its AVX2 twin runs);
+        # amx_int8: where setup_peers.sh builds llama.cpp without its AMX kernels.
+        out["isa"] = [f for f in ("avx2", "fma", "avx512f", "avx512_vnni", "avx512_bf16",
+                                  "avx_vnni", "amx_tile", "amx_int8") if f in flags]
         out["l3"] = fields.get("L3 cache")
     except (OSError, subprocess.CalledProcessError):
         out["cpu_model"] = platform.processor() or "?"

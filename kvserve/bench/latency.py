@@ -8,7 +8,8 @@
 
 Every run uses a fresh random prompt, so a prefix-cache hit never shortens a later run.
 Reported: the median (and all runs) after --num-iters-warmup unmeasured runs, plus start-up
-time (engine construction: model load + KV allocation) and the first request's time.
+time (engine construction: model load + KV allocation), the first request's time and the
+engine's footprint (weight bytes as loaded, KV bytes per token, the kernels' ISA).
 --paired instead times one run per command read from stdin (see serve_paired).
 """
 
@@ -46,6 +47,49 @@ def _timed_request(engine: Any, rid: str, ids: list[int], max_tokens: int
                     first = last
                 n = got
     return t0, first, last, n
+
+
+def footprint(engine: Any) -> dict[str, Any]:
+    """What the loaded engine holds: weight_bytes, every tensor of the model's parameters and
+    of its linears' methods (a K-quant layer mixing two formats keeps its weights there), each
+    tensor once (a tied embedding is the lm_head); kv_bytes_per_token over all layers, K and
+    V, a quantized cache's scales included; kv_dtype; and the ops backend's ISA (cpu: the
+    linear kernels', "avx512" or "avx2"; None elsewhere)."""
+    import torch
+
+    from kvserve.kv.layout import (
+        QUANTIZED_KV_DTYPES,
+        SCALE_BYTES,
+        bytes_per_block,
+        kv_elem_size,
+        resolve_kv_dtype,
+    )
+
+    seen: set[tuple[int, int]] = set()  # (address, bytes): a tensor's own bytes, not its
+    # storage's (a weight kept as a view of the file's memmap would count the whole file)
+
+    def add(t: Any) -> None:
+        if isinstance(t, torch.Tensor):
+            seen.add((t.data_ptr(), t.nbytes))
+        elif isinstance(t, (list, tuple)):
+            for x in t:
+                add(x)
+
+    model = engine.model
+    for param in model.parameters():
+        add(param)
+    for module in model.modules():
+        method = getattr(module, "quant_method", None)
+        for value in vars(method).values() if method is not None else ():
+            add(value)
+    cfg, mc = engine.config, engine.config.model_config
+    kv_dtype = resolve_kv_dtype(cfg.cache.kv_cache_dtype, cfg.dtype)
+    kv_per_token = bytes_per_block(
+        mc.num_hidden_layers, 1, mc.num_key_value_heads, mc.head_dim, kv_elem_size(kv_dtype),
+        SCALE_BYTES if kv_dtype in QUANTIZED_KV_DTYPES else 0)
+    return {"weight_bytes": sum(n for _, n in seen), "kv_dtype": kv_dtype,
+            "kv_bytes_per_token": kv_per_token, "quantization": cfg.quantization,
+            "isa": getattr(getattr(model, "ops", None), "isa", None)}
 
 
 class LatencyBench:
@@ -111,6 +155,7 @@ def run_latency(args: EngineArgs, input_len: int, output_len: int, decode_prompt
         "input_len": input_len, "output_len": output_len,
         "decode_prompt_len": decode_prompt_len, "num_iters": num_iters,
         "startup_s": b.startup_s, "first_request_s": b.first_request_s,
+        **footprint(b.engine),
         "prefill_tok_s": statistics.median(prefill_tps), "prefill_tok_s_runs": prefill_tps,
         "decode_tok_s": statistics.median(decode_tps), "decode_tok_s_runs": decode_tps,
         "command": " ".join(sys.argv),
@@ -121,8 +166,9 @@ def serve_paired(b: LatencyBench, num_iters_warmup: int, stdin: IO[str], stdout:
                  ) -> int:
     """--paired: one timed run per command line, so that a driver can alternate this engine's
     runs with a peer's (benchmarks/compare). After the warm-up it prints one JSON line,
-    {"ready": true, "startup_s", "first_request_s", ...}; then each line "prefill" or
-    "decode" on stdin gets one JSON line back, {"prefill_tok_s": x} or {"decode_tok_s": x}.
+    {"ready": true, "startup_s", "first_request_s", ..., and footprint()'s fields}; then
+    each line "prefill" or "decode" on stdin gets one JSON line back, {"prefill_tok_s": x}
+    or {"decode_tok_s": x}.
     End of input ends it; anything else gets {"error": ...} and exit status 2."""
     def say(obj: dict[str, Any]) -> None:
         stdout.write(json.dumps(obj) + "\n")
@@ -134,7 +180,8 @@ def serve_paired(b: LatencyBench, num_iters_warmup: int, stdin: IO[str], stdout:
     say({"ready": True, "startup_s": b.startup_s, "first_request_s": b.first_request_s,
          "model": b.engine.config.model, "dtype": b.engine.config.dtype,
          "ops_backend": b.engine.config.ops_backend, "input_len": b.input_len,
-         "output_len": b.output_len, "decode_prompt_len": b.decode_prompt_len})
+         "output_len": b.output_len, "decode_prompt_len": b.decode_prompt_len,
+         **footprint(b.engine)})
     for line in stdin:
         cmd = line.strip()
         if cmd not in ("prefill", "decode"):

@@ -1,5 +1,6 @@
 """`kvserve bench latency --paired`: the line protocol benchmarks/compare uses to alternate
-kvserve's timed runs with llama.cpp's (one run per command, one JSON line back)."""
+kvserve's timed runs with llama.cpp's (one run per command, one JSON line back), and the
+engine footprint its ready line reports."""
 
 from __future__ import annotations
 
@@ -7,6 +8,10 @@ import json
 import subprocess
 import sys
 from pathlib import Path
+
+import gguf
+
+from kvserve.loader import resolve_model
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -20,6 +25,18 @@ def test_paired_protocol_times_one_run_per_command() -> None:
     ready, *answers = lines
     assert ready["ready"] is True and ready["startup_s"] > 0 and ready["input_len"] == 24
     assert ready["output_len"] == 5 and ready["first_request_s"] > 0
+    # The footprint, from gguf-py's reading of the file: the GGUF's blocks are kept as they are
+    # stored (repacked, same bytes), plus the float32 embedding table the lookup reads; the
+    # float16 KV cache holds layers x (K, V) x kv heads x head_dim x 2 bytes per token.
+    r = gguf.GGUFReader(resolve_model(None))
+    meta = {f.name: f.contents() for f in r.fields.values() if f.name.startswith("llama.")}
+    hidden, heads = meta["llama.embedding_length"], meta["llama.attention.head_count"]
+    assert ready["weight_bytes"] == (sum(int(t.n_bytes) for t in r.tensors)
+                                     + meta["llama.vocab_size"] * hidden * 4)
+    assert ready["kv_dtype"] == "float16" and ready["kv_bytes_per_token"] == (
+        meta["llama.block_count"] * 2 * meta["llama.attention.head_count_kv"]
+        * (hidden // heads) * 2)
+    assert ready["quantization"] == "gguf" and ready["isa"] in ("avx2", "avx512")
     # One answer per command, in order, until the unknown one; nothing after it runs.
     assert [next(iter(a)) for a in answers] == ["decode_tok_s", "prefill_tok_s",
                                                 "decode_tok_s", "error"]

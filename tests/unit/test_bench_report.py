@@ -114,3 +114,55 @@ def test_paired_rounds_compare_round_by_round(tmp_path: Path, report: Any) -> No
     assert table["llama.cpp, F32 GGUF"].split(" | ")[1:] == [
         "500.0", "n/a", "1.20x", "90.0", "n/a of n/a", "0.91x |"]
     assert "decode 1.11, 0.86, 0.91" in "\n".join(rep.latency())
+
+
+def test_quant_table_compares_each_row_with_its_peer_and_its_float32_row(
+        tmp_path: Path, report: Any) -> None:
+    def row(key: str, family: str, ppl: float, peer_ppl: float | None, decode: float,
+            peer_decode: float | None, **extra: Any) -> dict[str, Any]:
+        r: dict[str, Any] = {
+            "key": key, "label": key, "family": family, "errors": {},
+            "ppl": {"kvserve": {"ppl": ppl, "stderr": 0.1}},
+            "latency": {"kvserve": {"prefill_tok_s": 1000.0, "decode_tok_s": decode},
+                        "memory": {"weight_bytes": 200e6, "kv_bytes_per_token": 23040,
+                                   "kv_dtype": "float16", "isa": "avx512"}},
+            **extra}
+        if peer_ppl is not None:
+            r["ppl"]["llama.cpp"] = {"ppl": peer_ppl, "stderr": 0.1}
+            r["latency"]["llama.cpp"] = {"prefill_tok_s": 500.0, "decode_tok_s": peer_decode}
+            r["latency"]["decode_ratio"] = decode / peer_decode  # one round
+            r["latency"]["prefill_ratio"] = 2.0
+            r["peer_memory"] = {"weight_bytes": 96.6e6, "kv_bytes_per_token": 23040,
+                                "kv_types": ["f16", "f16"]}
+        return r
+
+    _write(tmp_path, "quant", {
+        "ctx": 512, "text": "GPL-3.txt", "prefill_len": 512, "decode_len": 64,
+        "latency_rounds": 1, "batch": {"seqs": 16}, "float_source_is_gguf": True,
+        "rows": [
+            row("q4_1", "smollm2-135m", 20.0, 19.0, 400.0, 200.0),
+            row("f32", "smollm2-135m", 18.0, 18.0, 100.0, 100.0),
+            row("int4", "smollm2-135m", 21.0, None, 380.0, None),
+            row("qwen", "qwen", 9.0, 9.0, 20.0, 25.0),
+            {"key": "w8a8", "label": "w8a8", "family": "smollm2-135m", "errors": {},
+             "unavailable": "not available: no --method smoothquant"}]})
+    md = "\n".join(report.Report(tmp_path).quant_section())
+
+    def cells(text: str) -> dict[str, list[str]]:
+        """A table's body rows: first cell -> the other cells."""
+        return {line.split(" | ")[0].lstrip("| "): line.rstrip(" |").split(" | ")[1:]
+                for line in text.splitlines()
+                if line.startswith("| ") and not line.startswith("| row ")}
+
+    quality_md, speed_md = md.split("### Speed")
+    quality, speed = cells(quality_md), cells(speed_md)
+    # PPL: kvserve, llama.cpp, the difference to llama.cpp and to the model's float32 row.
+    assert quality["q4_1"][:4] == ["20.000", "19.000", "+1.000 (+5.3%)", "+2.000 (+11.1%)"]
+    assert quality["f32"][3] == "+0.000 (+0.0%)"
+    assert quality["int4"][1:4] == ["n/a", "n/a", "+3.000 (+16.7%)"]  # no same-format peer
+    assert quality["qwen"][3] == "n/a"  # no float32 row of its model
+    assert quality["q4_1"][4:] == ["200.0", "96.6", "23,040 (float16)", "23,040 (f16/f16)"]
+    assert speed["q4_1"][:8] == ["avx512", "1,000.0", "500.0", "2.00x", "400.0", "200.0",
+                                 "2.00x", "n/a"]
+    assert speed["qwen"][6] == "0.80x"
+    assert "w8a8" not in quality and "- w8a8: not available: no --method smoothquant" in md

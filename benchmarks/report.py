@@ -479,7 +479,8 @@ class Report:
              f"generated tokens over the whole time, prefill included (`kvserve bench "
              f"throughput` beside `llama-batched-bench`), median of {q.get('batch_rounds')} "
              f"alternating rounds. Weights: bytes as loaded (kvserve: every weight tensor it "
-             f"holds, the float32 embedding table included; llama.cpp: the file's tensors). "
+             f"holds, an embedding kept as stored counted by its blocks; llama.cpp: the "
+             f"file's tensors). "
              f"KV: bytes per token over all layers. GPTQ / AWQ rows are made by `kvserve "
              f"quantize` from {src}, calibrated on `{q.get('calib')}`."),
             ""]
@@ -551,6 +552,11 @@ class Report:
         lines += ["", "n/a: no same-format llama.cpp peer (kvserve's own formats), or the row "
                   "has no float32 row of its model.", "",
                   "![decode tok/s against perplexity](benchmarks/results/quant.png)", ""]
+        # What the figures say: written by hand beside the results, kept when the page is
+        # regenerated.
+        notes_md = self.results / "quant_notes.md"
+        if notes_md.exists():
+            lines += ["### What the figures say", "", notes_md.read_text().strip(), ""]
         return lines
 
     def quant_chart(self, plt: Any) -> None:

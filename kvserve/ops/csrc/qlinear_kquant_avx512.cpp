@@ -165,60 +165,34 @@ struct Q3K {
   }
 };
 
-struct Q4K {
-  static constexpr int64_t kRecord = kq::kQ4KRecord;
+// Q4_K and Q5_K: the same scales and 4-bit quants; Q5_K adds each weight's bit 4 from its
+// qh chunks (kHighBit). One body, so the two cannot drift apart.
+template <bool kHighBit>
+struct Q45K {
+  static constexpr int64_t kRecord = kHighBit ? kq::kQ5KRecord : kq::kQ4KRecord;
+  static constexpr int64_t kScales = kHighBit ? kq::kQ5KScales : kq::kQ4KScales;
+  static constexpr int64_t kQs = kHighBit ? kq::kQ5KQs : kq::kQ4KQs;
   static constexpr int64_t kD = 0, kDmin = 32;
   static constexpr bool kMin = true, kJoint = false;
   template <int MT>
   static inline void dot(const uint8_t* rec, const int8_t* const* x, const int16_t* const* bs,
                          __m512i* isum, __m512i* msum) {
     __m128i sc[8], mn[8];
-    kq::q4k_scales(rec + kq::kQ4KScales, sc, mn);
-    const __m512i nib = _mm512_set1_epi8(15);
-    for (int m = 0; m < MT; ++m) isum[m] = _mm512_setzero_si512();
-    for (int c = 0; c < 4; ++c) {
-      __m512i lo[MT], hi[MT];
-      for (int m = 0; m < MT; ++m) lo[m] = hi[m] = _mm512_setzero_si512();
-      for (int l4 = 0; l4 < 8; ++l4) {
-        const __m512i v = load512(rec + kq::kQ4KQs + 64 * (8 * c + l4));
-        const __m512i wl = _mm512_and_si512(v, nib);
-        const __m512i wh = _mm512_and_si512(_mm512_srli_epi16(v, 4), nib);
-        for (int m = 0; m < MT; ++m) {
-          lo[m] = _mm512_dpbusd_epi32(lo[m], wl, bcast4(x[m] + 64 * c + 4 * l4));
-          hi[m] = _mm512_dpbusd_epi32(hi[m], wh, bcast4(x[m] + 64 * c + 32 + 4 * l4));
-        }
-      }
-      const __m512i s0 = _mm512_cvtepu8_epi32(sc[2 * c]);
-      const __m512i s1 = _mm512_cvtepu8_epi32(sc[2 * c + 1]);
-      for (int m = 0; m < MT; ++m)
-        isum[m] = _mm512_add_epi32(isum[m], _mm512_add_epi32(_mm512_mullo_epi32(lo[m], s0),
-                                                             _mm512_mullo_epi32(hi[m], s1)));
-    }
-    min_sums<MT>(mn, bs, msum);
-  }
-};
-
-struct Q5K {
-  static constexpr int64_t kRecord = kq::kQ5KRecord;
-  static constexpr int64_t kD = 0, kDmin = 32;
-  static constexpr bool kMin = true, kJoint = false;
-  template <int MT>
-  static inline void dot(const uint8_t* rec, const int8_t* const* x, const int16_t* const* bs,
-                         __m512i* isum, __m512i* msum) {
-    __m128i sc[8], mn[8];
-    kq::q4k_scales(rec + kq::kQ5KScales, sc, mn);
+    kq::q4k_scales(rec + kScales, sc, mn);
     const __m512i nib = _mm512_set1_epi8(15), b4 = _mm512_set1_epi8(16);
     for (int m = 0; m < MT; ++m) isum[m] = _mm512_setzero_si512();
     for (int c = 0; c < 4; ++c) {  // sub-blocks 2c (low nibbles) and 2c + 1 (high)
       __m512i lo[MT], hi[MT];
       for (int m = 0; m < MT; ++m) lo[m] = hi[m] = _mm512_setzero_si512();
       for (int l4 = 0; l4 < 8; ++l4) {
-        const __m512i v = load512(rec + kq::kQ5KQs + 64 * (8 * c + l4));
-        const __m512i b = load512(rec + kq::kQ5KQh + 64 * l4);
-        const __m512i wl = _mm512_or_si512(_mm512_and_si512(v, nib),
-                                           _mm512_and_si512(move_bit(b, 2 * c, 4), b4));
-        const __m512i wh = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(v, 4), nib),
-                                           _mm512_and_si512(move_bit(b, 2 * c + 1, 4), b4));
+        const __m512i v = load512(rec + kQs + 64 * (8 * c + l4));
+        __m512i wl = _mm512_and_si512(v, nib);
+        __m512i wh = _mm512_and_si512(_mm512_srli_epi16(v, 4), nib);
+        if constexpr (kHighBit) {
+          const __m512i b = load512(rec + kq::kQ5KQh + 64 * l4);
+          wl = _mm512_or_si512(wl, _mm512_and_si512(move_bit(b, 2 * c, 4), b4));
+          wh = _mm512_or_si512(wh, _mm512_and_si512(move_bit(b, 2 * c + 1, 4), b4));
+        }
         for (int m = 0; m < MT; ++m) {
           lo[m] = _mm512_dpbusd_epi32(lo[m], wl, bcast4(x[m] + 64 * c + 4 * l4));
           hi[m] = _mm512_dpbusd_epi32(hi[m], wh, bcast4(x[m] + 64 * c + 32 + 4 * l4));
@@ -233,6 +207,9 @@ struct Q5K {
     min_sums<MT>(mn, bs, msum);
   }
 };
+using Q4K = Q45K<false>;
+using Q5K = Q45K<true>;
+
 
 struct Q6K {
   static constexpr int64_t kRecord = kq::kQ6KRecord;

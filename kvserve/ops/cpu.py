@@ -253,10 +253,7 @@ class CpuOps(ReferenceOps):
         """weight: packed GGUF groups (kvserve/quant/gguf.py pack) of the format wtype names
         (PACKED_WTYPES: Q4_0, Q4_1, Q5_0, Q5_1, Q8_0); x is quantized to int8 per 32 values and
         the kernels (csrc/qlinear*.cpp) give qlinear_reference's bits at any M."""
-        if (self._ext is None or x.dtype != torch.float32 or x.dim() == 0
-                or wtype not in PACKED_WTYPES
-                or (bias is not None and (bias.dtype != torch.float32
-                                          or not bias.is_contiguous()))):
+        if not self._packed_kernel_takes(x, bias, wtype, PACKED_WTYPES):
             return super().qlinear(x, weight, n, bias, wtype=wtype)
         x2 = self._rows(x)
         return self._ext.qlinear(x2, weight, wtype, n, bias, self._vnni).view(*x.shape[:-1], n)
@@ -267,10 +264,7 @@ class CpuOps(ReferenceOps):
         format wtype names (KQUANT_KERNEL_WTYPES); x is quantized to Q8_K per 256 values and
         the kernels (csrc/qlinear_kquant*.cpp) give ReferenceOps.qlinear_kquant's bits at any
         M."""
-        if (self._ext is None or x.dtype != torch.float32 or x.dim() == 0
-                or wtype not in KQUANT_KERNEL_WTYPES
-                or (bias is not None and (bias.dtype != torch.float32
-                                          or not bias.is_contiguous()))):
+        if not self._packed_kernel_takes(x, bias, wtype, KQUANT_KERNEL_WTYPES):
             return super().qlinear_kquant(x, weight, n, bias, wtype=wtype)
         x2 = self._rows(x)
         return self._ext.qlinear_kquant(x2, weight, wtype, n, bias,
@@ -407,6 +401,14 @@ class CpuOps(ReferenceOps):
     def _f32(self, *ts: torch.Tensor) -> bool:
         return self._ext is not None and all(t.dtype == torch.float32 and t.dim() > 0
                                              for t in ts)
+
+    def _packed_kernel_takes(self, x: torch.Tensor, bias: torch.Tensor | None, wtype: int,
+                             formats: tuple[int, ...]) -> bool:
+        """Whether qlinear's / qlinear_kquant's kernel takes this call (else the reference):
+        float32 activations, a format it reads, a float32 contiguous bias or none."""
+        return (self._ext is not None and x.dtype == torch.float32 and x.dim() > 0
+                and wtype in formats
+                and (bias is None or (bias.dtype == torch.float32 and bias.is_contiguous())))
 
     @staticmethod
     def _rows(x: torch.Tensor) -> torch.Tensor:

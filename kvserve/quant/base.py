@@ -102,6 +102,14 @@ def dense_names(layer: Linear) -> tuple[str, ...]:
     return ("weight", "bias") if layer.bias is not None else ("weight",)
 
 
+def create_dense_weight(layer: Linear, dtype: torch.dtype) -> None:
+    """layer.weight as an uninitialised float [out, in] parameter: what float shards are
+    copied into, and the placeholder a quantized method replaces once loaded (torch.empty
+    takes no physical memory until written)."""
+    layer.weight = nn.Parameter(torch.empty(layer.out_features, layer.in_features, dtype=dtype),
+                                requires_grad=False)
+
+
 def copy_shard(layer: Linear, name: str, shard: int, tensor: torch.Tensor) -> None:
     """Copies a float tensor into output-row shard `shard` of parameter `name` (weight or
     bias); ValueError naming both shapes when it does not fit."""
@@ -127,8 +135,7 @@ class UnquantizedLinearMethod:
         return dense_names(layer)
 
     def create_weights(self, layer: Linear, dtype: torch.dtype) -> None:
-        layer.weight = nn.Parameter(torch.empty(layer.out_features, layer.in_features,
-                                                dtype=dtype), requires_grad=False)
+        create_dense_weight(layer, dtype)
 
     def load_shard(self, layer: Linear, name: str, shard: int,
                    tensor: torch.Tensor | QuantizedTensor) -> None:

@@ -42,6 +42,7 @@ from kvserve.quant.base import (
     QuantizedTensor,
     QuantMethod,
     copy_shard,
+    create_dense_weight,
     dense,
     dense_names,
     require_float32,
@@ -164,8 +165,7 @@ class GGUFLinearMethod:
     def create_weights(self, layer: Any, dtype: torch.dtype) -> None:
         # Untouched until a float shard is copied in: torch.empty takes no physical memory,
         # and a layer loaded from blocks replaces it.
-        layer.weight = nn.Parameter(torch.empty(layer.out_features, layer.in_features,
-                                                dtype=dtype), requires_grad=False)
+        create_dense_weight(layer, dtype)
 
     def load_shard(self, layer: Any, name: str, shard: int,
                    tensor: torch.Tensor | QuantizedTensor) -> None:
@@ -322,14 +322,16 @@ def pack(data: torch.Tensor, qtype: int, k: int) -> torch.Tensor:
                      + [qs.transpose(2, 3).reshape(groups, nb, -1)], dim=-1).contiguous()
 
 
-def check_packed(packed: torch.Tensor, qtype: int) -> None:
-    """ValueError unless packed is uint8 [groups, nb, record bytes] of the named format."""
-    qtype = Q8_0 if qtype == W8A8 else qtype  # the same records
+def check_packed(packed: torch.Tensor, qtype: int) -> int:
+    """ValueError unless packed is uint8 [groups, nb, record bytes] of the named format;
+    returns the block format of its records (W8A8's are Q8_0's)."""
+    qtype = Q8_0 if qtype == W8A8 else qtype
     if qtype not in PACKED_BYTES:
         raise ValueError(f"qtype must be one of {sorted(TYPE_NAMES.values())}, got {qtype}")
     if packed.dtype != torch.uint8 or packed.dim() != 3 or packed.shape[-1] != PACKED_BYTES[qtype]:
         raise ValueError(f"packed {TYPE_NAMES[qtype]} weights are uint8 [groups, K / 32, "
                          f"{PACKED_BYTES[qtype]}], got {packed.dtype} {tuple(packed.shape)}")
+    return qtype
 
 
 def unpack(packed: torch.Tensor, qtype: int
@@ -337,8 +339,7 @@ def unpack(packed: torch.Tensor, qtype: int
     """packed (of the format qtype) -> (quants int32 [G*16, nb, 32], d float32 [G*16, nb],
     m float32 or None): the integers and scales the kernels compute with, signed again where
     the format is (Q4_0 q - 8, Q5_0 q - 16, Q8_0)."""
-    check_packed(packed, qtype)
-    qtype = Q8_0 if qtype == W8A8 else qtype
+    qtype = check_packed(packed, qtype)
     groups, nb = packed.shape[:2]
 
     def half(lo: int) -> torch.Tensor:  # 16 fp16 at byte lo -> [G*16, nb]

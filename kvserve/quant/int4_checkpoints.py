@@ -38,6 +38,7 @@ from kvserve.quant.base import (
     QuantizedTensor,
     QuantMethod,
     copy_shard,
+    create_dense_weight,
     dense,
     require_float32,
 )
@@ -102,8 +103,7 @@ class Int4CheckpointLinearMethod:
 
     def create_weights(self, layer: Any, dtype: torch.dtype) -> None:
         # A placeholder (no memory is touched): process_weights_after_loading replaces it.
-        layer.weight = nn.Parameter(torch.empty(layer.out_features, layer.in_features,
-                                                dtype=dtype), requires_grad=False)
+        create_dense_weight(layer, dtype)
 
     def load_shard(self, layer: Any, name: str, shard: int,
                    tensor: torch.Tensor | QuantizedTensor) -> None:

@@ -31,6 +31,7 @@ from kvserve.quant.base import (
     QuantizedTensor,
     QuantMethod,
     copy_shard,
+    create_dense_weight,
     dense,
     dense_names,
     require_float32,
@@ -122,8 +123,7 @@ class RTNLinearMethod:
         if layer.in_features % unit:
             raise ValueError(f"int{self.bits} quantizes groups of {unit} inputs; a linear layer "
                              f"of {layer.in_features} inputs does not divide by {unit}")
-        layer.weight = nn.Parameter(torch.empty(layer.out_features, layer.in_features,
-                                                dtype=dtype), requires_grad=False)
+        create_dense_weight(layer, dtype)
 
     def load_shard(self, layer: Any, name: str, shard: int,
                    tensor: torch.Tensor | QuantizedTensor) -> None:

@@ -46,11 +46,18 @@ from kvserve.quant.base import (
     QuantizedTensor,
     QuantMethod,
     copy_shard,
+    create_dense_weight,
     dense,
     dense_names,
     require_float32,
 )
-from kvserve.quant.calibration import LayerWeights, layer_forward, rms_norm
+from kvserve.quant.calibration import (
+    LayerWeights,
+    attention,
+    layer_forward,
+    layer_weights,
+    rms_norm,
+)
 from kvserve.quant.gguf import BLOCK, Q8_0, W8A8, pack
 from kvserve.quant.rtn import int8_to_q8_0, quantize_int8
 
@@ -86,8 +93,6 @@ def smooth_layer(w: LayerWeights, x: torch.Tensor, cfg: ModelConfig,
     """One decoder layer's weights with both norms smoothed into their linears; x [S, T, H]
     is the layer's (float) input residual stream. The layer's float function is unchanged up
     to rounding. Returns a new dict; w is not modified."""
-    from kvserve.quant.calibration import attention
-
     w = dict(w)
     eps = cfg.rms_norm_eps
     groups = (("input_layernorm.weight", ("self_attn.q_proj", "self_attn.k_proj",
@@ -109,8 +114,6 @@ def smooth_model(weights: dict[str, torch.Tensor], x: torch.Tensor, cfg: ModelCo
                  progress: Any = None) -> dict[str, torch.Tensor]:
     """Every layer smoothed, each from its float inputs (x: the embedded calibration batch
     [S, T, H]); returns the HF-named weights with the smoothed layers in place."""
-    from kvserve.quant.calibration import layer_weights
-
     out = dict(weights)
     for i in range(cfg.num_hidden_layers):
         lw = layer_weights(weights, i)
@@ -155,8 +158,7 @@ class W8A8LinearMethod:
         if layer.in_features % BLOCK:
             raise ValueError(f"{self.prefix}: W8A8 runs on blocks of {BLOCK} inputs; "
                              f"{layer.in_features} inputs do not divide by {BLOCK}")
-        layer.weight = nn.Parameter(torch.empty(layer.out_features, layer.in_features,
-                                                dtype=dtype), requires_grad=False)
+        create_dense_weight(layer, dtype)
 
     def load_shard(self, layer: Any, name: str, shard: int,
                    tensor: torch.Tensor | QuantizedTensor) -> None:

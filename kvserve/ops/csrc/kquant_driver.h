@@ -1,0 +1,43 @@
+// The K-quant kernels' driver, one text for both ISAs: qlinear_kquant.cpp (AVX2) and
+// qlinear_kquant_avx512.cpp (VNNI) each include it INSIDE their anonymous namespace, after
+// their own tile<Fmt, MT, kPrefetch>(a, m0, gw, bias, out, N, cols). So each file gets its own
+// copy, compiled for its ISA and of internal linkage: the two never meet at link time.
+//
+// Needs, from the including file: Q8KActs, kGroup, kQK, min64 / max64 (simd.h) and
+// for_each_tile (tiles.h).
+
+// rows (1 <= rows <= MT) at m0 as one tile of exactly that many rows.
+template <class Fmt, int MT>
+inline void some_rows(int64_t rows, bool prefetch, const Q8KActs& a, int64_t m0,
+                      const uint8_t* gw, const float* bias, float* out, int64_t N,
+                      int64_t cols) {
+  if (rows == MT) {
+    if (prefetch) tile<Fmt, MT, true>(a, m0, gw, bias, out, N, cols);
+    else tile<Fmt, MT, false>(a, m0, gw, bias, out, N, cols);
+  } else if constexpr (MT > 1) {
+    some_rows<Fmt, MT - 1>(rows, prefetch, a, m0, gw, bias, out, N, cols);
+  }
+}
+
+// out [M, N] for a packed weight w of format Fmt, MT activation rows per tile.
+template <class Fmt, int MT>
+void run(const Q8KActs& a, const uint8_t* w, const float* bias, float* out, int64_t N,
+         int nthreads) {
+  const int64_t M = a.M, K = a.K, groups = (N + kGroup - 1) / kGroup;
+  const int64_t group_bytes = K / kQK * Fmt::kRecord;
+  // Rows per pass over a thread's slab: ~256 KB of int8 activations stay in L2 while it
+  // streams.
+  const int64_t m_block = max64(MT, (1 << 18) / max64(K, 1) / MT * MT);
+  // Below ~64K multiply-adds the fork/join (~2 us) costs more than it saves.
+  const bool parallel = nthreads > 1 && M * N * K >= (1 << 16);
+  for_each_tile(groups, (M + m_block - 1) / m_block, nthreads, parallel,
+                [&](int64_t pass, int64_t g) {
+    const int64_t p0 = pass * m_block, p1 = min64(M, p0 + m_block);
+    const uint8_t* gw = w + g * group_bytes;
+    const int64_t n0 = g * kGroup, cols = min64(kGroup, N - n0);
+    const float* bg = bias ? bias + n0 : nullptr;
+    // The first tile streams the group from memory (prefetch); the others hit cache.
+    for (int64_t m = p0; m < p1; m += MT)
+      some_rows<Fmt, MT>(min64(MT, p1 - m), m == p0, a, m, gw, bg, out + n0, N, cols);
+  });
+}

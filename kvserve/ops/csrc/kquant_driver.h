@@ -41,3 +41,21 @@ void run(const Q8KActs& a, const uint8_t* w, const float* bias, float* out, int6
       some_rows<Fmt, MT>(min64(MT, p1 - m), m == p0, a, m, gw, bg, out + n0, N, cols);
   });
 }
+
+// Each file's own choice of rows per tile for a format (run<Fmt, MT> above), defined there.
+template <class Fmt>
+void run_fmt(const Q8KActs& a, const uint8_t* w, const float* bias, float* out, int64_t N,
+             int nthreads);
+
+// The named format's run_fmt. Needs, from the including file: the format structs Q2K .. Q6K.
+inline void run_kquant(const Q8KActs& a, const uint8_t* w, KType kt, const float* bias,
+                       float* out, int64_t N, int nthreads) {
+  if (a.M == 0 || N == 0) return;
+  switch (kt) {
+    case KType::Q2_K: return run_fmt<Q2K>(a, w, bias, out, N, nthreads);
+    case KType::Q3_K: return run_fmt<Q3K>(a, w, bias, out, N, nthreads);
+    case KType::Q4_K: return run_fmt<Q4K>(a, w, bias, out, N, nthreads);
+    case KType::Q5_K: return run_fmt<Q5K>(a, w, bias, out, N, nthreads);
+    case KType::Q6_K: return run_fmt<Q6K>(a, w, bias, out, N, nthreads);
+  }
+}

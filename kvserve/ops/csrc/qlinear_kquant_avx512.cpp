@@ -309,7 +309,7 @@ inline void tile(const Q8KActs& a, int64_t m0, const uint8_t* gw, const float* b
   }
 }
 
-#include "kquant_driver.h"  // some_rows, run: see there why inside this namespace
+#include "kquant_driver.h"  // some_rows, run, run_kquant: see there why in this namespace
 
 template <class Fmt>
 void run_fmt(const Q8KActs& a, const uint8_t* w, const float* bias, float* out, int64_t N,
@@ -325,14 +325,7 @@ void run_fmt(const Q8KActs& a, const uint8_t* w, const float* bias, float* out, 
 
 void qlinear_kquant_avx512(const Q8KActs& a, const uint8_t* w, KType kt, const float* bias,
                            float* out, int64_t N, int nthreads) {
-  if (a.M == 0 || N == 0) return;
-  switch (kt) {
-    case KType::Q2_K: return run_fmt<Q2K>(a, w, bias, out, N, nthreads);
-    case KType::Q3_K: return run_fmt<Q3K>(a, w, bias, out, N, nthreads);
-    case KType::Q4_K: return run_fmt<Q4K>(a, w, bias, out, N, nthreads);
-    case KType::Q5_K: return run_fmt<Q5K>(a, w, bias, out, N, nthreads);
-    case KType::Q6_K: return run_fmt<Q6K>(a, w, bias, out, N, nthreads);
-  }
+  run_kquant(a, w, kt, bias, out, N, nthreads);
 }
 
 }  // namespace kvs

@@ -20,10 +20,13 @@ if TYPE_CHECKING:
 class ScheduledRequest:
     """One request's share of an engine step.
 
-    The step computes all_token_ids[start_pos : start_pos + len(token_ids)]:
+    The step computes all_token_ids[start_pos : start_pos + len(token_ids)], then the draft
+    tokens when there are any (a decode with k drafts feeds 1 + k tokens):
 
         all_token_ids  |== computed ==|==== token_ids ====|== not yet ==|
                        0          start_pos        start_pos+n      num_tokens
+
+        with drafts    |== computed ==|last|d0 d1 .. dk-1|   token_ids = [last] + drafts
     """
 
     request: Request
@@ -31,6 +34,8 @@ class ScheduledRequest:
     start_pos: int  # == request.num_computed_tokens when scheduled
     block_ids: list[int]  # the request's whole block table after allocation
     sample: bool  # True when this step reaches the last known token: a new token is sampled
+    # The draft tokens at the end of token_ids, to verify this step (only when sample).
+    spec_token_ids: list[int] = field(default_factory=list)
 
     @property
     def request_id(self) -> str:
@@ -87,8 +92,8 @@ class ModelOutput:
     """Results of one forward, for the requests whose step sampled."""
 
     req_ids: list[str]
-    # One list per request: a single token normally; several once speculative decoding
-    # accepts draft tokens.
+    # One list per request: a single token normally; with k draft tokens the accepted drafts
+    # plus one the target chose (1 to k + 1 tokens).
     sampled_token_ids: list[list[int]]
     logprobs: list[list[PositionLogprobs] | None]
     # request_id -> (first position, logprobs of this step's prompt positions from it on);

@@ -52,6 +52,10 @@ class Request:
         self.output_token_ids: list[int] = []
         # prompt + output; the scheduler feeds all_token_ids[num_computed_tokens:].
         self.all_token_ids: list[int] = list(prompt_token_ids)
+        # Draft tokens a proposer guessed to follow all_token_ids, for the next step to verify
+        # (speculative decoding). Never part of all_token_ids: block hashes, the prefix cache
+        # and the output see only tokens the target model chose. The scheduler consumes them.
+        self.spec_token_ids: list[int] = []
         self.num_computed_tokens = 0
         self.num_cached_tokens = -1  # prefix-cache hit at first scheduling; -1 = not yet
         self.num_preemptions = 0
@@ -77,6 +81,13 @@ class Request:
     def append_output_token(self, token_id: int) -> None:
         self.output_token_ids.append(token_id)
         self.all_token_ids.append(token_id)
+
+    def drop_output_tokens(self, num_tokens: int) -> None:
+        """Forget the last num_tokens output tokens (a stop string ended the output inside a
+        step's accepted drafts: nothing after it is emitted)."""
+        if num_tokens:
+            del self.output_token_ids[-num_tokens:]
+            del self.all_token_ids[-num_tokens:]
 
     def is_finished(self) -> bool:
         return self.status.finished

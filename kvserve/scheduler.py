@@ -8,8 +8,14 @@ budget (max_num_batched_tokens) and a request cap (max_num_seqs):
                    0           num_computed_tokens                       num_tokens
 
 A decode is the case num_tokens - num_computed_tokens == 1, a prefill chunk any larger
-slice, and speculative decoding will schedule num_tokens - num_computed_tokens + k: none
-needs a special case here.
+slice, and a decode with k draft tokens (request.spec_token_ids, speculative decoding) the
+slice plus the k drafts, 1 + k tokens and their KV slots:
+
+    all_token_ids  |======= computed =======|last| d0 d1 .. dk-1 |   fed this step: 1 + k
+    after the step, a drafts accepted:  num_computed_tokens -= k - a  (the rejected ones)
+
+The rejected drafts' KV slots hold garbage that the next step overwrites: attention never
+reads past seq_len. None of this needs a special case elsewhere here.
 
 Order of one schedule():
   1. RUNNING requests, most important first. When one cannot get blocks, the least
@@ -47,8 +53,11 @@ class QueueFullError(RuntimeError):
 
 class Scheduler:
     def __init__(self, scheduler_config: SchedulerConfig, cache_config: CacheConfig,
-                 num_blocks: int) -> None:
+                 num_blocks: int, num_lookahead_tokens: int = 0) -> None:
         self.config = scheduler_config
+        # KV slots reserved past a sampling step's tokens, for a draft model to write its
+        # drafts' KV into before the next step verifies them (vLLM's num_lookahead_tokens).
+        self.num_lookahead_tokens = num_lookahead_tokens
         self.block_size = cache_config.block_size
         self.num_blocks = num_blocks
         self.block_pool = BlockPool(num_blocks, cache_config.enable_prefix_caching)
@@ -134,17 +143,35 @@ class Scheduler:
             if num_new <= 0:
                 i += 1
                 continue
-            if not self._allocate_or_preempt(req, num_new, preempted_ids):
+            num_spec = 0
+            if req.spec_token_ids and num_new == req.num_tokens - req.num_computed_tokens:
+                num_spec = min(len(req.spec_token_ids), self.max_drafts(req), budget - num_new)
+            if not self._allocate_or_preempt(req, num_new + num_spec, preempted_ids):
                 break  # req itself was preempted: it was the last running request
-            scheduled.append(self._commit(req, num_new))
-            budget -= num_new
+            scheduled.append(self._commit(req, num_new, num_spec))
+            budget -= num_new + num_spec
             i += 1
         return budget
+
+    def max_drafts(self, req: Request) -> int:
+        """How many draft tokens req's next step may verify: it yields up to k + 1 tokens,
+        which must fit its max_tokens and max_model_len."""
+        return max(0, min(req.max_tokens - req.num_output_tokens,
+                          self.config.max_model_len - req.num_tokens) - 1)
+
+    def _lookahead(self, req: Request, total: int) -> int:
+        """The lookahead slots for a step that computes req up to `total` tokens, within the
+        room its own length limits leave."""
+        limit = min(req.num_prompt_tokens + req.max_tokens, self.config.max_model_len)
+        return max(0, min(self.num_lookahead_tokens, limit - total))
 
     def _allocate_or_preempt(self, req: Request, num_new: int, preempted_ids: list[str]
                              ) -> bool:
         """Preempts least important running requests until req gets its blocks; False when
         req itself had to go."""
+        total = req.num_computed_tokens + num_new
+        if total >= req.num_tokens:
+            num_new += self._lookahead(req, total)
         while self.kv_cache_manager.allocate_slots(req, num_new) is None:
             # running[-1] is the least important. It sits at or after req in self.running,
             # so it has not been scheduled in this step.
@@ -171,7 +198,10 @@ class Scheduler:
                 if not self.config.enable_chunked_prefill:
                     break
                 num_new = budget
-            if self.kv_cache_manager.allocate_slots(req, num_new, computed_blocks) is None:
+            num_alloc = num_new
+            if num_computed + num_new == req.num_tokens:
+                num_alloc += self._lookahead(req, req.num_tokens)
+            if self.kv_cache_manager.allocate_slots(req, num_alloc, computed_blocks) is None:
                 break
             heapq.heappop(self.waiting)
             self._left_waiting(req)
@@ -186,18 +216,22 @@ class Scheduler:
             budget -= num_new
         return budget
 
-    def _commit(self, req: Request, num_new: int) -> ScheduledRequest:
+    def _commit(self, req: Request, num_new: int, num_spec: int = 0) -> ScheduledRequest:
         start = req.num_computed_tokens
         end = start + num_new
-        out = ScheduledRequest(request=req, token_ids=req.all_token_ids[start:end],
+        drafts = req.spec_token_ids[:num_spec]
+        out = ScheduledRequest(request=req, token_ids=req.all_token_ids[start:end] + drafts,
                                start_pos=start,
                                block_ids=self.kv_cache_manager.get_block_ids(req.request_id),
-                               sample=end == req.num_tokens)
-        req.num_computed_tokens = end
+                               sample=end == req.num_tokens, spec_token_ids=drafts)
+        # Drafts are for one step: the proposer makes new ones after it.
+        req.spec_token_ids = []
+        req.num_computed_tokens = end + num_spec
         return out
 
     def _preempt(self, req: Request) -> None:
         self.kv_cache_manager.free(req)
+        req.spec_token_ids = []
         req.status = RequestStatus.PREEMPTED
         req.num_computed_tokens = 0
         req.num_preemptions += 1
@@ -215,7 +249,8 @@ class Scheduler:
         """Appends sampled tokens and runs the token-level stop checks.
 
         Returns (request, new token ids) for every request that got tokens, finished ones
-        included. Tokens after a stop token (speculative decoding can return several) are
+        included. A step that verified k drafts returns the a accepted ones plus one token;
+        the k - a rejected drafts leave num_computed_tokens. Tokens after a stop token are
         dropped. Stop strings are the detokenizer's job; it calls finish_request().
         """
         sampled = dict(zip(model_output.req_ids, model_output.sampled_token_ids, strict=True))
@@ -227,6 +262,12 @@ class Scheduler:
             # Aborted between schedule() and now: its tokens are of no use.
             if not sched.sample or not new_ids or req.status != RequestStatus.RUNNING:
                 continue
+            num_spec = len(sched.spec_token_ids)
+            if not 1 <= len(new_ids) <= num_spec + 1:
+                raise RuntimeError(f"request {req.request_id}: {len(new_ids)} tokens for a "
+                                   f"step with {num_spec} drafts")
+            # The accepted drafts' KV stays; the rejected ones' is overwritten next step.
+            req.num_computed_tokens -= num_spec - (len(new_ids) - 1)
             accepted: list[int] = []
             for token_id in new_ids:
                 req.append_output_token(token_id)

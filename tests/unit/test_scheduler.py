@@ -378,15 +378,126 @@ def test_max_tokens_gives_length_and_eos_at_the_limit_gives_stop() -> None:
     assert_idle_and_clean(sched)
 
 
+def _prefill(sched: Scheduler, req: Request, token: int = 5) -> None:
+    sched.add_request(req)
+    step(sched, {req.request_id: [token]})
+    assert req.num_computed_tokens == req.num_tokens - 1
+
+
+def test_drafts_are_fed_after_the_last_token_and_rejected_ones_roll_back() -> None:
+    sched = make_scheduler()
+    req = make_request("a", 3, max_tokens=10)
+    _prefill(sched, req)  # tokens: 3 prompt + [5]; 3 computed
+    req.spec_token_ids = [11, 12, 13]
+    out = sched.schedule()
+    (sr,) = out.scheduled
+    assert (sr.start_pos, sr.token_ids, sr.spec_token_ids, sr.sample) == (3, [5, 11, 12, 13],
+                                                                          [11, 12, 13], True)
+    assert out.num_batched_tokens == 4
+    assert req.spec_token_ids == []  # consumed: a step's drafts are its own
+    assert req.num_computed_tokens == 7  # 4 tokens + 3 drafts in flight
+    assert sr.block_ids == [1, 2]  # slots for positions 3..6
+    # 11 accepted, 12 rejected: the target chose 20 there.
+    results = sched.update_from_output(out, ModelOutput(["a"], [[11, 20]], [None]))
+    assert results == [(req, [11, 20])]
+    assert req.output_token_ids == [5, 11, 20]
+    assert req.all_token_ids[3:] == [5, 11, 20]
+    assert req.num_computed_tokens == 5  # 3 + [5, 11]; 20 is the next step's input
+    # Only real tokens are hashed: 6 of them fill one block; the drafts never did.
+    assert len(req.block_hashes) == 1
+    out, _ = step(sched)
+    assert summary(out) == [("a", 5, 1, True)]
+    assert out.scheduled[0].token_ids == [20]
+    sched.block_pool.check_integrity()
+
+
+def test_all_drafts_accepted_plus_bonus() -> None:
+    sched = make_scheduler()
+    req = make_request("a", 3, max_tokens=10)
+    _prefill(sched, req)
+    req.spec_token_ids = [11, 12]
+    _, results = step(sched, {"a": [11, 12, 30]})
+    assert results == [(req, [11, 12, 30])]
+    assert req.num_computed_tokens == 6 == req.num_tokens - 1
+
+
+def test_drafts_never_pass_max_tokens_max_model_len_or_the_budget() -> None:
+    sched = make_scheduler(max_num_batched_tokens=3)
+    req = make_request("a", 3, max_tokens=10)
+    _prefill(sched, req)
+    req.spec_token_ids = [11, 12, 13, 14]
+    out = sched.schedule()
+    assert out.scheduled[0].spec_token_ids == [11, 12]  # 1 + 2 tokens fill the budget of 3
+    sched.update_from_output(out, ModelOutput(["a"], [[11, 12, 13]], [None]))
+    # max_tokens 4: one output token so far room for 3 more tokens: 1 + 2 drafts at most.
+    sched2 = make_scheduler()
+    req2 = make_request("b", 3, max_tokens=4)
+    _prefill(sched2, req2)
+    assert sched2.max_drafts(req2) == 2
+    req2.spec_token_ids = [11, 12, 13]
+    out = sched2.schedule()
+    assert out.scheduled[0].spec_token_ids == [11, 12]
+    # max_model_len: 60 prompt tokens + 1 output in a 64-token context leave 3 tokens.
+    sched3 = make_scheduler(num_blocks=20, max_num_batched_tokens=64)
+    req3 = make_request("c", 60, max_tokens=4)
+    _prefill(sched3, req3)
+    assert sched3.max_drafts(req3) == 2
+
+
 def test_several_tokens_per_step_stop_at_the_first_stop_token() -> None:
-    # The speculative-decoding seam: a step may return several tokens for one request.
     sched = make_scheduler()
     req = make_request("a", 3, max_tokens=8)
-    assert drive(sched, req, [[5, 6, EOS, 8]]) == [[5, 6, EOS]]
+    _prefill(sched, req)
+    req.spec_token_ids = [6, EOS, 8]
+    _, results = step(sched, {"a": [6, EOS, 8, 9]})
+    assert results == [(req, [6, EOS])]
     assert req.output_token_ids == [5, 6, EOS]
-    req2 = make_request("b", 3, max_tokens=2)
-    assert drive(sched, req2, [[5, 6, 7]]) == [[5, 6]]
-    assert req2.status == RequestStatus.FINISHED_LENGTH
+    assert req.status == RequestStatus.FINISHED_STOPPED
+    assert_idle_and_clean(sched)
+
+
+def test_a_step_returning_more_tokens_than_drafts_plus_one_is_an_error() -> None:
+    sched = make_scheduler()
+    req = make_request("a", 3)
+    _prefill(sched, req)
+    out = sched.schedule()
+    with pytest.raises(RuntimeError, match="2 tokens for a step with 0 drafts"):
+        sched.update_from_output(out, ModelOutput(["a"], [[5, 6]], [None]))
+
+
+def test_lookahead_slots_are_reserved_for_a_draft_model() -> None:
+    sched = Scheduler(SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=64,
+                                      max_model_len=64),
+                      CacheConfig(block_size=4), 10, num_lookahead_tokens=3)
+    req = make_request("a", 4, max_tokens=20)
+    sched.add_request(req)
+    out = sched.schedule()
+    # 4 prompt tokens + 3 lookahead slots: 2 blocks although the prompt fills one.
+    assert out.scheduled[0].block_ids == [1, 2]
+    sched.update_from_output(out, ModelOutput(["a"], [[5]], [None]))
+    req.spec_token_ids = [11, 12, 13]
+    out = sched.schedule()
+    # Positions 4..7 this step, then 3 lookahead: up to position 10, 3 blocks.
+    assert out.scheduled[0].block_ids == [1, 2, 3]
+
+
+def test_preemption_drops_drafts_and_recomputes_only_real_tokens() -> None:
+    sched = make_scheduler(num_blocks=4)  # 3 usable blocks of 4
+    a = make_request("a", 3, max_tokens=8, arrival_time=0.0)
+    b = make_request("b", 3, max_tokens=8, arrival_time=1.0)
+    sched.add_request(a)
+    sched.add_request(b)
+    step(sched, {"a": [5], "b": [5]})
+    assert sched.num_running == 2
+    a.spec_token_ids = [11, 12, 13, 14]  # a needs positions 3..7: a second block
+    b.spec_token_ids = [21]
+    out = sched.schedule()
+    assert out.preempted_ids == ["b"]
+    assert b.spec_token_ids == [] and b.num_computed_tokens == 0
+    assert b.all_token_ids[3:] == [5]  # its real token survives preemption
+    sched.update_from_output(out, ModelOutput(["a"], [[11, 40]], [None]))
+    assert a.num_computed_tokens == 5 and a.output_token_ids == [5, 11, 40]
+    sched.block_pool.check_integrity()
 
 
 # -- prefix cache through the scheduler ---------------------------------------------------

@@ -4,6 +4,7 @@
                             within cache_limit_bytes: every distinct schema a client sends
                             would otherwise stay in memory for good
     token_bitmask(reqs)  -> rows + packed [G, ceil(V / 32)] int32 masks for the sampler
+                            (a row per draft token too, the matcher rolled back after)
     accept(req_id, tok)  -> advances that request's matcher by the token it sampled
     remove(req_id)       -> drops the matcher when the request finishes or is aborted
 
@@ -105,11 +106,18 @@ class StructuredOutputManager:
 
     # -- per-step use (engine thread) -------------------------------------------------------
 
-    def token_bitmask(self, requests: list[Request]
+    def token_bitmask(self, requests: list[Request], row_offsets: list[int] | None = None,
+                      drafts: list[list[int]] | None = None
                       ) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """For the requests (rows of the sampling batch) that have a grammar: (rows [G] int64,
+        """Masks for the sampling rows of requests that have a grammar: (rows [G] int64,
         bitmask [G, ceil(V / 32)] int32, bit t % 32 of word t // 32 set = token t allowed).
-        None when no row has a grammar."""
+        None when no row has a grammar.
+
+        Request b owns rows row_offsets[b] .. (one each without row_offsets); with draft
+        tokens drafts[b], its row j gets the grammar's mask after the first j drafts: the
+        matcher accepts them, fills each row, and rolls back. Rows after a draft the grammar
+        refuses get no mask: that draft's own row gives it probability 0, so rejection
+        sampling never reaches them."""
         rows: list[int] = []
         masks: list[torch.Tensor] = []
         for i, req in enumerate(requests):
@@ -120,12 +128,21 @@ class StructuredOutputManager:
             if matcher is None:
                 matcher = self._new_matcher(req.grammar or self.compile(spec))
                 self._matchers[req.request_id] = matcher
-            if matcher.is_terminated():
-                continue  # the stop token was accepted; the scheduler finishes the request
-            mask = self._allocate_bitmask()
-            matcher.fill_next_token_bitmask(mask)
-            rows.append(i)
-            masks.append(mask)
+            first = i if row_offsets is None else row_offsets[i]
+            ahead = drafts[i] if drafts is not None else []
+            accepted = 0
+            for j in range(len(ahead) + 1):
+                if matcher.is_terminated():
+                    break  # the stop token was accepted; the scheduler finishes the request
+                mask = self._allocate_bitmask()
+                matcher.fill_next_token_bitmask(mask)
+                rows.append(first + j)
+                masks.append(mask)
+                if j == len(ahead) or not matcher.accept_token(ahead[j]):
+                    break
+                accepted += 1
+            if accepted:
+                matcher.rollback(accepted)
         if not rows:
             return None
         return torch.tensor(rows, dtype=torch.int64), torch.cat(masks)

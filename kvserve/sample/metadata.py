@@ -29,8 +29,9 @@ class SamplingMetadata:
         row sees     a's tokens   b's tokens   b's + d0     b's + d0 d1    c's tokens
         row_offsets  [0, 1, 4, 5]
 
-    Without drafts (every step today) R_b = 1 and N = B: row b is request b's last computed
-    token.
+    Without drafts R_b = 1 and N = B: row b is request b's last computed token. A draft
+    model drafting its j-th token wants one row per request that sees j drafts
+    (last_row_only in from_requests).
 
     Optional tensors are None when no row needs them, so the common case (greedy, or plain
     temperature sampling) skips every processor. Random-path tensors cover only the Nr random
@@ -39,6 +40,9 @@ class SamplingMetadata:
 
     request_ids: list[str]  # [B]
     row_offsets: list[int]  # [B + 1], row_offsets[0] = 0, row_offsets[B] = N
+    # [B]: the draft tokens the rows verify (row j of request b is followed by draft j);
+    # with last_row_only, the tokens the request's one row sees after its own.
+    spec_token_ids: list[list[int]]
     vocab_size: int
     all_greedy: bool
     # Indices (into the N rows) of the random rows; random_index is the same on the device,
@@ -88,20 +92,26 @@ class SamplingMetadata:
     @classmethod
     def from_requests(cls, requests: list[Request], vocab_size: int,
                       device: torch.device | str = "cpu",
-                      spec_token_ids: list[list[int]] | None = None) -> SamplingMetadata:
+                      spec_token_ids: list[list[int]] | None = None,
+                      last_row_only: bool = False) -> SamplingMetadata:
         """spec_token_ids[b]: the draft tokens that follow request b's tokens (none if None);
-        request b gets 1 + len(spec_token_ids[b]) rows."""
+        request b gets 1 + len(spec_token_ids[b]) rows, or with last_row_only the last of
+        them alone (the row after all its drafts)."""
         drafts = spec_token_ids if spec_token_ids is not None else [[] for _ in requests]
         if len(drafts) != len(requests):
             raise ValueError(f"spec_token_ids needs one list per request ({len(requests)}), "
                              f"got {len(drafts)}")
-        row_offsets = [0]
-        for d in drafts:
-            row_offsets.append(row_offsets[-1] + 1 + len(d))
-        n_rows = row_offsets[-1]
         # Row n: request row_req[n], after row_ahead[n] of its drafts.
-        row_req = [b for b, d in enumerate(drafts) for _ in range(1 + len(d))]
-        row_ahead = [j for d in drafts for j in range(1 + len(d))]
+        if last_row_only:
+            row_req = list(range(len(drafts)))
+            row_ahead = [len(d) for d in drafts]
+        else:
+            row_req = [b for b, d in enumerate(drafts) for _ in range(1 + len(d))]
+            row_ahead = [j for d in drafts for j in range(1 + len(d))]
+        row_offsets = [0]
+        for b in range(len(drafts)):
+            row_offsets.append(row_offsets[-1] + (1 if last_row_only else 1 + len(drafts[b])))
+        n_rows = row_offsets[-1]
         params = [requests[b].sampling_params for b in row_req]  # [N]
         random_rows = [i for i, p in enumerate(params) if p.temperature >= _GREEDY_TEMPERATURE]
         rparams = [params[i] for i in random_rows]
@@ -175,6 +185,7 @@ class SamplingMetadata:
         return cls(
             request_ids=[r.request_id for r in requests],
             row_offsets=row_offsets,
+            spec_token_ids=[list(d) for d in drafts],
             vocab_size=vocab_size,
             all_greedy=not random_rows,
             random_rows=random_rows,

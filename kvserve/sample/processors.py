@@ -1,5 +1,6 @@
 """Logit processors as pure functions. Each takes logits [B, V] and returns a new tensor (the
-input is not mutated); the order they run in is sampler.py's."""
+input is not mutated); the order they run in is sampler.py's. Last, the draw itself
+(sample_from_probs), which the sampler and rejection sampling share."""
 
 from __future__ import annotations
 
@@ -120,3 +121,13 @@ def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
     probs = logits.softmax(dim=1)
     threshold = probs.amax(dim=1, keepdim=True) * min_p.unsqueeze(1)
     return logits.masked_fill(probs < threshold, float("-inf"))
+
+
+def sample_from_probs(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """Inverse CDF: per row, the first token whose cumulative probability reaches u * total;
+    probs [M, V], u [M] in (0, 1]. The cumulative sum never decreases, and the target is > 0
+    and <= the total, so the token found has probability > 0: a masked (zero) token is never
+    picked."""
+    cum = probs.cumsum(dim=1)
+    target = u.to(cum.dtype).unsqueeze(1) * cum[:, -1:]
+    return torch.searchsorted(cum, target).squeeze(1).clamp_max(probs.shape[1] - 1)

@@ -44,18 +44,10 @@ from kvserve.sample.processors import (
     apply_token_bitmask,
     apply_token_mask,
     apply_top_k_top_p,
+    sample_from_probs,
 )
+from kvserve.sample.rejection import verify_drafts
 from kvserve.sampling_params import _SEED_RANGE
-
-
-def sample_from_probs(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
-    """Inverse CDF: per row, the first token whose cumulative probability reaches u * total;
-    probs [M, V], u [M] in (0, 1]. The cumulative sum never decreases, and the target is > 0
-    and <= the total, so the token found has probability > 0: a masked (zero) token is never
-    picked."""
-    cum = probs.cumsum(dim=1)
-    target = u.to(cum.dtype).unsqueeze(1) * cum[:, -1:]
-    return torch.searchsorted(cum, target).squeeze(1).clamp_max(probs.shape[1] - 1)
 
 
 @dataclass
@@ -64,6 +56,13 @@ class SamplerOutput:
     # [N]: None for rows that asked no logprobs; the whole list is None when no row did.
     logprobs: list[PositionLogprobs | None] | None
     sampled: torch.Tensor  # [N] int64 on the logits' device (for feeding the next step)
+
+
+@dataclass
+class VerifyOutput:
+    token_ids: list[list[int]]  # [B]: a request's accepted drafts, then one token
+    # [B]: the target's logprobs of those tokens, None for requests that asked none.
+    logprobs: list[list[PositionLogprobs] | None]
 
 
 class Sampler:
@@ -99,13 +98,7 @@ class Sampler:
         raw_logprobs = None if meta.no_logprobs else torch.log_softmax(logits, dim=1)
         logits = self.process_logits(logits, meta)
 
-        if meta.all_greedy:
-            sampled = logits.argmax(dim=1)
-        elif meta.random_index is None:
-            sampled = self._sample_random(logits, meta)
-        else:
-            rand_tokens = self._sample_random(logits[meta.random_index], meta)
-            sampled = logits.argmax(dim=1).index_copy(0, meta.random_index, rand_tokens)
+        sampled, _ = self.sample_rows(logits, meta)
 
         logprobs: list[PositionLogprobs | None] | None = None
         if raw_logprobs is not None:
@@ -117,6 +110,44 @@ class Sampler:
             for n, entry in zip(want, rows, strict=True):
                 logprobs[n] = entry
         return SamplerOutput(sampled.tolist(), logprobs, sampled)
+
+    def verify(self, logits: torch.Tensor, meta: SamplingMetadata,
+               draft_probs: list[torch.Tensor | None] | None = None) -> VerifyOutput:
+        """Rejection sampling of meta.spec_token_ids (rejection.py): logits [N, V] of the
+        model, request b's k_b + 1 rows as __call__ takes them; draft_probs[b] the q [k_b, V]
+        its drafts were drawn from (None: a deterministic proposer's one-hot).
+
+        With no drafts this is __call__: the same processors, argmax and draws."""
+        logits = logits.float()
+        raw_logprobs = None if meta.no_logprobs else torch.log_softmax(logits, dim=1)
+        logits = self.process_logits(logits, meta)
+        argmax = logits.argmax(dim=1)
+        probs = u = None
+        random_pos = [-1] * meta.num_rows
+        if not meta.all_greedy:
+            rlogits = logits if meta.random_index is None else logits[meta.random_index]
+            probs = self._random_probs(rlogits, meta)
+            u = self._uniforms(probs, meta)
+            for r, n in enumerate(meta.random_rows):
+                random_pos[n] = r
+        greedy = [random_pos[meta.row_offsets[b]] < 0 for b in range(len(meta.request_ids))]
+        tokens = verify_drafts(meta.row_offsets, meta.spec_token_ids, greedy, argmax, probs,
+                               random_pos, u, draft_probs or [None] * len(greedy))
+        logprobs: list[list[PositionLogprobs] | None] = [None] * len(tokens)
+        if raw_logprobs is not None:
+            want = [b for b in range(len(tokens)) if meta.num_logprobs[meta.row_offsets[b]]
+                    is not None]
+            rows = [meta.row_offsets[b] + j for b in want for j in range(len(tokens[b]))]
+            chosen = [t for b in want for t in tokens[b]]
+            entries = gather_logprobs(
+                raw_logprobs[torch.tensor(rows, dtype=torch.int64, device=logits.device)],
+                torch.tensor(chosen, dtype=torch.int64, device=logits.device),
+                [meta.num_logprobs[n] or 0 for n in rows])
+            i = 0
+            for b in want:
+                logprobs[b] = entries[i:i + len(tokens[b])]
+                i += len(tokens[b])
+        return VerifyOutput(tokens, logprobs)
 
     @staticmethod
     def process_logits(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
@@ -134,15 +165,29 @@ class Sampler:
                                      meta.presence_penalty)
         return logits
 
-    def _sample_random(self, logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
-        """logits [Nr, V] of the random rows."""
+    def sample_rows(self, logits: torch.Tensor, meta: SamplingMetadata
+                    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """A token per row [N] from processed logits (process_logits): the argmax of greedy
+        rows, a draw from the random rows' distributions, which come back too ([Nr, V] in
+        meta.random_rows' order; None when every row is greedy)."""
+        if meta.all_greedy:
+            return logits.argmax(dim=1), None
+        rlogits = logits if meta.random_index is None else logits[meta.random_index]
+        probs = self._random_probs(rlogits, meta)
+        drawn = sample_from_probs(probs, self._uniforms(probs, meta))
+        if meta.random_index is None:
+            return drawn, probs
+        return logits.argmax(dim=1).index_copy(0, meta.random_index, drawn), probs
+
+    @staticmethod
+    def _random_probs(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
+        """The random rows' distributions [Nr, V]: temperature, top-k / top-p, min-p."""
         assert meta.temperature is not None
         logits = apply_temperature(logits, meta.temperature)
         logits = apply_top_k_top_p(logits, meta.top_k, meta.top_p, meta.max_top_k)
         if meta.min_p is not None:
             logits = apply_min_p(logits, meta.min_p)
-        probs = logits.softmax(dim=1)
-        return sample_from_probs(probs, self._uniforms(probs, meta))
+        return logits.softmax(dim=1)
 
     def _uniforms(self, probs: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
         """u [Nr] ~ U(0, 1]: seeded rows from their own generator, the rest from the shared one.

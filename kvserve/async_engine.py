@@ -38,6 +38,7 @@ from kvserve.outputs import RequestOutput
 from kvserve.platform import configure_threads
 from kvserve.sampling_params import SamplingParams
 from kvserve.scheduler import QueueFullError
+from kvserve.spec.base import SpecStats
 
 logger = logging.getLogger("kvserve.async_engine")
 
@@ -68,6 +69,8 @@ class EngineStats:
     prefix_cache_queries: int = 0  # tokens looked up in the prefix cache
     prefix_cache_hits: int = 0  # tokens found there
     num_preemptions: int = 0
+    # Speculative decoding (None without it): the runner's SpecStats, copied.
+    spec: SpecStats | None = None
 
 
 @dataclass
@@ -204,7 +207,7 @@ class AsyncEngine:
         # Event loop only: requests accepted and not yet finished, for draining.
         self._in_flight: set[str] = set()
         self._idle = asyncio.Event()
-        self._stats = EngineStats()
+        self._publish_stats()
         self._dead: BaseException | None = None
         self._draining = False
         self._stopping = False
@@ -604,10 +607,16 @@ class AsyncEngine:
 
     def _publish_stats(self) -> None:
         s = self.engine.scheduler
+        runner = self.engine.runner
+        spec = None
+        if runner.proposer is not None:
+            st = runner.spec_stats
+            spec = SpecStats(st.num_drafts, st.num_draft_tokens, st.num_accepted_tokens,
+                             list(st.accepted_per_pos))
         # One immutable object, swapped in whole: readers on other threads never see a mix.
         self._stats = EngineStats(s.num_running, s.num_waiting, s.num_waiting_groups,
                                   s.kv_cache_usage, s.prefix_cache_queries,
-                                  s.prefix_cache_hits, s.num_preemptions)
+                                  s.prefix_cache_hits, s.num_preemptions, spec)
 
 
 def _num_prompt_tokens(prompt: PromptType) -> int:

@@ -165,6 +165,70 @@ class QuantConfig:
                  f"group_size must be a positive integer or None, got {self.group_size!r}")
 
 
+SPEC_METHODS = ("ngram", "draft_model", "self_draft")
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """Speculative decoding, in vLLM's speculative_config shape (kvserve/spec/).
+
+    method: the proposer (SPEC_METHODS). num_speculative_tokens: the most draft tokens a
+    request verifies per step (K); adaptive: choose 0..K per request and step from measured
+    acceptance and step cost (spec/policy.py), False: always K where the proposer has them.
+    ngram: the longest suffix of prompt_lookup_max .. prompt_lookup_min tokens that occurred
+    before proposes what followed it. draft_model: model, a checkpoint with the target's
+    vocabulary, run with quantization (None: its own default). self_draft: the target's own
+    first num_layers decoder layers (None: half of them), then its final norm and lm_head,
+    sharing its weights (an early exit)."""
+
+    method: str
+    num_speculative_tokens: int
+    model: str | None = None
+    quantization: str | None = None
+    prompt_lookup_min: int = 2
+    prompt_lookup_max: int = 4
+    num_layers: int | None = None
+    adaptive: bool = True
+
+    def __post_init__(self) -> None:
+        _require(self.method in SPEC_METHODS,
+                 f"speculative_config.method must be one of {', '.join(SPEC_METHODS)}, "
+                 f"got {self.method!r}")
+        _require(isinstance(self.num_speculative_tokens, int)
+                 and 1 <= self.num_speculative_tokens <= 16,
+                 f"speculative_config.num_speculative_tokens must be an integer in [1, 16], "
+                 f"got {self.num_speculative_tokens!r}")
+        _require(1 <= self.prompt_lookup_min <= self.prompt_lookup_max <= 64,
+                 f"speculative_config needs 1 <= prompt_lookup_min <= prompt_lookup_max <= 64,"
+                 f" got {self.prompt_lookup_min} and {self.prompt_lookup_max}")
+        _require(self.num_layers is None or (self.method == "self_draft"
+                                             and isinstance(self.num_layers, int)
+                                             and self.num_layers >= 1),
+                 f"speculative_config.num_layers is a positive integer for method self_draft, "
+                 f"got {self.num_layers!r} with {self.method!r}")
+        needs_model = self.method == "draft_model"
+        _require(needs_model == (self.model is not None),
+                 f"speculative_config.model is {'required' if needs_model else 'not used'} "
+                 f"with method {self.method!r}")
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> SpeculativeConfig:
+        """From the user's dict (LLM(speculative_config=...), --speculative-config JSON):
+        ValueError naming an unknown or missing key."""
+        if not isinstance(d, dict):
+            raise ValueError(f"speculative_config must be a JSON object, got "
+                             f"{type(d).__name__}")
+        names = [f.name for f in dataclasses.fields(cls)]
+        unknown = sorted(set(d) - set(names))
+        if unknown:
+            raise ValueError(f"speculative_config: unknown key(s) {', '.join(unknown)}; "
+                             f"known: {', '.join(names)}")
+        for key in ("method", "num_speculative_tokens"):
+            if key not in d:
+                raise ValueError(f"speculative_config.{key} is required")
+        return cls(**d)
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     model: str  # resolved path to a .gguf file or an HF directory
@@ -178,6 +242,7 @@ class EngineConfig:
     quant: QuantConfig = field(default_factory=QuantConfig)
     # Bound of the compiled-grammar cache (response_format schemas), in bytes; 0: no cache.
     grammar_cache_bytes: int = 256 << 20
+    speculative: SpeculativeConfig | None = None
 
     def __post_init__(self) -> None:
         _require(self.grammar_cache_bytes >= 0,

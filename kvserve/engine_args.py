@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 from dataclasses import dataclass
 
 from kvserve.config import (
@@ -15,6 +16,7 @@ from kvserve.config import (
     EngineConfig,
     ModelConfig,
     SchedulerConfig,
+    SpeculativeConfig,
     parse_memory,
 )
 from kvserve.kv.layout import KV_CACHE_DTYPES
@@ -56,6 +58,9 @@ class EngineArgs:
     # The compiled-grammar cache's bound: bytes or "256MiB" (every distinct response_format
     # schema would otherwise stay compiled in memory for good).
     grammar_cache_memory: int | str = "256MiB"
+    # vLLM's speculative_config: {"method": "ngram" | "draft_model", "num_speculative_tokens":
+    # K, ...} (kvserve.config.SpeculativeConfig), or its JSON text; None: no speculation.
+    speculative_config: dict | str | None = None
 
     def create_engine_config(self, model_path: str, mc: ModelConfig) -> EngineConfig:
         device = default_device() if self.device == "auto" else self.device
@@ -90,7 +95,17 @@ class EngineArgs:
             dtype=dtype, device=device, seed=self.seed, ops_backend=self.ops_backend,
             quant=quant_config(quantization, self.quant_group_size, mc.quantization_config),
             grammar_cache_bytes=parse_memory(self.grammar_cache_memory,
-                                             "grammar_cache_memory") or 0))
+                                             "grammar_cache_memory") or 0,
+            speculative=self.speculative()))
+
+    def speculative(self) -> SpeculativeConfig | None:
+        spec = self.speculative_config
+        if isinstance(spec, str):
+            try:
+                spec = json.loads(spec)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"speculative_config is not valid JSON: {e}") from None
+        return None if spec is None else SpeculativeConfig.from_dict(spec)
 
     @classmethod
     def from_kwargs(cls, **kwargs: object) -> EngineArgs:
@@ -145,6 +160,12 @@ class EngineArgs:
         p.add_argument("--quant-group-size", type=int, default=None,
                        help="int4's group of inputs sharing a scale and minimum: 32 (default), "
                             "64 or 128")
+        p.add_argument("--speculative-config", default=None,
+                       help='speculative decoding as JSON, vLLM\'s shape: {"method": "ngram", '
+                       '"num_speculative_tokens": 5} (prompt lookup; prompt_lookup_min / '
+                       'prompt_lookup_max) or {"method": "draft_model", "model": PATH, '
+                       '"num_speculative_tokens": 4}; "adaptive": false always drafts K '
+                       '(default: K per step from measured acceptance and cost)')
         p.add_argument("--ops-backend", default=d.ops_backend,
                        help="auto (cpu kernels on CPU, torch elsewhere), cpu, torch or "
                        "reference (the pure-torch oracle)")

@@ -21,13 +21,7 @@ import torch
 from kvserve.config import EngineConfig
 from kvserve.detokenizer import IncrementalDetokenizer
 from kvserve.engine_args import EngineArgs
-from kvserve.kv.layout import (
-    QUANTIZED_KV_DTYPES,
-    SCALE_BYTES,
-    bytes_per_block,
-    kv_elem_size,
-    resolve_kv_dtype,
-)
+from kvserve.kv.layout import model_block_bytes, resolve_kv_dtype
 from kvserve.loader import load_checkpoint, resolve_model
 from kvserve.loader.tokenizer import Tokenizer
 from kvserve.model_runner import ModelRunner, torch_dtype
@@ -39,6 +33,8 @@ from kvserve.quant import get_quant_method
 from kvserve.request import Request, RequestStatus
 from kvserve.sampling_params import MAX_LOGPROB_ENTRIES, SamplingParams
 from kvserve.scheduler import Scheduler
+from kvserve.spec.base import Proposer
+from kvserve.spec.registry import build_proposer
 from kvserve.structured_output import StructuredOutputManager
 
 logger = logging.getLogger("kvserve")
@@ -69,16 +65,21 @@ class _Parent:
 
 class LLMEngine:
     def __init__(self, config: EngineConfig, tokenizer: Tokenizer, model: torch.nn.Module,
-                 num_blocks: int) -> None:
+                 num_blocks: int, proposer: Proposer | None = None) -> None:
         self.config = config
         self.tokenizer = tokenizer
         self.model = model
         self.num_blocks = num_blocks
-        self.runner = ModelRunner(config, model, num_blocks)
+        if proposer is None:
+            proposer = build_proposer(config, tokenizer, model)
+        if proposer is not None:
+            proposer.allocate_kv(num_blocks)
+        self.runner = ModelRunner(config, model, num_blocks, proposer)
         self.structured_output = StructuredOutputManager(
             tokenizer, config.model_config.vocab_size, config.grammar_cache_bytes)
         self.runner.structured_output = self.structured_output
-        self.scheduler = Scheduler(config.scheduler, config.cache, num_blocks)
+        self.scheduler = Scheduler(config.scheduler, config.cache, num_blocks,
+                                   proposer.num_lookahead_tokens if proposer else 0)
         self._parents: dict[str, _Parent] = {}
         self._child_to_parent: dict[str, str] = {}
 
@@ -114,8 +115,9 @@ class LLMEngine:
         model = build_model(ckpt, ops, torch_dtype(config.dtype), quant,
                             config.scheduler.max_model_len).to(config.device)
         t_weights = time.perf_counter()
-        num_blocks = cls.num_kv_blocks(config)
-        engine = cls(config, ckpt.tokenizer, model, num_blocks)
+        proposer = build_proposer(config, ckpt.tokenizer, model)
+        num_blocks = cls.num_kv_blocks(config, proposer.kv_bytes_per_block if proposer else 0)
+        engine = cls(config, ckpt.tokenizer, model, num_blocks, proposer)
         t_end = time.perf_counter()
         bs = config.cache.block_size
         logger.info("loaded %s (%s, %s, quantization=%s, ops=%s, %d threads) in %.1fs "
@@ -129,17 +131,16 @@ class LLMEngine:
         return engine
 
     @staticmethod
-    def num_kv_blocks(config: EngineConfig) -> int:
+    def num_kv_blocks(config: EngineConfig, extra_bytes_per_block: int = 0) -> int:
         """From --num-gpu-blocks-override, --kv-cache-memory, or a share of free memory.
-        Includes the null block 0, so requests can use num_blocks - 1."""
+        Includes the null block 0, so requests can use num_blocks - 1. extra_bytes_per_block:
+        a draft model's KV in the same blocks (one budget for both)."""
         c, mc = config.cache, config.model_config
         if c.num_blocks_override is not None:
             return c.num_blocks_override
-        cache_dtype = resolve_kv_dtype(c.kv_cache_dtype, config.dtype)
         # A quantized cache's scales (a float32 per K / V row per kv head) count too.
-        per_block = bytes_per_block(
-            mc.num_hidden_layers, c.block_size, mc.num_key_value_heads, mc.head_dim,
-            kv_elem_size(cache_dtype), SCALE_BYTES if cache_dtype in QUANTIZED_KV_DTYPES else 0)
+        per_block = model_block_bytes(mc, c.block_size, resolve_kv_dtype(
+            c.kv_cache_dtype, config.dtype)) + extra_bytes_per_block
         budget = c.kv_cache_memory
         if budget is None:
             budget = int(available_memory(config.device) * c.kv_cache_memory_fraction)
@@ -275,6 +276,7 @@ class LLMEngine:
         so = self.scheduler.schedule()
         if so.is_empty:
             return []
+        self.runner.preempted(so.preempted_ids)
         mo = self.runner.execute(so)
         for rid, (first, lps) in mo.prompt_logprobs.items():
             self._record_prompt_logprobs(rid, first, lps)
@@ -288,8 +290,14 @@ class LLMEngine:
                 continue
             parent = self._parents[pid]
             child = next(c for c in parent.children if c.request is req)
+            stop_str = None
+            for i, tok in enumerate(new_ids):  # several with drafts: none past a stop string
+                _delta, stop_str = child.detok.update([tok])
+                if stop_str is not None:
+                    req.drop_output_tokens(len(new_ids) - 1 - i)
+                    new_ids = new_ids[:i + 1]
+                    break
             self._append_logprobs(child, new_ids, lp_by_req.get(req.request_id))
-            _delta, stop_str = child.detok.update(new_ids)
             if stop_str is not None and not req.is_finished():
                 self.scheduler.finish_request(req.request_id, RequestStatus.FINISHED_STOPPED,
                                               stop_str)
@@ -305,7 +313,22 @@ class LLMEngine:
                 for ch in parent.children:
                     self._child_to_parent.pop(ch.request.request_id, None)
         self.runner.remove_requests(finished_ids)
+        if self.runner.proposer is not None:
+            self._propose()
         return outputs
+
+    def _propose(self) -> None:
+        """Drafts for the running requests whose next step is a decode (those that kept
+        theirs because the budget skipped them keep them)."""
+        sched = self.scheduler
+        reqs = [r for r in sched.running
+                if r.num_computed_tokens == r.num_tokens - 1 and not r.spec_token_ids]
+        if reqs:
+            drafts = self.runner.propose(
+                reqs, [sched.max_drafts(r) for r in reqs],
+                [sched.kv_cache_manager.get_block_ids(r.request_id) for r in reqs])
+            for req, d in zip(reqs, drafts, strict=True):
+                req.spec_token_ids = d
 
     def _record_prompt_logprobs(self, child_id: str, first: int,
                                 lps: list[PositionLogprobs | None]) -> None:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import logging
 import math
+import time
 from typing import Any
 
 import numpy as np
@@ -21,9 +22,12 @@ from kvserve.kv.layout import (
     resolve_kv_dtype,
 )
 from kvserve.outputs import ModelInput, ModelOutput, PositionLogprobs, SchedulerOutput
+from kvserve.request import Request
 from kvserve.sample.logprobs import compute_prompt_logprobs
 from kvserve.sample.metadata import SamplingMetadata
 from kvserve.sample.sampler import Sampler
+from kvserve.spec.base import Proposer, SpecStats
+from kvserve.spec.policy import SpecPolicy
 from kvserve.structured_output import StructuredOutputManager
 
 logger = logging.getLogger(__name__)
@@ -47,7 +51,8 @@ def zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> t
 
 
 class ModelRunner:
-    def __init__(self, config: EngineConfig, model: Any, num_blocks: int) -> None:
+    def __init__(self, config: EngineConfig, model: Any, num_blocks: int,
+                 proposer: Proposer | None = None) -> None:
         self.config = config
         self.model = model
         self.device = torch.device(config.device)
@@ -73,6 +78,12 @@ class ModelRunner:
         self.sampler = Sampler(seed=config.seed)
         # Set by the engine (it owns the tokenizer); None: no request may use a grammar.
         self.structured_output: StructuredOutputManager | None = None
+        # Speculative decoding (kvserve/spec/): None without it.
+        self.proposer = proposer
+        self.spec_stats = SpecStats()
+        spec = config.speculative
+        self.spec_policy = None if spec is None else SpecPolicy(spec.num_speculative_tokens,
+                                                                spec.adaptive)
 
     def prepare_inputs(self, so: SchedulerOutput) -> tuple[ModelInput, list[int], dict[str, Any]]:
         """Flatten the step into one varlen batch.
@@ -112,9 +123,11 @@ class ModelRunner:
                 targets = req.all_token_ids[start + 1: last + 1]
                 prompt_lp[req.request_id] = (req, targets, start + 1)
                 lp_rows.extend(range(int(qsl[b]), int(qsl[b]) + len(targets)))
-        # The sampling rows, in SamplingMetadata's row order: one per request, its last
-        # position (a chunk ending in k drafts would give its last k + 1).
-        sample_rows = [int(qsl[b + 1]) - 1 for b in sample_idx]
+        # The sampling rows, in SamplingMetadata's row order: a request's last position, or
+        # with k drafts its last k + 1 (the last real token's, then each draft's).
+        sample_rows = [r for b in sample_idx
+                       for r in range(int(qsl[b + 1]) - 1 - len(so.scheduled[b].spec_token_ids),
+                                      int(qsl[b + 1]))]
         dev = self.device
         inp = ModelInput(
             input_ids=torch.tensor(input_ids, dtype=torch.long, device=dev),
@@ -131,6 +144,28 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, so: SchedulerOutput) -> ModelOutput:
+        t0 = time.perf_counter()
+        out = self._execute(so)
+        if self.spec_policy is not None:
+            self.spec_policy.observe_step(so.num_batched_tokens, time.perf_counter() - t0)
+        return out
+
+    @torch.inference_mode()
+    def propose(self, requests: list[Request], max_drafts: list[int],
+                block_tables: list[list[int]]) -> list[list[int]]:
+        """Draft tokens for the requests' next steps: the policy's count each, the
+        proposer's guesses (a draft model writes its KV through the block tables)."""
+        assert self.proposer is not None and self.spec_policy is not None
+        ks = self.spec_policy.num_drafts(requests, max_drafts)
+        if not any(ks):
+            return [[] for _ in requests]
+        t0 = time.perf_counter()
+        drafts = self.proposer.propose(requests, ks, block_tables)
+        self.spec_policy.observe_draft(len(requests), sum(map(len, drafts)),
+                                       time.perf_counter() - t0)
+        return drafts
+
+    def _execute(self, so: SchedulerOutput) -> ModelOutput:
         inp, sample_idx, prompt_lp = self.prepare_inputs(so)
         hidden = self.model(inp, self.kv_cache)
         # Logits only for the rows that sample or need prompt logprobs.
@@ -140,30 +175,35 @@ class ModelRunner:
                           logprobs=[])
         row = 0  # logits rows used so far: the sampling rows come first
         if requests:
-            # The rows prepare_inputs computed logits for: one per request, no drafts yet.
-            meta = SamplingMetadata.from_requests(requests, self.vocab_size, logits.device)
+            # The rows prepare_inputs computed logits for: a request's 1 + k drafts rows.
+            drafts = [so.scheduled[b].spec_token_ids for b in sample_idx]
+            meta = SamplingMetadata.from_requests(requests, self.vocab_size, logits.device,
+                                                  spec_token_ids=drafts)
             so_mgr = self.structured_output
-            grammar = None if so_mgr is None else so_mgr.token_bitmask(requests)
-            if grammar is not None:
-                # A grammar's mask is for the token after the request's own tokens: its row 0.
-                reqs_with_grammar, masks = grammar
-                first_rows = [meta.row_offsets[b] for b in reqs_with_grammar.tolist()]
-                meta.token_bitmask = (torch.tensor(first_rows, dtype=torch.int64), masks)
+            if so_mgr is not None:
+                # A mask per row: row j's is the grammar's after the first j drafts.
+                meta.token_bitmask = so_mgr.token_bitmask(requests, meta.row_offsets, drafts)
             row = meta.num_rows
-            sampled = self.sampler(logits[:row], meta)
-            # Each request's rows' tokens, in row order. With one row per request that is
-            # the request's next token; with drafts, rejection sampling will choose the kept ones.
-            out.sampled_token_ids = meta.per_request(sampled.token_ids)
-            if grammar is not None:
+            if any(drafts):
+                assert self.proposer is not None
+                verified = self.sampler.verify(
+                    logits[:row], meta, self.proposer.draft_probs(requests, drafts))
+                out.sampled_token_ids, out.logprobs = verified.token_ids, verified.logprobs
+                self.spec_stats.record(drafts, out.sampled_token_ids)
+                assert self.spec_policy is not None
+                self.spec_policy.observe_verify(out.req_ids, drafts, out.sampled_token_ids)
+            else:
+                sampled = self.sampler(logits[:row], meta)
+                out.sampled_token_ids = [[t] for t in sampled.token_ids]
+                out.logprobs = [None if lp is None else [lp]
+                                for lp in sampled.logprobs or [None] * row]
+            if meta.token_bitmask is not None:
                 assert so_mgr is not None
                 # Every sampled token is appended (aborts land only between steps), so the
                 # matcher advances here rather than in the scheduler.
-                for b in grammar[0].tolist():
+                for b, req in enumerate(requests):
                     for t in out.sampled_token_ids[b]:
-                        so_mgr.accept(requests[b].request_id, t)
-            # None: no row asked for logprobs; a request's rows all ask, or none does.
-            row_lps = meta.per_request(sampled.logprobs or [None] * row)
-            out.logprobs = [None if r[0] is None else r for r in row_lps]
+                        so_mgr.accept(req.request_id, t)
         for req_id, (req, targets, first_pos) in prompt_lp.items():
             k = len(targets)
             lps: list[PositionLogprobs | None] = compute_prompt_logprobs(
@@ -180,3 +220,11 @@ class ModelRunner:
             self.sampler.remove(rid)
             if self.structured_output is not None:
                 self.structured_output.remove(rid)
+        self.preempted(request_ids)
+        if self.spec_policy is not None:
+            self.spec_policy.remove(request_ids)
+
+    def preempted(self, request_ids: list[str]) -> None:
+        """The requests' KV is gone (preempted) or no longer needed: the proposer's too."""
+        if self.proposer is not None and request_ids:
+            self.proposer.remove(request_ids)

@@ -36,7 +36,7 @@ the batch.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     import torch
@@ -76,6 +76,14 @@ def bytes_per_block(num_layers: int, block_size: int, num_kv_heads: int, head_di
     """Bytes one block takes over all layers, K and V; scale_bytes per row of head_dim
     elements (SCALE_BYTES for a quantized cache, 0 for a float one)."""
     return num_layers * 2 * block_size * num_kv_heads * (head_dim * elem_size + scale_bytes)
+
+
+def model_block_bytes(mc: Any, block_size: int, cache_dtype: str) -> int:
+    """bytes_per_block of a model (a ModelConfig) whose cache has the resolved cache_dtype,
+    a quantized cache's scales included."""
+    return bytes_per_block(mc.num_hidden_layers, block_size, mc.num_key_value_heads,
+                           mc.head_dim, kv_elem_size(cache_dtype),
+                           SCALE_BYTES if cache_dtype in QUANTIZED_KV_DTYPES else 0)
 
 
 @dataclass(frozen=True)

@@ -149,17 +149,21 @@ class LlamaForCausalLM(nn.Module):
             cfg.head_dim, max_positions or cfg.max_position_embeddings, cfg.rope_theta,
             cfg.rope_scaling_dict), persistent=False)
 
-    def forward(self, inp: ModelInput, kv_cache: torch.Tensor) -> torch.Tensor:
-        """Hidden states [T, hidden] of every token in the step (after the final norm)."""
+    def forward(self, inp: ModelInput, kv_cache: torch.Tensor,
+                layers: nn.ModuleList | None = None) -> torch.Tensor:
+        """Hidden states [T, hidden] of every token in the step (after the final norm).
+        layers: the first of self.layers only (a self-drafting early exit, kv_cache holding
+        just theirs); None: all of them."""
+        layers = self.layers if layers is None else layers
         x = (self.embed_tokens[inp.input_ids] if self.embed_stored is None
              else self.embed_stored.rows(inp.input_ids).to(self.embed_tokens.dtype))
         stack = getattr(self.ops, "fused_llama_stack", None)
-        fused = stack(self.layers, x, inp, kv_cache, self.cos_sin) if stack else None
+        fused = stack(layers, x, inp, kv_cache, self.cos_sin) if stack else None
         if fused is not None:
             x, residual = fused
         else:
             residual = None
-            for layer in self.layers:
+            for layer in layers:
                 x, residual = layer(x, residual, inp, kv_cache, self.cos_sin)
         x, _ = self.norm(x, residual)
         return x

@@ -15,6 +15,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from kvserve.async_engine import EngineStats, IterationStats
+from kvserve.spec.base import SpecStats
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
@@ -54,6 +55,28 @@ class _EngineCollector(Collector):
             metric = family(name, doc, labels=labels)
             metric.add_metric([self._model], float(value))
             yield metric
+        if s.spec is not None:
+            yield from self._spec_metrics(s.spec, labels)
+
+    def _spec_metrics(self, spec: SpecStats, labels: list[str]
+                      ) -> Iterator[CounterMetricFamily]:
+        """vLLM's speculative-decoding counters (a draft: one request's drafts in a step)."""
+        for name, doc, value in (
+                ("vllm:spec_decode_num_drafts", "Verify steps of a request with drafts.",
+                 spec.num_drafts),
+                ("vllm:spec_decode_num_draft_tokens", "Draft tokens proposed.",
+                 spec.num_draft_tokens),
+                ("vllm:spec_decode_num_accepted_tokens", "Draft tokens accepted.",
+                 spec.num_accepted_tokens)):
+            metric = CounterMetricFamily(name, doc, labels=labels)
+            metric.add_metric([self._model], float(value))
+            yield metric
+        per_pos = CounterMetricFamily("vllm:spec_decode_num_accepted_tokens_per_pos",
+                                      "Draft tokens accepted, by position in the draft.",
+                                      labels=labels + ["position"])
+        for pos, value in enumerate(spec.accepted_per_pos):
+            per_pos.add_metric([self._model, str(pos)], float(value))
+        yield per_pos
 
 
 class ServerMetrics:

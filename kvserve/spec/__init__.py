@@ -1,0 +1,15 @@
+"""Speculative decoding: proposers guess draft tokens, the target verifies them in its next
+step, and rejection sampling (sample/rejection.py) keeps exactly the target's distribution.
+
+    registry.py     build_proposer: speculative_config.method -> its proposer
+    base.py         the Proposer protocol and SpecStats (vLLM's spec_decode counters)
+    ngram.py        prompt lookup over the request's own tokens
+    draft_model.py  a smaller model with the target's vocabulary, its own paged KV cache
+                    addressed by the target's block ids
+    policy.py       how many drafts (0..K) each request verifies per step: acceptance per
+                    request against the measured cost of a row and of a draft token
+
+A step's life:  proposer.propose -> request.spec_token_ids -> Scheduler schedules 1 + k
+tokens -> ModelRunner: k + 1 sampling rows -> Sampler.verify -> Scheduler rolls back the
+rejected drafts (num_computed_tokens -= rejected).
+"""

@@ -1,0 +1,72 @@
+"""The proposer protocol and the speculative-decoding counters."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Protocol
+
+if TYPE_CHECKING:
+    import torch
+
+    from kvserve.request import Request
+
+
+class Proposer(Protocol):
+    """Guesses the tokens that follow each request's tokens.
+
+    propose() runs after a step has appended its tokens, for requests whose next step is a
+    decode; num_drafts[b] (0..K) is how many request b may get, and it may get fewer (an
+    n-gram with no match). A proposer that samples (a draft model at temperature > 0) keeps the
+    distributions q it drew from until draft_probs() asks for them; a deterministic one
+    returns None there, which verification reads as one-hot.
+    """
+
+    # KV slots past a sampling step the scheduler reserves for the proposer's own drafts.
+    num_lookahead_tokens: int
+    # Bytes the proposer's own KV cache needs per block of the target's (one memory budget).
+    kv_bytes_per_block: int
+
+    def allocate_kv(self, num_blocks: int) -> None:
+        """Its KV cache, in the target's blocks (nothing for a proposer without a model)."""
+
+    def propose(self, requests: list[Request], num_drafts: list[int],
+                block_tables: list[list[int]]) -> list[list[int]]: ...
+
+    def draft_probs(self, requests: list[Request], drafts: list[list[int]]
+                    ) -> list[torch.Tensor | None] | None: ...
+
+    def remove(self, request_ids: list[str]) -> None:
+        """Forget finished, aborted or preempted requests (a preempted one starts over)."""
+
+
+@dataclass
+class SpecStats:
+    """vLLM's spec_decode counters: a draft is one request's drafts in one step."""
+
+    num_drafts: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    accepted_per_pos: list[int] = field(default_factory=list)  # [K]: accepted at position j
+
+    def record(self, drafts: list[list[int]], emitted: list[list[int]]) -> None:
+        """One verify step: drafts[b] proposed, emitted[b] = accepted drafts + 1 token."""
+        for d, e in zip(drafts, emitted, strict=True):
+            if not d:
+                continue
+            accepted = len(e) - 1
+            self.num_drafts += 1
+            self.num_draft_tokens += len(d)
+            self.num_accepted_tokens += accepted
+            if len(self.accepted_per_pos) < len(d):
+                self.accepted_per_pos.extend([0] * (len(d) - len(self.accepted_per_pos)))
+            for j in range(accepted):
+                self.accepted_per_pos[j] += 1
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else 0.0
+
+    @property
+    def mean_accepted_length(self) -> float:
+        """Tokens per verify step of a request with drafts (accepted + the one it adds)."""
+        return 1 + self.num_accepted_tokens / self.num_drafts if self.num_drafts else 0.0

@@ -1,0 +1,175 @@
+"""Speculative decoding end to end on the default model: greedy output with speculation is
+token for token the output without it, for every proposer, alone and in mixed batches with
+chunked prefill, preemption and prefix caching; stop strings, max_tokens, logprobs,
+penalties, seeds, n > 1 and json_schema compose with it. The reference is the same engine
+without speculation."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import pytest
+
+from kvserve.loader import resolve_model
+from kvserve.sampling_params import SamplingParams, StructuredOutputsParams
+from tests.conftest import run_all
+
+# adaptive False: draft K whenever the proposer has drafts, so every test exercises them.
+SPECS = {
+    "ngram": {"method": "ngram", "num_speculative_tokens": 4, "adaptive": False},
+    "self_draft": {"method": "self_draft", "num_speculative_tokens": 3, "num_layers": 24,
+                   "adaptive": False},
+    "draft_model": {"method": "draft_model", "model": None, "num_speculative_tokens": 3,
+                    "quantization": "gguf_exact", "adaptive": False},
+}
+
+
+def _spec(name: str) -> dict[str, Any]:
+    spec = dict(SPECS[name])
+    if "model" in spec:
+        spec["model"] = resolve_model(None)  # the default model's blocks, run in float32
+    return spec
+
+
+def _chat(tok: Any, text: str) -> list[int]:
+    return tok.encode(f"<|im_start|>user\n{text}<|im_end|>\n<|im_start|>assistant\n")
+
+
+def _prompts(tok: Any, gpl: str, n: int) -> list[list[int]]:
+    """Copy tasks (n-gram friendly) and open ones, some sharing a prefix."""
+    out = []
+    for i in range(n):
+        window = gpl[300 * i: 300 * i + 120 + 40 * (i % 5)]
+        if i % 3 == 0:
+            out.append(_chat(tok, f"Repeat this text exactly:\n{window}"))
+        elif i % 3 == 1:
+            out.append(_chat(tok, f"Summarize: {window}"))
+        else:
+            out.append(tok.encode(gpl[:200]) + tok.encode(window[:60]))  # shared prefix
+    return out
+
+
+def _outputs(engine: Any, prompts: list[list[int]], params: list[SamplingParams]
+             ) -> dict[str, Any]:
+    for i, (p, sp) in enumerate(zip(prompts, params, strict=True)):
+        engine.add_request(str(i), {"prompt_token_ids": p}, sp)
+    return run_all(engine)
+
+
+@pytest.mark.parametrize("method", list(SPECS))
+def test_greedy_identity_in_mixed_batches_with_chunking_preemption_and_prefix_cache(
+        make_engine: Any, smollm2: Any, gpl_text: str, method: str) -> None:
+    tok = smollm2[1].tokenizer
+    prompts = _prompts(tok, gpl_text, 18)
+    params = [SamplingParams(temperature=0, max_tokens=20 + (i * 7) % 17, ignore_eos=True)
+              for i in range(18)]
+    # A 64-token budget chunks the prompts; 40 blocks of 16 cannot hold all 18 requests.
+    kw = dict(max_num_batched_tokens=64, num_gpu_blocks_override=40, max_num_seqs=18)
+    plain = _outputs(make_engine(**kw), prompts, params)
+    engine = make_engine(speculative_config=_spec(method), **kw)
+    spec = _outputs(engine, prompts, params)
+    assert engine.scheduler.num_preemptions > 0
+    assert engine.scheduler.prefix_cache_hits > 0
+    for i in range(18):
+        assert spec[str(i)].outputs[0].token_ids == plain[str(i)].outputs[0].token_ids, i
+    st = engine.runner.spec_stats
+    assert st.num_drafts > 0 and st.num_accepted_tokens > 0, "no draft was accepted"
+    assert st.num_accepted_tokens < st.num_draft_tokens, "no draft was rejected"
+    engine.scheduler.block_pool.check_integrity()
+
+
+def test_greedy_identity_alone(make_engine: Any, smollm2: Any, gpl_text: str) -> None:
+    tok = smollm2[1].tokenizer
+    prompt = _chat(tok, "Repeat this text exactly:\n" + gpl_text[1000:1500])
+    sp = [SamplingParams(temperature=0, max_tokens=60, ignore_eos=True)]
+    plain = _outputs(make_engine(), [prompt], sp)["0"].outputs[0]
+    engine = make_engine(speculative_config=_spec("ngram"))
+    out = _outputs(engine, [prompt], sp)["0"].outputs[0]
+    assert out.token_ids == plain.token_ids and out.text == plain.text
+    # A copy task: a verify step adds well over one token on average.
+    assert engine.runner.spec_stats.mean_accepted_length > 1.5
+
+
+def test_stop_strings_max_tokens_and_logprobs_inside_accepted_runs(
+        make_engine: Any, smollm2: Any, gpl_text: str) -> None:
+    tok = smollm2[1].tokenizer
+    text = gpl_text[2000:2400]
+    prompt = _chat(tok, "Repeat this text exactly:\n" + text)
+    base = _outputs(make_engine(), [prompt], [SamplingParams(temperature=0, max_tokens=80,
+                                                              ignore_eos=True)])
+    full = base["0"].outputs[0].text
+    stop = full[len(full) // 2: len(full) // 2 + 6]  # a string the copy reaches mid-way
+    cases = [SamplingParams(temperature=0, max_tokens=80, stop=[stop], logprobs=2),
+             SamplingParams(temperature=0, max_tokens=80, stop=[stop],
+                            include_stop_str_in_output=True),
+             SamplingParams(temperature=0, max_tokens=37, ignore_eos=True, logprobs=1),
+             SamplingParams(temperature=0, max_tokens=50, repetition_penalty=1.3,
+                            frequency_penalty=0.4, ignore_eos=True)]
+    plain = _outputs(make_engine(), [prompt] * 4, cases)
+    engine = make_engine(speculative_config=_spec("ngram"))
+    spec = _outputs(engine, [prompt] * 4, cases)
+    assert engine.runner.spec_stats.num_accepted_tokens > 0
+    for i in range(4):
+        a, b = spec[str(i)].outputs[0], plain[str(i)].outputs[0]
+        assert (a.token_ids, a.text, a.finish_reason, a.stop_reason) == \
+            (b.token_ids, b.text, b.finish_reason, b.stop_reason), i
+        if b.logprobs is not None:
+            assert a.logprobs is not None and len(a.logprobs) == len(a.token_ids)
+            for x, y in zip(a.logprobs, b.logprobs, strict=True):
+                assert {t: v.logprob for t, v in x.items()} == pytest.approx(
+                    {t: v.logprob for t, v in y.items()}, abs=1e-5)
+    assert plain["0"].outputs[0].finish_reason == "stop"
+    assert len(spec["2"].outputs[0].token_ids) == 37
+
+
+def test_seeded_sampling_n_and_json_schema(make_engine: Any, smollm2: Any) -> None:
+    tok = smollm2[1].tokenizer
+    prompt = _chat(tok, "Give me a JSON object describing a cat, with its name and age.")
+    schema = {"type": "object", "properties": {"name": {"type": "string"},
+                                               "age": {"type": "integer"}},
+              "required": ["name", "age"]}
+    cases = [SamplingParams(temperature=0.8, seed=11, max_tokens=40, n=2, ignore_eos=True),
+             SamplingParams(temperature=0, max_tokens=60,
+                            structured_outputs=StructuredOutputsParams(json=schema))]
+    spec = _spec("self_draft")
+    first = _outputs(make_engine(speculative_config=spec), [prompt] * 2, cases)
+    again = _outputs(make_engine(speculative_config=spec), [prompt] * 2, cases)
+    plain = _outputs(make_engine(), [prompt] * 2, cases)
+    seeded = [o.token_ids for o in first["0"].outputs]
+    assert seeded == [o.token_ids for o in again["0"].outputs]  # reproducible
+    assert seeded[0] != seeded[1]  # the n samples differ
+    grammar = first["1"].outputs[0]
+    assert grammar.token_ids == plain["1"].outputs[0].token_ids  # greedy under a grammar
+    obj = json.loads(grammar.text)
+    assert isinstance(obj["name"], str) and isinstance(obj["age"], int)
+
+
+def test_bad_speculative_configs_are_clear_errors(make_engine: Any) -> None:
+    with pytest.raises(ValueError, match="method must be one of ngram, draft_model"):
+        make_engine(speculative_config={"method": "eagle", "num_speculative_tokens": 2})
+    with pytest.raises(ValueError, match=r"num_speculative_tokens must be an integer in \[1, "):
+        make_engine(speculative_config={"method": "ngram", "num_speculative_tokens": 0})
+    with pytest.raises(ValueError, match="unknown key.*num_spec_tokens"):
+        make_engine(speculative_config={"method": "ngram", "num_spec_tokens": 2})
+    with pytest.raises(ValueError, match="speculative_config.model is required"):
+        make_engine(speculative_config={"method": "draft_model", "num_speculative_tokens": 2})
+    with pytest.raises(ValueError, match="not valid JSON"):
+        make_engine(speculative_config="{method: ngram}")
+    with pytest.raises(ValueError, match="num_layers must be below the target's 30 layers"):
+        make_engine(speculative_config={"method": "self_draft", "num_speculative_tokens": 2,
+                                        "num_layers": 30})
+
+
+def test_a_draft_with_another_vocabulary_is_refused(make_engine: Any, tmp_path: Any) -> None:
+    from tests.e2e.test_quantize_cli import _byte_symbols, _byte_tokenizer
+    from tests.helpers import tiny_hf_model
+
+    hf = tiny_hf_model("llama", seed=1)
+    hf.save_pretrained(str(tmp_path), safe_serialization=True)
+    _byte_tokenizer().save(str(tmp_path / "tokenizer.json"))
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"eos_token": _byte_symbols()[0]}))
+    with pytest.raises(ValueError, match=r"vocabulary of \d+ tokens, the target .* one of "
+                                         r"49152"):
+        make_engine(speculative_config={"method": "draft_model", "model": str(tmp_path),
+                                        "num_speculative_tokens": 2})

@@ -24,6 +24,7 @@ import time
 from datetime import datetime, timezone
 from typing import IO, Any
 
+from kvserve.bench.metrics import format_spec_summary, spec_summary
 from kvserve.engine_args import EngineArgs
 
 
@@ -160,6 +161,7 @@ def run_latency(args: EngineArgs, input_len: int, output_len: int, decode_prompt
         **footprint(b.engine),
         "prefill_tok_s": statistics.median(prefill_tps), "prefill_tok_s_runs": prefill_tps,
         "decode_tok_s": statistics.median(decode_tps), "decode_tok_s_runs": decode_tps,
+        "spec": spec_summary(b.engine),
         "command": " ".join(sys.argv),
     }
 
@@ -209,6 +211,8 @@ def run(ns: argparse.Namespace) -> int:
           f"{ns.num_iters}: {', '.join(f'{x:.1f}' for x in r['prefill_tok_s_runs'])})")
     print(f"decode {ns.output_len} tokens, batch 1: {r['decode_tok_s']:.1f} tok/s (median of "
           f"{ns.num_iters}: {', '.join(f'{x:.1f}' for x in r['decode_tok_s_runs'])})")
+    if r["spec"] is not None:
+        print(format_spec_summary(r["spec"]))
     if ns.output_json:
         with open(ns.output_json, "w") as f:
             json.dump(r, f, indent=2)

@@ -145,3 +145,25 @@ def format_table(title: str, m: dict[str, Any], percentiles: Sequence[float] = (
             row(f"P{q:g} {abbr} (ms):", m[f"p{q:g}_{key}_ms"])
     lines.append("=" * w)
     return "\n".join(lines)
+
+
+def spec_summary(engine: Any) -> dict[str, Any] | None:
+    """Speculative decoding's counters of an in-process engine (None without it): drafts,
+    draft and accepted tokens, acceptance rate (accepted / draft tokens) and mean accepted
+    length (tokens per verify step: 1 + accepted / drafts), as vLLM reports them."""
+    spec = engine.config.speculative
+    if spec is None:
+        return None
+    st = engine.runner.spec_stats
+    return {"method": spec.method, "num_speculative_tokens": spec.num_speculative_tokens,
+            "num_drafts": st.num_drafts, "num_draft_tokens": st.num_draft_tokens,
+            "num_accepted_tokens": st.num_accepted_tokens,
+            "acceptance_rate": st.acceptance_rate,
+            "mean_accepted_length": st.mean_accepted_length}
+
+
+def format_spec_summary(s: dict[str, Any]) -> str:
+    return (f"speculative decoding ({s['method']}, K={s['num_speculative_tokens']}): "
+            f"acceptance rate {s['acceptance_rate']:.1%} ({s['num_accepted_tokens']} of "
+            f"{s['num_draft_tokens']} draft tokens), mean accepted length "
+            f"{s['mean_accepted_length']:.2f}")

@@ -17,6 +17,7 @@ import time
 from datetime import datetime, timezone
 from typing import Any
 
+from kvserve.bench.metrics import format_spec_summary, spec_summary
 from kvserve.engine_args import EngineArgs
 
 
@@ -60,6 +61,7 @@ def run_throughput(args: EngineArgs, num_prompts: int, input_len: int, output_le
         "output_tok_s": statistics.median(out_tps), "output_tok_s_runs": out_tps,
         "total_tok_s": statistics.median(total_tps), "total_tok_s_runs": total_tps,
         "requests_per_s": num_prompts / statistics.median(elapsed),
+        "spec": spec_summary(llm.llm_engine),
         "command": " ".join(sys.argv),
     }
 
@@ -73,6 +75,8 @@ def run(ns: argparse.Namespace) -> int:
           f"{r['output_tok_s']:.1f} output tok/s, {r['total_tok_s']:.1f} total tok/s, "
           f"{r['requests_per_s']:.2f} req/s (median of {ns.num_iters}; start-up "
           f"{r['startup_s']:.1f} s)")
+    if r["spec"] is not None:
+        print(format_spec_summary(r["spec"]))
     if ns.output_json:
         with open(ns.output_json, "w") as f:
             json.dump(r, f, indent=2)

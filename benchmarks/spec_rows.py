@@ -327,8 +327,10 @@ def metrics_delta(before: dict[str, Any], after: dict[str, Any]) -> dict[str, An
             out[k] = after[k] - before.get(k, 0.0)
     if "accepted_per_pos" in after:
         b = before.get("accepted_per_pos") or []
-        out["accepted_per_pos"] = [x - (b[i] if i < len(b) else 0.0)
-                                   for i, x in enumerate(after["accepted_per_pos"])]
+        pos = [x - (b[i] if i < len(b) else 0.0) for i, x in enumerate(after["accepted_per_pos"])]
+        while pos and pos[-1] == 0:  # llama-server lists every position up to its n-max
+            pos.pop()
+        out["accepted_per_pos"] = pos
     return out
 
 

@@ -661,8 +661,9 @@ class Report:
                          for c, n in per.items())
              + f". `kvserve bench serve` drives each server (streaming /v1/completions, at "
              f"most *c* requests in flight); output tok/s = generated tokens / the run's "
-             f"wall time. A model's servers are all up at once and each (task, streams, "
-             f"round) runs every configuration back to back, the order rotated every round; "
+             f"wall time. One engine's servers of a model are up at once (kvserve's, then "
+             f"llama-server's) and each (task, streams, round) runs each of them back to "
+             f"back, the order rotated every round; "
              f"{s.get('rounds')} round(s), medians. *Speed-up*: the median over rounds of a "
              f"run's output tok/s over the same engine's without speculation in the same "
              f"round. *Acceptance*: from each server's Prometheus counters before and after "
@@ -715,10 +716,14 @@ class Report:
             for cfg in m.get("configs") or []:
                 why = cfg.get("unavailable") or cfg.get("error")
                 if why:
-                    first = (why.strip().splitlines() or ["failed"])[0]
+                    # A server's error: its first line (which server, exit code) and the
+                    # last line of its log (why).
+                    text = [ln.strip() for ln in why.strip().splitlines() if ln.strip()]
+                    brief = (text[0] if len(text) < 2 else f"{text[0]} ... `{text[-1][:200]}`"
+                             ) if text else "failed"
                     notes.append(f"- {cfg['label']}: "
                                  f"{'not available' if cfg.get('unavailable') else 'failed'}"
-                                 f": {first}")
+                                 f": {brief}")
             for task in s.get("tasks") or {}:
                 head = " | ".join(f"{c} stream{'s' if c != 1 else ''}: tok/s | speed-up | "
                                   f"acceptance / mean length" for c in concs)

@@ -97,6 +97,7 @@ class Report:
         self.serve = {name: _load(results, f"serve_{name}") for name, _ in SERVERS}
         self.prefix = _load(results, "prefix")
         self.quant = _load(results, "quant")
+        self.spec = _load(results, "spec")
         weights = _get(self.machine, "weights") or []
         self.w_file = weights[0] if weights else None
         self.w_f32 = weights[1] if len(weights) > 1 else None
@@ -593,6 +594,166 @@ class Report:
         fig.savefig(self.results / "quant.png", dpi=100)
         plt.close(fig)
 
+    # ---- speculative decoding (issue 12) ------------------------------------------------
+
+    def spec_cell(self, model: dict[str, Any], config: str, task: str, conc: int
+                  ) -> dict[str, Any] | None:
+        return next((c for c in model.get("cells") or [] if c["config"] == config
+                     and c["task"] == task and c["concurrency"] == conc), None)
+
+    def spec_targets(self) -> list[tuple[str, str, str, bool | None]]:
+        """(target, kvserve's figure, llama.cpp's on the same cells, met) of issue 12."""
+        rows = []
+
+        def best(model: dict[str, Any], engine: str, kinds: set[str], task: str, conc: int
+                 ) -> tuple[float | None, str]:
+            got = [(c["speedup"], c["method"]) for c in model.get("cells") or []
+                   if c["engine"] == engine and c["kind"] in kinds and c["task"] == task
+                   and c["concurrency"] == conc and c.get("speedup") is not None]
+            return max(got) if got else (None, "")
+
+        def worst(model: dict[str, Any], engine: str) -> tuple[float | None, str]:
+            got = [(c["speedup"], f"{c['method']} {c['task']} c={c['concurrency']}")
+                   for c in model.get("cells") or []
+                   if c["engine"] == engine and c["kind"] != "none"
+                   and (c["concurrency"] == 8 or c["task"] == "open")
+                   and c.get("speedup") is not None]
+            return min(got) if got else (None, "")
+
+        def fig(x: tuple[float | None, str]) -> str:
+            return "n/a" if x[0] is None else f"{x[0]:.2f}x ({x[1]})"
+
+        for m in _get(self.spec, "models") or []:
+            name = m["key"]
+            k, ll = best(m, "kvserve", {"lookup"}, "grounded", 1), best(
+                m, "llama_server", {"lookup"}, "grounded", 1)
+            rows.append((f"{name}: n-gram / suffix, input-grounded, 1 stream >= 2.0x",
+                         fig(k), fig(ll), None if k[0] is None else k[0] >= 2.0))
+            if m.get("draft"):
+                k, ll = best(m, "kvserve", {"model"}, "open", 1), best(
+                    m, "llama_server", {"model"}, "open", 1)
+                rows.append((f"{name}: best model-based proposer, open generation, 1 stream "
+                             ">= 1.3x", fig(k), fig(ll), None if k[0] is None else k[0] >= 1.3))
+            k, ll = worst(m, "kvserve"), worst(m, "llama_server")
+            rows.append((f"{name}: every proposer at 8 streams and on open generation >= "
+                         "0.95x (the lowest)", fig(k), fig(ll),
+                         None if k[0] is None else k[0] >= 0.95))
+        return rows
+
+    def spec_section(self) -> list[str]:
+        s = self.spec
+        lines = ["## Speculative decoding (issue 12)", ""]
+        if not s:
+            return lines + ["Not measured (`make bench-spec`).", ""]
+        per = s.get("prompts_per_concurrency") or {}
+        ll = s.get("llama_server") or {}
+        methods = s.get("kvserve_method_configs") or {}
+        lines += [
+            (f"Run {s.get('date', '?')}, {s.get('threads')} threads per server. Two tasks, the "
+             f"same prompts for every engine (`benchmarks/spec_rows.py`): *grounded*, "
+             f"{_get(s, 'tasks', 'grounded')}: repository code to rename or strip of type "
+             f"hints, and paragraphs of `{s.get('text')}` with one typo to fix; *open*, "
+             f"{_get(s, 'tasks', 'open')}. Chat turns through each model's template, "
+             f"greedy, up to {s.get('max_tokens')} new tokens, ending at the model's end of "
+             f"turn; "
+             + ", ".join(f"{n} prompt{'s' if n != 1 else ''} at {c} "
+                         f"stream{'s' if str(c) != '1' else ''}"
+                         for c, n in per.items())
+             + f". `kvserve bench serve` drives each server (streaming /v1/completions, at "
+             f"most *c* requests in flight); output tok/s = generated tokens / the run's "
+             f"wall time. One engine's servers of a model are up at once (kvserve's, then "
+             f"llama-server's) and each (task, streams, round) runs each of them back to "
+             f"back, the order rotated every round; "
+             f"{s.get('rounds')} round(s), medians. *Speed-up*: the median over rounds of a "
+             f"run's output tok/s over the same engine's without speculation in the same "
+             f"round. *Acceptance*: from each server's Prometheus counters before and after "
+             f"the run (kvserve `vllm:spec_decode_num_*`, llama-server `llamacpp:` the same "
+             f"names): accepted / drafted tokens, and mean accepted length = 1 + accepted / "
+             f"drafts (tokens per verification step). *Same outputs*: every request "
+             f"generated as many tokens as without speculation (greedy: it should). Prompt "
+             f"caches off on both servers (`--no-enable-prefix-caching`; `--no-cache-prompt "
+             f"--cache-ram 0`): each round prefills again."),
+            "",
+            ("kvserve's `--speculative-config`s: "
+             + "; ".join(f"{k} `{json.dumps(v)}`" for k, v in methods.items()) + "."),
+            "",
+            (f"llama-server (llama.cpp `{ll.get('commit') or '?'}`; `{ll.get('version')}`): "
+             f"`--parallel 8 --cont-batching -c 8192 --metrics`; *draft*: `-md <draft> "
+             f"--spec-type draft-simple --spec-draft-n-max 4 --spec-draft-n-min 0` (this "
+             f"build removed `--draft-max` / `--draft-min`); *ngram-simple*: `--spec-type "
+             f"ngram-simple` at its defaults (12-token lookup, drafts up to 48 tokens)."),
+            ""]
+        if s.get("quick"):
+            lines += ["> **`--quick` run: a smoke test of the runner, not figures to "
+                      "quote.**", ""]
+        noisy = _get(self.man, "steps", "spec", "other_cpu_cores")
+        if noisy and noisy > NOISY_CORES:
+            lines += [f"> **Noisy:** other processes used {noisy:.2f} cores on average "
+                      "during this step; its figures are not to be quoted.", ""]
+        lines += ["### Targets", "",
+                  "| target | kvserve | llama.cpp, same cells | status |",
+                  "|---|---|---|---|"]
+        lines += [f"| {t} | {k} | {ll_} | {_check(ok)} |"
+                  for t, k, ll_, ok in self.spec_targets()]
+        lines.append("")
+        concs = s.get("concurrency") or [1, 8]
+
+        def acc(c: dict[str, Any] | None) -> str:
+            a = _get(c, "acceptance")
+            if c is None or c.get("kind") == "none":
+                return ""
+            if not a or a.get("acceptance_rate") is None:
+                return "no drafts" if a else "n/a"
+            return (f"{100 * a['acceptance_rate']:.0f}% / "
+                    f"{_f(a.get('mean_acceptance_length'), 2)}")
+
+        for m in s.get("models") or []:
+            lines += [f"### {m['label']}", ""]
+            if m.get("error"):
+                lines += [f"Not measured: {m['error']}", ""]
+                continue
+            notes = []
+            for cfg in m.get("configs") or []:
+                why = cfg.get("unavailable") or cfg.get("error")
+                if why:
+                    # A server's error: its first line (which server, exit code) and the
+                    # last line of its log (why).
+                    text = [ln.strip() for ln in why.strip().splitlines() if ln.strip()]
+                    brief = (text[0] if len(text) < 2 else f"{text[0]} ... `{text[-1][:200]}`"
+                             ) if text else "failed"
+                    notes.append(f"- {cfg['label']}: "
+                                 f"{'not available' if cfg.get('unavailable') else 'failed'}"
+                                 f": {brief}")
+            for task in s.get("tasks") or {}:
+                head = " | ".join(f"{c} stream{'s' if c != 1 else ''}: tok/s | speed-up | "
+                                  f"acceptance / mean length" for c in concs)
+                lines += [f"*{task}*", "",
+                          f"| configuration | {head} | same outputs |",
+                          "|---|" + "---:|---:|---:|" * len(concs) + "---|"]
+                for cfg in m.get("configs") or []:
+                    cells = [self.spec_cell(m, cfg["key"], task, c) for c in concs]
+                    if all(c is None for c in cells):
+                        continue
+                    row = [cfg["label"]]
+                    same = []
+                    for c in cells:
+                        row += [_f(_get(c, "output_tok_s")), _x(_get(c, "speedup"))
+                                if cfg["kind"] != "none" else "", acc(c)]
+                        if c is not None and c.get("same_output_lens") is not None:
+                            same.append(c["same_output_lens"])
+                    row.append("" if not same else "yes" if all(same) else "**no**")
+                    lines.append("| " + " | ".join(row) + " |")
+                lines.append("")
+            errs = [f"- {c['label']}, {c['task']} c={c['concurrency']}: {c['errors'][0][:200]}"
+                    for c in m.get("cells") or [] if c.get("errors")]
+            if notes or errs:
+                lines += ["Not measured or incomplete:", "", *notes, *errs, ""]
+            rss = [f"{cfg['label']} {cfg['rss_mib']:.0f}" for cfg in m.get("configs") or []
+                   if cfg.get("rss_mib")]
+            if rss:
+                lines += ["Resident memory after start-up (MiB): " + "; ".join(rss) + ".", ""]
+        return lines
+
     def howto(self) -> list[str]:
         return [
             "## How to run", "",
@@ -609,6 +770,11 @@ class Report:
              "`--isa avx2` adds every kvserve row again with `KVSERVE_CPU_ISA=avx2`; "
              "`--float-model DIR` makes the GPTQ / AWQ rows from a float checkpoint, "
              "`--calib FILE` sets their calibration text."),
+            ("- `make bench-spec`: issue 12's speculative-decoding section alone (`benchmarks/"
+             "compare --steps peers,spec`, about 1.5 hours on 2 cores; `make bench` runs it "
+             "too): `BENCH_ARGS='--spec-models qwen1.5b --spec-methods ngram,draft_model "
+             "--spec-rounds 1'` narrows it; `--spec-config NAME=JSON` gives a method's "
+             "`--speculative-config` (`$DRAFT`: the draft GGUF)."),
             ("- `benchmarks/compare --quick ...`: tiny workloads, a smoke test of the runner "
              "(its figures are marked and are not to be quoted)."),
             ("- On a CPU with AMX, `setup_peers.sh` builds llama.cpp native but for AMX "
@@ -683,7 +849,7 @@ class Report:
     def markdown(self) -> str:
         parts = (self.header() + self.criteria() + self.ceilings() + self.latency()
                  + self.batch() + self.serving() + self.prefix_section()
-                 + self.quant_section() + self.howto() + self.commands())
+                 + self.quant_section() + self.spec_section() + self.howto() + self.commands())
         return "\n".join(parts).rstrip() + "\n"
 
 

@@ -177,7 +177,13 @@ class SpeculativeConfig:
     acceptance and step cost (spec/policy.py), False: always K where the proposer has them.
     ngram: the longest suffix of prompt_lookup_max .. prompt_lookup_min tokens that occurred
     before proposes what followed it. draft_model: model, a checkpoint with the target's
-    vocabulary, run with quantization (None: its own default). self_draft: the target's own
+    vocabulary, run with quantization (None: its own default); draft_vocab_size: its lm_head
+    computes only the first N token ids (BPE ids run in merge order, most frequent first) and
+    the special ones, the rest getting probability 0 in q: still exact, a few percent fewer
+    accepted drafts, and a draft token that reads far fewer bytes (None: 32768 for a
+    vocabulary over 65536 tokens, else all; 0: all); draft_p_min: a draft model stops drafting
+    for a request at a token it gives less than this probability (llama.cpp's --draft-p-min;
+    the decision is the draft's alone, so verification stays exact). self_draft: the target's own
     first num_layers decoder layers (None: half of them), then its final norm and lm_head,
     sharing its weights (an early exit)."""
 
@@ -188,6 +194,8 @@ class SpeculativeConfig:
     prompt_lookup_min: int = 2
     prompt_lookup_max: int = 4
     num_layers: int | None = None
+    draft_vocab_size: int | None = None
+    draft_p_min: float = 0.0
     adaptive: bool = True
 
     def __post_init__(self) -> None:
@@ -206,6 +214,12 @@ class SpeculativeConfig:
                                              and self.num_layers >= 1),
                  f"speculative_config.num_layers is a positive integer for method self_draft, "
                  f"got {self.num_layers!r} with {self.method!r}")
+        _require(self.draft_vocab_size is None or (isinstance(self.draft_vocab_size, int)
+                                                   and self.draft_vocab_size >= 0),
+                 f"speculative_config.draft_vocab_size must be an integer >= 0, "
+                 f"got {self.draft_vocab_size!r}")
+        _require(0.0 <= self.draft_p_min < 1.0,
+                 f"speculative_config.draft_p_min must be in [0, 1), got {self.draft_p_min!r}")
         needs_model = self.method == "draft_model"
         _require(needs_model == (self.model is not None),
                  f"speculative_config.model is {'required' if needs_model else 'not used'} "

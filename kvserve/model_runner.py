@@ -161,8 +161,8 @@ class ModelRunner:
             return [[] for _ in requests]
         t0 = time.perf_counter()
         drafts = self.proposer.propose(requests, ks, block_tables)
-        self.spec_policy.observe_draft(len(requests), sum(map(len, drafts)),
-                                       time.perf_counter() - t0)
+        timed = self.proposer.last_timing or (sum(map(len, drafts)), time.perf_counter() - t0)
+        self.spec_policy.observe_draft(*timed)
         return drafts
 
     def _execute(self, so: SchedulerOutput) -> ModelOutput:

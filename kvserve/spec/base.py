@@ -25,6 +25,10 @@ class Proposer(Protocol):
     num_lookahead_tokens: int
     # Bytes the proposer's own KV cache needs per block of the target's (one memory budget).
     kv_bytes_per_block: int
+    # (draft tokens, seconds) of the last propose()'s steady part, which the policy charges
+    # per draft token: a draft model's one-token steps, not its catch-up over a new prompt.
+    # None: charge propose()'s whole time (a lookup's is all steady).
+    last_timing: tuple[int, float] | None
 
     def allocate_kv(self, num_blocks: int) -> None:
         """Its KV cache, in the target's blocks (nothing for a proposer without a model)."""

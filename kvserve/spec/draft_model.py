@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import time
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -36,12 +37,14 @@ from torch import nn
 
 from kvserve.engine_args import EngineArgs
 from kvserve.kv.layout import model_block_bytes, resolve_kv_dtype
+from kvserve.layers.linear import Linear
 from kvserve.loader import load_checkpoint, resolve_model
 from kvserve.model_runner import ModelRunner, torch_dtype
 from kvserve.models import build_model
 from kvserve.ops import get_ops
 from kvserve.outputs import ScheduledRequest, SchedulerOutput
 from kvserve.quant import get_quant_method
+from kvserve.quant.gguf import GGUFWeight
 from kvserve.request import Request
 from kvserve.sample.metadata import SamplingMetadata
 from kvserve.sample.sampler import Sampler
@@ -53,6 +56,25 @@ logger = logging.getLogger(__name__)
 
 # Draft generators must not replay the target's: a seed s drafts from s ^ _DRAFT_SEED_SALT.
 _DRAFT_SEED_SALT = 0x5DEECE66D
+
+
+def _lm_head_rows(model: Any, ckpt: Any, quant: Any, ids: torch.Tensor,
+                  dtype: torch.dtype) -> Linear:
+    """A new lm_head over the checkpoint's rows ids only, in the model's format for it."""
+    mc = ckpt.model_config
+    name = "model.embed_tokens.weight" if mc.tie_word_embeddings else "lm_head.weight"
+    weight = next((t for n, t in ckpt.weights(keep_quantized=quant.keeps_quantized)
+                   if n == name or (n == "lm_head.weight" and not mc.tie_word_embeddings)),
+                  None)
+    if weight is None:
+        raise ValueError(f"the draft checkpoint has no {name}")
+    rows = (GGUFWeight(weight.data.index_select(0, ids), weight.qtype, weight.k)
+            if isinstance(weight, GGUFWeight) else weight.index_select(0, ids))
+    head = Linear(mc.hidden_size, len(ids), bias=False, ops=model.ops, dtype=dtype,
+                  quant_method=quant.linear_method("lm_head"))
+    head.load_shard("weight", 0, rows)
+    head.process_weights_after_loading()
+    return head
 
 
 class EarlyExit(nn.Module):
@@ -76,10 +98,15 @@ def _draft_seed(seed: int | None) -> int | None:
 
 
 class DraftModelProposer:
-    def __init__(self, config: EngineConfig, draft_config: EngineConfig, model: Any) -> None:
+    def __init__(self, config: EngineConfig, draft_config: EngineConfig, model: Any,
+                 vocab_ids: torch.Tensor | None = None) -> None:
+        """vocab_ids: the token ids the draft's lm_head computes, in its row order (None:
+        all of them)."""
         self.config = draft_config
         self.model = model
         self.vocab_size = config.model_config.vocab_size
+        self.vocab_ids = vocab_ids
+        self.p_min = config.speculative.draft_p_min  # type: ignore[union-attr]
         self.num_lookahead_tokens = config.speculative.num_speculative_tokens  # type: ignore
         self.kv_bytes_per_block = model_block_bytes(
             draft_config.model_config, draft_config.cache.block_size,
@@ -88,6 +115,7 @@ class DraftModelProposer:
         self.sampler = Sampler(seed=_draft_seed(config.seed))
         self._computed: dict[str, int] = {}  # request -> tokens whose draft KV is written
         self._q: dict[str, torch.Tensor] = {}  # request -> q [k, V] of its pending drafts
+        self.last_timing: tuple[int, float] | None = None
 
     @classmethod
     def load(cls, config: EngineConfig, target_tokenizer: Any = None) -> DraftModelProposer:
@@ -120,10 +148,23 @@ class DraftModelProposer:
         quant = get_quant_method(draft_config.quant)
         model = build_model(ckpt, ops, torch_dtype(draft_config.dtype), quant,
                             draft_config.scheduler.max_model_len).to(draft_config.device)
-        logger.info("draft model %s (%s, quantization=%s) for speculative decoding, K=%d",
-                    path, ckpt.model_config.architecture, draft_config.quantization,
+        n = spec.draft_vocab_size
+        if n is None:
+            n = 32768 if target_vocab > 65536 else 0
+        vocab_ids = None
+        if 0 < n < target_vocab:
+            special = (target_tokenizer.all_special_ids | set(target_tokenizer.eos_token_ids)
+                       if target_tokenizer is not None else set())
+            vocab_ids = torch.tensor(sorted(set(range(n)) | {i for i in special
+                                                             if 0 <= i < target_vocab}))
+            model.lm_head = _lm_head_rows(model, ckpt, quant, vocab_ids,
+                                          torch_dtype(draft_config.dtype))
+        logger.info("draft model %s (%s, quantization=%s, lm_head over %d of %d tokens) for "
+                    "speculative decoding, K=%d", path, ckpt.model_config.architecture,
+                    draft_config.quantization,
+                    target_vocab if vocab_ids is None else len(vocab_ids), target_vocab,
                     spec.num_speculative_tokens)
-        return cls(config, draft_config, model)
+        return cls(config, draft_config, model, vocab_ids)
 
     @classmethod
     def early_exit(cls, config: EngineConfig, target: Any) -> DraftModelProposer:
@@ -149,8 +190,12 @@ class DraftModelProposer:
         drafts: list[list[int]] = [[] for _ in requests]
         qs: list[list[torch.Tensor]] = [[] for _ in requests]
         active = [b for b, k in enumerate(num_drafts) if k > 0]
+        steady_tokens, steady_s = 0, 0.0  # the one-token steps (j >= 1)
         for j in range(max(num_drafts, default=0)):
+            t0 = time.perf_counter()
             active = [b for b in active if num_drafts[b] > j]
+            if not active:
+                break
             scheduled = []
             for b in active:
                 req = requests[b]
@@ -167,11 +212,22 @@ class DraftModelProposer:
             meta = SamplingMetadata.from_requests(reqs, self.vocab_size, logits.device,
                                                   [drafts[b] for b in active],
                                                   last_row_only=True)
-            tokens_j, q_j = self._sample(logits, meta)
+            tokens_j, q_j, conf = self._sample(logits, meta)
+            confident = []
             for i, b in enumerate(active):
+                if conf[i] < self.p_min:
+                    continue  # a draft this unsure is likelier rejected than not: stop here
+                confident.append(b)
                 drafts[b].append(tokens_j[i])
                 if q_j is not None and q_j[i] is not None:
                     qs[b].append(q_j[i])
+            if j:
+                steady_tokens += len(active)
+                steady_s += time.perf_counter() - t0
+            active = confident
+        # Step 0 costs what a one-token step does, unless it caught up on a whole prompt:
+        # the steady steps price a draft token.
+        self.last_timing = (steady_tokens, steady_s) if steady_tokens else None
         for b, req in enumerate(requests):
             if qs[b]:
                 self._q[req.request_id] = torch.stack(qs[b])
@@ -186,19 +242,29 @@ class DraftModelProposer:
         inp, _, _ = self.runner.prepare_inputs(so)
         hidden = self.model(inp, self.runner.kv_cache)
         # The sampling rows come first (prompt-logprob rows, which the draft needs not, after).
-        return self.model.compute_logits(hidden[inp.logits_indices[:len(scheduled)]]).float()
+        logits = self.model.compute_logits(hidden[inp.logits_indices[:len(scheduled)]]).float()
+        if self.vocab_ids is None:
+            return logits
+        full = logits.new_full((logits.shape[0], self.vocab_size), float("-inf"))
+        full[:, self.vocab_ids.to(logits.device)] = logits
+        return full
 
     def _sample(self, logits: torch.Tensor, meta: SamplingMetadata
-                ) -> tuple[list[int], list[torch.Tensor | None] | None]:
-        """A token per row, and q per row (None for greedy rows; None when all are)."""
+                ) -> tuple[list[int], list[torch.Tensor | None] | None, list[float]]:
+        """A token per row, q per row (None for greedy rows; None when all are), and the
+        draft's probability of each token (greedy rows: of its processed distribution)."""
         meta.seeds = [_draft_seed(s) for s in meta.seeds]
-        tokens, probs = self.sampler.sample_rows(Sampler.process_logits(logits, meta), meta)
+        logits = Sampler.process_logits(logits, meta)
+        tokens, probs = self.sampler.sample_rows(logits, meta)
+        rows = torch.arange(len(tokens), device=logits.device)
+        conf = (logits[rows, tokens] - logits.logsumexp(dim=1)).exp()
         if probs is None:
-            return tokens.tolist(), None
+            return tokens.tolist(), None, conf.tolist()
         q: list[torch.Tensor | None] = [None] * len(meta.request_ids)
         for r, n in enumerate(meta.random_rows):
             q[n] = probs[r]
-        return tokens.tolist(), q
+            conf[n] = probs[r, tokens[n]]
+        return tokens.tolist(), q, conf.tolist()
 
     def draft_probs(self, requests: list[Request], drafts: list[list[int]]
                     ) -> list[torch.Tensor | None]:

@@ -31,6 +31,7 @@ def ngram_lookup(tokens: np.ndarray, n_min: int, n_max: int, k: int) -> list[int
 class NgramProposer:
     num_lookahead_tokens = 0
     kv_bytes_per_block = 0
+    last_timing = None
 
     def __init__(self, n_min: int, n_max: int) -> None:
         self.n_min, self.n_max = n_min, n_max

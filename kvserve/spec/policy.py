@@ -45,8 +45,8 @@ class SpecPolicy:
         old = self._step_cost.get(num_rows)
         self._step_cost[num_rows] = seconds if old is None else old + _EMA * (seconds - old)
 
-    def observe_draft(self, num_requests: int, num_tokens: int, seconds: float) -> None:
-        """The proposer spent `seconds` drafting num_tokens tokens for num_requests."""
+    def observe_draft(self, num_tokens: int, seconds: float) -> None:
+        """The proposer spent `seconds` drafting num_tokens tokens (over all requests)."""
         if num_tokens:
             per = seconds / num_tokens
             self.draft_cost = per if not self.draft_cost else \

@@ -82,8 +82,9 @@ class ModelRunner:
         self.proposer = proposer
         self.spec_stats = SpecStats()
         spec = config.speculative
-        self.spec_policy = None if spec is None else SpecPolicy(spec.num_speculative_tokens,
-                                                                spec.adaptive)
+        self.spec_policy = None if spec is None else SpecPolicy(
+            spec.num_speculative_tokens, spec.adaptive,
+            draft_forwards=proposer is not None and proposer.num_lookahead_tokens > 0)
 
     def prepare_inputs(self, so: SchedulerOutput) -> tuple[ModelInput, list[int], dict[str, Any]]:
         """Flatten the step into one varlen batch.
@@ -156,13 +157,15 @@ class ModelRunner:
         """Draft tokens for the requests' next steps: the policy's count each, the
         proposer's guesses (a draft model writes its KV through the block tables)."""
         assert self.proposer is not None and self.spec_policy is not None
-        ks = self.spec_policy.num_drafts(requests, max_drafts)
+        ks = self.spec_policy.num_drafts(requests, max_drafts,
+                                         self.proposer.catch_up_tokens(requests))
         if not any(ks):
             return [[] for _ in requests]
-        t0 = time.perf_counter()
         drafts = self.proposer.propose(requests, ks, block_tables)
-        timed = self.proposer.last_timing or (sum(map(len, drafts)), time.perf_counter() - t0)
-        self.spec_policy.observe_draft(*timed)
+        if self.proposer.last_timing:
+            self.spec_policy.observe_draft(self.proposer.last_timing)
+        if self.proposer.last_catch_up:
+            self.spec_policy.observe_catch_up(*self.proposer.last_catch_up)
         return drafts
 
     def _execute(self, so: SchedulerOutput) -> ModelOutput:

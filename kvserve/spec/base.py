@@ -25,16 +25,21 @@ class Proposer(Protocol):
     num_lookahead_tokens: int
     # Bytes the proposer's own KV cache needs per block of the target's (one memory budget).
     kv_bytes_per_block: int
-    # (draft tokens, seconds) of the last propose()'s steady part, which the policy charges
-    # per draft token: a draft model's one-token steps, not its catch-up over a new prompt.
-    # None: charge propose()'s whole time (a lookup's is all steady).
-    last_timing: tuple[int, float] | None
+    # The last propose()'s model forwards, (requests drafting, seconds) each, which the
+    # policy prices drafting by; None for a proposer that runs no model (a lookup: ~free).
+    last_timing: list[tuple[int, float]] | None
+    # (tokens, seconds) of the last propose()'s catch-up over tokens it had not read (a new
+    # prompt), None if there was none.
+    last_catch_up: tuple[int, float] | None
 
     def allocate_kv(self, num_blocks: int) -> None:
         """Its KV cache, in the target's blocks (nothing for a proposer without a model)."""
 
     def propose(self, requests: list[Request], num_drafts: list[int],
                 block_tables: list[list[int]]) -> list[list[int]]: ...
+
+    def catch_up_tokens(self, requests: list[Request]) -> list[int]:
+        """Per request, the tokens propose() would read before drafting (0 for a lookup)."""
 
     def draft_probs(self, requests: list[Request], drafts: list[list[int]]
                     ) -> list[torch.Tensor | None] | None: ...

@@ -115,7 +115,8 @@ class DraftModelProposer:
         self.sampler = Sampler(seed=_draft_seed(config.seed))
         self._computed: dict[str, int] = {}  # request -> tokens whose draft KV is written
         self._q: dict[str, torch.Tensor] = {}  # request -> q [k, V] of its pending drafts
-        self.last_timing: tuple[int, float] | None = None
+        self.last_timing: list[tuple[int, float]] | None = None
+        self.last_catch_up: tuple[int, float] | None = None
 
     @classmethod
     def load(cls, config: EngineConfig, target_tokenizer: Any = None) -> DraftModelProposer:
@@ -190,7 +191,7 @@ class DraftModelProposer:
         drafts: list[list[int]] = [[] for _ in requests]
         qs: list[list[torch.Tensor]] = [[] for _ in requests]
         active = [b for b, k in enumerate(num_drafts) if k > 0]
-        steady_tokens, steady_s = 0, 0.0  # the one-token steps (j >= 1)
+        self.last_timing, self.last_catch_up = [], None
         for j in range(max(num_drafts, default=0)):
             t0 = time.perf_counter()
             active = [b for b in active if num_drafts[b] > j]
@@ -200,8 +201,7 @@ class DraftModelProposer:
             for b in active:
                 req = requests[b]
                 if j == 0:
-                    start = min(self._computed.get(req.request_id, max(req.num_cached_tokens, 0)),
-                                req.num_tokens - 1)
+                    start = self._start(req)
                     tokens = req.all_token_ids[start:]
                     self._computed[req.request_id] = req.num_tokens
                 else:
@@ -221,19 +221,30 @@ class DraftModelProposer:
                 drafts[b].append(tokens_j[i])
                 if q_j is not None and q_j[i] is not None:
                     qs[b].append(q_j[i])
-            if j:
-                steady_tokens += len(active)
-                steady_s += time.perf_counter() - t0
+            fed = sum(sr.num_tokens for sr in scheduled)
+            seconds = time.perf_counter() - t0
+            if fed <= (self.num_lookahead_tokens + 1) * len(active):
+                self.last_timing.append((len(active), seconds))
+            else:  # a catch-up over a new prompt: priced per token, once per request
+                self.last_catch_up = (fed, seconds)
             active = confident
-        # Step 0 costs what a one-token step does, unless it caught up on a whole prompt:
-        # the steady steps price a draft token.
-        self.last_timing = (steady_tokens, steady_s) if steady_tokens else None
         for b, req in enumerate(requests):
             if qs[b]:
                 self._q[req.request_id] = torch.stack(qs[b])
             else:
                 self._q.pop(req.request_id, None)
         return drafts
+
+    def _start(self, req: Request) -> int:
+        """The first of req's tokens the draft has not read (a prefix-cache hit counts as
+        read)."""
+        return min(self._computed.get(req.request_id, max(req.num_cached_tokens, 0)),
+                   req.num_tokens - 1)
+
+    def catch_up_tokens(self, requests: list[Request]) -> list[int]:
+        # Beyond the last step's own tokens (at most K + 1), which every proposal reads.
+        k1 = self.num_lookahead_tokens + 1
+        return [max(0, r.num_tokens - self._start(r) - k1) for r in requests]
 
     def _forward(self, scheduled: list[ScheduledRequest]) -> torch.Tensor:
         """The draft's logits [B, V] at each scheduled request's last token."""

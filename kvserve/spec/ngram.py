@@ -32,12 +32,16 @@ class NgramProposer:
     num_lookahead_tokens = 0
     kv_bytes_per_block = 0
     last_timing = None
+    last_catch_up = None
 
     def __init__(self, n_min: int, n_max: int) -> None:
         self.n_min, self.n_max = n_min, n_max
 
     def allocate_kv(self, num_blocks: int) -> None:
         pass
+
+    def catch_up_tokens(self, requests: list[Request]) -> list[int]:
+        return [0] * len(requests)
 
     def propose(self, requests: list[Request], num_drafts: list[int],
                 block_tables: list[list[int]]) -> list[list[int]]:

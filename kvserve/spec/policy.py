@@ -1,20 +1,30 @@
 """How many drafts each request verifies in its next step: 0..K, decided per step.
 
-A draft token j of request i pays when the token it may add is worth more than it costs:
+The value of a draft token j of request i is what the token it may add would cost without
+speculation:
 
-    gain   alpha_i^j * c_tok     alpha_i: the request's measured per-draft acceptance (the
-                                 chance draft j survives is alpha^j); c_tok: what a token
-                                 costs without speculation, cost(B) / B at batch B
-    cost   cost(T + 1) - cost(T) + c_draft
-                                 the step's cost for one more row at T rows (cost() is a
-                                 table of measured step times, by rows), plus the proposer's
-                                 own cost per draft token (a draft model's forward)
+    gain     alpha_i^j * c_tok     alpha_i: the request's measured per-draft acceptance (the
+                                   chance draft j survives is alpha^j); c_tok = cost(B) / B,
+                                   a token's share of a plain step of B rows
 
-Drafts are handed out one at a time to the request with the largest gain until none pays.
-On a bandwidth-bound CPU step an extra row costs little, so a predictable request drafts K;
-under load the rows get dear and an unpredictable request's alpha falls, and both back off
-to 0. A request at 0 drafts one token every PROBE_EVERY steps, so a text that turns
-predictable is noticed.
+Its price has two parts, both read from tables of measured times (StepCosts: seconds by rows,
+interpolated between the row counts seen):
+
+    rows     cost(T + n) - cost(T)   the target step with the n draft rows added
+    drafting draft_cost(rows) per drafting step (a draft model: one forward per depth, over
+             the requests drafting that deep; a lookup: nothing)
+    catch-up a draft model that has not read a request's tokens yet (a new prompt) reads
+             them first: catch_up_tokens x its measured cost per token, spread over the
+             steps the request has left (max_tokens), since it is paid once
+
+A draft model's forward costs nearly as much for one row as for eight (it streams its weights
+either way), so the choice is made per depth: for d = 0..K, every request drafts
+min(d, its cap, its own best count), where its own best count is the largest j whose gain
+still exceeds one target row; the d with the largest gain minus price wins. On a bandwidth-
+bound step at batch 1 the rows are cheap and a predictable request drafts deep; under load a
+token is cheap (c_tok falls as B grows) while the rows and the draft's forwards are not, and
+speculation backs off to 0. A request at 0 drafts one token every PROBE_EVERY steps, so a
+text that turns predictable is noticed.
 """
 
 from __future__ import annotations
@@ -24,33 +34,73 @@ from kvserve.request import Request
 PROBE_EVERY = 8
 _PRIOR_ALPHA, _PRIOR_WEIGHT = 0.7, 2.0
 _DECAY = 0.8  # per verify step, of a request's acceptance counts
-_EMA = 0.2  # of the step-time table
+_EMA = 0.2  # of the step-time tables
 # Until a row count is measured, one more row costs this share of a one-row step.
 _PRIOR_ROW_SHARE = 0.05
+# Until a draft forward is measured, it costs this share of a one-row target step.
+_PRIOR_DRAFT_SHARE = 0.4
+
+
+class StepCosts:
+    """Seconds by rows (EMA per row count): interpolated between measured row counts,
+    extended past them by `row_share` of the measured base per row."""
+
+    def __init__(self, row_share: float = _PRIOR_ROW_SHARE) -> None:
+        self.table: dict[int, float] = {}
+        self.row_share = row_share
+
+    def observe(self, rows: int, seconds: float) -> None:
+        old = self.table.get(rows)
+        self.table[rows] = seconds if old is None else old + _EMA * (seconds - old)
+
+    def __bool__(self) -> bool:
+        return bool(self.table)
+
+    def __call__(self, rows: int, default_base: float = 1.0) -> float:
+        table = self.table
+        if not table:
+            return default_base * (1 + self.row_share * (rows - 1))
+        if rows in table:
+            return table[rows]
+        below = max((n for n in table if n < rows), default=None)
+        above = min((n for n in table if n > rows), default=None)
+        if below is not None and above is not None:
+            w = (rows - below) / (above - below)
+            return table[below] + w * (table[above] - table[below])
+        known = below if below is not None else above
+        assert known is not None
+        base = table[known] / (1 + self.row_share * (known - 1))
+        return table[known] + base * self.row_share * (rows - known)
 
 
 class SpecPolicy:
-    def __init__(self, k_max: int, adaptive: bool = True) -> None:
+    def __init__(self, k_max: int, adaptive: bool = True, draft_forwards: bool = False
+                 ) -> None:
+        """draft_forwards: the proposer runs a model per drafting depth (a draft model)."""
         self.k_max = k_max
         self.adaptive = adaptive
+        self.draft_forwards = draft_forwards
         self._accepted: dict[str, float] = {}  # decayed accepted drafts
         self._rejected: dict[str, float] = {}  # decayed first rejections
         self._idle: dict[str, int] = {}  # steps since the request last drafted
-        self._step_cost: dict[int, float] = {}  # rows -> seconds (EMA)
-        self.draft_cost = 0.0  # seconds per draft token per request (the proposer's)
+        self.cost = StepCosts()  # the target's steps, by rows
+        self.draft_cost = StepCosts()  # the proposer's forwards, by rows
+        self.catch_up_cost = 0.0  # seconds per token the proposer catches up on (EMA)
 
     # -- measurements -------------------------------------------------------------------
 
     def observe_step(self, num_rows: int, seconds: float) -> None:
-        old = self._step_cost.get(num_rows)
-        self._step_cost[num_rows] = seconds if old is None else old + _EMA * (seconds - old)
+        self.cost.observe(num_rows, seconds)
 
-    def observe_draft(self, num_tokens: int, seconds: float) -> None:
-        """The proposer spent `seconds` drafting num_tokens tokens (over all requests)."""
-        if num_tokens:
-            per = seconds / num_tokens
-            self.draft_cost = per if not self.draft_cost else \
-                self.draft_cost + _EMA * (per - self.draft_cost)
+    def observe_draft(self, steps: list[tuple[int, float]]) -> None:
+        """The proposer's forwards of one propose(): (rows, seconds) each."""
+        for rows, seconds in steps:
+            self.draft_cost.observe(rows, seconds)
+
+    def observe_catch_up(self, tokens: int, seconds: float) -> None:
+        per = seconds / max(tokens, 1)
+        self.catch_up_cost = per if not self.catch_up_cost else \
+            self.catch_up_cost + _EMA * (per - self.catch_up_cost)
 
     def observe_verify(self, request_ids: list[str], drafts: list[list[int]],
                        emitted: list[list[int]]) -> None:
@@ -65,55 +115,63 @@ class SpecPolicy:
         r = self._rejected.get(request_id, 0.0)
         return (a + _PRIOR_ALPHA * _PRIOR_WEIGHT) / (a + r + _PRIOR_WEIGHT)
 
-    def cost(self, rows: int) -> float:
-        """Seconds for a step of `rows` rows: the table, interpolated between measured row
-        counts, extended past them by the prior share per row."""
-        table = self._step_cost
-        if not table:
-            return 1.0 + _PRIOR_ROW_SHARE * (rows - 1)
-        if rows in table:
-            return table[rows]
-        below = max((n for n in table if n < rows), default=None)
-        above = min((n for n in table if n > rows), default=None)
-        if below is not None and above is not None:
-            w = (rows - below) / (above - below)
-            return table[below] + w * (table[above] - table[below])
-        known = below if below is not None else above
-        assert known is not None
-        base = table[known] / (1 + _PRIOR_ROW_SHARE * (known - 1))
-        return table[known] + base * _PRIOR_ROW_SHARE * (rows - known)
-
     # -- the decision -------------------------------------------------------------------
 
-    def num_drafts(self, requests: list[Request], max_drafts: list[int]) -> list[int]:
-        """Drafts per request for the next step (each <= its max_drafts and K)."""
+    def num_drafts(self, requests: list[Request], max_drafts: list[int],
+                   catch_up: list[int] | None = None) -> list[int]:
+        """Drafts per request for the next step (each <= its max_drafts and K); catch_up:
+        the tokens the proposer would read first for each (None: none)."""
         caps = [min(self.k_max, m) for m in max_drafts]
         if not self.adaptive:
             return caps
-        ks = [0] * len(requests)
-        alphas = [self.alpha(r.request_id) for r in requests]
         rows = len(requests)
-        c_tok = self.cost(rows) / max(rows, 1)
-        while True:
-            best, best_gain = -1, 0.0
-            for i, a in enumerate(alphas):
-                if ks[i] < caps[i]:
-                    gain = a ** (ks[i] + 1) * c_tok
-                    if gain > best_gain:
-                        best, best_gain = i, gain
-            if best < 0 or best_gain <= self.cost(rows + 1) - self.cost(rows) + self.draft_cost:
-                break
-            ks[best] += 1
-            rows += 1
+        base = self.cost(rows)
+        c_tok = base / max(rows, 1)
+        row_price = self.cost(rows + 1) - base
+        alphas = [self.alpha(r.request_id) for r in requests]
+        # Each request's own best depth: the drafts whose gain beats one more target row.
+        own = []
+        for a, cap in zip(alphas, caps, strict=True):
+            j = 0
+            while j < cap and a ** (j + 1) * c_tok > row_price:
+                j += 1
+            own.append(j)
+        best_d, best_value = 0, 0.0
+        for d in range(1, max(own, default=0) + 1):
+            ks = [min(d, k) for k in own]
+            gain = sum(sum(a ** j for j in range(1, k + 1)) for a, k in zip(alphas, ks,
+                                                                           strict=True))
+            price = self.cost(rows + sum(ks)) - base
+            if self.draft_forwards:
+                prior = _PRIOR_DRAFT_SHARE * self.cost(1)
+                price += sum(self.draft_cost(sum(1 for k in ks if k > j), prior)
+                             for j in range(d))
+                if catch_up:
+                    per_token = self.catch_up_cost or prior / 16
+                    for r, k, n, a in zip(requests, ks, catch_up, alphas, strict=True):
+                        if k and n:
+                            left = max(1, r.max_tokens - r.num_output_tokens)
+                            steps = left / sum(a ** j for j in range(k + 1))
+                            price += n * per_token / max(1.0, steps)
+            value = gain * c_tok - price
+            if value > best_value:
+                best_d, best_value = d, value
+        ks = [min(best_d, k) for k in own]
+        # Probes: a request at 0 for PROBE_EVERY steps drafts one token. A draft model's
+        # probes wait for a step that runs its forward anyway, or go all at once.
+        due = []
         for i, r in enumerate(requests):
             rid = r.request_id
-            if ks[i]:
-                self._idle[rid] = 0
-            else:
-                self._idle[rid] = self._idle.get(rid, 0) + 1
-                if self._idle[rid] >= PROBE_EVERY and caps[i]:
-                    ks[i] = 1
-                    self._idle[rid] = 0
+            self._idle[rid] = 0 if ks[i] else self._idle.get(rid, 0) + 1
+            # (Never a probe that makes a draft model read a whole prompt first.)
+            if not ks[i] and caps[i] and self._idle[rid] >= PROBE_EVERY \
+                    and not (catch_up and catch_up[i]):
+                due.append(i)
+        if due and (not self.draft_forwards or best_d or len(due) == sum(
+                1 for c in caps if c)):
+            for i in due:
+                ks[i] = 1
+                self._idle[requests[i].request_id] = 0
         return ks
 
     def remove(self, request_ids: list[str]) -> None:

@@ -1,0 +1,73 @@
+"""SpecPolicy: drafts per request from acceptance against measured step costs."""
+
+from __future__ import annotations
+
+from kvserve.request import Request
+from kvserve.sampling_params import SamplingParams
+from kvserve.spec.policy import PROBE_EVERY, SpecPolicy, StepCosts
+
+
+def _reqs(n: int) -> list[Request]:
+    return [Request(str(i), [1, 2, 3], SamplingParams(max_tokens=64), max_tokens=64)
+            for i in range(n)]
+
+
+def _accept(policy: SpecPolicy, reqs: list[Request], k: int, accepted: int, times: int = 10
+            ) -> None:
+    for _ in range(times):
+        policy.observe_verify([r.request_id for r in reqs], [[7] * k] * len(reqs),
+                              [[7] * accepted + [8]] * len(reqs))
+
+
+def _cpu_like(policy: SpecPolicy, per_row: float) -> None:
+    """A 50 ms step at one row and per_row seconds more per row."""
+    for rows in range(1, 40):
+        policy.observe_step(rows, 0.050 + per_row * (rows - 1))
+
+
+def test_step_costs_interpolate_and_extend() -> None:
+    c = StepCosts(row_share=0.1)
+    assert c(3, default_base=2.0) == 2.0 * 1.2  # nothing measured: the prior
+    c.observe(1, 1.0)
+    c.observe(5, 3.0)
+    assert c(3) == 2.0  # between measured counts
+    assert c(7) == 3.0 + (3.0 / 1.4) * 0.1 * 2  # past them: the prior share per row
+    c.observe(1, 2.0)
+    assert c(1) == 1.0 + 0.2 * (2.0 - 1.0)  # an EMA
+
+
+def test_a_predictable_request_drafts_deep_when_rows_are_cheap() -> None:
+    policy = SpecPolicy(5)
+    _cpu_like(policy, 0.004)
+    reqs = _reqs(1)
+    _accept(policy, reqs, 5, 5)
+    assert policy.alpha("0") > 0.9
+    assert policy.num_drafts(reqs, [16]) == [5]
+    assert policy.num_drafts(reqs, [2]) == [2]  # never past max_drafts
+
+
+def test_an_unpredictable_request_backs_off_then_probes() -> None:
+    policy = SpecPolicy(5)
+    _cpu_like(policy, 0.012)  # alpha ~0.2 gains 10 ms of a 50 ms token for a 12 ms row
+    reqs = _reqs(1)
+    _accept(policy, reqs, 5, 0)
+    ks = [policy.num_drafts(reqs, [16])[0] for _ in range(PROBE_EVERY)]
+    assert ks == [0] * (PROBE_EVERY - 1) + [1]
+
+
+def test_draft_forwards_priced_per_depth_back_off_under_load() -> None:
+    # A draft forward costs 17 ms whatever its rows; rows cost 6 ms each.
+    policy = SpecPolicy(4, draft_forwards=True)
+    _cpu_like(policy, 0.006)
+    policy.observe_draft([(n, 0.017 + 0.001 * n) for n in range(1, 17)])
+    one = _reqs(1)
+    _accept(policy, one, 4, 3)  # alpha ~0.75
+    assert policy.num_drafts(one, [16]) != [0]  # alone, drafting pays
+    eight = _reqs(8)
+    _accept(policy, eight, 4, 1)  # alpha ~0.5
+    assert policy.num_drafts(eight, [16] * 8) == [0] * 8  # under load it does not
+
+
+def test_not_adaptive_drafts_k() -> None:
+    policy = SpecPolicy(3, adaptive=False)
+    assert policy.num_drafts(_reqs(2), [16, 1]) == [3, 1]

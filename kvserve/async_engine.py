@@ -153,6 +153,7 @@ class _Add:
     stream: RequestStream
     result: concurrent.futures.Future
     grammar: Any = None  # params.structured_outputs compiled
+    tenant: str | None = None
 
 
 @dataclass
@@ -309,8 +310,9 @@ class AsyncEngine:
         return await asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
 
     async def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams,
-                          priority: int = 0) -> RequestStream:
-        """Queues a request and returns its stream once the engine has accepted it.
+                          priority: int = 0, *, tenant: str | None = None) -> RequestStream:
+        """Queues a request and returns its stream once the engine has accepted it. tenant:
+        whose request it is (LLMEngine.add_request; the server's hash of its API key).
 
         Raises ValueError (bad input), QueueFullError, EngineDeadError or EngineShuttingDown;
         nothing is queued then. The cheap checks come first, so a request refused for a full
@@ -330,13 +332,15 @@ class AsyncEngine:
                 grammar = await self._compile_grammar(params)
             self._check_accepting()
             submitted = True  # _submit queues the command before it first awaits
-            return await self._submit(request_id, prompt, params, priority, arrival, grammar)
+            return await self._submit(request_id, prompt, params, priority, arrival, grammar,
+                                      tenant)
         finally:
             if not submitted:
                 self._adds_abandoned += 1
 
     async def _submit(self, request_id: str, prompt: PromptType, params: SamplingParams,
-                      priority: int, arrival: float, grammar: Any) -> RequestStream:
+                      priority: int, arrival: float, grammar: Any,
+                      tenant: str | None = None) -> RequestStream:
         stream = RequestStream(request_id)
         result: concurrent.futures.Future = concurrent.futures.Future()
         # In flight before the engine can see it: its first output may reach the loop before
@@ -344,7 +348,7 @@ class AsyncEngine:
         self._in_flight.add(request_id)
         self._idle.clear()
         self._commands.put(_Add(request_id, prompt, params, priority, arrival, stream, result,
-                                grammar))
+                                grammar, tenant))
         fut = asyncio.wrap_future(result)
         try:
             while True:
@@ -368,10 +372,11 @@ class AsyncEngine:
         return stream
 
     async def generate(self, prompt: PromptType, params: SamplingParams, request_id: str,
-                       priority: int = 0) -> AsyncIterator[RequestOutput]:
+                       priority: int = 0, *, tenant: str | None = None
+                       ) -> AsyncIterator[RequestOutput]:
         """Cumulative outputs until finished. Leaving the loop early (break, cancellation,
         client disconnect) aborts the request and frees its KV blocks."""
-        stream = await self.add_request(request_id, prompt, params, priority)
+        stream = await self.add_request(request_id, prompt, params, priority, tenant=tenant)
         try:
             async for out in stream:
                 yield out
@@ -533,7 +538,7 @@ class AsyncEngine:
         try:
             self.engine.add_request(cmd.request_id, cmd.prompt, cmd.params,
                                     priority=cmd.priority, arrival_time=cmd.arrival,
-                                    grammar=cmd.grammar)
+                                    grammar=cmd.grammar, tenant=cmd.tenant)
         except Exception as e:  # ValueError, QueueFullError: the caller's problem
             cmd.result.set_exception(e)
             return

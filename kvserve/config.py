@@ -165,7 +165,7 @@ class QuantConfig:
                  f"group_size must be a positive integer or None, got {self.group_size!r}")
 
 
-SPEC_METHODS = ("ngram", "draft_model", "self_draft")
+SPEC_METHODS = ("ngram", "draft_model", "self_draft", "suffix")
 
 
 @dataclass(frozen=True)
@@ -185,7 +185,13 @@ class SpeculativeConfig:
     for a request at a token it gives less than this probability (llama.cpp's --draft-p-min;
     the decision is the draft's alone, so verification stays exact). self_draft: the target's own
     first num_layers decoder layers (None: half of them), then its final norm and lm_head,
-    sharing its weights (an early exit)."""
+    sharing its weights (an early exit). suffix (vLLM's names): the longest match, up to
+    suffix_decoding_max_tree_depth tokens, of the request's latest tokens in its own tokens
+    and in the finished outputs of the same tenant (API key), at most
+    suffix_decoding_max_cached_tokens of them (0: the request's own tokens only), proposes
+    the continuation seen most often after it; at most suffix_decoding_max_spec_factor x the
+    match length drafts, stopping where the continuation's estimated probability falls below
+    suffix_decoding_min_token_prob (spec/suffix.py)."""
 
     method: str
     num_speculative_tokens: int
@@ -196,6 +202,10 @@ class SpeculativeConfig:
     num_layers: int | None = None
     draft_vocab_size: int | None = None
     draft_p_min: float = 0.0
+    suffix_decoding_max_tree_depth: int = 24
+    suffix_decoding_max_cached_tokens: int = 1 << 20
+    suffix_decoding_max_spec_factor: float = 1.0
+    suffix_decoding_min_token_prob: float = 0.1
     adaptive: bool = True
 
     def __post_init__(self) -> None:
@@ -220,6 +230,22 @@ class SpeculativeConfig:
                  f"got {self.draft_vocab_size!r}")
         _require(0.0 <= self.draft_p_min < 1.0,
                  f"speculative_config.draft_p_min must be in [0, 1), got {self.draft_p_min!r}")
+        _require(isinstance(self.suffix_decoding_max_tree_depth, int)
+                 and 2 <= self.suffix_decoding_max_tree_depth <= 256,
+                 f"speculative_config.suffix_decoding_max_tree_depth must be an integer in "
+                 f"[2, 256], got {self.suffix_decoding_max_tree_depth!r}")
+        _require(isinstance(self.suffix_decoding_max_cached_tokens, int)
+                 and self.suffix_decoding_max_cached_tokens >= 0,
+                 f"speculative_config.suffix_decoding_max_cached_tokens must be an integer "
+                 f">= 0, got {self.suffix_decoding_max_cached_tokens!r}")
+        _require(isinstance(self.suffix_decoding_max_spec_factor, (int, float))
+                 and self.suffix_decoding_max_spec_factor > 0,
+                 f"speculative_config.suffix_decoding_max_spec_factor must be > 0, "
+                 f"got {self.suffix_decoding_max_spec_factor!r}")
+        _require(isinstance(self.suffix_decoding_min_token_prob, (int, float))
+                 and 0.0 <= self.suffix_decoding_min_token_prob <= 1.0,
+                 f"speculative_config.suffix_decoding_min_token_prob must be in [0, 1], "
+                 f"got {self.suffix_decoding_min_token_prob!r}")
         needs_model = self.method == "draft_model"
         _require(needs_model == (self.model is not None),
                  f"speculative_config.model is {'required' if needs_model else 'not used'} "

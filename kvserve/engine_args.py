@@ -58,8 +58,9 @@ class EngineArgs:
     # The compiled-grammar cache's bound: bytes or "256MiB" (every distinct response_format
     # schema would otherwise stay compiled in memory for good).
     grammar_cache_memory: int | str = "256MiB"
-    # vLLM's speculative_config: {"method": "ngram" | "draft_model", "num_speculative_tokens":
-    # K, ...} (kvserve.config.SpeculativeConfig), or its JSON text; None: no speculation.
+    # vLLM's speculative_config: {"method": "ngram" | "suffix" | "draft_model" | "self_draft",
+    # "num_speculative_tokens": K, ...} (kvserve.config.SpeculativeConfig), or its JSON text;
+    # None: no speculation.
     speculative_config: dict | str | None = None
 
     def create_engine_config(self, model_path: str, mc: ModelConfig) -> EngineConfig:
@@ -163,9 +164,11 @@ class EngineArgs:
         p.add_argument("--speculative-config", default=None,
                        help='speculative decoding as JSON, vLLM\'s shape: {"method": "ngram", '
                        '"num_speculative_tokens": 5} (prompt lookup; prompt_lookup_min / '
-                       'prompt_lookup_max) or {"method": "draft_model", "model": PATH, '
-                       '"num_speculative_tokens": 4}; "adaptive": false always drafts K '
-                       '(default: K per step from measured acceptance and cost)')
+                       'prompt_lookup_max), {"method": "suffix", "num_speculative_tokens": '
+                       '8} (suffix_decoding_max_tree_depth / _max_cached_tokens / '
+                       '_max_spec_factor / _min_token_prob) or {"method": "draft_model", '
+                       '"model": PATH, "num_speculative_tokens": 4}; "adaptive": false always '
+                       'drafts K (default: K per step from measured acceptance and cost)')
         p.add_argument("--ops-backend", default=d.ops_backend,
                        help="auto (cpu kernels on CPU, torch elsewhere), cpu, torch or "
                        "reference (the pure-torch oracle)")

@@ -36,8 +36,12 @@ class Request:
     def __init__(self, request_id: str, prompt_token_ids: list[int],
                  sampling_params: SamplingParams, *, max_tokens: int, priority: int = 0,
                  arrival_time: float | None = None, eos_token_ids: tuple[int, ...] = (),
-                 prompt: str | None = None, group_id: str | None = None) -> None:
+                 prompt: str | None = None, group_id: str | None = None,
+                 tenant: str | None = None) -> None:
         self.request_id = request_id
+        # Whose request this is (the server's hash of its API key; None offline): state that
+        # outlives a request, the suffix proposer's cache of past outputs, is kept per tenant.
+        self.tenant = tenant
         # The user's request this one belongs to (the n children of one share it).
         self.group_id = request_id if group_id is None else group_id
         self.prompt = prompt

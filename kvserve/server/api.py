@@ -1,6 +1,6 @@
 """The FastAPI app: routes, the auth / request-id gate, bounded JSON bodies, errors.
 
-    ASGI  -> _Gate (X-Request-Id, Host, API key: 401)  -> FastAPI routes
+    ASGI  -> _Gate (X-Request-Id, Host, API key: 401; the key's tenant) -> FastAPI routes
           -> read_json (415 not JSON, 413, bad JSON, NaN, depth, lone surrogates, non-object)
           -> pydantic (-> 400) -> serving.py (engine) -> JSON, or SSE (_SSEResponse)
 
@@ -12,6 +12,8 @@ stalled (the watchdog); 200 while serving. docs/security.md says what the gate g
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+import hashlib
 import hmac
 import ipaddress
 import json
@@ -19,7 +21,7 @@ import logging
 import re
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
@@ -59,7 +61,8 @@ _M = TypeVar("_M", bound=BaseModel)
 @dataclass
 class ServerConfig:
     model_name: str
-    api_key: str | None = None
+    # One key or several (clients may send any); each key is a tenant (tenant_of).
+    api_key: str | Sequence[str] | None = None
     max_body_bytes: int = 4 << 20
     shutdown_timeout: float = 30.0
     # Host header values accepted (names or IP literals, no port); None: any. A server bound
@@ -102,11 +105,18 @@ class ServerState:
 
 # ---- the gate: request ids and the API key (pure ASGI, so streaming is untouched) -----------
 
+def tenant_of(api_key: str) -> str:
+    """The tenant an API key stands for (Request.tenant): a stable hash, never the key, since
+    it reaches the engine's per-tenant state (the suffix proposer's cache of past outputs)."""
+    return "key-" + hashlib.sha256(api_key.encode()).hexdigest()[:16]
+
+
 class _Gate:
-    def __init__(self, app: ASGIApp, api_key: str | None,
+    def __init__(self, app: ASGIApp, api_key: str | Sequence[str] | None,
                  allowed_hosts: tuple[str, ...] | None = None) -> None:
         self.app = app
-        self.api_key = api_key.encode() if api_key else None
+        keys = [api_key] if isinstance(api_key, str) else list(api_key or ())
+        self.api_keys = [(k.encode(), tenant_of(k)) for k in keys if k]
         self.allowed_hosts = allowed_hosts
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -131,21 +141,28 @@ class _Gate:
                                 f"answers to (see --allowed-host)", code="invalid_host")
             await error_response(err).__call__(scope, receive, send_with_id)
             return
-        if self.api_key is not None and scope.get("path") != "/health" \
-                and not self._authorized(headers):
-            err = APIError(401, "missing or invalid API key: send 'Authorization: Bearer "
-                                "<key>'", code="invalid_api_key")
-            await error_response(err).__call__(scope, receive, send_with_id)
-            return
+        if self.api_keys and scope.get("path") != "/health":
+            tenant = self._tenant(headers)
+            if tenant is None:
+                err = APIError(401, "missing or invalid API key: send 'Authorization: Bearer "
+                                    "<key>'", code="invalid_api_key")
+                await error_response(err).__call__(scope, receive, send_with_id)
+                return
+            scope["state"]["tenant"] = tenant
         await self.app(scope, receive, send_with_id)
 
-    def _authorized(self, headers: Headers) -> bool:
+    def _tenant(self, headers: Headers) -> str | None:
+        """The tenant of the key the request sends; None when it sends none of the keys."""
         auth = headers.get("authorization", "")
         scheme, _, token = auth.partition(" ")
-        assert self.api_key is not None
-        # Constant time in the key: a timing side channel must not reveal a matching prefix.
-        return scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode(),
-                                                                  self.api_key)
+        sent = token.strip().encode()
+        found = None
+        # Constant time in the key, and every key compared: a timing side channel must not
+        # reveal a matching prefix.
+        for key, tenant in self.api_keys:
+            if hmac.compare_digest(sent, key) and found is None:
+                found = tenant
+        return found if scheme.lower() == "bearer" else None
 
 
 def host_allowed(host: str, allowed: tuple[str, ...] | None) -> bool:
@@ -419,7 +436,7 @@ def build_app(config: ServerConfig,
 
     async def _generate(request: Request, fn: Callable[..., Any], model: type[BaseModel]
                         ) -> Response:
-        c = ctx()
+        c = dataclasses.replace(ctx(), tenant=request.scope.get("state", {}).get("tenant"))
         body = await parse_body(request, model, config.max_body_bytes)
         result = await _unless_disconnected(request, fn(c, body, rid(request)))
         if result is None:

@@ -36,9 +36,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--model", default=None, help="same as MODEL")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
-    p.add_argument("--api-key", default=None,
+    p.add_argument("--api-key", action="append", default=None, metavar="KEY",
                    help="require 'Authorization: Bearer KEY' on every endpoint but /health "
-                        "(default: $KVSERVE_API_KEY or $VLLM_API_KEY)")
+                        "(repeatable: any of the keys, each key a tenant; default: "
+                        "$KVSERVE_API_KEY or $VLLM_API_KEY)")
     p.add_argument("--served-model-name", default=None,
                    help="the model name clients send and responses carry (default: MODEL)")
     p.add_argument("--max-waiting-requests", type=int, default=DEFAULT_MAX_WAITING,

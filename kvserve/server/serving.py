@@ -36,6 +36,7 @@ class ServingContext:
     engine: AsyncEngine
     model_name: str
     max_model_len: int
+    tenant: str | None = None  # the API key's (api.tenant_of); None without keys
 
 
 @dataclass
@@ -146,7 +147,7 @@ async def add_all(ctx: ServingContext, prompts: list[Any], params: SamplingParam
     try:
         for i, prompt in enumerate(prompts):
             streams.append(await ctx.engine.add_request(f"{base_id}-{i}", prompt, params,
-                                                        priority))
+                                                        priority, tenant=ctx.tenant))
     except BaseException as e:
         for s in streams:
             ctx.engine.release(s)

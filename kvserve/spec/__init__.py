@@ -4,6 +4,8 @@ step, and rejection sampling (sample/rejection.py) keeps exactly the target's di
     registry.py     build_proposer: speculative_config.method -> its proposer
     base.py         the Proposer protocol and SpecStats (vLLM's spec_decode counters)
     ngram.py        prompt lookup over the request's own tokens
+    suffix.py       suffix decoding: the longest match in the request's own tokens and in
+                    its tenant's past outputs, the most frequent continuation
     draft_model.py  a smaller model with the target's vocabulary, its own paged KV cache
                     addressed by the target's block ids
     policy.py       how many drafts (0..K) each request verifies per step: acceptance per

@@ -8,6 +8,7 @@ from kvserve.config import EngineConfig
 from kvserve.spec.base import Proposer
 from kvserve.spec.draft_model import DraftModelProposer
 from kvserve.spec.ngram import NgramProposer
+from kvserve.spec.suffix import SuffixProposer
 
 
 def build_proposer(config: EngineConfig, target_tokenizer: Any = None,
@@ -21,6 +22,11 @@ def build_proposer(config: EngineConfig, target_tokenizer: Any = None,
         return None
     if spec.method == "ngram":
         return NgramProposer(spec.prompt_lookup_min, spec.prompt_lookup_max)
+    if spec.method == "suffix":
+        return SuffixProposer(spec.suffix_decoding_max_tree_depth,
+                              spec.suffix_decoding_max_cached_tokens,
+                              spec.suffix_decoding_max_spec_factor,
+                              spec.suffix_decoding_min_token_prob)
     if spec.method == "self_draft":
         return DraftModelProposer.early_exit(config, target_model)
     return DraftModelProposer.load(config, target_tokenizer)

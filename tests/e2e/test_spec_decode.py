@@ -18,6 +18,7 @@ from tests.conftest import run_all
 # adaptive False: draft K whenever the proposer has drafts, so every test exercises them.
 SPECS = {
     "ngram": {"method": "ngram", "num_speculative_tokens": 4, "adaptive": False},
+    "suffix": {"method": "suffix", "num_speculative_tokens": 4, "adaptive": False},
     "self_draft": {"method": "self_draft", "num_speculative_tokens": 3, "num_layers": 24,
                    "adaptive": False},
     "draft_model": {"method": "draft_model", "model": None, "num_speculative_tokens": 3,
@@ -89,6 +90,34 @@ def test_greedy_identity_alone(make_engine: Any, smollm2: Any, gpl_text: str) ->
     assert out.token_ids == plain.token_ids and out.text == plain.text
     # A copy task: a verify step adds well over one token on average.
     assert engine.runner.spec_stats.mean_accepted_length > 1.5
+
+
+def test_suffix_serves_a_repeated_request_from_its_tenants_past_outputs_only(
+        make_engine: Any, smollm2: Any) -> None:
+    """The same open prompt three times, each after the last finished: again for its tenant,
+    its drafts come from the first answer and nearly all are accepted; for another tenant,
+    the drafts are exactly those of the first run (its own tokens only)."""
+    tok = smollm2[1].tokenizer
+    prompt = _chat(tok, "Write a short story about a lighthouse keeper and a storm.")
+    sp = SamplingParams(temperature=0, max_tokens=48, ignore_eos=True)
+    engine = make_engine(speculative_config={"method": "suffix", "num_speculative_tokens": 8,
+                                             "adaptive": False})
+    st = engine.runner.spec_stats
+
+    def run(rid: str, tenant: str) -> tuple[list[int], int, int, int]:
+        before = (st.num_drafts, st.num_draft_tokens, st.num_accepted_tokens)
+        engine.add_request(rid, {"prompt_token_ids": prompt}, sp, tenant=tenant)
+        out = run_all(engine)[rid].outputs[0].token_ids
+        return out, st.num_drafts - before[0], st.num_draft_tokens - before[1], \
+            st.num_accepted_tokens - before[2]
+
+    first, *first_counts = run("a1", "key-a")
+    again, _, drafted, accepted = run("a2", "key-a")
+    other, *other_counts = run("b1", "key-b")
+    assert first == again == other
+    assert drafted >= len(first) - 8 and accepted >= 0.9 * drafted, (drafted, accepted)
+    assert first_counts[2] < 0.5 * accepted  # the first answer had no such help
+    assert other_counts == first_counts  # key-b drew nothing from key-a's answers
 
 
 def test_stop_strings_max_tokens_and_logprobs_inside_accepted_runs(

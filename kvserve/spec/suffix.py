@@ -160,6 +160,7 @@ class SuffixProposer:
     num_lookahead_tokens = 0
     kv_bytes_per_block = 0
     last_timing = None
+    last_catch_up = None
 
     def __init__(self, max_depth: int = 24, max_cached_tokens: int = 1 << 20,
                  max_spec_factor: float = 1.0, min_token_prob: float = 0.1) -> None:
@@ -168,6 +169,9 @@ class SuffixProposer:
         self.min_token_prob = min_token_prob
         self.cache = _Cache(max_cached_tokens)
         self._requests: dict[str, _Tracked] = {}
+
+    def catch_up_tokens(self, requests: list[Request]) -> list[int]:
+        return [0] * len(requests)
 
     def allocate_kv(self, num_blocks: int) -> None:
         pass

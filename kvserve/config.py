@@ -165,7 +165,7 @@ class QuantConfig:
                  f"group_size must be a positive integer or None, got {self.group_size!r}")
 
 
-SPEC_METHODS = ("ngram", "draft_model", "self_draft")
+SPEC_METHODS = ("ngram", "draft_model", "self_draft", "medusa")
 
 
 @dataclass(frozen=True)
@@ -185,7 +185,10 @@ class SpeculativeConfig:
     for a request at a token it gives less than this probability (llama.cpp's --draft-p-min;
     the decision is the draft's alone, so verification stays exact). self_draft: the target's own
     first num_layers decoder layers (None: half of them), then its final norm and lm_head,
-    sharing its weights (an early exit)."""
+    sharing its weights (an early exit). medusa: model, a directory of Medusa heads for the
+    target (config.json and medusa_lm_head.safetensors, as `kvserve train-medusa` writes
+    them), at least num_speculative_tokens of them; their hidden size and vocabulary must be
+    the target's."""
 
     method: str
     num_speculative_tokens: int
@@ -220,7 +223,7 @@ class SpeculativeConfig:
                  f"got {self.draft_vocab_size!r}")
         _require(0.0 <= self.draft_p_min < 1.0,
                  f"speculative_config.draft_p_min must be in [0, 1), got {self.draft_p_min!r}")
-        needs_model = self.method == "draft_model"
+        needs_model = self.method in ("draft_model", "medusa")
         _require(needs_model == (self.model is not None),
                  f"speculative_config.model is {'required' if needs_model else 'not used'} "
                  f"with method {self.method!r}")

@@ -164,7 +164,9 @@ class EngineArgs:
                        help='speculative decoding as JSON, vLLM\'s shape: {"method": "ngram", '
                        '"num_speculative_tokens": 5} (prompt lookup; prompt_lookup_min / '
                        'prompt_lookup_max) or {"method": "draft_model", "model": PATH, '
-                       '"num_speculative_tokens": 4}; "adaptive": false always drafts K '
+                       '"num_speculative_tokens": 4} or {"method": "medusa", "model": '
+                       'HEADS_DIR, "num_speculative_tokens": 3} (kvserve train-medusa); '
+                       '"adaptive": false always drafts K '
                        '(default: K per step from measured acceptance and cost)')
         p.add_argument("--ops-backend", default=d.ops_backend,
                        help="auto (cpu kernels on CPU, torch elsewhere), cpu, torch or "

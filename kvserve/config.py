@@ -165,7 +165,7 @@ class QuantConfig:
                  f"group_size must be a positive integer or None, got {self.group_size!r}")
 
 
-SPEC_METHODS = ("ngram", "draft_model", "self_draft", "suffix")
+SPEC_METHODS = ("ngram", "draft_model", "self_draft", "suffix", "medusa")
 
 
 @dataclass(frozen=True)
@@ -191,7 +191,11 @@ class SpeculativeConfig:
     suffix_decoding_max_cached_tokens of them (0: the request's own tokens only), proposes
     the continuation seen most often after it; at most suffix_decoding_max_spec_factor x the
     match length drafts, stopping where the continuation's estimated probability falls below
-    suffix_decoding_min_token_prob (spec/suffix.py)."""
+    suffix_decoding_min_token_prob (spec/suffix.py).
+    medusa: model, a directory of Medusa heads for the
+    target (config.json and medusa_lm_head.safetensors, as `kvserve train-medusa` writes
+    them), at least num_speculative_tokens of them; their hidden size and vocabulary must be
+    the target's."""
 
     method: str
     num_speculative_tokens: int
@@ -246,7 +250,7 @@ class SpeculativeConfig:
                  and 0.0 <= self.suffix_decoding_min_token_prob <= 1.0,
                  f"speculative_config.suffix_decoding_min_token_prob must be in [0, 1], "
                  f"got {self.suffix_decoding_min_token_prob!r}")
-        needs_model = self.method == "draft_model"
+        needs_model = self.method in ("draft_model", "medusa")
         _require(needs_model == (self.model is not None),
                  f"speculative_config.model is {'required' if needs_model else 'not used'} "
                  f"with method {self.method!r}")

@@ -166,9 +166,11 @@ class EngineArgs:
                        '"num_speculative_tokens": 5} (prompt lookup; prompt_lookup_min / '
                        'prompt_lookup_max), {"method": "suffix", "num_speculative_tokens": '
                        '8} (suffix_decoding_max_tree_depth / _max_cached_tokens / '
-                       '_max_spec_factor / _min_token_prob) or {"method": "draft_model", '
-                       '"model": PATH, "num_speculative_tokens": 4}; "adaptive": false always '
-                       'drafts K (default: K per step from measured acceptance and cost)')
+                       '_max_spec_factor / _min_token_prob), {"method": "draft_model", '
+                       '"model": PATH, "num_speculative_tokens": 4} or {"method": "medusa", '
+                       '"model": HEADS_DIR, "num_speculative_tokens": 3} (kvserve '
+                       'train-medusa); "adaptive": false always drafts K (default: K per step '
+                       'from measured acceptance and cost)')
         p.add_argument("--ops-backend", default=d.ops_backend,
                        help="auto (cpu kernels on CPU, torch elsewhere), cpu, torch or "
                        "reference (the pure-torch oracle)")

@@ -80,6 +80,10 @@ class ModelRunner:
         self.structured_output: StructuredOutputManager | None = None
         # Speculative decoding (kvserve/spec/): None without it.
         self.proposer = proposer
+        # A proposer that reads the target's hidden states (medusa) says so: after each
+        # step's sampling the runner hands it, per sampled request, the final-norm hidden
+        # state of the row whose logits produced its last emitted token (observe_hidden).
+        self._proposer_reads_hidden = bool(getattr(proposer, "needs_hidden_states", False))
         self.spec_stats = SpecStats()
         spec = config.speculative
         self.spec_policy = None if spec is None else SpecPolicy(
@@ -200,6 +204,14 @@ class ModelRunner:
                 out.sampled_token_ids = [[t] for t in sampled.token_ids]
                 out.logprobs = [None if lp is None else [lp]
                                 for lp in sampled.logprobs or [None] * row]
+            if self._proposer_reads_hidden:
+                # The row that produced each request's last token: row_offsets[b] + (tokens
+                # it emitted - 1) of the sampling rows (without drafts: its one row).
+                rows = [meta.row_offsets[b] + len(t) - 1
+                        for b, t in enumerate(out.sampled_token_ids)]
+                assert self.proposer is not None
+                self.proposer.observe_hidden(  # type: ignore[attr-defined]
+                    requests, hidden[inp.logits_indices[rows]], out.sampled_token_ids)
             if meta.token_bitmask is not None:
                 assert so_mgr is not None
                 # Every sampled token is appended (aborts land only between steps), so the

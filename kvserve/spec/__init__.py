@@ -8,6 +8,8 @@ step, and rejection sampling (sample/rejection.py) keeps exactly the target's di
                     its tenant's past outputs, the most frequent continuation
     draft_model.py  a smaller model with the target's vocabulary, its own paged KV cache
                     addressed by the target's block ids
+    medusa.py       Medusa heads on the target's last hidden state (Medusa's checkpoint
+                    format); medusa_train.py: kvserve train-medusa, by self-distillation
     policy.py       how many drafts (0..K) each request verifies per step: acceptance per
                     request against the measured cost of a row and of a draft token
 

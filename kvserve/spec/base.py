@@ -19,6 +19,12 @@ class Proposer(Protocol):
     n-gram with no match). A proposer that samples (a draft model at temperature > 0) keeps the
     distributions q it drew from until draft_probs() asks for them; a deterministic one
     returns None there, which verification reads as one-hot.
+
+    A proposer that reads the target's hidden states (medusa) sets needs_hidden_states =
+    True and has observe_hidden(requests, hidden, emitted): after each sampling step, before
+    the scheduler appends emitted[b] to requests[b], hidden[b] is the target's hidden state
+    (after its final norm) at the row whose logits produced emitted[b][-1]. Without it the
+    runner hands over nothing.
     """
 
     # KV slots past a sampling step the scheduler reserves for the proposer's own drafts.

@@ -10,6 +10,7 @@ import json
 from typing import Any
 
 import pytest
+import torch
 
 from kvserve.loader import resolve_model
 from kvserve.sampling_params import SamplingParams, StructuredOutputsParams
@@ -23,12 +24,29 @@ SPECS = {
                    "adaptive": False},
     "draft_model": {"method": "draft_model", "model": None, "num_speculative_tokens": 3,
                     "quantization": "gguf_exact", "adaptive": False},
+    "medusa": {"method": "medusa", "model": None, "num_speculative_tokens": 3,
+               "adaptive": False},
 }
 
 
-def _spec(name: str) -> dict[str, Any]:
+@pytest.fixture(scope="module")
+def medusa_heads(make_engine: Any, gpl_text: str, tmp_path_factory: pytest.TempPathFactory
+                 ) -> str:
+    """Three Medusa heads for the default model, trained briefly on its own labels."""
+    from kvserve.spec.medusa_train import TrainArgs, train_medusa
+
+    out = str(tmp_path_factory.mktemp("medusa"))
+    a = TrainArgs(num_heads=3, steps=40, max_tokens=2048, gen_prompts=8, gen_tokens=48)
+    train_medusa(make_engine(), gpl_text, out, a, progress=False)
+    return out
+
+
+def _spec(name: str, request: pytest.FixtureRequest | None = None) -> dict[str, Any]:
     spec = dict(SPECS[name])
-    if "model" in spec:
+    if name == "medusa":
+        assert request is not None
+        spec["model"] = request.getfixturevalue("medusa_heads")
+    elif "model" in spec:
         spec["model"] = resolve_model(None)  # the default model's blocks, run in float32
     return spec
 
@@ -60,7 +78,8 @@ def _outputs(engine: Any, prompts: list[list[int]], params: list[SamplingParams]
 
 @pytest.mark.parametrize("method", list(SPECS))
 def test_greedy_identity_in_mixed_batches_with_chunking_preemption_and_prefix_cache(
-        make_engine: Any, smollm2: Any, gpl_text: str, method: str) -> None:
+        make_engine: Any, smollm2: Any, gpl_text: str, method: str,
+        request: pytest.FixtureRequest) -> None:
     tok = smollm2[1].tokenizer
     prompts = _prompts(tok, gpl_text, 18)
     params = [SamplingParams(temperature=0, max_tokens=20 + (i * 7) % 17, ignore_eos=True)
@@ -68,7 +87,7 @@ def test_greedy_identity_in_mixed_batches_with_chunking_preemption_and_prefix_ca
     # A 64-token budget chunks the prompts; 40 blocks of 16 cannot hold all 18 requests.
     kw = dict(max_num_batched_tokens=64, num_gpu_blocks_override=40, max_num_seqs=18)
     plain = _outputs(make_engine(**kw), prompts, params)
-    engine = make_engine(speculative_config=_spec(method), **kw)
+    engine = make_engine(speculative_config=_spec(method, request), **kw)
     spec = _outputs(engine, prompts, params)
     assert engine.scheduler.num_preemptions > 0
     assert engine.scheduler.prefix_cache_hits > 0
@@ -202,3 +221,23 @@ def test_a_draft_with_another_vocabulary_is_refused(make_engine: Any, tmp_path: 
                                          r"49152"):
         make_engine(speculative_config={"method": "draft_model", "model": str(tmp_path),
                                         "num_speculative_tokens": 2})
+
+
+def test_medusa_heads_for_another_model_are_refused(make_engine: Any, tmp_path: Any,
+                                                    medusa_heads: str) -> None:
+    from kvserve.spec.medusa import MedusaHeads
+
+    for name, hidden, vocab in (("hidden", 64, 49152), ("vocab", 576, 1000)):
+        MedusaHeads(2, 1, hidden, vocab).save(str(tmp_path / name), torch.zeros(vocab, hidden))
+        with pytest.raises(ValueError, match=rf"Medusa heads of hidden size {hidden} and "
+                                             rf"vocabulary {vocab}, the target .* has hidden "
+                                             rf"size 576 and vocabulary 49152"):
+            make_engine(speculative_config={"method": "medusa", "model": str(tmp_path / name),
+                                            "num_speculative_tokens": 2})
+    with pytest.raises(ValueError, match="num_speculative_tokens is 4, but .* has only 3 "
+                                         "Medusa heads"):
+        make_engine(speculative_config={"method": "medusa", "model": medusa_heads,
+                                        "num_speculative_tokens": 4})
+    with pytest.raises(ValueError, match="speculative_config.model is required with method "
+                                         "'medusa'"):
+        make_engine(speculative_config={"method": "medusa", "num_speculative_tokens": 2})

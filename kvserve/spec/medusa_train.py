@@ -32,21 +32,23 @@ from typing import Any
 
 log = logging.getLogger(__name__)
 
+GEN_WAVE = 32  # generation requests in flight at once
+
 
 @dataclass
 class TrainArgs:
     num_heads: int = 4
     num_layers: int = 1
     steps: int | None = None  # None: epochs over the training positions
-    epochs: float = 1.0
-    lr: float = 1e-3
+    epochs: float = 2.0
+    lr: float = 3e-3
     batch_size: int = 128  # positions per step
     max_tokens: int = 8192  # of the text
     seq_len: int = 256
     holdout: float = 0.1
-    gen_prompts: int = 32
+    gen_prompts: int = 64
     gen_prompt_len: int = 32
-    gen_tokens: int = 64
+    gen_tokens: int = 96
     seed: int = 0
     save_dtype: str = "float16"
 
@@ -298,15 +300,19 @@ def _generate(engine: Any, ids: list[int], n: int, a: TrainArgs, rng: random.Ran
         return []
     params = SamplingParams(temperature=0, max_tokens=a.gen_tokens)
     prompts = []
-    for i in range(n):
+    for _ in range(n):
         s = rng.randrange(0, max(1, len(ids) - plen))
         prompts.append(ids[s: s + plen])
-        engine.add_request(f"medusa-gen-{i}", {"prompt_token_ids": prompts[-1]}, params)
     done: dict[str, Any] = {}
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            if out.finished:
-                done[out.request_id] = out
+    # In waves that the KV cache holds whole (no preemption's recompute).
+    wave = max(1, min(GEN_WAVE, engine.config.scheduler.max_num_seqs))
+    for w in range(0, n, wave):
+        for i in range(w, min(n, w + wave)):
+            engine.add_request(f"medusa-gen-{i}", {"prompt_token_ids": prompts[i]}, params)
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                if out.finished:
+                    done[out.request_id] = out
     out = []
     for i, p in enumerate(prompts):
         gen = list(done[f"medusa-gen-{i}"].outputs[0].token_ids)

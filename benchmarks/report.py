@@ -648,8 +648,12 @@ class Report:
         per = s.get("prompts_per_concurrency") or {}
         ll = s.get("llama_server") or {}
         methods = s.get("kvserve_method_configs") or {}
+        m = s.get("machine") or {}
+        where = (f" on {m.get('cpu_model', '?')} ({m.get('cpus', '?')} cores; "
+                 f"{', '.join(m.get('isa') or [])})" if m else "")
         lines += [
-            (f"Run {s.get('date', '?')}, {s.get('threads')} threads per server. Two tasks, the "
+            (f"Run {s.get('date', '?')}{where}, {s.get('threads')} threads per server. Two "
+             f"tasks, the "
              f"same prompts for every engine (`benchmarks/spec_rows.py`): *grounded*, "
              f"{_get(s, 'tasks', 'grounded')}: repository code to rename or strip of type "
              f"hints, and paragraphs of `{s.get('text')}` with one typo to fix; *open*, "

@@ -83,7 +83,7 @@ class ModelRunner:
         # A proposer that reads the target's hidden states (medusa) says so: after each
         # step's sampling the runner hands it, per sampled request, the final-norm hidden
         # state of the row whose logits produced its last emitted token (observe_hidden).
-        self._proposer_reads_hidden = bool(getattr(proposer, "needs_hidden_states", False))
+        self._proposer_reads_hidden = proposer is not None and proposer.needs_hidden_states
         self.spec_stats = SpecStats()
         spec = config.speculative
         self.spec_policy = None if spec is None else SpecPolicy(
@@ -210,7 +210,7 @@ class ModelRunner:
                 rows = [meta.row_offsets[b] + len(t) - 1
                         for b, t in enumerate(out.sampled_token_ids)]
                 assert self.proposer is not None
-                self.proposer.observe_hidden(  # type: ignore[attr-defined]
+                self.proposer.observe_hidden(
                     requests, hidden[inp.logits_indices[rows]], out.sampled_token_ids)
             if meta.token_bitmask is not None:
                 assert so_mgr is not None

@@ -21,11 +21,13 @@ class Proposer(Protocol):
     returns None there, which verification reads as one-hot.
 
     A proposer that reads the target's hidden states (medusa) sets needs_hidden_states =
-    True and has observe_hidden(requests, hidden, emitted): after each sampling step, before
-    the scheduler appends emitted[b] to requests[b], hidden[b] is the target's hidden state
-    (after its final norm) at the row whose logits produced emitted[b][-1]. Without it the
-    runner hands over nothing.
+    True; then after each sampling step, before the scheduler appends emitted[b] to
+    requests[b], observe_hidden gets hidden[b], the target's hidden state (after its final
+    norm) at the row whose logits produced emitted[b][-1]. Otherwise the runner hands over
+    nothing.
     """
+
+    needs_hidden_states: bool
 
     # KV slots past a sampling step the scheduler reserves for the proposer's own drafts.
     num_lookahead_tokens: int
@@ -43,6 +45,10 @@ class Proposer(Protocol):
 
     def propose(self, requests: list[Request], num_drafts: list[int],
                 block_tables: list[list[int]]) -> list[list[int]]: ...
+
+    def observe_hidden(self, requests: list[Request], hidden: torch.Tensor,
+                       emitted: list[list[int]]) -> None:
+        """See the class docstring (only called when needs_hidden_states)."""
 
     def catch_up_tokens(self, requests: list[Request]) -> list[int]:
         """Per request, the tokens propose() would read before drafting (0 for a lookup)."""

@@ -117,6 +117,7 @@ class DraftModelProposer:
         self._q: dict[str, torch.Tensor] = {}  # request -> q [k, V] of its pending drafts
         self.last_timing: list[tuple[int, float]] | None = None
         self.last_catch_up: tuple[int, float] | None = None
+        self.needs_hidden_states = False
 
     @classmethod
     def load(cls, config: EngineConfig, target_tokenizer: Any = None) -> DraftModelProposer:

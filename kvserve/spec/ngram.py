@@ -33,6 +33,7 @@ class NgramProposer:
     kv_bytes_per_block = 0
     last_timing = None
     last_catch_up = None
+    needs_hidden_states = False
 
     def __init__(self, n_min: int, n_max: int) -> None:
         self.n_min, self.n_max = n_min, n_max

@@ -161,6 +161,7 @@ class SuffixProposer:
     kv_bytes_per_block = 0
     last_timing = None
     last_catch_up = None
+    needs_hidden_states = False
 
     def __init__(self, max_depth: int = 24, max_cached_tokens: int = 1 << 20,
                  max_spec_factor: float = 1.0, min_token_prob: float = 0.1) -> None:

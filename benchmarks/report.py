@@ -27,6 +27,12 @@ def _load(results: Path, name: str) -> Any:
     return json.loads(p.read_text()) if p.exists() else None
 
 
+def _machine(m: dict[str, Any]) -> str:
+    """A results file's machine (benchmarks/machine.py cpu_info) in words."""
+    return (f"{m.get('cpu_model', '?')} ({m.get('cpus', '?')} cores; "
+            f"{', '.join(m.get('isa') or [])})")
+
+
 def _get(obj: Any, *keys: Any) -> Any:
     for k in keys:
         if obj is None:
@@ -465,8 +471,7 @@ class Report:
                "original of the model is on disk)" if q.get("float_source_is_gguf")
                else f"`{q.get('float_source')}`")
         lines += [
-            (f"Run {q.get('date', '?')} on {m.get('cpu_model', '?')} ({m.get('cpus', '?')} "
-             f"cores; {', '.join(m.get('isa') or [])}), {q.get('threads')} threads; kvserve's "
+            (f"Run {q.get('date', '?')} on {_machine(m)}, {q.get('threads')} threads; kvserve's "
              f"kernels ran {', '.join(f'`{i}`' for i in isas) or 'n/a'}. Each row: one file "
              f"and format, kvserve beside llama.cpp on the same file where llama.cpp has the "
              f"format. Perplexity: `{q.get('text')}` at ctx {q.get('ctx')}{chunks}, scored "
@@ -648,13 +653,10 @@ class Report:
         per = s.get("prompts_per_concurrency") or {}
         ll = s.get("llama_server") or {}
         methods = s.get("kvserve_method_configs") or {}
-        m = s.get("machine") or {}
-        where = (f" on {m.get('cpu_model', '?')} ({m.get('cpus', '?')} cores; "
-                 f"{', '.join(m.get('isa') or [])})" if m else "")
+        where = f" on {_machine(s['machine'])}" if s.get("machine") else ""
         lines += [
             (f"Run {s.get('date', '?')}{where}, {s.get('threads')} threads per server. Two "
-             f"tasks, the "
-             f"same prompts for every engine (`benchmarks/spec_rows.py`): *grounded*, "
+             f"tasks, the same prompts for every engine (`benchmarks/spec_rows.py`): *grounded*, "
              f"{_get(s, 'tasks', 'grounded')}: repository code to rename or strip of type "
              f"hints, and paragraphs of `{s.get('text')}` with one typo to fix; *open*, "
              f"{_get(s, 'tasks', 'open')}. Chat turns through each model's template, "

@@ -159,19 +159,21 @@ class Scheduler:
         return max(0, min(req.max_tokens - req.num_output_tokens,
                           self.config.max_model_len - req.num_tokens) - 1)
 
-    def _lookahead(self, req: Request, total: int) -> int:
-        """The lookahead slots for a step that computes req up to `total` tokens, within the
-        room its own length limits leave."""
+    def _slots(self, req: Request, num_computed: int, num_new: int) -> int:
+        """The KV slots a step of num_new tokens after num_computed needs: those, plus the
+        lookahead slots when it reaches req's last token (it samples), within the room req's
+        own length limits leave."""
+        total = num_computed + num_new
+        if total < req.num_tokens:
+            return num_new
         limit = min(req.num_prompt_tokens + req.max_tokens, self.config.max_model_len)
-        return max(0, min(self.num_lookahead_tokens, limit - total))
+        return num_new + max(0, min(self.num_lookahead_tokens, limit - total))
 
     def _allocate_or_preempt(self, req: Request, num_new: int, preempted_ids: list[str]
                              ) -> bool:
         """Preempts least important running requests until req gets its blocks; False when
         req itself had to go."""
-        total = req.num_computed_tokens + num_new
-        if total >= req.num_tokens:
-            num_new += self._lookahead(req, total)
+        num_new = self._slots(req, req.num_computed_tokens, num_new)
         while self.kv_cache_manager.allocate_slots(req, num_new) is None:
             # running[-1] is the least important. It sits at or after req in self.running,
             # so it has not been scheduled in this step.
@@ -198,9 +200,7 @@ class Scheduler:
                 if not self.config.enable_chunked_prefill:
                     break
                 num_new = budget
-            num_alloc = num_new
-            if num_computed + num_new == req.num_tokens:
-                num_alloc += self._lookahead(req, req.num_tokens)
+            num_alloc = self._slots(req, num_computed, num_new)
             if self.kv_cache_manager.allocate_slots(req, num_alloc, computed_blocks) is None:
                 break
             heapq.heappop(self.waiting)

@@ -125,9 +125,7 @@ class Sampler:
         probs = u = None
         random_pos = [-1] * meta.num_rows
         if not meta.all_greedy:
-            rlogits = logits if meta.random_index is None else logits[meta.random_index]
-            probs = self._random_probs(rlogits, meta)
-            u = self._uniforms(probs, meta)
+            probs, u = self._random_draws(logits, meta)
             for r, n in enumerate(meta.random_rows):
                 random_pos[n] = r
         greedy = [random_pos[meta.row_offsets[b]] < 0 for b in range(len(meta.request_ids))]
@@ -172,22 +170,25 @@ class Sampler:
         meta.random_rows' order; None when every row is greedy)."""
         if meta.all_greedy:
             return logits.argmax(dim=1), None
-        rlogits = logits if meta.random_index is None else logits[meta.random_index]
-        probs = self._random_probs(rlogits, meta)
-        drawn = sample_from_probs(probs, self._uniforms(probs, meta))
+        probs, u = self._random_draws(logits, meta)
+        drawn = sample_from_probs(probs, u)
         if meta.random_index is None:
             return drawn, probs
         return logits.argmax(dim=1).index_copy(0, meta.random_index, drawn), probs
 
-    @staticmethod
-    def _random_probs(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
-        """The random rows' distributions [Nr, V]: temperature, top-k / top-p, min-p."""
+    def _random_draws(self, logits: torch.Tensor, meta: SamplingMetadata
+                      ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The random rows' distributions [Nr, V] (temperature, top-k / top-p, min-p on the
+        processed logits [N, V]) and their uniforms u [Nr]."""
         assert meta.temperature is not None
+        if meta.random_index is not None:
+            logits = logits[meta.random_index]
         logits = apply_temperature(logits, meta.temperature)
         logits = apply_top_k_top_p(logits, meta.top_k, meta.top_p, meta.max_top_k)
         if meta.min_p is not None:
             logits = apply_min_p(logits, meta.min_p)
-        return logits.softmax(dim=1)
+        probs = logits.softmax(dim=1)
+        return probs, self._uniforms(probs, meta)
 
     def _uniforms(self, probs: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
         """u [Nr] ~ U(0, 1]: seeded rows from their own generator, the rest from the shared one.

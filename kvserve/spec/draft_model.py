@@ -64,8 +64,7 @@ def _lm_head_rows(model: Any, ckpt: Any, quant: Any, ids: torch.Tensor,
     mc = ckpt.model_config
     name = "model.embed_tokens.weight" if mc.tie_word_embeddings else "lm_head.weight"
     weight = next((t for n, t in ckpt.weights(keep_quantized=quant.keeps_quantized)
-                   if n == name or (n == "lm_head.weight" and not mc.tie_word_embeddings)),
-                  None)
+                   if n == name), None)
     if weight is None:
         raise ValueError(f"the draft checkpoint has no {name}")
     rows = (GGUFWeight(weight.data.index_select(0, ids), weight.qtype, weight.k)

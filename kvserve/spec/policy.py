@@ -41,6 +41,10 @@ _PRIOR_ROW_SHARE = 0.05
 _PRIOR_DRAFT_SHARE = 0.4
 
 
+def _ema(old: float | None, new: float) -> float:
+    return new if old is None else old + _EMA * (new - old)
+
+
 class StepCosts:
     """Seconds by rows (EMA per row count): interpolated between measured row counts,
     extended past them by `row_share` of the measured base per row."""
@@ -51,10 +55,7 @@ class StepCosts:
 
     def observe(self, rows: int, seconds: float) -> None:
         old = self.table.get(rows)
-        self.table[rows] = seconds if old is None else old + _EMA * (seconds - old)
-
-    def __bool__(self) -> bool:
-        return bool(self.table)
+        self.table[rows] = _ema(old, seconds)
 
     def __call__(self, rows: int, default_base: float = 1.0) -> float:
         table = self.table
@@ -98,9 +99,7 @@ class SpecPolicy:
             self.draft_cost.observe(rows, seconds)
 
     def observe_catch_up(self, tokens: int, seconds: float) -> None:
-        per = seconds / max(tokens, 1)
-        self.catch_up_cost = per if not self.catch_up_cost else \
-            self.catch_up_cost + _EMA * (per - self.catch_up_cost)
+        self.catch_up_cost = _ema(self.catch_up_cost or None, seconds / max(tokens, 1))
 
     def observe_verify(self, request_ids: list[str], drafts: list[list[int]],
                        emitted: list[list[int]]) -> None:

@@ -67,17 +67,18 @@ def final_hidden(model: Any, config: Any, seqs: list[list[int]], max_batch_token
     """(hidden states [T, hidden] after the final norm, the model's greedy next token [T])
     of each sequence, from its own forward in varlen batches of about max_batch_tokens, with
     a KV cache of its own (the engine's blocks stay untouched)."""
-    import numpy as np
     import torch
 
     from kvserve.model_runner import ModelRunner
-    from kvserve.outputs import ModelInput
+    from kvserve.outputs import ScheduledRequest, SchedulerOutput
+    from kvserve.request import Request
+    from kvserve.sampling_params import SamplingParams
 
     bs = config.cache.block_size
     longest = max(len(s) for s in seqs)
     num_blocks = 1 + math.ceil(max(max_batch_tokens, longest) / bs) + len(seqs)
     runner = ModelRunner(config.replace(speculative=None), model, num_blocks)
-    dev = runner.device
+    params = SamplingParams(max_tokens=1)
     out: list[tuple[Any, Any]] = []
     i = 0
     while i < len(seqs):
@@ -86,26 +87,16 @@ def final_hidden(model: Any, config: Any, seqs: list[list[int]], max_batch_token
                 sum(map(len, batch)) + len(seqs[i + len(batch)]) <= max_batch_tokens:
             batch.append(seqs[i + len(batch)])
         i += len(batch)
-        n_blocks = [math.ceil(len(s) / bs) for s in batch]
-        tables = np.zeros((len(batch), max(n_blocks)), dtype=np.int32)
-        nxt = 1  # block 0 is the null block
-        for b, n in enumerate(n_blocks):
-            tables[b, :n] = np.arange(nxt, nxt + n)
+        # Each sequence a whole prefill in its own blocks (block 0 is the null block); the
+        # runner lays the step out as the engine's (positions, slots, varlen metadata).
+        scheduled, nxt = [], 1
+        for b, seq in enumerate(batch):
+            n = math.ceil(len(seq) / bs)
+            scheduled.append(ScheduledRequest(Request(str(b), seq, params, max_tokens=1), seq,
+                                              0, list(range(nxt, nxt + n)), False))
             nxt += n
-        pos = np.concatenate([np.arange(len(s)) for s in batch])
-        rows = np.repeat(np.arange(len(batch)), [len(s) for s in batch])
-        slots = tables[rows, pos // bs].astype(np.int64) * bs + pos % bs
-        lens = np.array([len(s) for s in batch])
-        qsl = np.concatenate([[0], np.cumsum(lens)])
-        inp = ModelInput(
-            input_ids=torch.tensor([t for s in batch for t in s], device=dev),
-            positions=torch.from_numpy(pos).to(dev),
-            slot_mapping=torch.from_numpy(slots).to(dev),
-            block_tables=torch.from_numpy(tables).to(dev),
-            seq_lens=torch.from_numpy(lens.astype(np.int32)).to(dev),
-            query_start_loc=torch.from_numpy(qsl.astype(np.int32)).to(dev),
-            logits_indices=torch.arange(int(qsl[-1]), device=dev),
-            max_query_len=int(lens.max()), max_seq_len=int(lens.max()))
+        inp, _, _ = runner.prepare_inputs(SchedulerOutput(scheduled, sum(map(len, batch))))
+        qsl = inp.query_start_loc.tolist()
         with torch.inference_mode():
             hidden = model(inp, runner.kv_cache)
             top = torch.cat([model.compute_logits(hidden[s: s + 512]).argmax(-1)

@@ -29,7 +29,7 @@ import queue
 import threading
 import time
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from kvserve.engine_args import EngineArgs
@@ -613,11 +613,10 @@ class AsyncEngine:
     def _publish_stats(self) -> None:
         s = self.engine.scheduler
         runner = self.engine.runner
-        spec = None
-        if runner.proposer is not None:
-            st = runner.spec_stats
-            spec = SpecStats(st.num_drafts, st.num_draft_tokens, st.num_accepted_tokens,
-                             list(st.accepted_per_pos))
+        st = runner.spec_stats
+        # A copy: the engine thread goes on counting into the runner's.
+        spec = None if runner.proposer is None else replace(
+            st, accepted_per_pos=list(st.accepted_per_pos))
         # One immutable object, swapped in whole: readers on other threads never see a mix.
         self._stats = EngineStats(s.num_running, s.num_waiting, s.num_waiting_groups,
                                   s.kv_cache_usage, s.prefix_cache_queries,

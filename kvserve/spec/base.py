@@ -1,4 +1,5 @@
-"""The proposer protocol and the speculative-decoding counters."""
+"""The proposer protocol, the defaults of a proposer without KV, and the speculative-decoding
+counters."""
 
 from __future__ import annotations
 
@@ -58,6 +59,31 @@ class Proposer(Protocol):
 
     def remove(self, request_ids: list[str]) -> None:
         """Forget finished, aborted or preempted requests (a preempted one starts over)."""
+
+
+class KVFreeProposer:
+    """The Proposer members of a proposer that keeps no KV cache and runs no model per
+    drafting depth (ngram, suffix, medusa): no lookahead slots, no bytes per block, nothing
+    to catch up on, nothing timed for the policy, one-hot q (deterministic drafts). A
+    subclass writes propose(), and what it keeps past a request."""
+
+    num_lookahead_tokens = 0
+    kv_bytes_per_block = 0
+    last_timing: list[tuple[int, float]] | None = None
+    last_catch_up: tuple[int, float] | None = None
+    needs_hidden_states = False
+
+    def allocate_kv(self, num_blocks: int) -> None:
+        pass
+
+    def catch_up_tokens(self, requests: list[Request]) -> list[int]:
+        return [0] * len(requests)
+
+    def draft_probs(self, requests: list[Request], drafts: list[list[int]]) -> None:
+        return None
+
+    def remove(self, request_ids: list[str]) -> None:
+        pass
 
 
 @dataclass

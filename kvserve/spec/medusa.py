@@ -46,6 +46,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from kvserve.request import Request
+from kvserve.spec.base import KVFreeProposer
 
 if TYPE_CHECKING:
     from kvserve.config import EngineConfig
@@ -221,14 +222,11 @@ def lm_head_weight(model: Any, chunk: int = 1024) -> torch.Tensor:
     return torch.cat(rows).T.contiguous()
 
 
-class MedusaProposer:
+class MedusaProposer(KVFreeProposer):
     """The heads over the hidden state the runner hands over after each sampling step
-    (needs_hidden_states): per request, the row that produced its last emitted token."""
+    (needs_hidden_states): per request, the row that produced its last emitted token. No KV
+    of its own, and one batched call for every depth: not priced per depth."""
 
-    num_lookahead_tokens = 0  # no KV of its own
-    kv_bytes_per_block = 0
-    last_timing = None  # one batched call for every depth: not priced per depth
-    last_catch_up = None
     needs_hidden_states = True
 
     def __init__(self, heads: MedusaHeads, target: Any) -> None:
@@ -236,9 +234,6 @@ class MedusaProposer:
         self.target = target
         # request -> (the token count its hidden state is for, that hidden state [hidden])
         self._hidden: dict[str, tuple[int, torch.Tensor]] = {}
-
-    def catch_up_tokens(self, requests: list[Request]) -> list[int]:
-        return [0] * len(requests)
 
     @classmethod
     def load(cls, config: EngineConfig, target: Any) -> MedusaProposer:
@@ -264,9 +259,6 @@ class MedusaProposer:
         heads = heads.to(config.device)
         heads.lm_heads = [None if w is None else w.to(config.device) for w in heads.lm_heads]
         return cls(heads, target)
-
-    def allocate_kv(self, num_blocks: int) -> None:
-        pass
 
     def observe_hidden(self, requests: list[Request], hidden: torch.Tensor,
                        emitted: list[list[int]]) -> None:
@@ -314,9 +306,6 @@ class MedusaProposer:
         logger.debug("medusa: %d drafts in %.2f ms", sum(map(len, drafts)),
                      (time.perf_counter() - t0) * 1e3)
         return drafts
-
-    def draft_probs(self, requests: list[Request], drafts: list[list[int]]) -> None:
-        return None
 
     def remove(self, request_ids: list[str]) -> None:
         for rid in request_ids:

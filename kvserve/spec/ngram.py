@@ -11,6 +11,7 @@ from __future__ import annotations
 import numpy as np
 
 from kvserve.request import Request
+from kvserve.spec.base import KVFreeProposer
 
 
 def ngram_lookup(tokens: np.ndarray, n_min: int, n_max: int, k: int) -> list[int]:
@@ -28,30 +29,12 @@ def ngram_lookup(tokens: np.ndarray, n_min: int, n_max: int, k: int) -> list[int
     return []
 
 
-class NgramProposer:
-    num_lookahead_tokens = 0
-    kv_bytes_per_block = 0
-    last_timing = None
-    last_catch_up = None
-    needs_hidden_states = False
-
+class NgramProposer(KVFreeProposer):
     def __init__(self, n_min: int, n_max: int) -> None:
         self.n_min, self.n_max = n_min, n_max
-
-    def allocate_kv(self, num_blocks: int) -> None:
-        pass
-
-    def catch_up_tokens(self, requests: list[Request]) -> list[int]:
-        return [0] * len(requests)
 
     def propose(self, requests: list[Request], num_drafts: list[int],
                 block_tables: list[list[int]]) -> list[list[int]]:
         return [ngram_lookup(np.asarray(r.all_token_ids, dtype=np.int64), self.n_min,
                              self.n_max, k) if k else []
                 for r, k in zip(requests, num_drafts, strict=True)]
-
-    def draft_probs(self, requests: list[Request], drafts: list[list[int]]) -> None:
-        return None
-
-    def remove(self, request_ids: list[str]) -> None:
-        pass

@@ -39,6 +39,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from kvserve.request import Request
+from kvserve.spec.base import KVFreeProposer
 
 _SEP = -1  # between documents, before the first: never a token, never matched
 _NO_TOKEN = -2  # the query's missing positions (a short request): never in a buffer
@@ -156,13 +157,7 @@ class _Tracked:
     corpus: _Corpus
 
 
-class SuffixProposer:
-    num_lookahead_tokens = 0
-    kv_bytes_per_block = 0
-    last_timing = None
-    last_catch_up = None
-    needs_hidden_states = False
-
+class SuffixProposer(KVFreeProposer):
     def __init__(self, max_depth: int = 24, max_cached_tokens: int = 1 << 20,
                  max_spec_factor: float = 1.0, min_token_prob: float = 0.1) -> None:
         self.max_depth = max_depth
@@ -170,12 +165,6 @@ class SuffixProposer:
         self.min_token_prob = min_token_prob
         self.cache = _Cache(max_cached_tokens)
         self._requests: dict[str, _Tracked] = {}
-
-    def catch_up_tokens(self, requests: list[Request]) -> list[int]:
-        return [0] * len(requests)
-
-    def allocate_kv(self, num_blocks: int) -> None:
-        pass
 
     # -- the request's own index --------------------------------------------------------
 
@@ -244,9 +233,6 @@ class SuffixProposer:
             matched = [(c, pos[nx == tok] + 1) for (c, pos), nx in zip(matched, nexts)]
             matched = [(c, pos) for c, pos in matched if len(pos)]
         return drafts
-
-    def draft_probs(self, requests: list[Request], drafts: list[list[int]]) -> None:
-        return None
 
     def remove(self, request_ids: list[str]) -> None:
         """A finished (or aborted) request's output goes to its tenant's cache. A preempted

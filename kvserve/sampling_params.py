@@ -26,16 +26,22 @@ class StructuredOutputsParams:
     """Constrain the output to JSON, enforced at sampling time (kvserve/structured_output.py).
 
     Exactly one of: json, a JSON schema (a dict or its JSON text); json_object, any JSON
-    object.
+    object; structural_tag, an xgrammar structural tag (a dict or its JSON text: text and
+    tagged JSON, as tool calls are written in a model's own format).
     """
 
     json: str | dict | None = None
     json_object: bool = False
+    structural_tag: str | dict | None = None
 
     def __post_init__(self) -> None:
-        if (self.json is not None) == bool(self.json_object):
-            raise ValueError("structured_outputs needs exactly one of json (a JSON schema) or "
-                             "json_object=True")
+        given = [self.json is not None, bool(self.json_object), self.structural_tag is not None]
+        if sum(given) != 1:
+            raise ValueError("structured_outputs needs exactly one of json (a JSON schema), "
+                             "json_object=True or structural_tag")
+        if self.structural_tag is not None and not isinstance(self.structural_tag, (str, dict)):
+            raise ValueError(f"structured_outputs.structural_tag must be a dict or a string, "
+                             f"got {type(self.structural_tag).__name__}")
         if self.json is not None and not isinstance(self.json, (str, dict)):
             raise ValueError(f"structured_outputs.json must be a JSON schema as a dict or a "
                              f"string, got {type(self.json).__name__}")

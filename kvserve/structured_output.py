@@ -91,6 +91,8 @@ class StructuredOutputManager:
     def compile(self, spec: StructuredOutputsParams) -> Any:
         """ValueError naming the field when the schema is not valid JSON or not supported."""
         compiler = self._get_compiler()
+        if spec.structural_tag is not None:
+            return self._compile_structural_tag(compiler, spec.structural_tag)
         # json_object as the schema {"type": "object"}: OpenAI's json_object is an object,
         # and xgrammar's builtin JSON grammar allows any value with unbounded whitespace,
         # which a small model can loop in until max_tokens.
@@ -103,6 +105,16 @@ class StructuredOutputManager:
             msg = str(e).splitlines()[0][:200] if str(e) else type(e).__name__
             raise ValueError(f"json_schema is not a valid or supported JSON schema: {msg}"
                              ) from None
+
+    def _compile_structural_tag(self, compiler: Any, tag: str | dict) -> Any:
+        self.num_compiled += 1
+        try:
+            return compiler.compile_structural_tag(tag if isinstance(tag, str)
+                                                   else json.dumps(tag))
+        except Exception as e:
+            msg = str(e).splitlines()[0][:200] if str(e) else type(e).__name__
+            raise ValueError(f"the structural tag (a tool's parameters schema) is not valid "
+                             f"or not supported: {msg}") from None
 
     # -- per-step use (engine thread) -------------------------------------------------------
 

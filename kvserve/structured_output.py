@@ -113,8 +113,9 @@ class StructuredOutputManager:
                                                    else json.dumps(tag))
         except Exception as e:
             msg = str(e).splitlines()[0][:200] if str(e) else type(e).__name__
-            raise ValueError(f"the structural tag (a tool's parameters schema) is not valid "
-                             f"or not supported: {msg}") from None
+            # Structural tags come from tool definitions (tool_calling/grammar.py).
+            raise ValueError(f"tools: a function's parameters is not a valid or supported "
+                             f"JSON schema: {msg}") from None
 
     # -- per-step use (engine thread) -------------------------------------------------------
 

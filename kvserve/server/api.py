@@ -47,6 +47,7 @@ from kvserve.server.protocol import (
 from kvserve.server.serving import EngineStream, ServingContext, check_model, release_all
 from kvserve.server.serving_chat import create_chat_completion, render_chat
 from kvserve.server.serving_completion import create_completion
+from kvserve.server.serving_tools import ToolSupport, tool_support
 
 logger = logging.getLogger("kvserve.server")
 
@@ -68,6 +69,8 @@ class ServerConfig:
     # Host header values accepted (names or IP literals, no port); None: any. A server bound
     # to loopback takes loopback names only, so a DNS-rebinding page cannot read answers.
     allowed_hosts: tuple[str, ...] | None = None
+    # --tool-call-parser; None: the chat template's format, else hermes (serving_tools.py)
+    tool_call_parser: str | None = None
 
 
 @dataclass
@@ -78,6 +81,7 @@ class ServerState:
     engine: AsyncEngine | None = None
     metrics: ServerMetrics | None = None
     load_error: str | None = None
+    tools: ToolSupport | None = None
     created: int = field(default_factory=lambda: int(time.time()))
     _shutdown: asyncio.Task | None = None
 
@@ -429,7 +433,7 @@ def build_app(config: ServerConfig,
         if eng is None:
             raise APIError(503, "the model is still loading; retry shortly", code="loading",
                            headers={"Retry-After": "5"})
-        return ServingContext(eng, config.model_name, eng.max_model_len)
+        return ServingContext(eng, config.model_name, eng.max_model_len, tools=state.tools)
 
     def rid(request: Request) -> str:
         return request.scope.get("state", {}).get("request_id") or uuid.uuid4().hex
@@ -540,6 +544,7 @@ async def _load(state: ServerState, load_engine: Callable[[], AsyncEngine],
         if on_load_error is not None:
             on_load_error(state.load_error)
         return
+    state.tools = tool_support(engine.tokenizer, state.config.tool_call_parser)
     state.metrics = ServerMetrics(state.config.model_name, state.stats)
     engine.stats_listener = state.metrics.observe
     if on_engine_dead is not None:

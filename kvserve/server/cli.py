@@ -23,6 +23,7 @@ from types import FrameType
 from typing import Any
 
 from kvserve.engine_args import EngineArgs
+from kvserve.tool_calling.parsers import TOOL_PARSERS
 
 logger = logging.getLogger("kvserve.server")
 
@@ -60,6 +61,11 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--watchdog-timeout", type=float, default=60.0,
                    help="/health turns 503 when requests are in flight and the engine loop "
                         "has not come round for this many seconds (a hung step)")
+    p.add_argument("--tool-call-parser", choices=sorted(TOOL_PARSERS), default=None,
+                   help="how the model writes tool calls (default: the format its chat "
+                        "template writes, else hermes)")
+    p.add_argument("--enable-auto-tool-choice", action="store_true",
+                   help="accepted for vLLM command lines: tool_choice auto is always on")
     p.add_argument("--log-level", default="info",
                    choices=["critical", "error", "warning", "info", "debug"])
     EngineArgs.add_cli_args(p)
@@ -100,7 +106,8 @@ def _serve(ns: argparse.Namespace) -> int:
     name = ns.served_model_name or ns.model or "smollm2-135m"
     config = ServerConfig(model_name=name, api_key=api_key, max_body_bytes=ns.max_body_bytes,
                           shutdown_timeout=ns.shutdown_timeout,
-                          allowed_hosts=allowed_hosts(ns.host, ns.allowed_host))
+                          allowed_hosts=allowed_hosts(ns.host, ns.allowed_host),
+                          tool_call_parser=ns.tool_call_parser)
     address = f"http://{ns.host}:{ns.port}"
 
     def load() -> AsyncEngine:

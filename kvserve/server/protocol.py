@@ -20,6 +20,8 @@ MAX_PROMPTS = 64
 MAX_CHOICES = 256
 MAX_MESSAGES = 1024
 MAX_CONTENT_PARTS = 256
+MAX_TOOLS = 128  # OpenAI's bound on tools; also on one message's tool_calls
+MAX_FUNCTION_NAME = 64
 # Token ids in one prompt or one /detokenize call: more than any context kvserve serves.
 MAX_TOKEN_IDS = 1 << 17
 
@@ -171,11 +173,46 @@ class TextPart(_Strict):
     text: str
 
 
+class FunctionCall(_Strict):
+    name: str = Field(max_length=MAX_FUNCTION_NAME)
+    arguments: str  # a JSON object's text, as OpenAI sends it
+
+
+class ToolCallItem(_Strict):
+    id: str | None = Field(default=None, max_length=256)
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(_Strict):
     # "developer" is OpenAI's newer name for "system" (the chat template sees "system").
-    role: Literal["system", "developer", "user", "assistant"]
+    role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | _list(TextPart, MAX_CONTENT_PARTS) | None = None  # type: ignore[valid-type]
     name: str | None = Field(default=None, max_length=256)
+    tool_calls: _list(ToolCallItem, MAX_TOOLS) | None = None  # type: ignore[valid-type]
+    tool_call_id: str | None = Field(default=None, max_length=256)
+
+
+class FunctionDefinition(_Strict):
+    # OpenAI's rule for names; they are written into prompts and grammars.
+    name: str = Field(pattern=r"^[A-Za-z0-9_.-]{1,64}$")
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class Tool(_Strict):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class NamedFunction(_Strict):
+    name: str = Field(max_length=MAX_FUNCTION_NAME)
+
+
+class NamedToolChoice(_Strict):
+    type: Literal["function"]
+    function: NamedFunction
 
 
 class ChatCompletionRequest(_SamplingFields):
@@ -186,13 +223,13 @@ class ChatCompletionRequest(_SamplingFields):
     max_completion_tokens: int | None = None
     add_generation_prompt: bool = True
     continue_final_message: bool = False
-    # Tool calling is not built yet; these are accepted only to be refused by name (a
-    # silently dropped tool list gives a tool-calling client prose and finish_reason "stop").
-    tools: list[Any] | None = None
-    tool_choice: Any = None
+    tools: _list(Tool, MAX_TOOLS) | None = None  # type: ignore[valid-type]
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None
+    # OpenAI's deprecated forms of tools / tool_choice: refused by name (serving_tools.py),
+    # since a silently dropped function list gives a client prose as if it had been read.
     functions: list[Any] | None = None
     function_call: Any = None
-    parallel_tool_calls: bool | None = None
 
 
 class TokenizeRequest(_Strict):

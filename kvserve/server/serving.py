@@ -29,6 +29,7 @@ from kvserve.sampling_params import SamplingParams, StructuredOutputsParams
 from kvserve.scheduler import QueueFullError
 from kvserve.server.errors import APIError, bad_request, from_value_error
 from kvserve.server.protocol import _SamplingFields
+from kvserve.server.serving_tools import ToolSupport
 
 
 @dataclass
@@ -37,6 +38,7 @@ class ServingContext:
     model_name: str
     max_model_len: int
     tenant: str | None = None  # the API key's (api.tenant_of); None without keys
+    tools: ToolSupport | None = None  # the parser and template facts (serving_tools.py)
 
 
 @dataclass
@@ -107,11 +109,14 @@ def text_chars(req: Any) -> int:
 
 def build_params(req: _SamplingFields, *, max_tokens: int | None, logprobs: int | None,
                  prompt_logprobs: int | None, fields: set[str],
-                 renames: dict[str, str] | None = None) -> SamplingParams:
-    """SamplingParams validates every range; its ValueError becomes a 400 naming the field."""
-    structured = None
+                 renames: dict[str, str] | None = None,
+                 structured: StructuredOutputsParams | None = None) -> SamplingParams:
+    """SamplingParams validates every range; its ValueError becomes a 400 naming the field.
+    structured: a grammar the caller built (tool calls); else response_format's."""
     rf = req.response_format
-    if rf is not None and rf.type == "json_object":
+    if structured is not None:
+        pass  # tool_choice's grammar; check_tools refused a response_format beside it
+    elif rf is not None and rf.type == "json_object":
         structured = StructuredOutputsParams(json_object=True)
     elif rf is not None and rf.type == "json_schema":
         if rf.json_schema is None or rf.json_schema.schema_ is None:

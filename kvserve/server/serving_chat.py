@@ -39,6 +39,8 @@ from kvserve.server.serving import (
     stream_error,
     usage,
 )
+from kvserve.server.serving_tools import ToolDeltas, ToolUse, check_tools, tool_message
+from kvserve.tool_calling.prompt import prompt_messages
 
 _CHAT_FIELDS = set(ChatCompletionRequest.model_fields)
 
@@ -56,18 +58,27 @@ def _conversation(messages: list[ChatMessage]) -> list[dict[str, Any]]:
         else:
             content = m.content or ""
         msg: dict[str, Any] = {"role": _TEMPLATE_ROLES.get(m.role, m.role), "content": content}
-        if m.name is not None:
-            msg["name"] = m.name
+        if m.content is None and m.tool_calls:
+            msg["content"] = None  # a calls-only turn: templates test `message.content`
+        for key in ("name", "tool_call_id"):
+            if getattr(m, key) is not None:
+                msg[key] = getattr(m, key)
+        if m.tool_calls:
+            msg["tool_calls"] = [c.model_dump(exclude_none=True) for c in m.tool_calls]
         conv.append(msg)
     return conv
 
 
 async def render_chat(ctx: ServingContext, messages: list[ChatMessage],
-                      add_generation_prompt: bool, continue_final: bool = False) -> list[int]:
+                      add_generation_prompt: bool, continue_final: bool = False,
+                      tools: list[dict[str, Any]] | None = None) -> list[int]:
     for i, m in enumerate(messages):
-        if m.content is None and m.role != "assistant":
+        if m.content is None and not (m.role == "assistant"):
             raise bad_request(f"messages[{i}].content is required for role {m.role}",
                               f"messages[{i}].content")
+        if m.tool_calls and m.role != "assistant":
+            raise bad_request(f"messages[{i}].tool_calls is for assistant messages, not role "
+                              f"{m.role}", f"messages[{i}].tool_calls")
     if continue_final:
         if add_generation_prompt:
             raise bad_request("continue_final_message and add_generation_prompt cannot both "
@@ -78,12 +89,16 @@ async def render_chat(ctx: ServingContext, messages: list[ChatMessage],
                               f"role {messages[-1].role}", "continue_final_message")
     tok = ctx.engine.tokenizer
     conv = _conversation(messages)
+    extra: dict[str, Any] = {}
+    if ctx.tools is not None:
+        conv, extra = prompt_messages(conv, tools, ctx.tools.template_renders_tools,
+                                      ctx.tools.parser.call_format)
 
     def render() -> list[int]:
         if continue_final:
-            return tok.encode(_continue_final_text(tok, conv), add_special_tokens=False)
+            return tok.encode(_continue_final_text(tok, conv, extra), add_special_tokens=False)
         ids = tok.apply_chat_template(conv, add_generation_prompt=add_generation_prompt,
-                                      tokenize=True)
+                                      tokenize=True, **extra)
         assert isinstance(ids, list)
         return ids
 
@@ -95,11 +110,11 @@ async def render_chat(ctx: ServingContext, messages: list[ChatMessage],
                           "messages") from None
 
 
-def _continue_final_text(tok: Any, conv: list[dict[str, Any]]) -> str:
+def _continue_final_text(tok: Any, conv: list[dict[str, Any]], extra: dict[str, Any]) -> str:
     """The rendered conversation up to the end of the final message's content."""
     sentinel = f"KVSERVE_CONTINUE_{secrets.token_hex(8)}"
-    marked = [*conv[:-1], {**conv[-1], "content": conv[-1]["content"] + sentinel}]
-    text = tok.apply_chat_template(marked, add_generation_prompt=False)
+    marked = [*conv[:-1], {**conv[-1], "content": (conv[-1]["content"] or "") + sentinel}]
+    text = tok.apply_chat_template(marked, add_generation_prompt=False, **extra)
     assert isinstance(text, str)
     cut = text.find(sentinel)
     if cut < 0 or text.find(sentinel, cut + 1) >= 0:
@@ -109,24 +124,12 @@ def _continue_final_text(tok: Any, conv: list[dict[str, Any]]) -> str:
     return text[:cut]
 
 
-def check_tools(req: ChatCompletionRequest) -> None:
-    """Tool calling is not built yet: a client that sends tools must not get prose that
-    looks like an answer (finish_reason "stop") as if its tools had been considered."""
-    for name in ("tools", "functions"):
-        if getattr(req, name):
-            raise bad_request(f"{name} is not supported by this server yet (no tool calling); "
-                              f"send the request without {name}", name)
-    for name in ("tool_choice", "function_call"):
-        value = getattr(req, name)
-        if value is not None and value != "none":
-            raise bad_request(f"{name} is not supported by this server yet (no tool calling); "
-                              f"only \"none\" or no {name} is allowed", name)
-
-
 async def create_chat_completion(ctx: ServingContext, req: ChatCompletionRequest,
                                  request_id: str) -> dict[str, Any] | EngineStream:
     check_common(ctx, req)
-    check_tools(req)
+    use = check_tools(req, ctx.tools.parser) if ctx.tools is not None else None
+    if use is None and req.tools:
+        raise bad_request("tool calling is not set up on this server", "tools")
     if req.top_logprobs is not None and not req.logprobs:
         raise bad_request("top_logprobs requires logprobs to be true", "top_logprobs")
     # Errors about the limit name the field the client sent (OpenAI's newer name by default).
@@ -137,15 +140,15 @@ async def create_chat_completion(ctx: ServingContext, req: ChatCompletionRequest
     params = build_params(req, max_tokens=max_tokens,
                           logprobs=(req.top_logprobs or 0) if req.logprobs else None,
                           prompt_logprobs=req.prompt_logprobs, fields=_CHAT_FIELDS,
-                          renames=renames)
+                          renames=renames, structured=use.structured if use else None)
     ids = await render_chat(ctx, req.messages, req.add_generation_prompt,
-                            req.continue_final_message)
+                            req.continue_final_message, use.tools if use else None)
     streams = await add_all(ctx, [{"prompt_token_ids": ids}], params, req.priority,
                             uuid.uuid4().hex, _CHAT_FIELDS, renames)
     head = {"id": f"chatcmpl-{request_id}", "created": int(time.time()),
             "model": ctx.model_name}
     if req.stream:
-        return EngineStream(_stream_chat(ctx, req, streams[0], params, head), streams)
+        return EngineStream(_stream_chat(ctx, req, streams[0], params, head, use), streams)
     try:
         (out,) = await collect(streams)
     finally:
@@ -154,9 +157,9 @@ async def create_chat_completion(ctx: ServingContext, req: ChatCompletionRequest
     for c in out.outputs:
         lp = (chat_logprobs(c.token_ids, list(c.logprobs or []), req.top_logprobs or 0,
                             ctx.engine.tokenizer) if req.logprobs else None)
-        choices.append({"index": c.index,
-                        "message": {"role": "assistant", "content": c.text, "refusal": None},
-                        "logprobs": lp, "finish_reason": c.finish_reason})
+        message, finish_reason = tool_message(c.text, c.finish_reason, use)
+        choices.append({"index": c.index, "message": message, "logprobs": lp,
+                        "finish_reason": finish_reason})
     n_gen = sum(len(c.token_ids) for c in out.outputs)
     return {**head, "object": "chat.completion", "choices": choices,
             "usage": usage(len(out.prompt_token_ids), n_gen, out.num_cached_tokens),
@@ -164,10 +167,13 @@ async def create_chat_completion(ctx: ServingContext, req: ChatCompletionRequest
 
 
 async def _stream_chat(ctx: ServingContext, req: ChatCompletionRequest, stream: RequestStream,
-                       params: SamplingParams, head: dict[str, Any]) -> AsyncIterator[str]:
+                       params: SamplingParams, head: dict[str, Any], use: ToolUse | None
+                       ) -> AsyncIterator[str]:
     include_usage = bool(req.stream_options and req.stream_options.include_usage)
     head = {**head, "object": "chat.completion.chunk"}
     st = Streamer(hold_back(params))
+    parse = use is not None and use.parser is not None
+    tool_deltas: dict[int, ToolDeltas] = {}
 
     def chunk(choice: dict[str, Any]) -> str:
         obj: dict[str, Any] = {**head, "choices": [choice]}
@@ -190,9 +196,20 @@ async def _stream_chat(ctx: ServingContext, req: ChatCompletionRequest, stream: 
                 if req.logprobs:
                     lp = chat_logprobs(c.token_ids[t0:t1], list(c.logprobs or [])[t0:t1],
                                        req.top_logprobs or 0, ctx.engine.tokenizer)
-                delta = {"content": text} if text or not done else {}
+                finish = c.finish_reason if done else None
+                delta: dict[str, Any] = {"content": text} if text or not done else {}
+                if parse:
+                    assert use is not None and use.parser is not None
+                    td = tool_deltas.setdefault(c.index, ToolDeltas(use.parser, use.parallel))
+                    text, calls = td.update(c.text[:st.cursors[c.index].sent_chars], done)
+                    delta = {"content": text} if text else {}
+                    if calls:
+                        delta["tool_calls"] = calls
+                    finish = td.finish_reason(finish)
+                    if not delta and lp is None and not done:
+                        continue
                 yield chunk({"index": c.index, "delta": delta, "logprobs": lp,
-                             "finish_reason": c.finish_reason if done else None})
+                             "finish_reason": finish})
         if include_usage and last is not None:
             n_gen = sum(len(c.token_ids) for c in last.outputs)
             yield sse({**head, "choices": [],

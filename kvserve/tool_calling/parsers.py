@@ -227,7 +227,7 @@ class Llama3JsonParser(ToolParser):
             if rest == len(text):
                 return Scan("", tuple(calls))  # a ';' and another call may still follow
             if text[rest] != ";":
-                return Scan(text[got[1]:], tuple(calls))  # prose after the calls
+                return Scan(text[rest:], tuple(calls))  # prose after the calls
             pos = rest + 1
 
 

@@ -22,6 +22,18 @@ from kvserve.tool_calling.parsers import CallFormat
 _PROBE = "kvserve_probe_function"
 
 
+def prompt_messages(conv: list[dict[str, Any]], tools: list[dict[str, Any]] | None,
+                    template_renders: bool, fmt: CallFormat
+                    ) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    """OpenAI messages (and tools) -> the messages and keyword arguments for the chat
+    template: tools= for a template that renders them, else described in the messages."""
+    if template_renders:
+        return template_messages(conv), ({"tools": tools} if tools else {})
+    if tools or any(m.get("tool_calls") or m["role"] == "tool" for m in conv):
+        return describe_tools(conv, tools or [], fmt), {}
+    return conv, {}
+
+
 def template_messages(conv: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """OpenAI messages -> what templates expect: a call's arguments as an object."""
     out = []

@@ -212,10 +212,13 @@ TOOL = {"type": "function", "function": {"name": "get_weather", "parameters": {
 
 
 @pytest.mark.parametrize("extra, param", [
-    ({"tools": [TOOL]}, "tools"),
-    ({"tools": [TOOL], "tool_choice": "auto"}, "tools"),
-    ({"tool_choice": "required"}, "tool_choice"),
+    ({"tool_choice": "required"}, "tool_choice"),  # no tools to choose from
     ({"tool_choice": {"type": "function", "function": {"name": "get_weather"}}},
+     "tool_choice"),
+    ({"tools": [TOOL], "tool_choice": {"type": "function", "function": {"name": "other"}}},
+     "tool_choice"),
+    ({"tools": [TOOL, TOOL]}, "tools"),
+    ({"tools": [TOOL], "tool_choice": "required", "response_format": {"type": "json_object"}},
      "tool_choice"),
     ({"functions": [TOOL["function"]]}, "functions"),
     ({"function_call": "auto"}, "function_call"),

@@ -474,7 +474,8 @@ def build_app(config: ServerConfig,
             raise bad_request("send exactly one of prompt or messages", "prompt")
         tok = c.engine.tokenizer
         if body.messages is not None:
-            ids = await render_chat(c, body.messages, body.add_generation_prompt)
+            tools = [t.model_dump(exclude_none=True) for t in body.tools or []]
+            ids = await render_chat(c, body.messages, body.add_generation_prompt, tools=tools)
         else:
             ids = await c.engine.run_in_pool(tok.encode, body.prompt, body.add_special_tokens)
         out: dict[str, Any] = {"count": len(ids), "max_model_len": c.max_model_len,

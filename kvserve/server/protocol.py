@@ -236,6 +236,7 @@ class TokenizeRequest(_Strict):
     model: str | None = None
     prompt: str | None = None
     messages: _list(ChatMessage, MAX_MESSAGES) | None = None  # type: ignore[valid-type]
+    tools: _list(Tool, MAX_TOOLS) | None = None  # type: ignore[valid-type]  # as chat renders them
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
     return_token_strs: bool = False

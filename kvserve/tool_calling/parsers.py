@@ -103,16 +103,17 @@ class ToolParser:
 
 
 class _MarkedBlocks(ToolParser):
-    """Calls in blocks that open with a marker; prose around them. A block is closed by
-    `block_end(text, start)` (its end index, or None while incomplete) and read by
-    `block_calls` (None: not a call, so the block's text is prose)."""
+    """Calls in blocks that open with a marker (the earliest of `starts` in the text); prose
+    around them. A block is closed by `block_end(text, start, body)` (its end index, or None
+    while incomplete) and read by `block_calls(start, body)` (None: not a call, so the
+    block's text is prose)."""
 
-    start: ClassVar[str]
+    starts: ClassVar[tuple[str, ...]]
 
-    def block_end(self, text: str, body: int) -> int | None:
+    def block_end(self, text: str, start: str, body: int) -> int | None:
         raise NotImplementedError
 
-    def block_calls(self, body: str) -> list[ToolCall] | None:
+    def block_calls(self, start: str, body: str) -> list[ToolCall] | None:
         raise NotImplementedError
 
     def scan(self, text: str, final: bool) -> Scan:
@@ -120,19 +121,21 @@ class _MarkedBlocks(ToolParser):
         calls: list[ToolCall] = []
         pos = 0
         while True:
-            i = text.find(self.start, pos)
-            if i < 0:
+            found = [(i, m) for m in self.starts if (i := text.find(m, pos)) >= 0]
+            if not found:
                 tail = text[pos:]
-                prose.append(tail if final else tail[:len(tail) - held_marker(tail, self.start)])
+                held = max(held_marker(tail, m) for m in self.starts)
+                prose.append(tail if final else tail[:len(tail) - held])
                 break
+            i, start = min(found, key=lambda f: (f[0], -len(f[1])))
             prose.append(text[pos:i])
-            body = i + len(self.start)
-            end = self.block_end(text, body)
+            body = i + len(start)
+            end = self.block_end(text, start, body)
             if end is None:  # an open block: held back, or prose if the model stopped in it
                 if final:
                     prose.append(text[i:])
                 break
-            got = self.block_calls(text[body:end])
+            got = self.block_calls(start, text[body:end])
             if got is None:
                 prose.append(text[i:end])
             else:
@@ -142,21 +145,29 @@ class _MarkedBlocks(ToolParser):
 
 
 class HermesParser(_MarkedBlocks):
+    """<tool_call> blocks; also a call object in a ```json fence, which Qwen2.5-Coder writes
+    instead of the tags its template asks for (llama.cpp and ollama read it too). A fence
+    that holds anything but one {"name", "arguments"} object is prose."""
+
     name = "hermes"
     template_markers = ("<tool_call>",)
-    start = "<tool_call>"
-    close = "</tool_call>"
+    starts = ("<tool_call>", "```json")
+    closes = {"<tool_call>": "</tool_call>", "```json": "```"}
     call_format = CallFormat(begin='<tool_call>\n{{"name": "{name}", "arguments": ',
                              end="}\n</tool_call>", separator="\n")
 
-    def block_end(self, text: str, body: int) -> int | None:
-        j = text.find(self.close, body)
-        return None if j < 0 else j + len(self.close)
+    def block_end(self, text: str, start: str, body: int) -> int | None:
+        close = self.closes[start]
+        j = text.find(close, body)
+        return None if j < 0 else j + len(close)
 
-    def block_calls(self, body: str) -> list[ToolCall] | None:
-        body = body[:-len(self.close)]
+    def block_calls(self, start: str, body: str) -> list[ToolCall] | None:
+        body = body[:-len(self.closes[start])]
         got = _decode(body, 0)
         if got is None or body[got[1]:].strip():
+            return None
+        if start != "<tool_call>" and (not isinstance(got[0], dict) or set(got[0]) - {
+                "name", "arguments", "parameters"}):
             return None
         call = _call(got[0])
         return None if call is None else [call]
@@ -165,12 +176,12 @@ class HermesParser(_MarkedBlocks):
 class MistralParser(_MarkedBlocks):
     name = "mistral"
     template_markers = ("[TOOL_CALLS]",)
-    start = "[TOOL_CALLS]"
+    starts = ("[TOOL_CALLS]",)
     args_marker = "[ARGS]"
     call_format = CallFormat(begin='{{"name": "{name}", "arguments": ', end="}",
                              separator=", ", prefix="[TOOL_CALLS][", suffix="]")
 
-    def block_end(self, text: str, body: int) -> int | None:
+    def block_end(self, text: str, start: str, body: int) -> int | None:
         got = _decode(text, body)
         if got is not None:
             return got[1]  # [TOOL_CALLS][...]: the array's end
@@ -181,7 +192,7 @@ class MistralParser(_MarkedBlocks):
         got = _decode(text, a + len(self.args_marker))
         return None if got is None else got[1]
 
-    def block_calls(self, body: str) -> list[ToolCall] | None:
+    def block_calls(self, start: str, body: str) -> list[ToolCall] | None:
         got = _decode(body, 0)
         if got is not None:
             items = got[0] if isinstance(got[0], list) else [got[0]]

@@ -57,6 +57,11 @@ CASES = [
      '<tool_call>{"name": "f", "arguments": {}} extra</tool_call>', []),
     (HermesParser, _hermes("get_time", T_ARGS) + '\n<tool_call>\n{"name": "get_weather", "arg',
      '\n<tool_call>\n{"name": "get_weather", "arg', [T]),
+    # a call in a ```json fence (Qwen2.5-Coder's habit); other JSON in a fence is prose
+    (HermesParser, '```json\n{\n  "name": "get_weather",\n  "arguments": ' + W_ARGS
+     + '\n}\n```', None, [W]),
+    (HermesParser, 'Here:\n```json\n{"name": "Ann", "age": 3}\n```\n```python\nx = 1\n```',
+     'Here:\n```json\n{"name": "Ann", "age": 3}\n```\n```python\nx = 1\n```', []),
     # llama3_json (Llama 3.1): the reply is the calls, ';'-separated, maybe after the tag
     (Llama3JsonParser, '{"name": "get_weather", "parameters": ' + W_ARGS + "}", None, [W]),
     (Llama3JsonParser, '<|python_tag|>{"name": "get_weather", "parameters": ' + W_ARGS

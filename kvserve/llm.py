@@ -18,6 +18,8 @@ from kvserve.llm_engine import LLMEngine, PromptType
 from kvserve.outputs import RequestOutput
 from kvserve.platform import setup_process
 from kvserve.sampling_params import SamplingParams
+from kvserve.tool_calling.prompt import prompt_messages
+from kvserve.tool_calling.support import tool_support
 
 Messages = list[dict[str, Any]]
 
@@ -74,13 +76,21 @@ class LLM:
 
     def chat(self, messages: Messages | Sequence[Messages],
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-             use_tqdm: bool = True, add_generation_prompt: bool = True) -> list[RequestOutput]:
-        """Apply the model's chat template to one conversation or a list of them."""
+             use_tqdm: bool = True, add_generation_prompt: bool = True,
+             tools: list[dict[str, Any]] | None = None) -> list[RequestOutput]:
+        """Apply the model's chat template to one conversation or a list of them. tools:
+        OpenAI function tools, rendered as the server renders them (the output is the
+        model's text; the server's parsers turn it into tool calls)."""
         convs: list[Messages] = ([messages] if messages and isinstance(messages[0], dict)
                                  else list(messages))  # type: ignore[arg-type]
         tok = self.llm_engine.tokenizer
-        prompts: list[PromptType] = [
-            {"prompt_token_ids": tok.apply_chat_template(c, add_generation_prompt=
-                                                         add_generation_prompt, tokenize=True)}
-            for c in convs]
+        support = tool_support(tok, None) if tools else None
+        prompts: list[PromptType] = []
+        for conv in convs:
+            extra: dict[str, Any] = {}
+            if support is not None:
+                conv, extra = prompt_messages(conv, tools, support.template_renders_tools,
+                                              support.parser.call_format)
+            prompts.append({"prompt_token_ids": tok.apply_chat_template(
+                conv, add_generation_prompt=add_generation_prompt, tokenize=True, **extra)})
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)

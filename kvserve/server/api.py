@@ -47,7 +47,7 @@ from kvserve.server.protocol import (
 from kvserve.server.serving import EngineStream, ServingContext, check_model, release_all
 from kvserve.server.serving_chat import create_chat_completion, render_chat
 from kvserve.server.serving_completion import create_completion
-from kvserve.server.serving_tools import ToolSupport, tool_support
+from kvserve.tool_calling.support import ToolSupport, tool_support
 
 logger = logging.getLogger("kvserve.server")
 

@@ -29,7 +29,7 @@ from kvserve.sampling_params import SamplingParams, StructuredOutputsParams
 from kvserve.scheduler import QueueFullError
 from kvserve.server.errors import APIError, bad_request, from_value_error
 from kvserve.server.protocol import _SamplingFields
-from kvserve.server.serving_tools import ToolSupport
+from kvserve.tool_calling.support import ToolSupport
 
 
 @dataclass

@@ -50,6 +50,23 @@ def test_chat_applies_template(llm: LLM) -> None:
     assert out.outputs[0].token_ids[-1] in tok.eos_token_ids
 
 
+def test_chat_with_tools_renders_them_as_the_server_does(llm: LLM) -> None:
+    """The default model's template ignores tools, so they are described in the system
+    turn; the model is told the format the hermes parser reads."""
+    tok = llm.get_tokenizer()
+    tool = {"type": "function", "function": {"name": "get_weather", "parameters": {
+        "type": "object", "properties": {"city": {"type": "string"}}}}}
+    msgs = [{"role": "user", "content": "Weather in Paris?"}]
+    out = llm.chat(msgs, SamplingParams(temperature=0, max_tokens=4), tools=[tool])[0]
+    prompt = tok.decode(out.prompt_token_ids, skip_special_tokens=False)
+    system, user = prompt.split("<|im_end|>")[:2]
+    assert '{"type": "function", "function": {"name": "get_weather"' in system
+    assert '<tool_call>\n{"name": "<function-name>", "arguments": ' in system
+    assert user == "\n<|im_start|>user\nWeather in Paris?"
+    plain = llm.chat(msgs, SamplingParams(temperature=0, max_tokens=4))[0]
+    assert "get_weather" not in tok.decode(plain.prompt_token_ids)
+
+
 def test_generate_rejects_bad_batches_whole(llm: LLM) -> None:
     with pytest.raises(ValueError, match="max_model_len"):
         llm.generate(["fine", {"prompt_token_ids": [1] * 9000}], use_tqdm=False)

@@ -14,9 +14,9 @@ import pytest
 from kvserve.loader import Tokenizer
 from kvserve.server.protocol import ChatMessage
 from kvserve.server.serving_chat import _conversation
-from kvserve.server.serving_tools import tool_support
 from kvserve.tool_calling.parsers import HermesParser
 from kvserve.tool_calling.prompt import prompt_messages
+from kvserve.tool_calling.support import tool_support
 
 # Qwen2.5-Instruct's chat template, as its GGUF files carry it (tokenizer.chat_template).
 QWEN_TEMPLATE = (Path(__file__).parents[1] / "data" / "qwen2.5-chat-template.jinja").read_text()

@@ -477,6 +477,7 @@ class AsyncEngine:
         try:
             while True:
                 self._heartbeat = time.monotonic()
+                self.engine.check_health()  # a dead tensor-parallel rank ends the engine
                 if not self._drain_commands(block=not self.engine.has_unfinished_requests()):
                     break
                 if not self.engine.has_unfinished_requests():
@@ -496,6 +497,7 @@ class AsyncEngine:
                 self._post(self.on_dead, f"{type(e).__name__}: {e}")
         finally:
             self._publish_stats()
+            self.engine.shutdown()  # the other tensor-parallel ranks, if any
 
     def _fail_pending_adds(self, error: BaseException) -> None:
         while True:

@@ -274,6 +274,33 @@ class SpeculativeConfig:
 
 
 @dataclass(frozen=True)
+class ParallelConfig:
+    """Tensor parallelism (kvserve/distributed/): tensor_parallel_size processes, each with
+    1/N of every layer's heads and MLP columns and of the KV cache (vLLM's name).
+    timeout_s: how long a collective may wait for a rank before the engine gives up on it
+    (a hung worker); a dead worker is noticed at once."""
+
+    tensor_parallel_size: int = 1
+    timeout_s: float = 60.0
+
+    def __post_init__(self) -> None:
+        _require(1 <= self.tensor_parallel_size <= 64,
+                 f"tensor_parallel_size must be in [1, 64], got {self.tensor_parallel_size}")
+        _require(self.timeout_s > 0, f"tp_timeout must be > 0 seconds, got {self.timeout_s}")
+
+    def check_model(self, mc: ModelConfig) -> None:
+        """Every split is even: heads, KV heads, MLP columns and the vocabulary."""
+        n = self.tensor_parallel_size
+        for what, count in (("attention heads", mc.num_attention_heads),
+                            ("KV heads", mc.num_key_value_heads),
+                            ("MLP columns (intermediate_size)", mc.intermediate_size),
+                            ("vocabulary entries", mc.vocab_size)):
+            _require(count % n == 0, f"tensor_parallel_size {n} does not divide the model's "
+                     f"{count} {what} (model: {mc.num_attention_heads} attention heads, "
+                     f"{mc.num_key_value_heads} KV heads); pick a divisor of the head counts")
+
+
+@dataclass(frozen=True)
 class EngineConfig:
     model: str  # resolved path to a .gguf file or an HF directory
     model_config: ModelConfig
@@ -287,8 +314,15 @@ class EngineConfig:
     # Bound of the compiled-grammar cache (response_format schemas), in bytes; 0: no cache.
     grammar_cache_bytes: int = 256 << 20
     speculative: SpeculativeConfig | None = None
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
 
     def __post_init__(self) -> None:
+        self.parallel.check_model(self.model_config)
+        if self.parallel.tensor_parallel_size > 1 and self.speculative is not None:
+            _require(self.speculative.method not in ("draft_model", "self_draft"),
+                     f"speculative method {self.speculative.method!r} runs a model beside the "
+                     f"target, which tensor parallelism does not split yet; use ngram, "
+                     f"suffix or medusa with tensor_parallel_size > 1")
         _require(self.grammar_cache_bytes >= 0,
                  f"grammar_cache_bytes must be >= 0, got {self.grammar_cache_bytes}")
         _require(self.dtype in _DTYPES,

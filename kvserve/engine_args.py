@@ -15,6 +15,7 @@ from kvserve.config import (
     CacheConfig,
     EngineConfig,
     ModelConfig,
+    ParallelConfig,
     SchedulerConfig,
     SpeculativeConfig,
     parse_memory,
@@ -62,6 +63,9 @@ class EngineArgs:
     # "num_speculative_tokens": K, ...} (kvserve.config.SpeculativeConfig), or its JSON text;
     # None: no speculation.
     speculative_config: dict | str | None = None
+    # Tensor parallelism: N processes, each with 1/N of every layer (kvserve/distributed/).
+    tensor_parallel_size: int = 1
+    tp_timeout: float = 60.0  # seconds a collective waits for a rank (a hung worker)
 
     def create_engine_config(self, model_path: str, mc: ModelConfig) -> EngineConfig:
         device = default_device() if self.device == "auto" else self.device
@@ -97,7 +101,8 @@ class EngineArgs:
             quant=quant_config(quantization, self.quant_group_size, mc.quantization_config),
             grammar_cache_bytes=parse_memory(self.grammar_cache_memory,
                                              "grammar_cache_memory") or 0,
-            speculative=self.speculative()))
+            speculative=self.speculative(),
+            parallel=ParallelConfig(self.tensor_parallel_size, self.tp_timeout)))
 
     def speculative(self) -> SpeculativeConfig | None:
         spec = self.speculative_config
@@ -171,6 +176,14 @@ class EngineArgs:
                        '"model": HEADS_DIR, "num_speculative_tokens": 3} (kvserve '
                        'train-medusa); "adaptive": false always drafts K (default: K per step '
                        'from measured acceptance and cost)')
+        p.add_argument("--tensor-parallel-size", "-tp", type=int, default=d.tensor_parallel_size,
+                       help="split every layer across N processes (torch.distributed: gloo "
+                            "on CPU, NCCL on CUDA), each on its share of the cores or its "
+                            "GPU; the heads, KV heads, MLP columns and vocabulary must "
+                            "divide by N (default 1)")
+        p.add_argument("--tp-timeout", type=float, default=d.tp_timeout,
+                       help="seconds a tensor-parallel collective waits for a rank before "
+                            "the engine stops (a hung worker; a dead one is noticed at once)")
         p.add_argument("--ops-backend", default=d.ops_backend,
                        help="auto (cpu kernels on CPU, torch elsewhere), cpu, torch or "
                        "reference (the pure-torch oracle)")

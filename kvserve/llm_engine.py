@@ -20,6 +20,8 @@ import torch
 
 from kvserve.config import EngineConfig
 from kvserve.detokenizer import IncrementalDetokenizer
+from kvserve.distributed.executor import TPExecutor
+from kvserve.distributed.group import TPGroup
 from kvserve.engine_args import EngineArgs
 from kvserve.kv.layout import model_block_bytes, resolve_kv_dtype
 from kvserve.loader import load_checkpoint, resolve_model
@@ -63,6 +65,32 @@ class _Parent:
     finished_children: set[int] = field(default_factory=set)
 
 
+def load_model(args: EngineArgs, ckpt: Any, config: EngineConfig, tp: TPGroup
+               ) -> tuple[EngineConfig, Any, torch.nn.Module]:
+    """The ops backend and the loaded model (tp: this rank's part of it), for the engine and
+    for a tensor-parallel worker alike. The config may come back changed: a GGUF file without
+    kvserve's CPU kernels is dequantized at load (quantization none)."""
+    ops = get_ops(config.ops_backend, config.device)
+    quant = get_quant_method(config.quant)
+    if quant.needs_kernels and not getattr(ops, "uses_kernels", False):
+        # Only kvserve's CPU kernels read blocks as stored; anywhere else every forward
+        # would dequantize every matrix again.
+        if args.quantization is None:
+            # Derived again from the args, so every default that follows the quantization
+            # (the KV cache dtype) follows it here too.
+            args = dataclasses.replace(args, quantization="none")
+            config = args.create_engine_config(config.model, ckpt.model_config)
+            quant = get_quant_method(config.quant)
+        else:
+            logger.warning("quantization %r without kvserve's CPU kernels (ops=%s): "
+                           "every linear runs the pure-torch reference on its blocks; "
+                           "--quantization none is faster here", config.quantization,
+                           ops.name)
+    model = build_model(ckpt, ops, torch_dtype(config.dtype), quant,
+                        config.scheduler.max_model_len, tp=tp).to(config.device)
+    return config, ops, model
+
+
 class LLMEngine:
     def __init__(self, config: EngineConfig, tokenizer: Tokenizer, model: torch.nn.Module,
                  num_blocks: int, proposer: Proposer | None = None) -> None:
@@ -94,38 +122,34 @@ class LLMEngine:
         ckpt = load_checkpoint(path)
         config = args.create_engine_config(path, ckpt.model_config)
         t_ckpt = time.perf_counter()
-        ops = get_ops(config.ops_backend, config.device)
-        quant = get_quant_method(config.quant)
-        if quant.needs_kernels and not getattr(ops, "uses_kernels", False):
-            # Only kvserve's CPU kernels read blocks as stored; anywhere else every forward
-            # would dequantize every matrix again.
-            if args.quantization is None:
-                # Derived again from the args, so every default that follows the quantization
-                # (the KV cache dtype) follows it here too.
-                args = dataclasses.replace(args, quantization="none")
-                config = args.create_engine_config(path, ckpt.model_config)
-                quant = get_quant_method(config.quant)
-            else:
-                logger.warning("quantization %r without kvserve's CPU kernels (ops=%s): "
-                               "every linear runs the pure-torch reference on its blocks; "
-                               "--quantization none is faster here", config.quantization,
-                               ops.name)
-        t_ops = time.perf_counter()
-        mc = config.model_config
-        model = build_model(ckpt, ops, torch_dtype(config.dtype), quant,
-                            config.scheduler.max_model_len).to(config.device)
-        t_weights = time.perf_counter()
-        proposer = build_proposer(config, ckpt.tokenizer, model)
-        num_blocks = cls.num_kv_blocks(config, proposer.kv_bytes_per_block if proposer else 0)
-        engine = cls(config, ckpt.tokenizer, model, num_blocks, proposer)
+        executor = None
+        tp = config.parallel.tensor_parallel_size
+        if tp > 1:
+            # The other ranks start now and load their shards while this one loads its own.
+            executor = TPExecutor.start(args, tp, config.device, config.parallel.timeout_s)
+        try:
+            config, ops, model = load_model(args, ckpt, config, TPGroup(0, tp))
+            t_weights = time.perf_counter()
+            proposer = build_proposer(config, ckpt.tokenizer, model)
+            num_blocks = cls.num_kv_blocks(config,
+                                           proposer.kv_bytes_per_block if proposer else 0)
+            if executor is not None:
+                num_blocks = executor.agree_blocks(num_blocks)
+            engine = cls(config, ckpt.tokenizer, model, num_blocks, proposer)
+        except BaseException:
+            if executor is not None:
+                executor.shutdown()
+            raise
+        engine.runner.executor = executor
         t_end = time.perf_counter()
+        mc = config.model_config
         bs = config.cache.block_size
-        logger.info("loaded %s (%s, %s, quantization=%s, ops=%s, %d threads) in %.1fs "
-                    "(checkpoint %.1fs, ops %.1fs, weights %.1fs, KV cache %.1fs); KV cache "
+        logger.info("loaded %s (%s, %s, quantization=%s, ops=%s, %d threads%s) in %.1fs "
+                    "(checkpoint %.1fs, model %.1fs, KV cache %.1fs); KV cache "
                     "(%s): %d blocks x %d tokens = %d tokens", path, mc.architecture,
                     config.dtype, config.quantization, ops.name, torch.get_num_threads(),
-                    t_end - t0, t_ckpt - t0, t_ops - t_ckpt, t_weights - t_ops,
-                    t_end - t_weights,
+                    f", tensor_parallel_size {tp}" if tp > 1 else "",
+                    t_end - t0, t_ckpt - t0, t_weights - t_ckpt, t_end - t_weights,
                     resolve_kv_dtype(config.cache.kv_cache_dtype, config.dtype),
                     num_blocks - 1, bs, (num_blocks - 1) * bs)
         return engine
@@ -153,6 +177,16 @@ class LLMEngine:
             raise ValueError(f"kv_cache_memory ({budget} bytes) holds no KV block; one block "
                              f"of {c.block_size} tokens needs {per_block} bytes")
         return num_blocks
+
+    def check_health(self) -> None:
+        """Raises when the engine can no longer step: a tensor-parallel rank has died."""
+        if self.runner.executor is not None:
+            self.runner.executor.check()
+
+    def shutdown(self) -> None:
+        """Stops the tensor-parallel ranks (a no-op in one process). Idempotent."""
+        if self.runner.executor is not None:
+            self.runner.executor.shutdown()
 
     # ---- requests -----------------------------------------------------------------------
 

@@ -14,6 +14,7 @@ import numpy as np
 import torch
 
 from kvserve.config import EngineConfig
+from kvserve.distributed.executor import TPExecutor
 from kvserve.kv.layout import (
     QUANTIZED_KV_DTYPES,
     QuantizedKVCache,
@@ -50,6 +51,25 @@ def zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> t
     return torch.from_numpy(np.zeros(nbytes, dtype=np.uint8)).view(dtype).view(shape)
 
 
+def allocate_kv_cache(config: EngineConfig, num_blocks: int) -> torch.Tensor | QuantizedKVCache:
+    """The paged KV cache of this rank: every layer, num_blocks blocks, the model's KV heads
+    (a tensor-parallel rank's share of them)."""
+    mc = config.model_config
+    cache_dtype = resolve_kv_dtype(config.cache.kv_cache_dtype, config.dtype)
+    kv_heads = mc.num_key_value_heads // config.parallel.tensor_parallel_size
+    shape = kv_cache_shape(mc.num_hidden_layers, num_blocks, config.cache.block_size,
+                           kv_heads, mc.head_dim)
+    device = torch.device(config.device)
+    # Zeroed, not empty: kernels may read whole blocks past seq_len and mask them out,
+    # and 0 * garbage-NaN would still be NaN (zero scales and zero fp8 bits are 0.0 too).
+    if cache_dtype in QUANTIZED_KV_DTYPES:
+        data_dtype = torch.int8 if cache_dtype == "int8" else torch.uint8  # e4m3fn bits
+        return QuantizedKVCache(
+            zeros(shape, data_dtype, device),
+            zeros(kv_scales_shape(*shape[:1], *shape[2:5]), torch.float32, device))
+    return zeros(shape, torch_dtype(cache_dtype), device)
+
+
 class ModelRunner:
     def __init__(self, config: EngineConfig, model: Any, num_blocks: int,
                  proposer: Proposer | None = None) -> None:
@@ -58,20 +78,10 @@ class ModelRunner:
         self.device = torch.device(config.device)
         self.block_size = config.cache.block_size
         self.vocab_size = config.model_config.vocab_size
-        mc = config.model_config
-        cache_dtype = resolve_kv_dtype(config.cache.kv_cache_dtype, config.dtype)
-        shape = kv_cache_shape(mc.num_hidden_layers, num_blocks, self.block_size,
-                               mc.num_key_value_heads, mc.head_dim)
-        # Zeroed, not empty: kernels may read whole blocks past seq_len and mask them out,
-        # and 0 * garbage-NaN would still be NaN (zero scales and zero fp8 bits are 0.0 too).
-        self.kv_cache: torch.Tensor | QuantizedKVCache
-        if cache_dtype in QUANTIZED_KV_DTYPES:
-            data_dtype = torch.int8 if cache_dtype == "int8" else torch.uint8  # e4m3fn bits
-            self.kv_cache = QuantizedKVCache(
-                zeros(shape, data_dtype, self.device),
-                zeros(kv_scales_shape(*shape[:1], *shape[2:5]), torch.float32, self.device))
-        else:
-            self.kv_cache = zeros(shape, torch_dtype(cache_dtype), self.device)
+        self.kv_cache = allocate_kv_cache(config, num_blocks)
+        # Tensor parallelism (kvserve/distributed/): set by the engine; each step's inputs
+        # go to the other ranks before this rank's forward.
+        self.executor: TPExecutor | None = None
         # The engine seed feeds the generator of requests without their own seed, so the
         # same requests in the same order sample the same tokens run after run (vLLM's
         # --seed), whatever else the process does with torch's global generator.
@@ -174,6 +184,8 @@ class ModelRunner:
 
     def _execute(self, so: SchedulerOutput) -> ModelOutput:
         inp, sample_idx, prompt_lp = self.prepare_inputs(so)
+        if self.executor is not None:
+            self.executor.send_step(inp)  # the other ranks run the same forward with us
         hidden = self.model(inp, self.kv_cache)
         # Logits only for the rows that sample or need prompt logprobs.
         logits = self.model.compute_logits(hidden[inp.logits_indices])

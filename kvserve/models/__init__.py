@@ -13,6 +13,7 @@ from kvserve.quant import get_quant_method, quant_config
 if TYPE_CHECKING:
     import torch
 
+    from kvserve.distributed.group import TPGroup
     from kvserve.quant.base import QuantMethod
 
 _MODELS: dict[str, str] = {
@@ -27,15 +28,15 @@ def supported_architectures() -> list[str]:
 
 
 def build_model(ckpt: Any, ops: Any, dtype: torch.dtype, quant: QuantMethod | str = "none",
-                max_positions: int | None = None) -> Any:
+                max_positions: int | None = None, tp: TPGroup | None = None) -> Any:
     """A checkpoint's model with its weights loaded, in eval mode, on the CPU. quant: a
     QuantMethod, or a method name of kvserve.quant's registry ("gguf" keeps a GGUF file's
-    Q4_1 / Q8_0 matrices as blocks)."""
+    Q4_1 / Q8_0 matrices as blocks). tp: build this rank's part of a tensor-parallel model."""
     mc = ckpt.model_config
     if isinstance(quant, str):
         quant = get_quant_method(quant_config(quant, checkpoint_config=mc.quantization_config))
     model = get_model_class(mc.architecture)(mc, ops, dtype, max_positions=max_positions,
-                                             quant=quant)
+                                             quant=quant, tp=tp)
     model.load_weights(ckpt.weights(keep_quantized=quant.keeps_quantized))
     return model.eval()
 

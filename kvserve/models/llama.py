@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 from kvserve.config import ModelConfig
+from kvserve.distributed.group import TPGroup
 from kvserve.layers.linear import Linear
 from kvserve.layers.rotary import rope_cos_sin
 from kvserve.outputs import ModelInput
@@ -38,24 +39,32 @@ _NONE = NoQuantization()
 
 
 class LlamaAttention(nn.Module):
+    """With a tensor-parallel group: this rank's heads and KV heads (the KV cache it is
+    handed holds those), o_proj summing over ranks."""
+
     def __init__(self, cfg: ModelConfig, layer_idx: int, ops: Any, dtype: torch.dtype,
-                 quant: QuantMethod = _NONE) -> None:
+                 quant: QuantMethod = _NONE, tp: TPGroup | None = None) -> None:
         super().__init__()
+        tp = tp or TPGroup.single()
         self.layer_idx = layer_idx
-        self.num_heads = cfg.num_attention_heads
-        self.num_kv_heads = cfg.num_key_value_heads
+        self.num_heads = tp.shard(cfg.num_attention_heads)
+        self.num_kv_heads = tp.shard(cfg.num_key_value_heads)
         self.head_dim = cfg.head_dim
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
         self.scale = self.head_dim**-0.5
         self.ops = ops
         prefix = f"model.layers.{layer_idx}.self_attn"
-        self.qkv_proj = Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size,
+        q_all = cfg.num_attention_heads * cfg.head_dim  # the whole model's sizes
+        kv_all = cfg.num_key_value_heads * cfg.head_dim
+        self.qkv_proj = Linear(cfg.hidden_size, q_all + 2 * kv_all,
                                bias=cfg.attention_bias, ops=ops, dtype=dtype,
-                               shard_sizes=(self.q_size, self.kv_size, self.kv_size),
-                               quant_method=quant.linear_method(f"{prefix}.qkv_proj"))
-        self.o_proj = Linear(self.q_size, cfg.hidden_size, bias=False, ops=ops, dtype=dtype,
-                             quant_method=quant.linear_method(f"{prefix}.o_proj"))
+                               shard_sizes=(q_all, kv_all, kv_all),
+                               quant_method=quant.linear_method(f"{prefix}.qkv_proj"),
+                               parallel="column", tp=tp)
+        self.o_proj = Linear(q_all, cfg.hidden_size, bias=False, ops=ops, dtype=dtype,
+                             quant_method=quant.linear_method(f"{prefix}.o_proj"),
+                             parallel="row", tp=tp)
 
     def forward(self, x: torch.Tensor, inp: ModelInput, kv_cache: torch.Tensor,
                 cos_sin: torch.Tensor) -> torch.Tensor:
@@ -75,15 +84,18 @@ class LlamaAttention(nn.Module):
 
 class LlamaMLP(nn.Module):
     def __init__(self, cfg: ModelConfig, ops: Any, dtype: torch.dtype,
-                 quant: QuantMethod = _NONE, prefix: str = "model.layers.0.mlp") -> None:
+                 quant: QuantMethod = _NONE, prefix: str = "model.layers.0.mlp",
+                 tp: TPGroup | None = None) -> None:
         super().__init__()
         i = cfg.intermediate_size
         self.ops = ops
         self.gate_up_proj = Linear(cfg.hidden_size, 2 * i, bias=False, ops=ops, dtype=dtype,
                                    shard_sizes=(i, i),
-                                   quant_method=quant.linear_method(f"{prefix}.gate_up_proj"))
+                                   quant_method=quant.linear_method(f"{prefix}.gate_up_proj"),
+                                   parallel="column", tp=tp)
         self.down_proj = Linear(i, cfg.hidden_size, bias=False, ops=ops, dtype=dtype,
-                                quant_method=quant.linear_method(f"{prefix}.down_proj"))
+                                quant_method=quant.linear_method(f"{prefix}.down_proj"),
+                                parallel="row", tp=tp)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(self.ops.silu_and_mul(self.gate_up_proj(x)))
@@ -91,13 +103,13 @@ class LlamaMLP(nn.Module):
 
 class LlamaDecoderLayer(nn.Module):
     def __init__(self, cfg: ModelConfig, layer_idx: int, ops: Any, dtype: torch.dtype,
-                 quant: QuantMethod = _NONE) -> None:
+                 quant: QuantMethod = _NONE, tp: TPGroup | None = None) -> None:
         super().__init__()
         self.ops = ops
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops, dtype)
-        self.self_attn = LlamaAttention(cfg, layer_idx, ops, dtype, quant)
+        self.self_attn = LlamaAttention(cfg, layer_idx, ops, dtype, quant, tp)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops, dtype)
-        self.mlp = LlamaMLP(cfg, ops, dtype, quant, f"model.layers.{layer_idx}.mlp")
+        self.mlp = LlamaMLP(cfg, ops, dtype, quant, f"model.layers.{layer_idx}.mlp", tp)
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None, inp: ModelInput,
                 kv_cache: torch.Tensor, cos_sin: torch.Tensor
@@ -121,25 +133,29 @@ class LlamaForCausalLM(nn.Module):
     }
 
     def __init__(self, cfg: ModelConfig, ops: Any, dtype: torch.dtype = torch.float32,
-                 max_positions: int | None = None, quant: QuantMethod = _NONE) -> None:
+                 max_positions: int | None = None, quant: QuantMethod = _NONE,
+                 tp: TPGroup | None = None) -> None:
         """quant: hands every linear layer (lm_head included, tied or not) its LinearMethod.
         An embedding the loader kept as stored is looked up row by row (embed_stored);
-        otherwise it is floats."""
+        otherwise it is floats. tp: this rank's part of a tensor-parallel model (every rank
+        keeps the whole embedding; lm_head holds its slice of the vocabulary)."""
         super().__init__()
         self.config = cfg
         self.ops = ops
+        self.tp = tp = tp or TPGroup.single()
         self.embed_tokens = nn.Parameter(torch.empty(cfg.vocab_size, cfg.hidden_size,
                                                      dtype=dtype), requires_grad=False)
         # The embedding as stored, when the loader kept it: each step dequantizes only the rows
         # it looks up, and the float table above stays an untouched placeholder (the Qwen2.5
         # 1.5B Q4_K_M file: 131 MB of Q4_K blocks instead of 933 MB of floats).
         self.embed_stored: QuantizedTensor | None = None
-        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, i, ops, dtype, quant)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, i, ops, dtype, quant, tp)
                                     for i in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops, dtype)
         self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False, ops=ops, dtype=dtype,
-                              quant_method=quant.linear_method("lm_head"))
-        if cfg.tie_word_embeddings:
+                              quant_method=quant.linear_method("lm_head"), parallel="column",
+                              tp=tp)
+        if cfg.tie_word_embeddings and tp.size == 1:
             # Tied: one float tensor serves both, unless lm_head keeps the embedding's
             # quantized form (then the lookup still reads the dequantized floats).
             self.lm_head.weight = self.embed_tokens
@@ -168,8 +184,10 @@ class LlamaForCausalLM(nn.Module):
         x, _ = self.norm(x, residual)
         return x
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden).float()
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        """[rows, vocab] float logits; under tensor parallelism on rank 0 only (None on the
+        other ranks, which computed their slice of the vocabulary for it)."""
+        return self.tp.gather_logits(self.lm_head(hidden).float())
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor | QuantizedTensor]]
                      ) -> None:
@@ -186,6 +204,10 @@ class LlamaForCausalLM(nn.Module):
                 continue
             if name == "lm_head.weight" and self.config.tie_word_embeddings:
                 continue
+            if (name == "model.embed_tokens.weight" and self.config.tie_word_embeddings
+                    and self.tp.size > 1 and not is_quantized(tensor)):
+                # Tied, but lm_head holds only this rank's vocabulary rows: its own copy.
+                self.lm_head.load_shard("weight", 0, tensor)
             if is_quantized(tensor) and name == "model.embed_tokens.weight":
                 if self.config.tie_word_embeddings:
                     self.lm_head.load_shard("weight", 0, tensor)  # keeps or dequantizes

@@ -327,6 +327,10 @@ class CpuOps(ReferenceOps):
         attn, mlp = layer.self_attn, layer.mlp
         linears = {"qkv": attn.qkv_proj, "o": attn.o_proj, "gate_up": mlp.gate_up_proj,
                    "down": mlp.down_proj}
+        if any(lin.parallel != "none" for lin in linears.values()):
+            # Tensor parallelism: the all-reduces after o_proj and down_proj run between the
+            # Python layer's kernels (the stack has no communication hook yet).
+            return None
         runs = {name: lin.quant_method.kernel_weights(lin) for name, lin in linears.items()}
         tensors = [layer.input_layernorm.weight, layer.post_attention_layernorm.weight, cos_sin]
         if attn.qkv_proj.bias is not None:

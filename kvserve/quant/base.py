@@ -47,6 +47,11 @@ class QuantizedTensor(Protocol):
         lookup that never dequantizes the whole table, as llama.cpp's get_rows)."""
         ...
 
+    def narrow(self, dim: int, start: int, length: int) -> QuantizedTensor | None:
+        """A slice as stored (a tensor-parallel shard: rows, or columns along whole blocks);
+        None when the format cannot be cut there (the caller dequantizes)."""
+        ...
+
 
 def is_quantized(tensor: torch.Tensor | QuantizedTensor) -> bool:
     """Whether a checkpoint tensor came as stored (not a torch.Tensor: torch.Tensor has a

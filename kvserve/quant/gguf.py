@@ -33,6 +33,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
+from gguf import GGML_QUANT_SIZES
 from torch import nn
 
 from kvserve.quant import ggml_blocks
@@ -119,6 +120,17 @@ class GGUFWeight(NamedTuple):
         device."""
         picked = self.data.index_select(0, ids.to(self.data.device))
         return GGUFWeight(picked, self.qtype, self.k).dequantize().to(ids.device)
+
+    def narrow(self, dim: int, start: int, length: int) -> GGUFWeight | None:
+        """Rows [start, start + length) (dim 0), or columns (dim 1) along whole blocks, as
+        stored: a tensor-parallel shard. None when the columns cut a block."""
+        if dim == 0:
+            return GGUFWeight(self.data[start:start + length], self.qtype, self.k)
+        block, nbytes = GGML_QUANT_SIZES[self.qtype]
+        if start % block or length % block:
+            return None
+        b0, nb = start // block * nbytes, length // block * nbytes
+        return GGUFWeight(self.data[:, b0:b0 + nb].contiguous(), self.qtype, length)
 
 
 def dequantize(data: torch.Tensor, qtype: int, k: int) -> torch.Tensor:

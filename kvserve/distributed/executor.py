@@ -1,0 +1,203 @@
+"""Tensor parallelism's rank 0: the engine process starts ranks 1..N-1 and drives them.
+
+    engine process (rank 0)                     worker process (rank r, worker.py)
+    ------------------------                    ----------------------------------
+    TPExecutor.start: spawn, join the gloo      join the group; load the checkpoint and
+      group, load rank 0's shard                  build rank r's shard
+    agree_blocks: min of the ranks' KV block    send its block count; allocate its KV shard
+      counts over the pipes                       (the same block ids, its KV heads)
+    each step: send_step(ModelInput)  ------>   recv the step (a pipe: idle ranks wait there,
+      the same forward, all-reduces paired         never inside a collective)
+      gather_logits -> rank 0 samples           forward; its vocabulary slice to rank 0
+    check(): a dead rank is an error            exits when rank 0 says stop, its pipe
+    shutdown(): stop, join, kill                  closes, or rank 0 dies (PDEATHSIG)
+
+One scheduler and one sampler, on rank 0. A step crosses to the other ranks as a compact
+array of its ModelInput (token ids, positions, slots, block tables, lengths, logits rows),
+never as Request objects; the sampled tokens stay on rank 0, which builds the next step.
+"""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing as mp
+import os
+import signal
+import socket
+import time
+from datetime import timedelta
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import torch
+
+from kvserve.outputs import ModelInput
+
+if TYPE_CHECKING:
+    from kvserve.engine_args import EngineArgs
+
+logger = logging.getLogger(__name__)
+
+STOP = b"stop"
+_HEADER = 6  # n_tokens, n_requests, max_blocks, n_logits, max_query_len, max_seq_len
+
+
+def encode_step(inp: ModelInput) -> bytes:
+    """A step's ModelInput as one int64 array (header, then each tensor flattened)."""
+    t, b = inp.input_ids.numel(), inp.seq_lens.numel()
+    header = [t, b, inp.block_tables.shape[1], inp.logits_indices.numel(), inp.max_query_len,
+              inp.max_seq_len]
+    parts = [torch.tensor(header, dtype=torch.int64)] + [
+        x.reshape(-1).to(torch.int64).cpu() for x in (
+            inp.input_ids, inp.positions, inp.slot_mapping, inp.block_tables, inp.seq_lens,
+            inp.query_start_loc, inp.logits_indices)]
+    return torch.cat(parts).numpy().tobytes()
+
+
+def decode_step(data: bytes, device: torch.device) -> ModelInput:
+    a = torch.from_numpy(np.frombuffer(data, dtype=np.int64).copy())
+    t, b, max_blocks, s, max_q, max_s = (int(x) for x in a[:_HEADER])
+    sizes = [t, t, t, b * max_blocks, b, b + 1, s]
+    x = a[_HEADER:].split(sizes)
+    return ModelInput(
+        input_ids=x[0].to(device), positions=x[1].to(device), slot_mapping=x[2].to(device),
+        block_tables=x[3].reshape(b, max_blocks).to(torch.int32).to(device),
+        seq_lens=x[4].to(torch.int32).to(device),
+        query_start_loc=x[5].to(torch.int32).to(device), logits_indices=x[6].to(device),
+        max_query_len=max_q, max_seq_len=max_s)
+
+
+def rank_cores(rank: int, size: int) -> list[int]:
+    """This rank's share of the cores the process may use: disjoint slices while there are
+    enough, else one core each, shared round-robin (more ranks than cores still run)."""
+    cores = sorted(os.sched_getaffinity(0))
+    per = len(cores) // size
+    if per >= 1:
+        return cores[rank * per:(rank + 1) * per]
+    return [cores[rank % len(cores)]]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def init_group(rank: int, size: int, port: int, device: str, timeout_s: float) -> None:
+    import torch.distributed as dist
+
+    backend = "nccl" if device.startswith("cuda") else "gloo"
+    if backend == "nccl":
+        torch.cuda.set_device(rank)  # rank r on GPU r; "cuda" then means that one
+    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=size, timeout=timedelta(seconds=timeout_s))
+
+
+class TPExecutor:
+    def __init__(self, procs: list[Any], conns: list[Any]) -> None:
+        self.procs = procs  # ranks 1..N-1
+        self.conns = conns
+        self._closed = False
+
+    @classmethod
+    def start(cls, args: EngineArgs, size: int, device: str, timeout_s: float) -> TPExecutor:
+        """Spawns ranks 1..size-1 (each pinned to its share of the cores) and joins the group
+        as rank 0; they load their shards while this process loads its own."""
+        from kvserve.distributed.worker import worker_main
+
+        port = _free_port()
+        ctx = mp.get_context("spawn")  # a fork would copy the engine's threads and locks
+        procs, conns = [], []
+        for rank in range(1, size):
+            ours, theirs = ctx.Pipe()
+            p = ctx.Process(target=worker_main, name=f"kvserve-tp{rank}", daemon=True,
+                            args=(args, rank, size, port, theirs, rank_cores(rank, size)))
+            p.start()
+            theirs.close()
+            procs.append(p)
+            conns.append(ours)
+        executor = cls(procs, conns)
+        try:
+            init_group(0, size, port, device, timeout_s)
+        except BaseException:
+            executor.shutdown()
+            raise
+        # Rank 0 keeps its share of the cores as a thread count, unpinned: its process also
+        # runs the server's threads (the workers are pinned: worker.py).
+        threads = len(rank_cores(0, size))
+        torch.set_num_threads(threads)
+        os.environ["KVSERVE_NUM_THREADS"] = str(threads)  # the engine thread's OpenMP too
+        logger.info("tensor parallelism: %d ranks over %s (worker pids %s); rank 0 runs %d "
+                    "threads", size, "nccl" if device.startswith("cuda") else "gloo",
+                    [p.pid for p in procs], threads)
+        return executor
+
+    def agree_blocks(self, num_blocks: int, timeout_s: float = 600.0) -> int:
+        """Every rank's KV block count (from its own view of free memory) -> the minimum,
+        which every rank then allocates. A rank that failed to load is an error here."""
+        counts = [num_blocks]
+        for rank, conn in enumerate(self.conns, start=1):
+            msg = self._recv(rank, conn, timeout_s)
+            if msg[0] == "error":
+                self.shutdown()
+                raise ValueError(f"tensor-parallel rank {rank} failed to start: {msg[1]}")
+            counts.append(int(msg[1]))
+        agreed = min(counts)
+        for conn in self.conns:
+            conn.send(("blocks", agreed))
+        return agreed
+
+    def _recv(self, rank: int, conn: Any, timeout_s: float) -> Any:
+        deadline = time.monotonic() + timeout_s
+        while not conn.poll(0.2):
+            self.check()
+            if time.monotonic() > deadline:
+                self.shutdown()
+                raise RuntimeError(f"tensor-parallel rank {rank} did not start within "
+                                   f"{timeout_s:.0f}s")
+        return conn.recv()
+
+    def send_step(self, inp: ModelInput) -> None:
+        data = encode_step(inp)
+        for rank, conn in enumerate(self.conns, start=1):
+            try:
+                conn.send_bytes(data)
+            except OSError:  # its end of the pipe is gone
+                self.check()
+                raise RuntimeError(f"tensor-parallel rank {rank} is unreachable") from None
+
+    def check(self) -> None:
+        """RuntimeError naming the first rank that is no longer running."""
+        for rank, p in enumerate(self.procs, start=1):
+            if not p.is_alive():
+                code = p.exitcode
+                how = f"was killed by signal {-code}" if code is not None and code < 0 \
+                    else f"exited with code {code}"
+                raise RuntimeError(f"tensor-parallel worker rank {rank} (pid {p.pid}) {how}")
+
+    def shutdown(self, timeout_s: float = 5.0) -> None:
+        """Stops every rank and reaps it: asked first, then SIGTERM, then SIGKILL."""
+        if self._closed:
+            return
+        self._closed = True
+        for conn in self.conns:
+            try:
+                conn.send_bytes(STOP)
+            except OSError:
+                pass
+        deadline = time.monotonic() + timeout_s
+        for p in self.procs:
+            p.join(max(0.0, deadline - time.monotonic()))
+        for p in self.procs:
+            if p.is_alive():
+                p.terminate()
+                p.join(1.0)
+            if p.is_alive() and p.pid is not None:
+                os.kill(p.pid, signal.SIGKILL)
+                p.join(1.0)
+        for conn in self.conns:
+            conn.close()
+        import torch.distributed as dist
+
+        if dist.is_initialized():
+            dist.destroy_process_group()

@@ -1,0 +1,67 @@
+"""A tensor-parallel rank r >= 1: its shard of the model and of the KV cache, and a loop that
+runs each step rank 0 sends (executor.py has the whole picture)."""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+import signal
+import sys
+from typing import Any
+
+import torch
+
+from kvserve.distributed.executor import STOP, decode_step, init_group
+from kvserve.distributed.group import TPGroup
+
+logger = logging.getLogger(__name__)
+
+_PR_SET_PDEATHSIG = 1
+
+
+def _die_with_parent() -> None:
+    """SIGKILL this process when rank 0's process dies, however it dies (Linux)."""
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+    except OSError:
+        pass  # elsewhere the pipe's EOF still ends the loop
+
+
+def worker_main(args: Any, rank: int, size: int, port: int, conn: Any, cores: list[int]
+                ) -> None:
+    _die_with_parent()
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is rank 0's to handle
+    logging.basicConfig(level=logging.WARNING, format=f"%(levelname)s tp{rank}: %(message)s",
+                        stream=sys.stderr)
+    os.sched_setaffinity(0, cores)
+    os.environ["KVSERVE_NUM_THREADS"] = str(len(cores))
+    torch.set_num_threads(len(cores))
+    try:
+        from kvserve.llm_engine import LLMEngine, load_model
+        from kvserve.loader import load_checkpoint, resolve_model
+        from kvserve.model_runner import allocate_kv_cache
+
+        path = resolve_model(args.model)
+        ckpt = load_checkpoint(path)
+        config = args.create_engine_config(path, ckpt.model_config)
+        init_group(rank, size, port, config.device, config.parallel.timeout_s)
+        config, _ops, model = load_model(args, ckpt, config, TPGroup(rank, size))
+        conn.send(("ready", LLMEngine.num_kv_blocks(config)))
+    except Exception as e:  # noqa: BLE001 - reported to rank 0, which raises it
+        conn.send(("error", f"{type(e).__name__}: {e}"))
+        return
+    _kind, num_blocks = conn.recv()
+    kv_cache = allocate_kv_cache(config, num_blocks)
+    device = torch.device(config.device)
+    with torch.inference_mode():
+        while True:
+            try:
+                data = conn.recv_bytes()
+            except (EOFError, OSError):
+                return  # rank 0 is gone
+            if data == STOP:
+                return
+            inp = decode_step(data, device)
+            hidden = model(inp, kv_cache)
+            model.compute_logits(hidden[inp.logits_indices])  # this rank's slice, to rank 0

@@ -128,7 +128,8 @@ class LLMEngine:
             # The other ranks start now and load their shards while this one loads its own.
             executor = TPExecutor.start(args, tp, config.device, config.parallel.timeout_s)
         try:
-            config, ops, model = load_model(args, ckpt, config, TPGroup(0, tp))
+            group = executor.group if executor is not None else TPGroup.single()
+            config, ops, model = load_model(args, ckpt, config, group)
             t_weights = time.perf_counter()
             proposer = build_proposer(config, ckpt.tokenizer, model)
             num_blocks = cls.num_kv_blocks(config,

@@ -25,12 +25,12 @@ import os
 import signal
 import socket
 import time
-from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
 
+from kvserve.distributed.group import TPGroup
 from kvserve.outputs import ModelInput
 
 if TYPE_CHECKING:
@@ -83,20 +83,11 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def init_group(rank: int, size: int, port: int, device: str, timeout_s: float) -> None:
-    import torch.distributed as dist
-
-    backend = "nccl" if device.startswith("cuda") else "gloo"
-    if backend == "nccl":
-        torch.cuda.set_device(rank)  # rank r on GPU r; "cuda" then means that one
-    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                            world_size=size, timeout=timedelta(seconds=timeout_s))
-
-
 class TPExecutor:
     def __init__(self, procs: list[Any], conns: list[Any]) -> None:
         self.procs = procs  # ranks 1..N-1
         self.conns = conns
+        self.group = TPGroup.single()  # rank 0's, once joined
         self._closed = False
 
     @classmethod
@@ -118,7 +109,7 @@ class TPExecutor:
             conns.append(ours)
         executor = cls(procs, conns)
         try:
-            init_group(0, size, port, device, timeout_s)
+            executor.group = TPGroup.connect(0, size, port, device, timeout_s)
         except BaseException:
             executor.shutdown()
             raise
@@ -197,7 +188,4 @@ class TPExecutor:
                 p.join(1.0)
         for conn in self.conns:
             conn.close()
-        import torch.distributed as dist
-
-        if dist.is_initialized():
-            dist.destroy_process_group()
+        self.group = TPGroup.single()  # drops the process group and its store

@@ -10,11 +10,17 @@ sharded layer needs, over torch.distributed (gloo on CPU, NCCL on CUDA).
 
 Every rank runs the same forward with the same inputs, so the collectives pair up in order.
 TPGroup.single() is the one-process group: the collectives are no-ops.
+
+The group is a process group object of its own (torch.distributed's ProcessGroupGloo /
+ProcessGroupNCCL over a TCPStore), not torch.distributed's global default group: one process
+may hold several engines (tests do), each with its own ranks.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any
 
 import torch
 
@@ -23,10 +29,27 @@ import torch
 class TPGroup:
     rank: int = 0
     size: int = 1
+    pg: Any = None  # the process group (None in one process)
 
     @staticmethod
     def single() -> TPGroup:
         return TPGroup(0, 1)
+
+    @staticmethod
+    def connect(rank: int, size: int, port: int, device: str, timeout_s: float) -> TPGroup:
+        """Joins the group of `size` ranks whose store rank 0 serves on 127.0.0.1:port: gloo
+        on the CPU, NCCL on CUDA (rank r on GPU r). A collective waits timeout_s for the
+        others, then raises."""
+        import torch.distributed as dist
+
+        timeout = timedelta(seconds=timeout_s)
+        store = dist.TCPStore("127.0.0.1", port, size, rank == 0, timeout=timeout)
+        if device.startswith("cuda"):
+            torch.cuda.set_device(rank)  # "cuda" then means this rank's GPU
+            pg = dist.ProcessGroupNCCL(store, rank, size)
+        else:
+            pg = dist.ProcessGroupGloo(store, rank, size, timeout)
+        return TPGroup(rank, size, pg)
 
     def shard(self, n: int) -> int:
         """This rank's share of n (heads, columns, vocabulary); ParallelConfig checked that
@@ -37,9 +60,7 @@ class TPGroup:
         """The sum over ranks, in place (every rank gets the same bits: gloo and NCCL
         reduce each element once and hand the result to all)."""
         if self.size > 1:
-            import torch.distributed as dist
-
-            dist.all_reduce(x)
+            self.pg.allreduce([x]).wait()
         return x
 
     def gather_logits(self, x: torch.Tensor) -> torch.Tensor | None:
@@ -49,6 +70,8 @@ class TPGroup:
         import torch.distributed as dist
 
         x = x.contiguous()
-        parts = [torch.empty_like(x) for _ in range(self.size)] if self.rank == 0 else None
-        dist.gather(x, parts, dst=0)
-        return torch.cat(parts, dim=-1) if parts is not None else None
+        parts = [torch.empty_like(x) for _ in range(self.size)] if self.rank == 0 else []
+        opts = dist.GatherOptions()
+        opts.rootRank = 0
+        self.pg.gather([parts] if parts else [], [x], opts).wait()
+        return torch.cat(parts, dim=-1) if parts else None

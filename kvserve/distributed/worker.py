@@ -12,25 +12,28 @@ from typing import Any
 
 import torch
 
-from kvserve.distributed.executor import STOP, decode_step, init_group
+from kvserve.distributed.executor import STOP, decode_step
 from kvserve.distributed.group import TPGroup
 
 logger = logging.getLogger(__name__)
 
-_PR_SET_PDEATHSIG = 1
+_PR_SET_NAME, _PR_SET_PDEATHSIG = 15, 1
 
 
-def _die_with_parent() -> None:
-    """SIGKILL this process when rank 0's process dies, however it dies (Linux)."""
+def _die_with_parent(rank: int) -> None:
+    """SIGKILL this process when rank 0's process dies, however it dies, and name it
+    kvserve-tpR in ps / top (Linux; elsewhere the pipe's EOF still ends the loop)."""
     try:
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+        libc.prctl(_PR_SET_NAME, f"kvserve-tp{rank}".encode())
     except OSError:
-        pass  # elsewhere the pipe's EOF still ends the loop
+        pass
 
 
 def worker_main(args: Any, rank: int, size: int, port: int, conn: Any, cores: list[int]
                 ) -> None:
-    _die_with_parent()
+    _die_with_parent(rank)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is rank 0's to handle
     logging.basicConfig(level=logging.WARNING, format=f"%(levelname)s tp{rank}: %(message)s",
                         stream=sys.stderr)
@@ -45,8 +48,8 @@ def worker_main(args: Any, rank: int, size: int, port: int, conn: Any, cores: li
         path = resolve_model(args.model)
         ckpt = load_checkpoint(path)
         config = args.create_engine_config(path, ckpt.model_config)
-        init_group(rank, size, port, config.device, config.parallel.timeout_s)
-        config, _ops, model = load_model(args, ckpt, config, TPGroup(rank, size))
+        group = TPGroup.connect(rank, size, port, config.device, config.parallel.timeout_s)
+        config, _ops, model = load_model(args, ckpt, config, group)
         conn.send(("ready", LLMEngine.num_kv_blocks(config)))
     except Exception as e:  # noqa: BLE001 - reported to rank 0, which raises it
         conn.send(("error", f"{type(e).__name__}: {e}"))

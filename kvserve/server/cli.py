@@ -60,6 +60,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--watchdog-timeout", type=float, default=60.0,
                    help="/health turns 503 when requests are in flight and the engine loop "
                         "has not come round for this many seconds (a hung step)")
+    p.add_argument("--disable-web-ui", action="store_true",
+                   help="serve no web page: / and /web/* are 404 (GET /engine/state, an API "
+                        "route, stays)")
     p.add_argument("--log-level", default="info",
                    choices=["critical", "error", "warning", "info", "debug"])
     EngineArgs.add_cli_args(p)
@@ -100,7 +103,8 @@ def _serve(ns: argparse.Namespace) -> int:
     name = ns.served_model_name or ns.model or "smollm2-135m"
     config = ServerConfig(model_name=name, api_key=api_key, max_body_bytes=ns.max_body_bytes,
                           shutdown_timeout=ns.shutdown_timeout,
-                          allowed_hosts=allowed_hosts(ns.host, ns.allowed_host))
+                          allowed_hosts=allowed_hosts(ns.host, ns.allowed_host),
+                          web_ui=not ns.disable_web_ui)
     address = f"http://{ns.host}:{ns.port}"
 
     def load() -> AsyncEngine:

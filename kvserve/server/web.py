@@ -51,7 +51,10 @@ def add_routes(app: FastAPI, state: ServerState, engine: Callable[[], AsyncEngin
                page: bool) -> None:
     """engine: the serving engine, or an APIError (503 while loading, draining, dead)."""
 
-    @app.get("/engine/state")
+    @app.get("/engine/state", openapi_extra={"parameters": [{
+        "name": "blocks", "in": "query", "required": False,
+        "description": "1 or true: add kv.states, one character per block",
+        "schema": {"type": "string", "enum": ["0", "1", "false", "true"]}}]})
     async def engine_state(request: Request) -> JSONResponse:
         with_blocks = _flag(request.query_params.get("blocks"), "blocks")
         eng = engine()

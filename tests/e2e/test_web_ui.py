@@ -241,25 +241,31 @@ def test_chat_streams_the_greedy_reply_the_api_gives(page: Any, server: ServerPr
 # ---- the engine view -----------------------------------------------------------------------
 
 def _load(server: ServerProcess, n: int, stop: threading.Event, errors: list[str]) -> None:
-    """n streamed requests (staggered, so that the later ones find the first's prompt blocks
-    in the prefix cache) that run until stop is set; closing them aborts them."""
+    """n streamed requests that run until stop is set (closing them aborts them; 900 tokens
+    outlast the test on any machine). The first is generating before the others start, so
+    that they find its prompt blocks in the prefix cache."""
+    generating = threading.Event()
 
     def one(i: int) -> None:
-        body = {"model": MODEL, "max_tokens": 400, "ignore_eos": True, "stream": True,
+        body = {"model": MODEL, "max_tokens": 900, "ignore_eos": True, "stream": True,
                 "messages": [{"role": "system", "content": SYSTEM},
                              {"role": "user", "content": f"Story number {i}, please."}]}
         try:
             with httpx.stream("POST", server.base_url + "/v1/chat/completions", json=body,
                               headers=server.headers, timeout=120) as r:
-                for _ in r.iter_lines():
+                for k, _ in enumerate(r.iter_lines()):
+                    if k >= 4:  # the role's chunk, a token's, and their blank lines
+                        generating.set()
                     if stop.is_set():
                         return
         except Exception as e:  # noqa: BLE001 - reported by the test
             errors.append(repr(e))
+        finally:
+            generating.set()
 
     threads = [threading.Thread(target=one, args=(i,)) for i in range(n)]
     threads[0].start()
-    time.sleep(1.0)
+    generating.wait(60)
     for t in threads[1:]:
         t.start()
     for t in threads:
@@ -295,7 +301,7 @@ def test_engine_view_follows_the_load(page: Any, server: ServerProcess,
         # (never shared: only full blocks are hashed).
         prompt_tokens = int(page.locator("#req-rows tr.running td").nth(2).text_content())
         assert used >= math.ceil(prompt_tokens / 16) and used >= shared + n
-        assert text(page, "#eng-waiting") == "0"
+        assert text(page, "#eng-waiting") == "0" and text(page, "#eng-running") == str(n)
         page.locator(".msg.assistant .tok").nth(7).click()  # its alternatives, pinned
         page.locator("#token-popover").wait_for(state="visible")
         path = screenshot_path(tmp_path)
@@ -316,7 +322,8 @@ def test_engine_view_follows_the_load(page: Any, server: ServerProcess,
 # ---- --disable-web-ui ----------------------------------------------------------------------
 
 def test_disable_web_ui_leaves_the_api() -> None:
-    with ServerProcess("--disable-web-ui", "--kv-cache-memory", "64MiB") as srv:
+    with ServerProcess("--disable-web-ui", "--kv-cache-memory", "64MiB", "--max-model-len",
+                       "1024") as srv:
         url = srv.base_url
         for path in ("/", "/web/app.js", "/web/style.css"):
             assert httpx.get(url + path).status_code == 401, path  # not public any more

@@ -122,6 +122,8 @@ def _serve(ns: argparse.Namespace) -> int:
         print(f"kvserve {address} serving {name} ({path}); max_model_len "
               f"{e.config.scheduler.max_model_len}; KV cache {usable} blocks x {bs} tokens = "
               f"{usable * bs} tokens", file=sys.stderr, flush=True)
+        if not ns.disable_web_ui:
+            print(f"kvserve web page: {address}/", file=sys.stderr, flush=True)
 
     failed: list[str] = []
 

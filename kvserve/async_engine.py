@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import heapq
 import logging
 import queue
 import threading
@@ -87,6 +88,35 @@ class IterationStats:
 
 
 StatsListener = Callable[[IterationStats], None]
+
+
+@dataclass(frozen=True)
+class RequestInfo:
+    """One request as the engine holds it (token counts only, never text)."""
+
+    request_id: str
+    tenant: str | None
+    status: str  # "running", "waiting" or "preempted"
+    num_prompt_tokens: int
+    num_output_tokens: int
+    max_tokens: int
+    num_computed_tokens: int
+    num_cached_tokens: int  # prefix-cache hit at first scheduling; 0 before
+    num_blocks: int
+
+
+@dataclass(frozen=True)
+class EngineSnapshot:
+    """The engine at one moment between two steps, taken by the engine thread (snapshot())."""
+
+    stats: EngineStats
+    block_states: str  # BlockPool.block_states(): one character per block id
+    block_size: int
+    # Running (schedule order), then waiting (queue order); at most SNAPSHOT_REQUESTS.
+    requests: tuple[RequestInfo, ...]
+
+
+SNAPSHOT_REQUESTS = 64
 
 
 class RequestStream:
@@ -162,6 +192,11 @@ class _Abort:
     error: BaseException | None = None  # None: the caller stopped listening
 
 
+@dataclass
+class _Snapshot:
+    result: concurrent.futures.Future
+
+
 class AsyncEngine:
     def __init__(self, engine: LLMEngine, *, stats_listener: StatsListener | None = None,
                  tokenizer_workers: int = 2, grammar_workers: int = 1,
@@ -185,7 +220,8 @@ class AsyncEngine:
         self.watchdog_timeout = watchdog_timeout
         self.grammar_timeout = grammar_timeout
         self.max_pending_grammars = max_pending_grammars
-        self._commands: queue.SimpleQueue[_Add | _Abort | None] = queue.SimpleQueue()
+        self._commands: queue.SimpleQueue[_Add | _Abort | _Snapshot | None] = \
+            queue.SimpleQueue()
         self._pool = concurrent.futures.ThreadPoolExecutor(tokenizer_workers,
                                                            thread_name_prefix="kvserve-tok")
         self._grammar_pool = concurrent.futures.ThreadPoolExecutor(
@@ -208,6 +244,7 @@ class AsyncEngine:
         # Event loop only: requests accepted and not yet finished, for draining.
         self._in_flight: set[str] = set()
         self._idle = asyncio.Event()
+        self._snapshot: asyncio.Future | None = None  # the one being taken, shared
         self._publish_stats()
         self._dead: BaseException | None = None
         self._draining = False
@@ -393,6 +430,33 @@ class AsyncEngine:
     async def abort(self, request_id: str) -> None:
         self._commands.put(_Abort(request_id))
 
+    async def snapshot(self, timeout: float = 5.0) -> EngineSnapshot:
+        """The block pool's picture and the requests, taken on the engine thread between two
+        steps: that thread owns the scheduler and the pool, so no other thread reads them.
+        Costs the engine nothing while nobody asks; callers asking at once share one snapshot
+        (at most one per step however many ask). Raises EngineDeadError (also before start()
+        and after shutdown), or TimeoutError when the loop has not come round within timeout
+        seconds (a long step)."""
+        if self._dead is not None or self._thread is None or not self._thread.is_alive():
+            raise EngineDeadError("the engine has stopped")
+        if self._snapshot is None or self._snapshot.done():
+            cf: concurrent.futures.Future = concurrent.futures.Future()
+            self._commands.put(_Snapshot(cf))
+            self._snapshot = asyncio.wrap_future(cf)
+        fut = self._snapshot
+        deadline = time.monotonic() + timeout
+        while True:
+            # wait() never cancels fut: one caller's cancellation (its client gone) leaves it
+            # to the others.
+            done, _ = await asyncio.wait([fut], timeout=min(1.0, max(0.0, deadline
+                                                                     - time.monotonic())))
+            if done:
+                return fut.result()
+            if self._dead is not None or self._thread is None or not self._thread.is_alive():
+                raise EngineDeadError("the engine has stopped")
+            if time.monotonic() >= deadline:
+                raise TimeoutError(f"the engine loop has not come round in {timeout:g}s")
+
     def _check_accepting(self) -> None:
         if self._dead is not None or (self._thread is not None and not self._thread.is_alive()):
             raise EngineDeadError("the engine has stopped")
@@ -507,8 +571,8 @@ class AsyncEngine:
                 return
             if isinstance(cmd, _Add):
                 self._adds_applied += 1
-                if not cmd.result.done():
-                    cmd.result.set_exception(error)
+            if isinstance(cmd, (_Add, _Snapshot)) and not cmd.result.done():
+                cmd.result.set_exception(error)
 
     def _post(self, fn: Callable[..., Any], *args: Any) -> None:
         assert self._loop is not None
@@ -530,6 +594,8 @@ class AsyncEngine:
                 return False
             if isinstance(cmd, _Add):
                 self._apply_add(cmd)
+            elif isinstance(cmd, _Snapshot):
+                cmd.result.set_result(self._take_snapshot())
             else:
                 self._apply_abort(cmd)
 
@@ -562,6 +628,19 @@ class AsyncEngine:
             # One finish per choice, as a request that runs to the end counts them.
             self.stats_listener(IterationStats(finished_reasons=["abort"] * choices))
         self._publish_stats()
+
+    def _take_snapshot(self) -> EngineSnapshot:
+        """Engine thread. O(num_blocks + SNAPSHOT_REQUESTS)."""
+        s = self.engine.scheduler
+        held = s.kv_cache_manager.req_to_blocks
+        reqs = s.running[:SNAPSHOT_REQUESTS] + [
+            r for _, r in heapq.nsmallest(SNAPSHOT_REQUESTS - min(len(s.running),
+                                                                  SNAPSHOT_REQUESTS), s.waiting)]
+        return EngineSnapshot(self._stats, s.block_pool.block_states(), s.block_size, tuple(
+            RequestInfo(r.request_id, r.tenant, r.status.name.lower(), len(r.prompt_token_ids),
+                        len(r.output_token_ids), r.max_tokens, r.num_computed_tokens,
+                        max(0, r.num_cached_tokens), len(held.get(r.request_id, ())))
+            for r in reqs))
 
     def _dispatch(self, outputs: list[RequestOutput], t_step: float) -> None:
         now = time.monotonic()

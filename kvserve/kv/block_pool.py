@@ -270,6 +270,21 @@ class BlockPool:
         """Fraction of usable blocks (the null block excluded) held by requests."""
         return 1.0 - self.get_num_free_blocks() / (self.num_blocks - 1)
 
+    def block_states(self) -> str:
+        """One character per block id, for a picture of the pool (the server's engine view):
+
+            n  the null block (block 0)
+            u  in use by one request (ref_cnt 1)
+            s  in use by several: a prefix shared by concurrent requests (ref_cnt > 1)
+            c  free, still holding a hash: a prefix-cache entry, reusable until evicted
+            f  free, no hash
+
+        O(num_blocks); only the thread that owns the pool may call it (the engine thread).
+        """
+        return "".join(["n" if b is self.null_block else "s" if b.ref_cnt > 1 else
+                        "u" if b.ref_cnt else "f" if b.block_hash is None else "c"
+                        for b in self.blocks])
+
     def check_integrity(self) -> None:
         """Raises AssertionError naming the first broken invariant. O(num_blocks)."""
         null = self.null_block

@@ -35,7 +35,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 import kvserve
-from kvserve.async_engine import AsyncEngine, EngineStats
+from kvserve.async_engine import AsyncEngine, EngineStats, IterationStats
+from kvserve.server import web
 from kvserve.server.errors import APIError, bad_request, from_validation_error
 from kvserve.server.metrics import CONTENT_TYPE, ServerMetrics
 from kvserve.server.protocol import (
@@ -47,6 +48,7 @@ from kvserve.server.protocol import (
 from kvserve.server.serving import EngineStream, ServingContext, check_model, release_all
 from kvserve.server.serving_chat import create_chat_completion, render_chat
 from kvserve.server.serving_completion import create_completion
+from kvserve.server.stats_window import StatsWindow
 from kvserve.tool_calling.support import ToolSupport, tool_support
 
 logger = logging.getLogger("kvserve.server")
@@ -71,6 +73,7 @@ class ServerConfig:
     allowed_hosts: tuple[str, ...] | None = None
     # --tool-call-parser; None: the chat template's format, else hermes (serving_tools.py)
     tool_call_parser: str | None = None
+    web_ui: bool = True  # the page at / and its files (server/web.py); --disable-web-ui
 
 
 @dataclass
@@ -80,6 +83,7 @@ class ServerState:
     config: ServerConfig
     engine: AsyncEngine | None = None
     metrics: ServerMetrics | None = None
+    window: StatsWindow | None = None  # the last minute, for GET /engine/state
     load_error: str | None = None
     tools: ToolSupport | None = None
     created: int = field(default_factory=lambda: int(time.time()))
@@ -117,11 +121,15 @@ def tenant_of(api_key: str) -> str:
 
 class _Gate:
     def __init__(self, app: ASGIApp, api_key: str | Sequence[str] | None,
-                 allowed_hosts: tuple[str, ...] | None = None) -> None:
+                 allowed_hosts: tuple[str, ...] | None = None,
+                 public_paths: Sequence[str] = ("/health",)) -> None:
+        """public_paths: exact paths answered without a key (/health; the web page's files,
+        which hold no data and ask for the key themselves)."""
         self.app = app
         keys = [api_key] if isinstance(api_key, str) else list(api_key or ())
         self.api_keys = [(k.encode(), tenant_of(k)) for k in keys if k]
         self.allowed_hosts = allowed_hosts
+        self.public_paths = frozenset(public_paths)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -145,7 +153,7 @@ class _Gate:
                                 f"answers to (see --allowed-host)", code="invalid_host")
             await error_response(err).__call__(scope, receive, send_with_id)
             return
-        if self.api_keys and scope.get("path") != "/health":
+        if self.api_keys and scope.get("path") not in self.public_paths:
             tenant = self._tenant(headers)
             if tenant is None:
                 err = APIError(401, "missing or invalid API key: send 'Authorization: Bearer "
@@ -527,10 +535,13 @@ def build_app(config: ServerConfig,
                            headers={"Retry-After": "5"})
         return Response(state.metrics.render(), media_type=CONTENT_TYPE)
 
+    web.add_routes(app, state, lambda: ctx().engine, page=config.web_ui)
+
     app.openapi = _openapi_bodies(app, {  # type: ignore[method-assign]
         "/v1/completions": CompletionRequest, "/v1/chat/completions": ChatCompletionRequest,
         "/tokenize": TokenizeRequest, "/detokenize": DetokenizeRequest})
-    return _Gate(app, config.api_key, config.allowed_hosts)  # type: ignore[return-value]
+    public = ("/health", *web.PAGE_PATHS) if config.web_ui else ("/health",)
+    return _Gate(app, config.api_key, config.allowed_hosts, public)  # type: ignore[return-value]
 
 
 async def _load(state: ServerState, load_engine: Callable[[], AsyncEngine],
@@ -546,8 +557,14 @@ async def _load(state: ServerState, load_engine: Callable[[], AsyncEngine],
             on_load_error(state.load_error)
         return
     state.tools = tool_support(engine.tokenizer, state.config.tool_call_parser)
-    state.metrics = ServerMetrics(state.config.model_name, state.stats)
-    engine.stats_listener = state.metrics.observe
+    metrics = state.metrics = ServerMetrics(state.config.model_name, state.stats)
+    window = state.window = StatsWindow(lambda: engine.stats)
+
+    def observe(it: IterationStats) -> None:  # engine thread, after every step
+        metrics.observe(it)
+        window.observe(it)
+
+    engine.stats_listener = observe
     if on_engine_dead is not None:
         engine.on_dead = on_engine_dead
     engine.start()

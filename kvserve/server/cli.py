@@ -66,6 +66,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                         "template writes, else hermes)")
     p.add_argument("--enable-auto-tool-choice", action="store_true",
                    help="accepted for vLLM command lines: tool_choice auto is always on")
+    p.add_argument("--disable-web-ui", action="store_true",
+                   help="serve no web page: / and /web/* are 404 (GET /engine/state, an API "
+                        "route, stays)")
     p.add_argument("--log-level", default="info",
                    choices=["critical", "error", "warning", "info", "debug"])
     EngineArgs.add_cli_args(p)
@@ -107,7 +110,8 @@ def _serve(ns: argparse.Namespace) -> int:
     config = ServerConfig(model_name=name, api_key=api_key, max_body_bytes=ns.max_body_bytes,
                           shutdown_timeout=ns.shutdown_timeout,
                           allowed_hosts=allowed_hosts(ns.host, ns.allowed_host),
-                          tool_call_parser=ns.tool_call_parser)
+                          tool_call_parser=ns.tool_call_parser,
+                          web_ui=not ns.disable_web_ui)
     address = f"http://{ns.host}:{ns.port}"
 
     def load() -> AsyncEngine:
@@ -125,6 +129,8 @@ def _serve(ns: argparse.Namespace) -> int:
         print(f"kvserve {address} serving {name} ({path}); max_model_len "
               f"{e.config.scheduler.max_model_len}; KV cache {usable} blocks x {bs} tokens = "
               f"{usable * bs} tokens", file=sys.stderr, flush=True)
+        if not ns.disable_web_ui:
+            print(f"kvserve web page: {address}/", file=sys.stderr, flush=True)
 
     failed: list[str] = []
 

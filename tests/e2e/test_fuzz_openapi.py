@@ -41,7 +41,8 @@ CASE_TIMEOUT = 60.0
 # Every route the server declares; test_schema_declares_every_route keeps this true.
 OPERATIONS = [("POST", "/v1/completions"), ("POST", "/v1/chat/completions"),
               ("POST", "/tokenize"), ("POST", "/detokenize"), ("GET", "/v1/models"),
-              ("GET", "/version"), ("GET", "/health"), ("GET", "/metrics")]
+              ("GET", "/version"), ("GET", "/health"), ("GET", "/metrics"),
+              ("GET", "/engine/state")]
 _GENERATE = {"/v1/completions": "max_tokens", "/v1/chat/completions": "max_completion_tokens"}
 
 

@@ -167,6 +167,23 @@ def test_touch_takes_free_block_out_of_queue_and_shares_refs() -> None:
     pool.check_integrity()
 
 
+def test_block_states_picture_the_pool() -> None:
+    pool = BlockPool(8)
+    assert pool.block_states() == "nfffffff"
+    a = pool.get_new_blocks(3)  # [1, 2, 3]
+    pool.cache_full_blocks(a, chain([[1, 1, 1, 1], [2, 2, 2, 2]]), 0, 2)
+    pool.touch(a[:1])  # a second request shares block 1
+    assert pool.block_states() == "nsuuffff"
+    pool.free_blocks(reversed(a))  # block 1 still held by the second request
+    assert pool.block_states() == "nucfffff"
+    pool.free_blocks(a[:1])
+    assert pool.block_states() == "nccfffff"
+    # Free blocks are popped in LRU order [4..7, 3, 2]: block 2 loses its hash when reused.
+    pool.get_new_blocks(6)
+    assert pool.block_states() == "ncuuuuuu"
+    pool.check_integrity()
+
+
 def test_hash_collision_is_not_a_hit() -> None:
     pool = BlockPool(6)
     [blk] = pool.get_new_blocks(1)

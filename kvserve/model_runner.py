@@ -160,7 +160,12 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, so: SchedulerOutput) -> ModelOutput:
         t0 = time.perf_counter()
-        out = self._execute(so)
+        try:
+            out = self._execute(so)
+        except RuntimeError:
+            if self.executor is not None:
+                self.executor.check(wait_s=1.0)  # a collective failed: name the dead rank
+            raise
         if self.spec_policy is not None:
             self.spec_policy.observe_step(so.num_batched_tokens, time.perf_counter() - t0)
         return out

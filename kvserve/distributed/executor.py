@@ -157,8 +157,14 @@ class TPExecutor:
                 self.check()
                 raise RuntimeError(f"tensor-parallel rank {rank} is unreachable") from None
 
-    def check(self) -> None:
-        """RuntimeError naming the first rank that is no longer running."""
+    def check(self, wait_s: float = 0.0) -> None:
+        """RuntimeError naming the first rank that is no longer running. wait_s: after a
+        collective failed, how long to give a dying rank to be reaped (the reset reaches
+        this rank before the kernel has its exit status)."""
+        if wait_s > 0:
+            from multiprocessing.connection import wait
+
+            wait([p.sentinel for p in self.procs], timeout=wait_s)
         for rank, p in enumerate(self.procs, start=1):
             if not p.is_alive():
                 code = p.exitcode

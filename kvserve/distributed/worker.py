@@ -17,23 +17,23 @@ from kvserve.distributed.group import TPGroup
 
 logger = logging.getLogger(__name__)
 
-_PR_SET_NAME, _PR_SET_PDEATHSIG = 15, 1
+_PR_SET_NAME = 15
 
 
-def _die_with_parent(rank: int) -> None:
-    """SIGKILL this process when rank 0's process dies, however it dies, and name it
-    kvserve-tpR in ps / top (Linux; elsewhere the pipe's EOF still ends the loop)."""
+def _name_process(rank: int) -> None:
+    """kvserve-tpR in ps / top (Linux). No PR_SET_PDEATHSIG: it fires when the *thread*
+    that started this process exits (the server loads in a short-lived thread), not the
+    process. Rank 0's death still ends this one: its pipe end closes (EOF below), and a
+    collective with a dead peer raises."""
     try:
-        libc = ctypes.CDLL("libc.so.6", use_errno=True)
-        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
-        libc.prctl(_PR_SET_NAME, f"kvserve-tp{rank}".encode())
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_NAME, f"kvserve-tp{rank}".encode())
     except OSError:
         pass
 
 
 def worker_main(args: Any, rank: int, size: int, port: int, conn: Any, cores: list[int]
                 ) -> None:
-    _die_with_parent(rank)
+    _name_process(rank)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is rank 0's to handle
     logging.basicConfig(level=logging.WARNING, format=f"%(levelname)s tp{rank}: %(message)s",
                         stream=sys.stderr)

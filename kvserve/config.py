@@ -282,10 +282,15 @@ class ParallelConfig:
 
     tensor_parallel_size: int = 1
     timeout_s: float = 60.0
+    # The CPU ranks' all-reduce: "shm" (shared memory, distributed/shm.py) or "gloo" (TCP on
+    # loopback, ~20x slower per decode all-reduce here: BENCHMARKS.md). CUDA uses NCCL.
+    all_reduce: str = "shm"
 
     def __post_init__(self) -> None:
         _require(1 <= self.tensor_parallel_size <= 64,
                  f"tensor_parallel_size must be in [1, 64], got {self.tensor_parallel_size}")
+        _require(self.all_reduce in ("shm", "gloo"),
+                 f"tp_all_reduce must be shm or gloo, got {self.all_reduce!r}")
         _require(self.timeout_s > 0, f"tp_timeout must be > 0 seconds, got {self.timeout_s}")
 
     def check_model(self, mc: ModelConfig) -> None:

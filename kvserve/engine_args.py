@@ -66,6 +66,7 @@ class EngineArgs:
     # Tensor parallelism: N processes, each with 1/N of every layer (kvserve/distributed/).
     tensor_parallel_size: int = 1
     tp_timeout: float = 60.0  # seconds a collective waits for a rank (a hung worker)
+    tp_all_reduce: str = "shm"  # the CPU ranks' all-reduce: shm or gloo
 
     def create_engine_config(self, model_path: str, mc: ModelConfig) -> EngineConfig:
         device = default_device() if self.device == "auto" else self.device
@@ -102,7 +103,8 @@ class EngineArgs:
             grammar_cache_bytes=parse_memory(self.grammar_cache_memory,
                                              "grammar_cache_memory") or 0,
             speculative=self.speculative(),
-            parallel=ParallelConfig(self.tensor_parallel_size, self.tp_timeout)))
+            parallel=ParallelConfig(self.tensor_parallel_size, self.tp_timeout,
+                                    self.tp_all_reduce)))
 
     def speculative(self) -> SpeculativeConfig | None:
         spec = self.speculative_config
@@ -184,6 +186,9 @@ class EngineArgs:
         p.add_argument("--tp-timeout", type=float, default=d.tp_timeout,
                        help="seconds a tensor-parallel collective waits for a rank before "
                             "the engine stops (a hung worker; a dead one is noticed at once)")
+        p.add_argument("--tp-all-reduce", choices=["shm", "gloo"], default=d.tp_all_reduce,
+                       help="how CPU ranks sum their partial outputs: shm (shared memory, "
+                            "default) or gloo (torch.distributed over loopback TCP)")
         p.add_argument("--ops-backend", default=d.ops_backend,
                        help="auto (cpu kernels on CPU, torch elsewhere), cpu, torch or "
                        "reference (the pure-torch oracle)")

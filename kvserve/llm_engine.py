@@ -126,7 +126,7 @@ class LLMEngine:
         tp = config.parallel.tensor_parallel_size
         if tp > 1:
             # The other ranks start now and load their shards while this one loads its own.
-            executor = TPExecutor.start(args, tp, config.device, config.parallel.timeout_s)
+            executor = TPExecutor.start(args, config)
         try:
             group = executor.group if executor is not None else TPGroup.single()
             config, ops, model = load_model(args, ckpt, config, group)

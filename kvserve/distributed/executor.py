@@ -34,6 +34,7 @@ from kvserve.distributed.group import TPGroup
 from kvserve.outputs import ModelInput
 
 if TYPE_CHECKING:
+    from kvserve.config import EngineConfig
     from kvserve.engine_args import EngineArgs
 
 logger = logging.getLogger(__name__)
@@ -67,6 +68,13 @@ def decode_step(data: bytes, device: torch.device) -> ModelInput:
         max_query_len=max_q, max_seq_len=max_s)
 
 
+def shm_elements(config: EngineConfig) -> int:
+    """The floats one shared-memory all-reduce carries: a step's hidden states (0: gloo)."""
+    if config.parallel.all_reduce != "shm" or config.device != "cpu":
+        return 0
+    return config.scheduler.max_num_batched_tokens * config.model_config.hidden_size
+
+
 def rank_cores(rank: int, size: int) -> list[int]:
     """This rank's share of the cores the process may use: disjoint slices while there are
     enough, else one core each, shared round-robin (more ranks than cores still run)."""
@@ -91,11 +99,12 @@ class TPExecutor:
         self._closed = False
 
     @classmethod
-    def start(cls, args: EngineArgs, size: int, device: str, timeout_s: float) -> TPExecutor:
+    def start(cls, args: EngineArgs, config: EngineConfig) -> TPExecutor:
         """Spawns ranks 1..size-1 (each pinned to its share of the cores) and joins the group
         as rank 0; they load their shards while this process loads its own."""
         from kvserve.distributed.worker import worker_main
 
+        size, device = config.parallel.tensor_parallel_size, config.device
         port = _free_port()
         ctx = mp.get_context("spawn")  # a fork would copy the engine's threads and locks
         procs, conns = [], []
@@ -109,7 +118,10 @@ class TPExecutor:
             conns.append(ours)
         executor = cls(procs, conns)
         try:
-            executor.group = TPGroup.connect(0, size, port, device, timeout_s)
+            executor.group = TPGroup.connect(0, size, port, device, config.parallel.timeout_s,
+                                             shm_elements(config))
+            if executor.group.shm is not None:
+                executor.group.shm.alive = executor.check  # a dead rank: an error at once
         except BaseException:
             executor.shutdown()
             raise
@@ -118,9 +130,10 @@ class TPExecutor:
         threads = len(rank_cores(0, size))
         torch.set_num_threads(threads)
         os.environ["KVSERVE_NUM_THREADS"] = str(threads)  # the engine thread's OpenMP too
-        logger.info("tensor parallelism: %d ranks over %s (worker pids %s); rank 0 runs %d "
-                    "threads", size, "nccl" if device.startswith("cuda") else "gloo",
-                    [p.pid for p in procs], threads)
+        how = ("nccl" if device.startswith("cuda") else
+               "shared memory" if executor.group.shm is not None else "gloo")
+        logger.info("tensor parallelism: %d ranks, all-reduce over %s (worker pids %s); rank 0 "
+                    "runs %d threads", size, how, [p.pid for p in procs], threads)
         return executor
 
     def agree_blocks(self, num_blocks: int, timeout_s: float = 600.0) -> int:
@@ -136,6 +149,8 @@ class TPExecutor:
         agreed = min(counts)
         for conn in self.conns:
             conn.send(("blocks", agreed))
+        if self.group.shm is not None:
+            self.group.shm.unlink()  # every rank has mapped it by now (they joined first)
         return agreed
 
     def _recv(self, rank: int, conn: Any, timeout_s: float) -> Any:
@@ -194,4 +209,5 @@ class TPExecutor:
                 p.join(1.0)
         for conn in self.conns:
             conn.close()
+        self.group.close()
         self.group = TPGroup.single()  # drops the process group and its store

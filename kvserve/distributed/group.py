@@ -18,11 +18,14 @@ may hold several engines (tests do), each with its own ranks.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
 import torch
+
+from kvserve.distributed.shm import ShmAllReduce
 
 
 @dataclass(frozen=True)
@@ -30,26 +33,44 @@ class TPGroup:
     rank: int = 0
     size: int = 1
     pg: Any = None  # the process group (None in one process)
+    shm: ShmAllReduce | None = None  # the CPU all-reduce (shm.py); None: the process group's
 
     @staticmethod
     def single() -> TPGroup:
         return TPGroup(0, 1)
 
     @staticmethod
-    def connect(rank: int, size: int, port: int, device: str, timeout_s: float) -> TPGroup:
+    def connect(rank: int, size: int, port: int, device: str, timeout_s: float,
+                shm_elements: int = 0) -> TPGroup:
         """Joins the group of `size` ranks whose store rank 0 serves on 127.0.0.1:port: gloo
         on the CPU, NCCL on CUDA (rank r on GPU r). A collective waits timeout_s for the
-        others, then raises."""
+        others, then raises. shm_elements > 0 (CPU): all-reduces of up to that many floats go
+        through shared memory (rank 0 creates the segment and names it in the store)."""
         import torch.distributed as dist
 
         timeout = timedelta(seconds=timeout_s)
         store = dist.TCPStore("127.0.0.1", port, size, rank == 0, timeout=timeout)
+        shm = None
         if device.startswith("cuda"):
             torch.cuda.set_device(rank)  # "cuda" then means this rank's GPU
             pg = dist.ProcessGroupNCCL(store, rank, size)
         else:
             pg = dist.ProcessGroupGloo(store, rank, size, timeout)
-        return TPGroup(rank, size, pg)
+            if shm_elements > 0:
+                if rank == 0:
+                    name = f"kvserve-tp-{os.getpid()}-{port}"
+                    shm = ShmAllReduce(name, 0, size, shm_elements, True, timeout_s)
+                    store.set("shm", name)
+                else:
+                    shm = ShmAllReduce(store.get("shm").decode(), rank, size, shm_elements,
+                                       False, timeout_s)
+        return TPGroup(rank, size, pg, shm)
+
+    def close(self) -> None:
+        if self.shm is not None:
+            if self.rank == 0:
+                self.shm.unlink()
+            self.shm.close()
 
     def shard(self, n: int) -> int:
         """This rank's share of n (heads, columns, vocabulary); ParallelConfig checked that
@@ -59,8 +80,11 @@ class TPGroup:
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         """The sum over ranks, in place (every rank gets the same bits: gloo and NCCL
         reduce each element once and hand the result to all)."""
-        if self.size > 1:
-            self.pg.allreduce([x]).wait()
+        if self.size == 1:
+            return x
+        if self.shm is not None and x.numel() <= self.shm.capacity and x.is_contiguous():
+            return self.shm(x)  # every rank takes the same branch: the same numel
+        self.pg.allreduce([x]).wait()
         return x
 
     def gather_logits(self, x: torch.Tensor) -> torch.Tensor | None:

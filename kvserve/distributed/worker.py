@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from kvserve.distributed.executor import STOP, decode_step
+from kvserve.distributed.executor import STOP, decode_step, shm_elements
 from kvserve.distributed.group import TPGroup
 
 logger = logging.getLogger(__name__)
@@ -29,6 +29,11 @@ def _name_process(rank: int) -> None:
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_NAME, f"kvserve-tp{rank}".encode())
     except OSError:
         pass
+
+
+def _check_parent(parent: int) -> None:
+    if os.getppid() != parent:
+        raise RuntimeError("tensor-parallel rank 0 is gone")
 
 
 def worker_main(args: Any, rank: int, size: int, port: int, conn: Any, cores: list[int]
@@ -48,7 +53,11 @@ def worker_main(args: Any, rank: int, size: int, port: int, conn: Any, cores: li
         path = resolve_model(args.model)
         ckpt = load_checkpoint(path)
         config = args.create_engine_config(path, ckpt.model_config)
-        group = TPGroup.connect(rank, size, port, config.device, config.parallel.timeout_s)
+        group = TPGroup.connect(rank, size, port, config.device, config.parallel.timeout_s,
+                                shm_elements(config))
+        if group.shm is not None:
+            parent = os.getppid()
+            group.shm.alive = lambda: _check_parent(parent)
         config, _ops, model = load_model(args, ckpt, config, group)
         conn.send(("ready", LLMEngine.num_kv_blocks(config)))
     except Exception as e:  # noqa: BLE001 - reported to rank 0, which raises it

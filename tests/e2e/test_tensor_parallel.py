@@ -51,12 +51,12 @@ def _llm(model: str, tp: int, **kw: Any) -> LLM:
     return LLM(model=model, tensor_parallel_size=tp, dtype="float32", **kw)
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2"])
-def test_tp2_tiny_model_is_tp1_and_hf(tmp_path: Path, arch: str) -> None:
+@pytest.mark.parametrize("arch, all_reduce", [("llama", "gloo"), ("qwen2", "shm")])
+def test_tp2_tiny_model_is_tp1_and_hf(tmp_path: Path, arch: str, all_reduce: str) -> None:
     hf = save_tiny(tmp_path, arch, seed=3)
     one = _llm(str(tmp_path), 1, kv_cache_memory="16MiB")
     want_tokens, _ = _run(one, PROMPTS)
-    two = _llm(str(tmp_path), 2, kv_cache_memory="16MiB")
+    two = _llm(str(tmp_path), 2, kv_cache_memory="16MiB", tp_all_reduce=all_reduce)
     try:
         tokens, lps = _run(two, PROMPTS)
     finally:

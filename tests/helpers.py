@@ -95,9 +95,9 @@ class PagedSequence:
         self.model = model
         self.bs = block_size
         self.device = device
+        kv_heads = model.layers[0].self_attn.num_kv_heads  # a tensor-parallel rank's share
         self.kv = torch.zeros(kv_cache_shape(cfg.num_hidden_layers, num_blocks, block_size,
-                                             cfg.num_key_value_heads, cfg.head_dim),
-                              device=device)
+                                             kv_heads, cfg.head_dim), device=device)
         gen = torch.Generator().manual_seed(1)
         self.free = (torch.randperm(num_blocks - 1, generator=gen) + 1).tolist()
         self.tables: list[list[int]] = []

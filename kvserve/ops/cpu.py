@@ -309,8 +309,12 @@ class CpuOps(ReferenceOps):
             return None
         if key not in self._stacks:
             plan = [self._args(layer, cos_sin) for layer in layers]
+            # Tensor parallelism: the stack calls the group's all-reduce after each o_proj and
+            # down_proj (its communication hook), where the row-parallel Linear would.
+            tp = layers[0].self_attn.o_proj.tp
+            hook = tp.all_reduce if tp.size > 1 else None
             self._stacks[key] = (None if None in plan else
-                                 self._ext.LlamaStack(plan, self._avx512, self.small_m))
+                                 self._ext.LlamaStack(plan, self._avx512, self.small_m, hook))
         return self._stacks[key]
 
     def _args(self, layer: Any, cos_sin: torch.Tensor) -> Any:
@@ -327,10 +331,11 @@ class CpuOps(ReferenceOps):
         attn, mlp = layer.self_attn, layer.mlp
         linears = {"qkv": attn.qkv_proj, "o": attn.o_proj, "gate_up": mlp.gate_up_proj,
                    "down": mlp.down_proj}
-        if any(lin.parallel != "none" for lin in linears.values()):
-            # Tensor parallelism: the all-reduces after o_proj and down_proj run between the
-            # Python layer's kernels (the stack has no communication hook yet).
-            return None
+        modes = {name: lin.parallel for name, lin in linears.items()}
+        if set(modes.values()) != {"none"} and (
+                modes != {"qkv": "column", "o": "row", "gate_up": "column", "down": "row"}
+                or len({id(lin.tp) for lin in linears.values()}) != 1):
+            return None  # a split the stack's communication hook does not know
         runs = {name: lin.quant_method.kernel_weights(lin) for name, lin in linears.items()}
         tensors = [layer.input_layernorm.weight, layer.post_attention_layernorm.weight, cos_sin]
         if attn.qkv_proj.bias is not None:

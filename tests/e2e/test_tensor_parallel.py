@@ -103,6 +103,10 @@ def test_tp3_default_model_blocks_are_tp1(default_tp1: LLM, default_tp3: LLM) ->
     sp = SamplingParams(temperature=0, max_tokens=4)
     again = default_tp3.generate([TEXTS[0]], sp, use_tqdm=False)[0]
     assert again.num_cached_tokens > 0  # the prefix cache served rank 0's scheduler
+    # The fused C++ layer stack ran, its all-reduces through the communication hook.
+    ops = default_tp3.llm_engine.model.ops
+    assert getattr(ops, "fuse_layers", False) is False or any(
+        s is not None for s in ops._stacks.values())
 
 
 def test_tp3_preemption_gives_the_same_tokens(default_tp3: LLM) -> None:

@@ -8,9 +8,12 @@ real bug (a wrong RoPE, mask or bias shows up as O(1) differences).
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+
 import pytest
 import torch
 
+from kvserve.distributed.group import TPGroup
 from kvserve.models import get_model_class
 from kvserve.ops import get_ops
 from tests.helpers import (
@@ -123,3 +126,53 @@ def test_fused_cpu_layer_equals_python_layer_bit_for_bit(arch: str, architecture
     for x, y in zip(outs[0][0], outs[1][0]):
         assert torch.equal(x, y)
     assert torch.equal(outs[0][1], outs[1][1])
+
+
+@dataclass(frozen=True)
+class _RankZeroOfTwo(TPGroup):
+    """Rank 0 of a two-rank group without the other rank: its all-reduce doubles (as if the
+    other rank's share were the same), enough to tell where the sums happen; `rows` records
+    each call's row count."""
+
+    rows: list[int] = field(default_factory=list, compare=False)
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        self.rows.append(x.shape[0])
+        return x.mul_(2.0)
+
+    def gather_logits(self, x: torch.Tensor) -> torch.Tensor:
+        return x
+
+
+@pytest.mark.parametrize("arch,architecture", [ARCHS[0], ARCHS[2]])
+def test_fused_stack_all_reduces_where_the_python_layers_do(arch: str, architecture: str
+                                                             ) -> None:
+    """Under tensor parallelism the C++ stack calls the group's all-reduce (its communication
+    hook) after each o_proj and down_proj, as the row-parallel Linear does in Python: the
+    same bits, and the all-reduce called 2 x layers times a forward either way."""
+    from kvserve.ops.cpu import CpuOps
+
+    hf = tiny_hf_model(arch, seed=11)
+    cfg = model_config_from_hf(hf.config, architecture)
+    outs, calls = [], []
+    for fuse in (True, False):
+        ops = CpuOps(fuse_layers=fuse)
+        if not ops.fuse_layers and fuse:
+            pytest.skip("no AVX2/FMA kernels on this CPU: nothing to fuse")
+        tp = _RankZeroOfTwo(0, 2)
+        model = get_model_class(architecture)(cfg, ops, torch.float32, tp=tp)
+        model.load_weights((k, v.detach().clone()) for k, v in hf.state_dict().items())
+        runner = PagedSequence(model.eval(), block_size=4)
+        a, b = runner.new_seq(), runner.new_seq()
+        step1 = runner.forward({a: list(range(5, 30)), b: list(range(40, 47))})
+        step2 = runner.forward({a: [3], b: list(range(50, 61))})
+        outs.append((step1 + step2, runner.kv))
+        calls.append(tp.rows)
+        if fuse:
+            assert [plan is not None for plan in ops._stacks.values()] == [True]
+    assert calls[0] == calls[1] == [32] * (2 * cfg.num_hidden_layers) + [12] * (
+        2 * cfg.num_hidden_layers)
+    for x, y in zip(outs[0][0], outs[1][0]):
+        assert torch.equal(x, y)
+    assert torch.equal(outs[0][1], outs[1][1])
+

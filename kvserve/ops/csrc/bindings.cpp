@@ -285,8 +285,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def_readwrite("scale", &LW::scale);
   py::class_<LlamaStack>(m, "LlamaStack", py::module_local(),
                          "a run of a Llama model's decoder layers per call")
-      .def(py::init<const std::vector<LW>&, bool, int64_t>(),
-           py::arg("layers"), py::arg("avx512"), py::arg("small_m"))
+      .def(py::init<const std::vector<LW>&, bool, int64_t, py::object>(),
+           py::arg("layers"), py::arg("avx512"), py::arg("small_m"),
+           py::arg("all_reduce") = py::none())
       .def("forward", &LlamaStack::forward, "x through every layer -> (out, residual)",
            py::arg("x"), py::arg("residual"), py::arg("positions"), py::arg("cos_sin"),
            py::arg("kv_cache"), py::arg("slot_mapping"), py::arg("block_tables"),

@@ -65,8 +65,10 @@ LlamaStack::Linear LlamaStack::make_linear(const LinearWeights& lw,
   return l;
 }
 
-LlamaStack::LlamaStack(const std::vector<LayerWeights>& layers, bool avx512, int64_t small_m)
-    : avx512_(avx512), vnni_(avx512 && kvs::cpu_has_avx512_vnni()), small_m_(small_m) {
+LlamaStack::LlamaStack(const std::vector<LayerWeights>& layers, bool avx512, int64_t small_m,
+                       pybind11::object all_reduce)
+    : all_reduce_(std::move(all_reduce)), avx512_(avx512),
+      vnni_(avx512 && kvs::cpu_has_avx512_vnni()), small_m_(small_m) {
   TORCH_CHECK(!layers.empty(), "a stack needs at least one layer");
   TORCH_CHECK(!avx512 || kvs::cpu_has_avx512(), "LlamaStack(avx512=True) on a CPU without "
               "AVX-512F");
@@ -226,6 +228,12 @@ std::tuple<torch::Tensor, torch::Tensor> LlamaStack::forward(
   float *mlp = out.data_ptr<float>(), *res_b = res_out.data_ptr<float>();
 
   const int nthreads = at::get_num_threads();
+  // Tensor parallelism: a row-parallel output [T, hidden] summed over the ranks in place.
+  const bool reduce = !all_reduce_.is_none();
+  auto all_reduce = [&](float* buf) {
+    pybind11::gil_scoped_acquire gil;
+    all_reduce_(torch::from_blob(buf, {T, hidden}, x.options()));
+  };
   const float* xin = x.data_ptr<float>();  // this layer's input: x, then the last mlp
   for (int64_t li = 0; li < L; ++li) {
     const Layer& l = layers_[li];
@@ -261,11 +269,13 @@ std::tuple<torch::Tensor, torch::Tensor> LlamaStack::forward(
                                   D, bs, l.scale, {k_sc, v_sc});
     kvs::paged_attention(a, nthreads);
     linear(l.o, att, T, o, tmp, nthreads);
+    if (reduce) all_reduce(o);
     kvs::add_rms_norm(o, hidden, res, hidden, l.post_norm.data_ptr<float>(), h2, res_b, T,
                       hidden, eps, nthreads);
     linear(l.gate_up, h2, T, gu, tmp, nthreads);
     kvs::silu_and_mul(gu, 2 * l.inter, act, T, l.inter, nthreads);
     linear(l.down, act, T, mlp, tmp, nthreads);
+    if (reduce) all_reduce(mlp);
     xin = mlp;
   }
   return {out, res_out};

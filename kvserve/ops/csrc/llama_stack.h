@@ -31,7 +31,13 @@ class LlamaStack {
     double scale = 0;  // attention's, usually head_dim ** -0.5
   };
 
-  LlamaStack(const std::vector<LayerWeights>& layers, bool avx512, int64_t small_m);
+  // all_reduce: tensor parallelism's communication hook, None in one process. A Python
+  // callable that sums a [T, hidden] float32 tensor over the ranks in place
+  // (kvserve.distributed.group.TPGroup.all_reduce), called after each layer's o_proj and
+  // down_proj, where the Python layer's row-parallel Linear calls it: the same order, so the
+  // same bits. It runs with the GIL taken back (forward releases it).
+  LlamaStack(const std::vector<LayerWeights>& layers, bool avx512, int64_t small_m,
+             pybind11::object all_reduce = pybind11::none());
 
   // x [T, hidden] through every layer -> (mlp out, residual) of the last one, as the Python
   // layers return them. residual: the stream so far (none before a model's first layer).
@@ -75,6 +81,7 @@ class LlamaStack {
                 float* out, int nthreads) const;
 
   std::vector<Layer> layers_;
+  pybind11::object all_reduce_;
   // The widest layer's qkv, q, k and MLP widths: the scratch per token.
   int64_t w_qkv_ = 0, w_q_ = 0, w_k_ = 0, w_i_ = 0;
   // The widest part of a linear that has several (0: none has), for linear's tmp.

@@ -12,6 +12,9 @@ from typing import Any
 
 BENCH = Path(__file__).resolve().parent
 ROOT = BENCH.parent
+sys.path.insert(0, str(BENCH))
+
+from report_tp import tp_section  # noqa: E402
 
 NOISY_CORES = 0.25  # as in benchmarks/compare
 
@@ -104,6 +107,7 @@ class Report:
         self.prefix = _load(results, "prefix")
         self.quant = _load(results, "quant")
         self.spec = _load(results, "spec")
+        self.tp = _load(results, "tp")
         weights = _get(self.machine, "weights") or []
         self.w_file = weights[0] if weights else None
         self.w_f32 = weights[1] if len(weights) > 1 else None
@@ -787,6 +791,8 @@ class Report:
              "(`-mno-amx-*`): this llama.cpp's AMX kernels segfault in the first matmul "
              "(llama.cpp issue #20824). Every other native feature stays on; its CPU features "
              "line above says which ran."),
+            ("- `python benchmarks/tp_bench.py`: issue 14's tensor-parallel section (all-reduce "
+             "costs, then `kvserve bench latency` / `throughput` at each TP; ~12 minutes)."),
             "- `python benchmarks/report.py`: this page again from `benchmarks/results/`.",
             ""]
 
@@ -855,7 +861,8 @@ class Report:
     def markdown(self) -> str:
         parts = (self.header() + self.criteria() + self.ceilings() + self.latency()
                  + self.batch() + self.serving() + self.prefix_section()
-                 + self.quant_section() + self.spec_section() + self.howto() + self.commands())
+                 + self.quant_section() + self.spec_section() + tp_section(self.tp)
+                 + self.howto() + self.commands())
         return "\n".join(parts).rstrip() + "\n"
 
 

@@ -50,7 +50,8 @@ def _allreduce_worker(rank: int, size: int, port: int, shm: int, hidden: int, ro
 
     os.sched_setaffinity(0, [rank % os.cpu_count()])  # type: ignore[operator]
     torch.set_num_threads(1)
-    g = TPGroup.connect(rank, size, port, "cpu", 60, shm_elements=shm)
+    g = TPGroup.connect(rank, size, port, "cpu", 60, shm_elements=shm,
+                        spin=size <= (os.cpu_count() or 1))
     out = {}
     for m in rows:
         x = torch.randn(m, hidden)

@@ -538,6 +538,7 @@ class AsyncEngine:
     def _run(self) -> None:
         # OpenMP thread counts are per thread: set ours, not only the loader thread's.
         configure_threads(self.engine.config.device)
+        self.engine.bind_thread()
         try:
             while True:
                 self._heartbeat = time.monotonic()

@@ -179,6 +179,12 @@ class LLMEngine:
                              f"of {c.block_size} tokens needs {per_block} bytes")
         return num_blocks
 
+    def bind_thread(self) -> None:
+        """Called by the thread that will step the engine (AsyncEngine's): under tensor
+        parallelism, pins it to rank 0's cores."""
+        if self.runner.executor is not None:
+            self.runner.executor.pin_thread()
+
     def check_health(self) -> None:
         """Raises when the engine can no longer step: a tensor-parallel rank has died."""
         if self.runner.executor is not None:

@@ -105,13 +105,15 @@ class TPExecutor:
         from kvserve.distributed.worker import worker_main
 
         size, device = config.parallel.tensor_parallel_size, config.device
+        spin = size <= len(os.sched_getaffinity(0))  # a core per rank: waits may spin
         port = _free_port()
         ctx = mp.get_context("spawn")  # a fork would copy the engine's threads and locks
         procs, conns = [], []
         for rank in range(1, size):
             ours, theirs = ctx.Pipe()
             p = ctx.Process(target=worker_main, name=f"kvserve-tp{rank}", daemon=True,
-                            args=(args, rank, size, port, theirs, rank_cores(rank, size)))
+                            args=(args, rank, size, port, theirs, rank_cores(rank, size),
+                                  spin))
             p.start()
             theirs.close()
             procs.append(p)
@@ -119,22 +121,30 @@ class TPExecutor:
         executor = cls(procs, conns)
         try:
             executor.group = TPGroup.connect(0, size, port, device, config.parallel.timeout_s,
-                                             shm_elements(config))
+                                             shm_elements(config), spin)
             if executor.group.shm is not None:
                 executor.group.shm.alive = executor.check  # a dead rank: an error at once
         except BaseException:
             executor.shutdown()
             raise
-        # Rank 0 keeps its share of the cores as a thread count, unpinned: its process also
-        # runs the server's threads (the workers are pinned: worker.py).
+        # Rank 0's share of the cores: its thread count, and the thread that steps the engine
+        # pinned there (pin_thread: this one, and AsyncEngine's engine thread), not the whole
+        # process, which also runs the server's threads. Unpinned, it would share a worker's
+        # core half the time.
         threads = len(rank_cores(0, size))
         torch.set_num_threads(threads)
         os.environ["KVSERVE_NUM_THREADS"] = str(threads)  # the engine thread's OpenMP too
+        executor.pin_thread()
         how = ("nccl" if device.startswith("cuda") else
                "shared memory" if executor.group.shm is not None else "gloo")
         logger.info("tensor parallelism: %d ranks, all-reduce over %s (worker pids %s); rank 0 "
                     "runs %d threads", size, how, [p.pid for p in procs], threads)
         return executor
+
+    def pin_thread(self) -> None:
+        """Pins the calling thread (and the OpenMP threads it starts after this) to rank 0's
+        cores."""
+        os.sched_setaffinity(0, rank_cores(0, len(self.procs) + 1))
 
     def agree_blocks(self, num_blocks: int, timeout_s: float = 600.0) -> int:
         """Every rank's KV block count (from its own view of free memory) -> the minimum,

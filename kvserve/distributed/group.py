@@ -41,11 +41,12 @@ class TPGroup:
 
     @staticmethod
     def connect(rank: int, size: int, port: int, device: str, timeout_s: float,
-                shm_elements: int = 0) -> TPGroup:
+                shm_elements: int = 0, spin: bool = True) -> TPGroup:
         """Joins the group of `size` ranks whose store rank 0 serves on 127.0.0.1:port: gloo
         on the CPU, NCCL on CUDA (rank r on GPU r). A collective waits timeout_s for the
         others, then raises. shm_elements > 0 (CPU): all-reduces of up to that many floats go
-        through shared memory (rank 0 creates the segment and names it in the store)."""
+        through shared memory (rank 0 creates the segment and names it in the store); spin:
+        false when the ranks outnumber the cores (shm.py)."""
         import torch.distributed as dist
 
         timeout = timedelta(seconds=timeout_s)
@@ -59,11 +60,11 @@ class TPGroup:
             if shm_elements > 0:
                 if rank == 0:
                     name = f"kvserve-tp-{os.getpid()}-{port}"
-                    shm = ShmAllReduce(name, 0, size, shm_elements, True, timeout_s)
+                    shm = ShmAllReduce(name, 0, size, shm_elements, True, timeout_s, spin)
                     store.set("shm", name)
                 else:
                     shm = ShmAllReduce(store.get("shm").decode(), rank, size, shm_elements,
-                                       False, timeout_s)
+                                       False, timeout_s, spin)
         return TPGroup(rank, size, pg, shm)
 
     def close(self) -> None:

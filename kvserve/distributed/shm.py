@@ -28,6 +28,8 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
+# Spins before each wait yields its core: none when there are more ranks than cores (a
+# spinning rank would hold the core the rank it waits for needs).
 _SPINS_BEFORE_YIELD = 2000
 _SHM_DIR = "/dev/shm"
 
@@ -48,8 +50,9 @@ def _map(name: str, create: bool, nbytes: int) -> mmap.mmap:
 
 class ShmAllReduce:
     def __init__(self, name: str, rank: int, size: int, capacity: int, create: bool,
-                 timeout_s: float) -> None:
-        """capacity: float32 elements one call may carry."""
+                 timeout_s: float, spin: bool = True) -> None:
+        """capacity: float32 elements one call may carry. spin: false when the ranks
+        outnumber the cores (each wait then yields at once)."""
         self.rank, self.size, self.capacity, self.timeout_s = rank, size, capacity, timeout_s
         nbytes = 8 * size + 4 * 2 * size * capacity
         self.name = name
@@ -60,6 +63,7 @@ class ShmAllReduce:
         self.data = torch.frombuffer(buf, dtype=torch.float32, offset=8 * size,
                                      count=2 * size * capacity).view(2, size, capacity)
         self.calls = 0
+        self.spins = _SPINS_BEFORE_YIELD if spin else 0
         self.alive: Callable[[], None] | None = None  # raises when a rank is gone (rank 0)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
@@ -79,7 +83,7 @@ class ShmAllReduce:
         flags, spins, deadline = self.flags, 0, 0.0
         while flags.min() < s:
             spins += 1
-            if spins < _SPINS_BEFORE_YIELD:
+            if spins < self.spins:
                 continue
             os.sched_yield()
             if spins % 1000 == 0:

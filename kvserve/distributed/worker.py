@@ -36,8 +36,8 @@ def _check_parent(parent: int) -> None:
         raise RuntimeError("tensor-parallel rank 0 is gone")
 
 
-def worker_main(args: Any, rank: int, size: int, port: int, conn: Any, cores: list[int]
-                ) -> None:
+def worker_main(args: Any, rank: int, size: int, port: int, conn: Any, cores: list[int],
+                spin: bool = True) -> None:
     _name_process(rank)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is rank 0's to handle
     logging.basicConfig(level=logging.WARNING, format=f"%(levelname)s tp{rank}: %(message)s",
@@ -54,7 +54,7 @@ def worker_main(args: Any, rank: int, size: int, port: int, conn: Any, cores: li
         ckpt = load_checkpoint(path)
         config = args.create_engine_config(path, ckpt.model_config)
         group = TPGroup.connect(rank, size, port, config.device, config.parallel.timeout_s,
-                                shm_elements(config))
+                                shm_elements(config), spin)
         if group.shm is not None:
             parent = os.getppid()
             group.shm.alive = lambda: _check_parent(parent)

@@ -153,3 +153,27 @@ def test_gpl3_perplexity_on_cuda(gguf: str) -> None:
             count += 1
     ppl = math.exp(nll / count)
     assert abs(ppl - 18.30) < 0.01, ppl  # llama.cpp: 18.30 (../shared/reference/README.md)
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="tensor parallelism needs 2 GPUs")
+def test_tensor_parallel_on_nccl_equals_one_gpu(tmp_path: Path) -> None:
+    """TP=2 over NCCL (rank r on GPU r): the tiny model's greedy tokens on one GPU, and its
+    prompt logprobs within 1e-4 of HF's (float32)."""
+    from kvserve import LLM
+    from tests.e2e.test_tensor_parallel import PROMPTS as TP_PROMPTS
+    from tests.e2e.test_tensor_parallel import _run, save_tiny
+
+    hf = save_tiny(tmp_path, "llama", seed=3)
+    one = LLM(model=str(tmp_path), device=DEV, dtype="float32", kv_cache_memory="64MiB")
+    want, _ = _run(one, TP_PROMPTS)
+    two = LLM(model=str(tmp_path), device=DEV, dtype="float32", kv_cache_memory="64MiB",
+              tensor_parallel_size=2)
+    try:
+        got, lps = _run(two, TP_PROMPTS)
+    finally:
+        two.llm_engine.shutdown()
+    assert got == want
+    with torch.no_grad():
+        for p, ours in zip(TP_PROMPTS, lps):
+            logp = torch.log_softmax(hf(torch.tensor([p])).logits[0].double(), -1)
+            assert max(abs(a - float(logp[i, p[i + 1]])) for i, a in enumerate(ours)) < 1e-4

@@ -78,9 +78,10 @@ def default_tp1() -> LLM:
 
 @pytest.fixture(scope="module")
 def default_tp3() -> Any:
+    # Over gloo (the shared-memory all-reduce is the default: the other tests take it).
     llm = LLM(model="smollm2-135m", quantization="gguf_exact", max_model_len=512,
               block_size=8, max_num_batched_tokens=48, kv_cache_memory="32MiB",
-              tensor_parallel_size=3)
+              tensor_parallel_size=3, tp_all_reduce="gloo")
     yield llm
     llm.llm_engine.shutdown()
 

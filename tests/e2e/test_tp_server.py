@@ -93,6 +93,36 @@ def test_killed_worker_ends_the_stream_and_the_server(model_dir: str) -> None:
         srv.stop()
 
 
+def test_hung_worker_ends_the_engine_after_the_timeout(model_dir: str) -> None:
+    """A rank that stops answering (SIGSTOP) holds the others in their all-reduce: after
+    --tp-timeout seconds the engine gives up with the late rank's number, the stream ends
+    with an error, and the stopped rank is killed, not left behind."""
+    srv = ServerProcess(model_dir, "--tensor-parallel-size", "2", "--max-model-len", "512",
+                        "--kv-cache-memory", "16MiB", "--tp-timeout", "3")
+    worker = -1
+    try:
+        (worker,) = _workers(srv.proc.pid)
+        body = {"prompt": [5, 6, 7], "max_tokens": 500, "ignore_eos": True, "stream": True}
+        events: list[str] = []
+        with httpx.stream("POST", srv.base_url + "/v1/completions", headers=srv.headers,
+                          json=body, timeout=60) as stream:
+            for line in stream.iter_lines():
+                if line.startswith("data: "):
+                    events.append(line[6:])
+                if len(events) == 3:
+                    os.kill(worker, signal.SIGSTOP)
+                    t_stop = time.monotonic()
+        assert events[-1] == "[DONE]" and "error" in json.loads(events[-2])
+        assert time.monotonic() - t_stop < 15
+        assert srv.proc.wait(timeout=20) == 1
+        assert "ranks [1] did not arrive within 3s" in srv.log(), srv.log()[-2000:]
+        assert _gone([worker], 10), _state(worker)
+    finally:
+        if worker > 0 and Path(f"/proc/{worker}").exists():
+            os.kill(worker, signal.SIGKILL)
+        srv.stop()
+
+
 def test_sigterm_stops_every_rank(model_dir: str) -> None:
     srv = ServerProcess(model_dir, "--tensor-parallel-size", "2", "--max-model-len", "512",
                         "--kv-cache-memory", "16MiB")

@@ -289,3 +289,30 @@ def test_linear_method_packs_for_int8_activations() -> None:
     x = torch.randn(2, 64)
     assert [p.wtype for p in lin.quant_method.kernel_weights(lin)] == [Q8_0]
     assert torch.equal(lin(x), qlinear_reference(x, lin.weight, Q8_0, 16))
+
+
+def test_narrow_cuts_tensor_parallel_shards_as_stored() -> None:
+    """Rows and whole-block columns as stored (bit for bit the slice of the dequantized
+    matrix); columns that cut a K-quant super-block requantized to Q8_0 (32-weight blocks),
+    within Q8_0's rounding of the slice; a cut inside a 32-weight block refused (None)."""
+    from kvserve.quant.ggml_kquants import Q4_K
+    from tests.unit.test_kquant_kernels import random_blocks as kquant_blocks
+
+    w = GGUFWeight(random_blocks(Q4_1, 8, 192, seed=3), Q4_1, 192)
+    full = w.dequantize()
+    rows = w.narrow(0, 2, 4)
+    cols = w.narrow(1, 64, 64)
+    assert rows is not None and torch.equal(rows.dequantize(), full[2:6])
+    assert cols is not None and cols.qtype == Q4_1 and torch.equal(cols.dequantize(),
+                                                                      full[:, 64:128])
+    assert w.narrow(1, 16, 32) is None
+    q4k = GGUFWeight(kquant_blocks(Q4_K, 4, 512, seed=5), Q4_K, 512)
+    whole = q4k.narrow(1, 256, 256)
+    assert whole is not None and whole.qtype == Q4_K
+    assert torch.equal(whole.dequantize(), q4k.dequantize()[:, 256:])
+    cut = q4k.narrow(1, 0, 224)  # 224: no multiple of 256
+    assert cut is not None and cut.qtype == Q8_0 and cut.k == 224
+    want = q4k.dequantize()[:, :224]
+    step = want.reshape(4, -1, 32).abs().amax(-1, keepdim=True) / 127  # Q8_0's d per block
+    err = (cut.dequantize().reshape(4, -1, 32) - want.reshape(4, -1, 32)).abs()
+    assert (err <= step * 0.6 + 1e-6).all()  # half a step, and d stored as float16

@@ -69,9 +69,9 @@ def tp_section(tp: dict[str, Any] | None) -> list[str]:
          "whose column cut splits a 256-weight super-block, requantized to Q8_0. Over gloo "
          "(TCP on loopback) one decode all-reduce costs ~0.35 ms, 2 x layers of them a step; "
          "shared memory (`distributed/shm.py`) is what brings TP=2 level with TP=1 (0.98x "
-         "decode against gloo's 0.33x), and it is the default. At TP=3 the default model puts three ranks on two cores: "
-         "they take turns (waits yield at once when ranks outnumber cores), which is what "
-         "those rows measure. TP is for a model that does not fit one device or one "
-         "socket: several GPUs (NCCL, `tests/cuda`) or sockets."),
+         "decode against gloo's 0.33x), and it is the default. At TP=3 the default model "
+         "puts three ranks on two cores: they take turns (waits yield at once when ranks "
+         "outnumber cores), which is what those rows measure. TP is for a model that does "
+         "not fit one device or one socket: several GPUs (NCCL, `tests/cuda`) or sockets."),
         ""]
     return lines

@@ -275,8 +275,9 @@ class SpeculativeConfig:
 
 @dataclass(frozen=True)
 class ParallelConfig:
-    """Tensor parallelism (kvserve/distributed/): tensor_parallel_size processes, each with
-    1/N of every layer's heads and MLP columns and of the KV cache (vLLM's name).
+    """Tensor parallelism (kvserve/executor/, kvserve/distributed/): tensor_parallel_size
+    processes, each with 1/N of every layer's heads and MLP columns and of the KV cache
+    (vLLM's name).
     timeout_s: how long a collective may wait for a rank before the engine gives up on it
     (a hung worker); a dead worker is noticed at once."""
 

@@ -63,7 +63,7 @@ class EngineArgs:
     # "num_speculative_tokens": K, ...} (kvserve.config.SpeculativeConfig), or its JSON text;
     # None: no speculation.
     speculative_config: dict | str | None = None
-    # Tensor parallelism: N processes, each with 1/N of every layer (kvserve/distributed/).
+    # Tensor parallelism: N processes, each with 1/N of every layer (kvserve/executor/).
     tensor_parallel_size: int = 1
     tp_timeout: float = 60.0  # seconds a collective waits for a rank (a hung worker)
     tp_all_reduce: str = "shm"  # the CPU ranks' all-reduce: shm or gloo

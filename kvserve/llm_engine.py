@@ -20,18 +20,15 @@ import torch
 
 from kvserve.config import EngineConfig
 from kvserve.detokenizer import IncrementalDetokenizer
-from kvserve.distributed.executor import TPExecutor
 from kvserve.distributed.group import TPGroup
 from kvserve.engine_args import EngineArgs
-from kvserve.kv.layout import model_block_bytes, resolve_kv_dtype
+from kvserve.executor.tp import TPExecutor
+from kvserve.kv.layout import resolve_kv_dtype
 from kvserve.loader import load_checkpoint, resolve_model
 from kvserve.loader.tokenizer import Tokenizer
-from kvserve.model_runner import ModelRunner, torch_dtype
-from kvserve.models import build_model
-from kvserve.ops import get_ops
+from kvserve.model_runner import ModelRunner
+from kvserve.model_setup import load_model, num_kv_blocks
 from kvserve.outputs import CompletionOutput, PositionLogprobs, RequestOutput
-from kvserve.platform import available_memory
-from kvserve.quant import get_quant_method
 from kvserve.request import Request, RequestStatus
 from kvserve.sampling_params import MAX_LOGPROB_ENTRIES, SamplingParams
 from kvserve.scheduler import Scheduler
@@ -63,32 +60,6 @@ class _Parent:
     children: list[_Child]
     prompt_logprobs: dict[int, PositionLogprobs | None] | None = None
     finished_children: set[int] = field(default_factory=set)
-
-
-def load_model(args: EngineArgs, ckpt: Any, config: EngineConfig, tp: TPGroup
-               ) -> tuple[EngineConfig, Any, torch.nn.Module]:
-    """The ops backend and the loaded model (tp: this rank's part of it), for the engine and
-    for a tensor-parallel worker alike. The config may come back changed: a GGUF file without
-    kvserve's CPU kernels is dequantized at load (quantization none)."""
-    ops = get_ops(config.ops_backend, config.device)
-    quant = get_quant_method(config.quant)
-    if quant.needs_kernels and not getattr(ops, "uses_kernels", False):
-        # Only kvserve's CPU kernels read blocks as stored; anywhere else every forward
-        # would dequantize every matrix again.
-        if args.quantization is None:
-            # Derived again from the args, so every default that follows the quantization
-            # (the KV cache dtype) follows it here too.
-            args = dataclasses.replace(args, quantization="none")
-            config = args.create_engine_config(config.model, ckpt.model_config)
-            quant = get_quant_method(config.quant)
-        else:
-            logger.warning("quantization %r without kvserve's CPU kernels (ops=%s): "
-                           "every linear runs the pure-torch reference on its blocks; "
-                           "--quantization none is faster here", config.quantization,
-                           ops.name)
-    model = build_model(ckpt, ops, torch_dtype(config.dtype), quant,
-                        config.scheduler.max_model_len, tp=tp).to(config.device)
-    return config, ops, model
 
 
 class LLMEngine:
@@ -157,27 +128,8 @@ class LLMEngine:
 
     @staticmethod
     def num_kv_blocks(config: EngineConfig, extra_bytes_per_block: int = 0) -> int:
-        """From --num-gpu-blocks-override, --kv-cache-memory, or a share of free memory.
-        Includes the null block 0, so requests can use num_blocks - 1. extra_bytes_per_block:
-        a draft model's KV in the same blocks (one budget for both)."""
-        c, mc = config.cache, config.model_config
-        if c.num_blocks_override is not None:
-            return c.num_blocks_override
-        # A quantized cache's scales (a float32 per K / V row per kv head) count too.
-        per_block = model_block_bytes(mc, c.block_size, resolve_kv_dtype(
-            c.kv_cache_dtype, config.dtype)) + extra_bytes_per_block
-        budget = c.kv_cache_memory
-        if budget is None:
-            budget = int(available_memory(config.device) * c.kv_cache_memory_fraction)
-            # More blocks than max_num_seqs full-length requests can use is wasted memory.
-            sc = config.scheduler
-            useful = sc.max_num_seqs * -(-sc.max_model_len // c.block_size) + 1
-            budget = min(budget, useful * per_block)
-        num_blocks = budget // per_block
-        if num_blocks < 2:
-            raise ValueError(f"kv_cache_memory ({budget} bytes) holds no KV block; one block "
-                             f"of {c.block_size} tokens needs {per_block} bytes")
-        return num_blocks
+        """model_setup.num_kv_blocks (kept here: callers and tests name it on the engine)."""
+        return num_kv_blocks(config, extra_bytes_per_block)
 
     def bind_thread(self) -> None:
         """Called by the thread that will step the engine (AsyncEngine's): under tensor

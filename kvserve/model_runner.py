@@ -6,7 +6,6 @@ The only engine component that touches device tensors (with layers/, ops/, platf
 from __future__ import annotations
 
 import logging
-import math
 import time
 from typing import Any
 
@@ -14,14 +13,8 @@ import numpy as np
 import torch
 
 from kvserve.config import EngineConfig
-from kvserve.distributed.executor import TPExecutor
-from kvserve.kv.layout import (
-    QUANTIZED_KV_DTYPES,
-    QuantizedKVCache,
-    kv_cache_shape,
-    kv_scales_shape,
-    resolve_kv_dtype,
-)
+from kvserve.executor.tp import TPExecutor
+from kvserve.model_setup import allocate_kv_cache
 from kvserve.outputs import ModelInput, ModelOutput, PositionLogprobs, SchedulerOutput
 from kvserve.request import Request
 from kvserve.sample.logprobs import compute_prompt_logprobs
@@ -33,43 +26,6 @@ from kvserve.structured_output import StructuredOutputManager
 
 logger = logging.getLogger(__name__)
 
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-def torch_dtype(name: str) -> torch.dtype:
-    return _DTYPES[name]
-
-
-def zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """torch.zeros, except on the CPU: there the memory comes from calloc (numpy.zeros), i.e.
-    zero pages the OS maps in on first touch. A KV cache of gigabytes then costs nothing at
-    start-up (torch.zeros writes every byte: ~1.7 s for 2.4 GB here) and only the blocks in
-    use take physical memory."""
-    if device.type != "cpu":
-        return torch.zeros(shape, dtype=dtype, device=device)
-    nbytes = math.prod(shape) * dtype.itemsize
-    return torch.from_numpy(np.zeros(nbytes, dtype=np.uint8)).view(dtype).view(shape)
-
-
-def allocate_kv_cache(config: EngineConfig, num_blocks: int) -> torch.Tensor | QuantizedKVCache:
-    """The paged KV cache of this rank: every layer, num_blocks blocks, the model's KV heads
-    (a tensor-parallel rank's share of them)."""
-    mc = config.model_config
-    cache_dtype = resolve_kv_dtype(config.cache.kv_cache_dtype, config.dtype)
-    kv_heads = mc.num_key_value_heads // config.parallel.tensor_parallel_size
-    shape = kv_cache_shape(mc.num_hidden_layers, num_blocks, config.cache.block_size,
-                           kv_heads, mc.head_dim)
-    device = torch.device(config.device)
-    # Zeroed, not empty: kernels may read whole blocks past seq_len and mask them out,
-    # and 0 * garbage-NaN would still be NaN (zero scales and zero fp8 bits are 0.0 too).
-    if cache_dtype in QUANTIZED_KV_DTYPES:
-        data_dtype = torch.int8 if cache_dtype == "int8" else torch.uint8  # e4m3fn bits
-        return QuantizedKVCache(
-            zeros(shape, data_dtype, device),
-            zeros(kv_scales_shape(*shape[:1], *shape[2:5]), torch.float32, device))
-    return zeros(shape, torch_dtype(cache_dtype), device)
-
-
 class ModelRunner:
     def __init__(self, config: EngineConfig, model: Any, num_blocks: int,
                  proposer: Proposer | None = None) -> None:
@@ -79,7 +35,7 @@ class ModelRunner:
         self.block_size = config.cache.block_size
         self.vocab_size = config.model_config.vocab_size
         self.kv_cache = allocate_kv_cache(config, num_blocks)
-        # Tensor parallelism (kvserve/distributed/): set by the engine; each step's inputs
+        # Tensor parallelism (kvserve/executor/): set by the engine; each step's inputs
         # go to the other ranks before this rank's forward.
         self.executor: TPExecutor | None = None
         # The engine seed feeds the generator of requests without their own seed, so the

@@ -535,7 +535,8 @@ def build_app(config: ServerConfig,
                            headers={"Retry-After": "5"})
         return Response(state.metrics.render(), media_type=CONTENT_TYPE)
 
-    web.add_routes(app, state, lambda: ctx().engine, page=config.web_ui)
+    web.add_routes(app, config.model_name, lambda: state.window, lambda: ctx().engine,
+                   page=config.web_ui)
 
     app.openapi = _openapi_bodies(app, {  # type: ignore[method-assign]
         "/v1/completions": CompletionRequest, "/v1/chat/completions": ChatCompletionRequest,

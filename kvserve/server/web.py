@@ -25,7 +25,7 @@ from kvserve.async_engine import SNAPSHOT_REQUESTS, AsyncEngine, EngineDeadError
 from kvserve.server.errors import APIError, bad_request
 
 if TYPE_CHECKING:
-    from kvserve.server.api import ServerState
+    from kvserve.server.stats_window import StatsWindow
 
 STATIC_DIR = Path(__file__).with_suffix("")  # kvserve/server/web/
 PAGE_FILES = {
@@ -47,9 +47,10 @@ PAGE_HEADERS = {
 }
 
 
-def add_routes(app: FastAPI, state: ServerState, engine: Callable[[], AsyncEngine],
-               page: bool) -> None:
-    """engine: the serving engine, or an APIError (503 while loading, draining, dead)."""
+def add_routes(app: FastAPI, model_name: str, window: Callable[[], StatsWindow | None],
+               engine: Callable[[], AsyncEngine], page: bool) -> None:
+    """engine: the serving engine, or an APIError (503 while loading, draining, dead);
+    window: the last minute's StatsWindow, None until the model has loaded."""
 
     @app.get("/engine/state", openapi_extra={"parameters": [{
         "name": "blocks", "in": "query", "required": False,
@@ -66,8 +67,9 @@ def add_routes(app: FastAPI, state: ServerState, engine: Callable[[], AsyncEngin
             raise APIError(503, "the engine loop has not come round for a snapshot in 5 s; "
                                 "retry shortly", headers={"Retry-After": "1"}) from None
         tenant = request.scope.get("state", {}).get("tenant")
-        window = state.window.summary() if state.window is not None else None
-        body = state_json(snap, window, state.config.model_name, tenant, with_blocks)
+        last_minute = window()
+        summary = last_minute.summary() if last_minute is not None else None
+        body = state_json(snap, summary, model_name, tenant, with_blocks)
         return JSONResponse(body, headers={"Cache-Control": "no-store"})
 
     if not page:

@@ -39,7 +39,8 @@ from kvserve.engine_args import EngineArgs
 from kvserve.kv.layout import model_block_bytes, resolve_kv_dtype
 from kvserve.layers.linear import Linear
 from kvserve.loader import load_checkpoint, resolve_model
-from kvserve.model_runner import ModelRunner, torch_dtype
+from kvserve.model_runner import ModelRunner
+from kvserve.model_setup import torch_dtype
 from kvserve.models import build_model
 from kvserve.ops import get_ops
 from kvserve.outputs import ScheduledRequest, SchedulerOutput

@@ -47,6 +47,23 @@ def _state(pid: int) -> str:
         return "gone"
 
 
+def _signal_mid_stream(srv: ServerProcess, worker: int, sig: int) -> tuple[list[str], float]:
+    """Streams a long completion and sends sig to the worker after its third event: the
+    stream's SSE data lines to its end, and when the signal went."""
+    body = {"prompt": [5, 6, 7], "max_tokens": 500, "ignore_eos": True, "stream": True}
+    events: list[str] = []
+    sent = 0.0
+    with httpx.stream("POST", srv.base_url + "/v1/completions", headers=srv.headers,
+                      json=body, timeout=60) as stream:
+        for line in stream.iter_lines():
+            if line.startswith("data: "):
+                events.append(line[6:])
+            if len(events) == 3 and not sent:
+                os.kill(worker, sig)
+                sent = time.monotonic()
+    return events, sent
+
+
 @pytest.fixture
 def model_dir(tmp_path: Path) -> str:
     save_tiny(tmp_path, "llama", seed=5)
@@ -61,16 +78,7 @@ def test_killed_worker_ends_the_stream_and_the_server(model_dir: str) -> None:
         r = httpx.post(srv.base_url + "/v1/completions", headers=srv.headers, json={
             "prompt": [1, 2, 3], "max_tokens": 8, "temperature": 0}, timeout=60)
         assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 8
-        body = {"prompt": [5, 6, 7], "max_tokens": 500, "ignore_eos": True, "stream": True}
-        events: list[str] = []
-        with httpx.stream("POST", srv.base_url + "/v1/completions", headers=srv.headers,
-                          json=body, timeout=60) as stream:
-            for line in stream.iter_lines():
-                if line.startswith("data: "):
-                    events.append(line[6:])
-                if len(events) == 3:
-                    os.kill(worker, signal.SIGKILL)
-                    t_kill = time.monotonic()
+        events, t_kill = _signal_mid_stream(srv, worker, signal.SIGKILL)
         assert len(events) > 3
         assert events[-1] == "[DONE]"
         err = json.loads(events[-2])
@@ -102,16 +110,7 @@ def test_hung_worker_ends_the_engine_after_the_timeout(model_dir: str) -> None:
     worker = -1
     try:
         (worker,) = _workers(srv.proc.pid)
-        body = {"prompt": [5, 6, 7], "max_tokens": 500, "ignore_eos": True, "stream": True}
-        events: list[str] = []
-        with httpx.stream("POST", srv.base_url + "/v1/completions", headers=srv.headers,
-                          json=body, timeout=60) as stream:
-            for line in stream.iter_lines():
-                if line.startswith("data: "):
-                    events.append(line[6:])
-                if len(events) == 3:
-                    os.kill(worker, signal.SIGSTOP)
-                    t_stop = time.monotonic()
+        events, t_stop = _signal_mid_stream(srv, worker, signal.SIGSTOP)
         assert events[-1] == "[DONE]" and "error" in json.loads(events[-2])
         assert time.monotonic() - t_stop < 15
         assert srv.proc.wait(timeout=20) == 1

@@ -12,8 +12,8 @@ from typing import Any
 
 import torch
 
-from kvserve.distributed.executor import STOP, decode_step, shm_elements
 from kvserve.distributed.group import TPGroup
+from kvserve.executor.step import STOP, decode_step, shm_elements
 
 logger = logging.getLogger(__name__)
 
@@ -46,9 +46,8 @@ def worker_main(args: Any, rank: int, size: int, port: int, conn: Any, cores: li
     os.environ["KVSERVE_NUM_THREADS"] = str(len(cores))
     torch.set_num_threads(len(cores))
     try:
-        from kvserve.llm_engine import LLMEngine, load_model
         from kvserve.loader import load_checkpoint, resolve_model
-        from kvserve.model_runner import allocate_kv_cache
+        from kvserve.model_setup import allocate_kv_cache, load_model, num_kv_blocks
 
         path = resolve_model(args.model)
         ckpt = load_checkpoint(path)
@@ -59,7 +58,7 @@ def worker_main(args: Any, rank: int, size: int, port: int, conn: Any, cores: li
             parent = os.getppid()
             group.shm.alive = lambda: _check_parent(parent)
         config, _ops, model = load_model(args, ckpt, config, group)
-        conn.send(("ready", LLMEngine.num_kv_blocks(config)))
+        conn.send(("ready", num_kv_blocks(config)))
     except Exception as e:  # noqa: BLE001 - reported to rank 0, which raises it
         conn.send(("error", f"{type(e).__name__}: {e}"))
         return

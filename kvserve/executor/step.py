@@ -1,0 +1,63 @@
+"""What crosses from tensor-parallel rank 0 to the others, and how the cores are shared:
+a step's ModelInput as one int64 array (encode_step / decode_step), STOP, each rank's cores,
+and the size of the shared-memory all-reduce."""
+
+from __future__ import annotations
+
+import os
+from typing import TYPE_CHECKING
+
+import numpy as np
+import torch
+
+from kvserve.outputs import ModelInput
+
+if TYPE_CHECKING:
+    from kvserve.config import EngineConfig
+
+STOP = b"stop"
+_HEADER = 6  # n_tokens, n_requests, max_blocks, n_logits, max_query_len, max_seq_len
+
+
+def encode_step(inp: ModelInput) -> bytes:
+    """A step's ModelInput as one int64 array (header, then each tensor flattened)."""
+    t, b = inp.input_ids.numel(), inp.seq_lens.numel()
+    header = [t, b, inp.block_tables.shape[1], inp.logits_indices.numel(), inp.max_query_len,
+              inp.max_seq_len]
+    parts = [torch.tensor(header, dtype=torch.int64)] + [
+        x.reshape(-1).to(torch.int64).cpu() for x in (
+            inp.input_ids, inp.positions, inp.slot_mapping, inp.block_tables, inp.seq_lens,
+            inp.query_start_loc, inp.logits_indices)]
+    return torch.cat(parts).numpy().tobytes()
+
+
+def decode_step(data: bytes, device: torch.device) -> ModelInput:
+    a = torch.from_numpy(np.frombuffer(data, dtype=np.int64).copy())
+    t, b, max_blocks, s, max_q, max_s = (int(x) for x in a[:_HEADER])
+    sizes = [t, t, t, b * max_blocks, b, b + 1, s]
+    x = a[_HEADER:].split(sizes)
+    return ModelInput(
+        input_ids=x[0].to(device), positions=x[1].to(device), slot_mapping=x[2].to(device),
+        block_tables=x[3].reshape(b, max_blocks).to(torch.int32).to(device),
+        seq_lens=x[4].to(torch.int32).to(device),
+        query_start_loc=x[5].to(torch.int32).to(device), logits_indices=x[6].to(device),
+        max_query_len=max_q, max_seq_len=max_s)
+
+
+def shm_elements(config: EngineConfig) -> int:
+    """The floats one shared-memory all-reduce carries: a step's hidden states (0: gloo)."""
+    if config.parallel.all_reduce != "shm" or config.device != "cpu":
+        return 0
+    return config.scheduler.max_num_batched_tokens * config.model_config.hidden_size
+
+
+def rank_cores(rank: int, size: int) -> list[int]:
+    """This rank's share of the cores the process may use: disjoint slices while there are
+    enough, else one core each, shared round-robin (more ranks than cores still run)."""
+    cores = sorted(os.sched_getaffinity(0))
+    per = len(cores) // size
+    if per >= 1:
+        return cores[rank * per:(rank + 1) * per]
+    return [cores[rank % len(cores)]]
+
+

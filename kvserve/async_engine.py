@@ -537,8 +537,8 @@ class AsyncEngine:
 
     def _run(self) -> None:
         # OpenMP thread counts are per thread: set ours, not only the loader thread's.
+        self.engine.bind_thread()  # first: a tensor-parallel rank 0's cores set the count
         configure_threads(self.engine.config.device)
-        self.engine.bind_thread()
         try:
             while True:
                 self._heartbeat = time.monotonic()

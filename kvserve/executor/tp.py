@@ -24,6 +24,7 @@ import multiprocessing as mp
 import os
 import signal
 import socket
+import threading
 import time
 from typing import TYPE_CHECKING, Any
 
@@ -51,6 +52,8 @@ class TPExecutor:
         self.conns = conns
         self.group = TPGroup.single()  # rank 0's, once joined
         self._closed = False
+        # thread id -> (its affinity, its torch thread count) before pin_thread
+        self._saved: dict[int, tuple[set[int], int]] = {}
 
     @classmethod
     def start(cls, args: EngineArgs, config: EngineConfig) -> TPExecutor:
@@ -81,13 +84,12 @@ class TPExecutor:
         except BaseException:
             executor.shutdown()
             raise
-        # Rank 0's share of the cores: its thread count, and the thread that steps the engine
-        # pinned there (pin_thread: this one, and AsyncEngine's engine thread), not the whole
-        # process, which also runs the server's threads. Unpinned, it would share a worker's
-        # core half the time.
+        # Rank 0's share of the cores: the thread that steps the engine is pinned there with
+        # as many OpenMP threads (pin_thread: this one, and AsyncEngine's engine thread), not
+        # the whole process, which also runs the server's threads. Unpinned, it would share a
+        # worker's core half the time. shutdown() gives this thread back what it had: the
+        # caller's thread (and whatever it starts later) must not stay on one core.
         threads = len(rank_cores(0, size))
-        torch.set_num_threads(threads)
-        os.environ["KVSERVE_NUM_THREADS"] = str(threads)  # the engine thread's OpenMP too
         executor.pin_thread()
         how = ("nccl" if device.startswith("cuda") else
                "shared memory" if executor.group.shm is not None else "gloo")
@@ -97,8 +99,12 @@ class TPExecutor:
 
     def pin_thread(self) -> None:
         """Pins the calling thread (and the OpenMP threads it starts after this) to rank 0's
-        cores."""
-        os.sched_setaffinity(0, rank_cores(0, len(self.procs) + 1))
+        cores, with one intra-op thread each; the thread's own settings come back at
+        shutdown() if it is the thread that calls it."""
+        cores = rank_cores(0, len(self.procs) + 1)
+        self._saved[threading.get_ident()] = (os.sched_getaffinity(0), torch.get_num_threads())
+        os.sched_setaffinity(0, cores)
+        torch.set_num_threads(len(cores))
 
     def agree_blocks(self, num_blocks: int, timeout_s: float = 600.0) -> int:
         """Every rank's KV block count (from its own view of free memory) -> the minimum,
@@ -173,5 +179,9 @@ class TPExecutor:
                 p.join(1.0)
         for conn in self.conns:
             conn.close()
+        saved = self._saved.pop(threading.get_ident(), None)
+        if saved is not None:
+            os.sched_setaffinity(0, saved[0])
+            torch.set_num_threads(saved[1])
         self.group.close()
         self.group = TPGroup.single()  # drops the process group and its store

@@ -110,11 +110,12 @@ async def render_chat(ctx: ServingContext, messages: list[ChatMessage],
                           "messages") from None
 
 
-def _continue_final_text(tok: Any, conv: list[dict[str, Any]], extra: dict[str, Any]) -> str:
+def _continue_final_text(tok: Any, conv: list[dict[str, Any]],
+                         extra: dict[str, Any] | None = None) -> str:
     """The rendered conversation up to the end of the final message's content."""
     sentinel = f"KVSERVE_CONTINUE_{secrets.token_hex(8)}"
     marked = [*conv[:-1], {**conv[-1], "content": (conv[-1]["content"] or "") + sentinel}]
-    text = tok.apply_chat_template(marked, add_generation_prompt=False, **extra)
+    text = tok.apply_chat_template(marked, add_generation_prompt=False, **(extra or {}))
     assert isinstance(text, str)
     cut = text.find(sentinel)
     if cut < 0 or text.find(sentinel, cut + 1) >= 0:

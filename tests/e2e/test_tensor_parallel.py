@@ -15,6 +15,7 @@ stated tolerance of HF transformers and of TP=1.
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 from typing import Any
 
@@ -56,11 +57,16 @@ def test_tp2_tiny_model_is_tp1_and_hf(tmp_path: Path, arch: str, all_reduce: str
     hf = save_tiny(tmp_path, arch, seed=3)
     one = _llm(str(tmp_path), 1, kv_cache_memory="16MiB")
     want_tokens, _ = _run(one, PROMPTS)
+    cores, threads = os.sched_getaffinity(0), torch.get_num_threads()
     two = _llm(str(tmp_path), 2, kv_cache_memory="16MiB", tp_all_reduce=all_reduce)
     try:
         tokens, lps = _run(two, PROMPTS)
     finally:
         two.llm_engine.shutdown()
+    # Rank 0's pinning was this thread's only while the engine ran: a thread left on one
+    # core would hand that to every process it starts later.
+    assert (os.sched_getaffinity(0), torch.get_num_threads()) == (cores, threads)
+    assert "KVSERVE_NUM_THREADS" not in os.environ
     assert tokens == want_tokens
     with torch.no_grad():  # HF's log-probability of each next prompt token
         for p, ours in zip(PROMPTS, lps):

@@ -59,9 +59,10 @@ def test_auto_gguf_falls_back_without_the_kernels(monkeypatch: pytest.MonkeyPatc
     """No CPU kernels (no compiler, no AVX2): the blocks would be dequantized on every call,
     so auto picks "none"; an explicit "gguf" is kept, with a warning."""
     import kvserve.llm_engine as le
+    import kvserve.model_setup as setup
     from kvserve.ops.reference import ReferenceOps
 
-    monkeypatch.setattr(le, "get_ops", lambda *a: ReferenceOps())
+    monkeypatch.setattr(setup, "get_ops", lambda *a: ReferenceOps())
     args = dict(model=None, device="cpu", kv_cache_memory="16MiB")
     engine = le.LLMEngine.from_engine_args(EngineArgs.from_kwargs(**args))
     assert engine.config.quantization == "none"

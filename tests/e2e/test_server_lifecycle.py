@@ -151,3 +151,25 @@ def test_a_port_in_use_ends_the_process_though_the_load_is_under_way(
             assert "address already in use" in server.log()
         finally:
             server.close()
+
+
+def test_ready_only_after_a_warm_up_generation_that_is_not_counted() -> None:
+    """/health turns 200 only once a warm-up generation has run through the engine (its
+    log line says so, before the server reports itself serving), and the warm-up is no
+    request in /metrics: a replica joins its load balancer warm, with clean counters."""
+    from tests.e2e.server_process import ServerProcess
+
+    with ServerProcess("--kv-cache-memory", "64MiB", "--max-model-len", "512",
+                       "--log-level", "info") as srv:
+        log = srv.log()
+        assert "warmed up in" in log
+        assert log.index("warmed up in") < log.index("serving")
+        m = srv.metrics()
+        assert sum(v for k, v in m.items() if k.startswith("vllm:request_success_total")) == 0
+        assert m.get("vllm:generation_tokens_total", 0) == 0
+        r = httpx.post(srv.base_url + "/v1/completions", headers=srv.headers, json={
+            "prompt": "Hi", "max_tokens": 3, "temperature": 0}, timeout=60)
+        assert r.status_code == 200
+        m = srv.metrics()
+        assert sum(v for k, v in m.items() if k.startswith("vllm:request_success_total")) == 1
+        assert m["vllm:generation_tokens_total"] == 3

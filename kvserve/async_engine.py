@@ -265,7 +265,10 @@ class AsyncEngine:
 
         def build() -> None:
             try:
-                built.append(LLMEngine.from_engine_args(args))
+                engine = LLMEngine.from_engine_args(args)
+                # In this thread too (see above); a server is ready only after it.
+                logger.info("warmed up in %.2fs", engine.warm_up())
+                built.append(engine)
             except BaseException as e:  # noqa: BLE001 - re-raised in the caller's thread
                 failed.append(e)
 

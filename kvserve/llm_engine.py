@@ -32,7 +32,7 @@ from kvserve.outputs import CompletionOutput, PositionLogprobs, RequestOutput
 from kvserve.request import Request, RequestStatus
 from kvserve.sampling_params import MAX_LOGPROB_ENTRIES, SamplingParams
 from kvserve.scheduler import Scheduler
-from kvserve.spec.base import Proposer
+from kvserve.spec.base import Proposer, SpecStats
 from kvserve.spec.registry import build_proposer
 from kvserve.structured_output import StructuredOutputManager
 
@@ -130,6 +130,23 @@ class LLMEngine:
     def num_kv_blocks(config: EngineConfig, extra_bytes_per_block: int = 0) -> int:
         """model_setup.num_kv_blocks (kept here: callers and tests name it on the engine)."""
         return num_kv_blocks(config, extra_bytes_per_block)
+
+    def warm_up(self) -> float:
+        """One short greedy generation through the whole path (kernels built and run, the
+        first step's allocations, tensor-parallel ranks answering), run by the server before
+        /health says ready, so a load balancer never hands a user the first, slow request.
+        It leaves no trace: no cached block (3 tokens fill none), the counters back at 0,
+        no draw from the engine's generator (greedy). Returns its seconds."""
+        t0 = time.perf_counter()
+        ids = self.tokenizer.encode("Hello", add_special_tokens=False)[:1] or [0]
+        self.add_request("kvserve-warm-up", {"prompt_token_ids": ids},
+                         SamplingParams(temperature=0, max_tokens=2, ignore_eos=True))
+        while self.has_unfinished_requests():
+            self.step()
+        kv = self.scheduler.kv_cache_manager
+        kv.prefix_cache_queries = kv.prefix_cache_hits = 0
+        self.runner.spec_stats = SpecStats()
+        return time.perf_counter() - t0
 
     def bind_thread(self) -> None:
         """Called by the thread that will step the engine (AsyncEngine's): under tensor

@@ -36,7 +36,6 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 import kvserve
 from kvserve.async_engine import AsyncEngine, EngineStats, IterationStats
-from kvserve.sampling_params import SamplingParams
 from kvserve.server import web
 from kvserve.server.errors import APIError, bad_request, from_validation_error
 from kvserve.server.metrics import CONTENT_TYPE, ServerMetrics
@@ -566,39 +565,13 @@ async def _load(state: ServerState, load_engine: Callable[[], AsyncEngine],
         metrics.observe(it)
         window.observe(it)
 
+    engine.stats_listener = observe
     if on_engine_dead is not None:
         engine.on_dead = on_engine_dead
     engine.start()
-    try:
-        await _warm_up(engine)
-    except Exception as e:  # noqa: BLE001 - an engine that cannot generate never serves
-        logger.error("the warm-up generation failed", exc_info=True)
-        state.load_error = f"warm-up: {type(e).__name__}: {e}"
-        await engine.shutdown()
-        if on_load_error is not None:
-            on_load_error(state.load_error)
-        return
-    # Counted from here on: the warm-up is not a request anyone sent.
-    engine.stats_listener = observe
     state.engine = engine
     if on_ready is not None:
         on_ready(engine)
-
-
-async def _warm_up(engine: AsyncEngine, timeout_s: float = 120.0) -> None:
-    """One short greedy generation through the whole path (every kernel built, the first
-    step's allocations made, tensor-parallel ranks answering) before /health says ready, so
-    a load balancer never sends a user the first, slow request."""
-    t0 = time.perf_counter()
-    ids = engine.tokenizer.encode("Hello") or [0]
-    params = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True)
-
-    async def run() -> None:
-        async for _ in engine.generate({"prompt_token_ids": ids}, params, "warmup"):
-            pass
-
-    await asyncio.wait_for(run(), timeout_s)
-    logger.info("warmed up in %.2fs", time.perf_counter() - t0)
 
 
 def app_state(app: Any) -> ServerState:

@@ -58,6 +58,12 @@ def cpu_info() -> dict[str, Any]:
     return out
 
 
+def describe(m: dict[str, Any]) -> str:
+    """cpu_info's result in words, for the reports: model (cores; ISA features)."""
+    return (f"{m.get('cpu_model', '?')} ({m.get('cpus', '?')} cores; "
+            f"{', '.join(m.get('isa') or [])})")
+
+
 def read_bandwidth(gib: float, threads: int, iters: int) -> dict[str, Any]:
     """The best of two streaming reads of the same array, each the median of its runs:
     numpy sum split over `threads` Python threads, and torch.sum on `threads` threads.

@@ -14,6 +14,7 @@ BENCH = Path(__file__).resolve().parent
 ROOT = BENCH.parent
 sys.path.insert(0, str(BENCH))
 
+from machine import describe as _machine  # noqa: E402
 from report_tp import tp_section  # noqa: E402
 
 NOISY_CORES = 0.25  # as in benchmarks/compare
@@ -28,12 +29,6 @@ SERVERS = [  # (results name, label in tables and charts)
 def _load(results: Path, name: str) -> Any:
     p = results / f"{name}.json"
     return json.loads(p.read_text()) if p.exists() else None
-
-
-def _machine(m: dict[str, Any]) -> str:
-    """A results file's machine (benchmarks/machine.py cpu_info) in words."""
-    return (f"{m.get('cpu_model', '?')} ({m.get('cpus', '?')} cores; "
-            f"{', '.join(m.get('isa') or [])})")
 
 
 def _get(obj: Any, *keys: Any) -> Any:

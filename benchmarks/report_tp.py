@@ -5,10 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
-
-def _machine(m: dict[str, Any]) -> str:
-    return (f"{m.get('cpu_model', '?')} ({m.get('cpus', '?')} cores; "
-            f"{', '.join(m.get('isa') or [])})")
+from machine import describe as _machine
 
 
 def _rel(r: dict[str, Any], base: dict[str, Any] | None, key: str) -> str:

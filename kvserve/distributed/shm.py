@@ -19,6 +19,7 @@ an error at once. Tensors over the capacity go through the fallback (gloo).
 
 from __future__ import annotations
 
+import contextlib
 import mmap
 import os
 import tempfile
@@ -34,12 +35,15 @@ _SPINS_BEFORE_YIELD = 2000
 _SHM_DIR = "/dev/shm"
 
 
+def _path(name: str) -> str:
+    return os.path.join(_SHM_DIR if os.path.isdir(_SHM_DIR) else tempfile.gettempdir(), name)
+
+
 def _map(name: str, create: bool, nbytes: int) -> mmap.mmap:
     """The segment: a file in /dev/shm (tmpfs), mapped shared. Not multiprocessing's
     SharedMemory: before Python 3.13 every process that attaches registers it with the one
     resource tracker the ranks share, which then unlinks it or warns of a leak."""
-    path = os.path.join(_SHM_DIR if os.path.isdir(_SHM_DIR) else tempfile.gettempdir(), name)
-    fd = os.open(path, os.O_RDWR | (os.O_CREAT | os.O_EXCL if create else 0), 0o600)
+    fd = os.open(_path(name), os.O_RDWR | (os.O_CREAT | os.O_EXCL if create else 0), 0o600)
     try:
         if create:
             os.ftruncate(fd, nbytes)
@@ -100,12 +104,8 @@ class ShmAllReduce:
     def unlink(self) -> None:
         """Removes the segment's name (rank 0, once every rank has mapped it: the mapping
         stays, and nothing is left behind however the processes end)."""
-        for d in (_SHM_DIR, tempfile.gettempdir()):
-            try:
-                os.unlink(os.path.join(d, self.name))
-                return
-            except FileNotFoundError:
-                continue
+        with contextlib.suppress(FileNotFoundError):  # unlinked already
+            os.unlink(_path(self.name))
 
     def close(self) -> None:
         del self.flags, self.data

@@ -9,8 +9,8 @@
     each step: send_step(ModelInput)  ------>   recv the step (a pipe: idle ranks wait there,
       the same forward, all-reduces paired         never inside a collective)
       gather_logits -> rank 0 samples           forward; its vocabulary slice to rank 0
-    check(): a dead rank is an error            exits when rank 0 says stop, its pipe
-    shutdown(): stop, join, kill                  closes, or rank 0 dies (PDEATHSIG)
+    check(): a dead rank is an error            exits when rank 0 says stop or its pipe
+    shutdown(): stop, join, kill                  closes (rank 0 died)
 
 One scheduler and one sampler, on rank 0. A step crosses to the other ranks as a compact
 array of its ModelInput (token ids, positions, slots, block tables, lengths, logits rows),
@@ -39,6 +39,7 @@ if TYPE_CHECKING:
     from kvserve.engine_args import EngineArgs
 
 logger = logging.getLogger(__name__)
+
 
 def _free_port() -> int:
     with socket.socket() as s:

@@ -1,5 +1,5 @@
 """A tensor-parallel rank r >= 1: its shard of the model and of the KV cache, and a loop that
-runs each step rank 0 sends (executor.py has the whole picture)."""
+runs each step rank 0 sends (tp.py has the whole picture)."""
 
 from __future__ import annotations
 
@@ -42,8 +42,7 @@ def worker_main(args: Any, rank: int, size: int, port: int, conn: Any, cores: li
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is rank 0's to handle
     logging.basicConfig(level=logging.WARNING, format=f"%(levelname)s tp{rank}: %(message)s",
                         stream=sys.stderr)
-    os.sched_setaffinity(0, cores)
-    os.environ["KVSERVE_NUM_THREADS"] = str(len(cores))
+    os.sched_setaffinity(0, cores)  # the OpenMP threads started from here inherit it
     torch.set_num_threads(len(cores))
     try:
         from kvserve.loader import load_checkpoint, resolve_model

@@ -33,7 +33,8 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
-from gguf import GGML_QUANT_SIZES
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+from gguf import quants as gguf_quants
 from torch import nn
 
 from kvserve.quant import ggml_blocks
@@ -135,10 +136,8 @@ class GGUFWeight(NamedTuple):
             return GGUFWeight(self.data[:, b0:b0 + nb].contiguous(), self.qtype, length)
         if start % BLOCK or length % BLOCK:
             return None
-        import gguf
-
         cols = self.dequantize()[:, start:start + length].contiguous().numpy()
-        q8 = gguf.quants.quantize(cols, gguf.GGMLQuantizationType.Q8_0)
+        q8 = gguf_quants.quantize(cols, GGMLQuantizationType.Q8_0)
         return GGUFWeight(torch.from_numpy(q8), Q8_0, length)
 
 

@@ -73,7 +73,7 @@ async def render_chat(ctx: ServingContext, messages: list[ChatMessage],
                       add_generation_prompt: bool, continue_final: bool = False,
                       tools: list[dict[str, Any]] | None = None) -> list[int]:
     for i, m in enumerate(messages):
-        if m.content is None and not (m.role == "assistant"):
+        if m.content is None and m.role != "assistant":
             raise bad_request(f"messages[{i}].content is required for role {m.role}",
                               f"messages[{i}].content")
         if m.tool_calls and m.role != "assistant":

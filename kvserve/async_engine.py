@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-import heapq
+import itertools
 import logging
 import queue
 import threading
@@ -33,6 +33,7 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from kvserve.config import DEFAULT_TIER
 from kvserve.engine_args import EngineArgs
 from kvserve.llm_engine import LLMEngine, PromptType
 from kvserve.outputs import RequestOutput
@@ -72,6 +73,8 @@ class EngineStats:
     num_preemptions: int = 0
     # Speculative decoding (None without it): the runner's SpecStats, copied.
     spec: SpecStats | None = None
+    # Service tiers (only when configured): tier -> (running, waiting) requests.
+    tiers: dict[str, tuple[int, int]] | None = None
 
 
 @dataclass
@@ -85,6 +88,10 @@ class IterationStats:
     queue_times: list[float] = field(default_factory=list)
     e2e_latencies: list[float] = field(default_factory=list)
     finished_reasons: list[str] = field(default_factory=list)  # one per finished choice
+    # With service tiers configured: (tier, seconds) per first token, (tier, reason) per
+    # finished choice.
+    tier_time_to_first_tokens: list[tuple[str, float]] = field(default_factory=list)
+    tier_finished_reasons: list[tuple[str, str]] = field(default_factory=list)
 
 
 StatsListener = Callable[[IterationStats], None]
@@ -167,6 +174,7 @@ class _Timing:
 
     arrival: float
     num_prompt_tokens: int
+    tier: str = DEFAULT_TIER
     first_token: float | None = None
     last_token: float | None = None
     num_output_tokens: int = 0
@@ -184,6 +192,7 @@ class _Add:
     result: concurrent.futures.Future
     grammar: Any = None  # params.structured_outputs compiled
     tenant: str | None = None
+    tier: str | None = None
 
 
 @dataclass
@@ -213,6 +222,9 @@ class AsyncEngine:
         self.engine = engine
         self.tokenizer = engine.tokenizer
         self.max_model_len = engine.config.scheduler.max_model_len
+        tiers = engine.config.scheduler.tiers
+        self._tiered = bool(tiers)  # tier stats and metrics only where tiers are configured
+        self._tier_caps = {t.name: t.max_waiting for t in tiers}
         self.max_prompt_chars = (_CHARS_SLACK * self.max_model_len
                                  * engine.tokenizer.max_token_chars)
         self.stats_listener = stats_listener
@@ -350,16 +362,18 @@ class AsyncEngine:
         return await asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
 
     async def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams,
-                          priority: int = 0, *, tenant: str | None = None) -> RequestStream:
+                          priority: int = 0, *, tenant: str | None = None,
+                          tier: str | None = None) -> RequestStream:
         """Queues a request and returns its stream once the engine has accepted it. tenant:
-        whose request it is (LLMEngine.add_request; the server's hash of its API key).
+        whose request it is (LLMEngine.add_request; the server's hash of its API key); tier:
+        its service tier (None: the default).
 
         Raises ValueError (bad input), QueueFullError, EngineDeadError or EngineShuttingDown;
         nothing is queued then. The cheap checks come first, so a request refused for a full
         queue or a long text costs no tokenization and no grammar compilation.
         """
         self._check_accepting()
-        self._check_queue()
+        self._check_queue(tier)
         if isinstance(prompt, str):
             self.check_text_chars(len(prompt))
         arrival = time.monotonic()
@@ -373,14 +387,14 @@ class AsyncEngine:
             self._check_accepting()
             submitted = True  # _submit queues the command before it first awaits
             return await self._submit(request_id, prompt, params, priority, arrival, grammar,
-                                      tenant)
+                                      tenant, tier)
         finally:
             if not submitted:
                 self._adds_abandoned += 1
 
     async def _submit(self, request_id: str, prompt: PromptType, params: SamplingParams,
                       priority: int, arrival: float, grammar: Any,
-                      tenant: str | None = None) -> RequestStream:
+                      tenant: str | None = None, tier: str | None = None) -> RequestStream:
         stream = RequestStream(request_id)
         result: concurrent.futures.Future = concurrent.futures.Future()
         # In flight before the engine can see it: its first output may reach the loop before
@@ -388,7 +402,7 @@ class AsyncEngine:
         self._in_flight.add(request_id)
         self._idle.clear()
         self._commands.put(_Add(request_id, prompt, params, priority, arrival, stream, result,
-                                grammar, tenant))
+                                grammar, tenant, tier))
         fut = asyncio.wrap_future(result)
         try:
             while True:
@@ -412,11 +426,12 @@ class AsyncEngine:
         return stream
 
     async def generate(self, prompt: PromptType, params: SamplingParams, request_id: str,
-                       priority: int = 0, *, tenant: str | None = None
-                       ) -> AsyncIterator[RequestOutput]:
+                       priority: int = 0, *, tenant: str | None = None,
+                       tier: str | None = None) -> AsyncIterator[RequestOutput]:
         """Cumulative outputs until finished. Leaving the loop early (break, cancellation,
         client disconnect) aborts the request and frees its KV blocks."""
-        stream = await self.add_request(request_id, prompt, params, priority, tenant=tenant)
+        stream = await self.add_request(request_id, prompt, params, priority, tenant=tenant,
+                                        tier=tier)
         try:
             async for out in stream:
                 yield out
@@ -466,14 +481,21 @@ class AsyncEngine:
         if self._draining or self._stopping:
             raise EngineShuttingDown("the server is shutting down")
 
-    def _check_queue(self) -> None:
-        """The waiting-queue bound, before any work: the engine thread applies the same rule
+    def _check_queue(self, tier: str | None = None) -> None:
+        """The waiting-queue bounds, before any work: the engine thread applies the same rule
         when the request reaches it; requests still being prepared count as waiting, since
-        that is where they will land."""
+        that is where they will land. A tier's own bound is checked against the last
+        published count alone (the engine thread's check is the exact one)."""
         limit = self.engine.config.scheduler.max_waiting_requests
         pending = self._adds_started - self._adds_applied - self._adds_abandoned
         if limit is not None and self._stats.num_waiting_groups + pending >= limit:
             raise QueueFullError(f"the waiting queue is full ({limit} requests); retry later")
+        tier = tier or DEFAULT_TIER
+        cap = self._tier_caps.get(tier)
+        counts = self._stats.tiers
+        if cap is not None and counts is not None and counts.get(tier, (0, 0))[1] >= cap:
+            raise QueueFullError(f"the waiting queue of tier {tier!r} is full ({cap} "
+                                 f"requests); retry later", tier=tier)
 
     def _preprocess(self, prompt: PromptType, params: SamplingParams) -> PromptType:
         """Pool thread: tokenizes a text prompt and runs the engine's request checks (prompt
@@ -610,18 +632,19 @@ class AsyncEngine:
         try:
             self.engine.add_request(cmd.request_id, cmd.prompt, cmd.params,
                                     priority=cmd.priority, arrival_time=cmd.arrival,
-                                    grammar=cmd.grammar, tenant=cmd.tenant)
+                                    grammar=cmd.grammar, tenant=cmd.tenant, tier=cmd.tier)
         except Exception as e:  # ValueError, QueueFullError: the caller's problem
             cmd.result.set_exception(e)
             return
         self._streams[cmd.request_id] = cmd.stream
-        self._timing[cmd.request_id] = _Timing(cmd.arrival, _num_prompt_tokens(cmd.prompt))
+        self._timing[cmd.request_id] = _Timing(cmd.arrival, _num_prompt_tokens(cmd.prompt),
+                                               cmd.tier or DEFAULT_TIER)
         cmd.result.set_result(None)
         self._publish_stats()
 
     def _apply_abort(self, cmd: _Abort) -> None:
         stream = self._streams.pop(cmd.request_id, None)
-        self._timing.pop(cmd.request_id, None)
+        timing = self._timing.pop(cmd.request_id, None)
         if stream is None:
             return  # finished already, or never added
         choices = self.engine.num_choices(cmd.request_id)
@@ -630,16 +653,19 @@ class AsyncEngine:
             self._post(self._deliver_error, stream, cmd.error)
         if self.stats_listener is not None:
             # One finish per choice, as a request that runs to the end counts them.
-            self.stats_listener(IterationStats(finished_reasons=["abort"] * choices))
+            it = IterationStats(finished_reasons=["abort"] * choices)
+            if self._tiered:
+                tier = timing.tier if timing is not None else DEFAULT_TIER
+                it.tier_finished_reasons = [(tier, "abort")] * choices
+            self.stats_listener(it)
         self._publish_stats()
 
     def _take_snapshot(self) -> EngineSnapshot:
         """Engine thread. O(num_blocks + SNAPSHOT_REQUESTS)."""
         s = self.engine.scheduler
         held = s.kv_cache_manager.req_to_blocks
-        reqs = s.running[:SNAPSHOT_REQUESTS] + [
-            r for _, r in heapq.nsmallest(SNAPSHOT_REQUESTS - min(len(s.running),
-                                                                  SNAPSHOT_REQUESTS), s.waiting)]
+        reqs = s.running[:SNAPSHOT_REQUESTS] + list(itertools.islice(
+            s.waiting, SNAPSHOT_REQUESTS - min(len(s.running), SNAPSHOT_REQUESTS)))
         return EngineSnapshot(self._stats, s.block_pool.block_states(), s.block_size, tuple(
             RequestInfo(r.request_id, r.tenant, r.status.name.lower(), len(r.prompt_token_ids),
                         len(r.output_token_ids), r.max_tokens, r.num_computed_tokens,
@@ -663,6 +689,8 @@ class AsyncEngine:
                     timing.first_token = now
                     it.num_prompt_tokens += timing.num_prompt_tokens
                     it.time_to_first_tokens.append(now - timing.arrival)
+                    if self._tiered:
+                        it.tier_time_to_first_tokens.append((timing.tier, now - timing.arrival))
                 else:
                     assert timing.last_token is not None
                     it.inter_token_latencies.append(now - timing.last_token)
@@ -671,6 +699,9 @@ class AsyncEngine:
             if out.finished:
                 it.e2e_latencies.append(now - timing.arrival)
                 it.finished_reasons.extend(c.finish_reason or "stop" for c in out.outputs)
+                if self._tiered:
+                    it.tier_finished_reasons.extend((timing.tier, c.finish_reason or "stop")
+                                                    for c in out.outputs)
                 del self._streams[out.request_id]
                 del self._timing[out.request_id]
             self._post(self._deliver, stream, out)
@@ -705,7 +736,8 @@ class AsyncEngine:
         # One immutable object, swapped in whole: readers on other threads never see a mix.
         self._stats = EngineStats(s.num_running, s.num_waiting, s.num_waiting_groups,
                                   s.kv_cache_usage, s.prefix_cache_queries,
-                                  s.prefix_cache_hits, s.num_preemptions, spec)
+                                  s.prefix_cache_hits, s.num_preemptions, spec,
+                                  s.tier_counts() if self._tiered else None)
 
 
 def _num_prompt_tokens(prompt: PromptType) -> int:

@@ -116,6 +116,42 @@ class CacheConfig:
                  f"got {self.kv_cache_dtype!r}")
 
 
+DEFAULT_TIER = "default"
+
+
+@dataclass(frozen=True)
+class TierConfig:
+    """A service tier (the server maps each API key to one; kvserve/fair_queue.py).
+
+    weight: the tier's share of admissions when several tiers wait (paid 8, free 1: paid gets
+    8 of every 9). max_running / max_waiting: the tier's own bounds (None: only the engine's);
+    a full waiting queue is the server's 429. allow_priority: whether a request's own
+    priority field counts, ordering it within its tier only; otherwise a priority is refused
+    with a 400. priority_aging_s: within the tier, one priority level is worth this many
+    seconds of waiting, so a low-priority request is not passed over forever."""
+
+    name: str
+    weight: float = 1.0
+    max_running: int | None = None
+    max_waiting: int | None = None
+    allow_priority: bool = False
+    priority_aging_s: float | None = 10.0  # None: strict priorities (no ageing)
+
+    def __post_init__(self) -> None:
+        _require(bool(re.fullmatch(r"[A-Za-z0-9_.-]{1,64}", self.name or "")),
+                 f"a tier name must be 1-64 letters, digits, '_', '.' or '-', got "
+                 f"{self.name!r}")
+        _require(0 < self.weight <= 1e6,
+                 f"tier {self.name!r}: weight must be in (0, 1e6], got {self.weight}")
+        for name in ("max_running", "max_waiting"):
+            v = getattr(self, name)
+            _require(v is None or (isinstance(v, int) and v >= 1),
+                     f"tier {self.name!r}: {name} must be an integer >= 1, got {v!r}")
+        _require(self.priority_aging_s is None or self.priority_aging_s > 0,
+                 f"tier {self.name!r}: priority_aging_s must be > 0, got "
+                 f"{self.priority_aging_s}")
+
+
 @dataclass(frozen=True)
 class SchedulerConfig:
     max_num_seqs: int = 64
@@ -123,6 +159,9 @@ class SchedulerConfig:
     max_model_len: int = 8192
     enable_chunked_prefill: bool = True
     max_waiting_requests: int | None = None  # None: unbounded (the server sets a bound)
+    # Service tiers (TierConfig); empty: one tier, strict (priority, arrival) order, as
+    # vLLM's priority policy. A request names its tier (Request.tier; None: DEFAULT_TIER).
+    tiers: tuple[TierConfig, ...] = ()
 
     def __post_init__(self) -> None:
         _require(1 <= self.max_num_seqs <= 4096,
@@ -136,6 +175,8 @@ class SchedulerConfig:
                  f"without chunked prefill max_num_batched_tokens "
                  f"({self.max_num_batched_tokens}) must be >= max_model_len "
                  f"({self.max_model_len})")
+        names = [t.name for t in self.tiers]
+        _require(len(set(names)) == len(names), f"tier names must be distinct, got {names}")
 
 
 @dataclass(frozen=True)

@@ -218,12 +218,13 @@ class LLMEngine:
     def add_request(self, request_id: str, prompt: PromptType,
                     params: SamplingParams | None = None, *, priority: int = 0,
                     arrival_time: float | None = None, grammar: Any = None,
-                    tenant: str | None = None) -> None:
+                    tenant: str | None = None, tier: str | None = None) -> None:
         """Validate and queue a request. Raises ValueError (nothing is queued) on bad input.
 
         grammar: the compiled grammar of params.structured_outputs, when the caller compiled
         it ahead (off this thread, as AsyncEngine does); else it is compiled here. tenant:
-        whose request it is (Request.tenant; the server passes its API key's hash)."""
+        whose request it is (Request.tenant; the server passes its API key's hash); tier: its
+        service tier (Request.tier; None: the default tier)."""
         params = params or SamplingParams()
         if request_id in self._parents:
             raise ValueError(f"request_id {request_id!r} is already in use")
@@ -242,7 +243,7 @@ class LLMEngine:
             req = Request(cid, ids, child_params, max_tokens=max_tokens, priority=priority,
                           arrival_time=arrival_time, prompt=text,
                           eos_token_ids=self.tokenizer.eos_token_ids, group_id=request_id,
-                          tenant=tenant)
+                          tenant=tenant, tier=tier)
             req.grammar = grammar
             want_lp = child_params.logprobs is not None
             children.append(_Child(req, i, IncrementalDetokenizer(self.tokenizer, req),

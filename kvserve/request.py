@@ -11,6 +11,7 @@ import enum
 import time
 from typing import Any
 
+from kvserve.config import DEFAULT_TIER
 from kvserve.sampling_params import SamplingParams
 
 
@@ -37,8 +38,11 @@ class Request:
                  sampling_params: SamplingParams, *, max_tokens: int, priority: int = 0,
                  arrival_time: float | None = None, eos_token_ids: tuple[int, ...] = (),
                  prompt: str | None = None, group_id: str | None = None,
-                 tenant: str | None = None) -> None:
+                 tenant: str | None = None, tier: str | None = None) -> None:
         self.request_id = request_id
+        # The service tier it is queued and bounded in (config.TierConfig; the server's map
+        # of API keys to tiers); None: the default tier.
+        self.tier = DEFAULT_TIER if tier is None else tier
         # Whose request this is (the server's hash of its API key; None offline): state that
         # outlives a request, the suffix proposer's cache of past outputs, is kept per tenant.
         self.tenant = tenant

@@ -18,12 +18,14 @@ The rejected drafts' KV slots hold garbage that the next step overwrites: attent
 reads past seq_len. None of this needs a special case elsewhere here.
 
 Order of one schedule():
-  1. RUNNING requests, most important first. When one cannot get blocks, the least
-     important running request (largest (priority, arrival_time)) is preempted: its blocks
-     are freed and it goes back to WAITING to be recomputed later, prefix cache helping.
-  2. WAITING requests in (priority, arrival_time, insertion) order while budget, max_num_seqs
-     and blocks allow; skipped in a step that preempted. A waiting request never preempts a
-     running one (see _schedule_waiting).
+  1. RUNNING requests, most important first: the heaviest service tier first, then by key
+     (fair_queue.py). When one cannot get blocks, the least important running request is
+     preempted: its blocks are freed and it goes back to WAITING to be recomputed later,
+     prefix cache helping.
+  2. WAITING requests as the FairQueue hands them out (weighted fair share across tiers,
+     within a tier (priority, arrival_time)) while budget, max_num_seqs, the tier's
+     max_running and blocks allow; skipped in a step that preempted. A waiting request never
+     preempts a running one (see _schedule_waiting).
 
 num_computed_tokens advances in schedule(), right after a request is scheduled, so that the
 next schedule() already knows what is in flight; update_from_output() only appends tokens.
@@ -32,23 +34,25 @@ next schedule() already knows what is in flight; update_from_output() only appen
 from __future__ import annotations
 
 import bisect
-import heapq
 import time
+from collections import Counter
 
 from kvserve.config import CacheConfig, SchedulerConfig
+from kvserve.fair_queue import FairQueue, OrderKey
 from kvserve.kv.block_pool import BlockPool
 from kvserve.kv.cache_manager import KVCacheManager
 from kvserve.kv.layout import cdiv
 from kvserve.outputs import ModelOutput, ScheduledRequest, SchedulerOutput
 from kvserve.request import Request, RequestStatus
 
-# (priority, arrival_time, insertion counter): smaller = more important. The counter breaks
-# ties between equal arrival times and keeps heap entries from ever comparing Requests.
-_OrderKey = tuple[int, float, int]
-
 
 class QueueFullError(RuntimeError):
-    """The waiting queue is at SchedulerConfig.max_waiting_requests (the server's 503)."""
+    """The waiting queue is at SchedulerConfig.max_waiting_requests (the server's 503), or
+    the request's tier is at its max_waiting (tier is its name then; the server's 429)."""
+
+    def __init__(self, message: str, tier: str | None = None) -> None:
+        super().__init__(message)
+        self.tier = tier
 
 
 class Scheduler:
@@ -65,13 +69,8 @@ class Scheduler:
                                                cache_config.enable_prefix_caching)
         # Every unfinished request, waiting or running.
         self.requests: dict[str, Request] = {}
-        self._order: dict[str, _OrderKey] = {}
-        self._counter = 0
-        # Min-heap of (key, request); keys are unique so requests are never compared.
-        self.waiting: list[tuple[_OrderKey, Request]] = []
-        # group_id -> its requests in waiting: the n children of one request count once
-        # against max_waiting_requests.
-        self._waiting_groups: dict[str, int] = {}
+        self._order: dict[str, OrderKey] = {}
+        self.waiting = FairQueue(scheduler_config.tiers)
         # Kept sorted by key, most important first. Then the preemption victim is always the
         # last entry, which schedule() reaches last: a victim is never a request that was
         # already scheduled in the same step (its blocks would hold uncomputed KV).
@@ -99,26 +98,19 @@ class Scheduler:
                 f"request {rid!r}: prompt + max_tokens = {max_len} tokens needs "
                 f"{blocks_needed} KV blocks of {self.block_size} tokens, but the cache holds "
                 f"only {self.num_blocks - 1} usable blocks")
+        self.waiting.check(request)
         limit = self.config.max_waiting_requests
-        if limit is not None and request.group_id not in self._waiting_groups \
-                and len(self._waiting_groups) >= limit:
+        room, full_tier = self.waiting.has_room(request, limit)
+        if full_tier is not None:
+            cap = self.waiting.tiers[full_tier].max_waiting
+            raise QueueFullError(f"the waiting queue of tier {full_tier!r} is full ({cap} "
+                                 f"requests); retry later", tier=full_tier)
+        if not room:
             raise QueueFullError(f"the waiting queue is full ({limit} requests); retry later")
         request.status = RequestStatus.WAITING
-        self._order[rid] = (request.priority, request.arrival_time, self._counter)
-        self._counter += 1
+        self._order[rid] = self.waiting.new_key(request)
         self.requests[rid] = request
-        self._push_waiting(request)
-
-    def _push_waiting(self, req: Request) -> None:
-        heapq.heappush(self.waiting, (self._order[req.request_id], req))
-        self._waiting_groups[req.group_id] = self._waiting_groups.get(req.group_id, 0) + 1
-
-    def _left_waiting(self, req: Request) -> None:
-        left = self._waiting_groups[req.group_id] - 1
-        if left:
-            self._waiting_groups[req.group_id] = left
-        else:
-            del self._waiting_groups[req.group_id]
+        self.waiting.push(self._order[rid], request)
 
     # -- one step ---------------------------------------------------------------------------
 
@@ -192,8 +184,17 @@ class Scheduler:
         waiting one. The victim would usually be scheduled in this step already, with blocks
         registered in the prefix index whose KV would then never be computed.
         """
-        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
-            req = self.waiting[0][1]
+        tiers = self.waiting.tiers
+        running = Counter(r.tier for r in self.running)
+
+        def eligible(tier: str) -> bool:
+            cap = tiers[tier].max_running
+            return cap is None or running[tier] < cap
+
+        while budget > 0 and len(self.running) < self.config.max_num_seqs:
+            req = self.waiting.head(eligible)
+            if req is None:
+                break
             computed_blocks, num_computed = self.kv_cache_manager.get_computed_blocks(req)
             num_new = req.num_tokens - num_computed
             if num_new > budget:
@@ -203,8 +204,8 @@ class Scheduler:
             num_alloc = self._slots(req, num_computed, num_new)
             if self.kv_cache_manager.allocate_slots(req, num_alloc, computed_blocks) is None:
                 break
-            heapq.heappop(self.waiting)
-            self._left_waiting(req)
+            self.waiting.pop(req)
+            running[req.tier] += 1
             req.status = RequestStatus.RUNNING
             req.num_computed_tokens = num_computed
             if req.num_cached_tokens < 0:
@@ -237,10 +238,11 @@ class Scheduler:
         req.num_preemptions += 1
         self.num_preemptions += 1
         # Same key as on arrival: it returns ahead of everything that arrived after it.
-        self._push_waiting(req)
+        self.waiting.push(self._order[req.request_id], req)
 
-    def _key(self, req: Request) -> _OrderKey:
-        return self._order[req.request_id]
+    def _key(self, req: Request) -> tuple[int, OrderKey]:
+        """The running list's order: heavier tiers first, then the queue key."""
+        return self.waiting.rank[req.tier], self._order[req.request_id]
 
     # -- results ----------------------------------------------------------------------------
 
@@ -320,10 +322,7 @@ class Scheduler:
         if req in self.running:
             self.running.remove(req)
         else:
-            # O(len(waiting)); removing from the middle of a heap needs a re-heapify.
-            self.waiting.remove((self._order[rid], req))
-            heapq.heapify(self.waiting)
-            self._left_waiting(req)
+            self.waiting.remove(self._order[rid], req)
         self.kv_cache_manager.free(req)
         del self.requests[rid]
         del self._order[rid]
@@ -347,7 +346,12 @@ class Scheduler:
     @property
     def num_waiting_groups(self) -> int:
         """Waiting requests as max_waiting_requests counts them (n children count once)."""
-        return len(self._waiting_groups)
+        return self.waiting.num_groups
+
+    def tier_counts(self) -> dict[str, tuple[int, int]]:
+        """tier -> (running, waiting) requests, every tier listed."""
+        running = Counter(r.tier for r in self.running)
+        return {t: (running[t], self.waiting.num_waiting(t)) for t in self.waiting.tiers}
 
     @property
     def kv_cache_usage(self) -> float:

@@ -183,7 +183,7 @@ def test_preemption_picks_least_important_and_requeues_it_at_the_head() -> None:
     # c freed tail first (9, 6, 5): a takes 9, b takes 6. No admissions in a preempting step.
     assert summary(out) == [("a", 12, 1, True), ("b", 12, 1, True)]
     assert [s.block_ids for s in out.scheduled] == [[1, 2, 7, 9], [3, 4, 8, 6]]
-    assert [r.request_id for _, r in sorted(sched.waiting)] == ["c", "d"]
+    assert [r.request_id for r in sched.waiting] == ["c", "d"]
 
     out, _ = step(sched)
     # c is at the head; its first block (5) is still cached, but c needs 4 blocks and only

@@ -8,6 +8,7 @@ the device's free memory) live in runtime state, never here.
 from __future__ import annotations
 
 import dataclasses
+import json
 import re
 from dataclasses import dataclass, field
 from typing import Any
@@ -141,15 +142,53 @@ class TierConfig:
         _require(bool(re.fullmatch(r"[A-Za-z0-9_.-]{1,64}", self.name or "")),
                  f"a tier name must be 1-64 letters, digits, '_', '.' or '-', got "
                  f"{self.name!r}")
-        _require(0 < self.weight <= 1e6,
+        _require(isinstance(self.weight, (int, float)) and not isinstance(self.weight, bool)
+                 and 0 < self.weight <= 1e6,
                  f"tier {self.name!r}: weight must be in (0, 1e6], got {self.weight}")
         for name in ("max_running", "max_waiting"):
             v = getattr(self, name)
             _require(v is None or (isinstance(v, int) and v >= 1),
                      f"tier {self.name!r}: {name} must be an integer >= 1, got {v!r}")
-        _require(self.priority_aging_s is None or self.priority_aging_s > 0,
+        _require(isinstance(self.allow_priority, bool),
+                 f"tier {self.name!r}: allow_priority must be true or false, got "
+                 f"{self.allow_priority!r}")
+        _require(self.priority_aging_s is None or (
+                     isinstance(self.priority_aging_s, (int, float))
+                     and self.priority_aging_s > 0),
                  f"tier {self.name!r}: priority_aging_s must be > 0, got "
                  f"{self.priority_aging_s}")
+
+
+def parse_tiers(spec: dict | str | None) -> tuple[TierConfig, ...]:
+    """--tiers: {"paid": {"weight": 8, "max_running": 48, ...}, "free": {...}} (TierConfig's
+    fields but name), as a dict, its JSON text, or the path of a JSON file holding it."""
+    if spec is None:
+        return ()
+    if isinstance(spec, str):
+        text = spec
+        if not spec.lstrip().startswith("{"):
+            try:
+                with open(spec, encoding="utf-8") as f:
+                    text = f.read()
+            except OSError as e:
+                raise ValueError(f"tiers: {spec!r} is neither a JSON object nor a readable "
+                                 f"file ({e.strerror})") from None
+        try:
+            spec = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"tiers is not valid JSON: {e}") from None
+    _require(isinstance(spec, dict) and bool(spec),
+             "tiers must be a non-empty JSON object of tier name -> settings")
+    known = {f.name for f in dataclasses.fields(TierConfig)} - {"name"}
+    tiers = []
+    for name, fields in spec.items():
+        _require(isinstance(fields, dict), f"tiers: tier {name!r} must map to an object of "
+                                           f"settings ({', '.join(sorted(known))})")
+        unknown = sorted(set(fields) - known)
+        _require(not unknown, f"tiers: tier {name!r} has unknown setting(s) "
+                              f"{', '.join(unknown)}; known: {', '.join(sorted(known))}")
+        tiers.append(TierConfig(name, **fields))
+    return tuple(tiers)
 
 
 @dataclass(frozen=True)

@@ -19,6 +19,7 @@ from kvserve.config import (
     SchedulerConfig,
     SpeculativeConfig,
     parse_memory,
+    parse_tiers,
 )
 from kvserve.kv.layout import KV_CACHE_DTYPES
 from kvserve.platform import default_device
@@ -67,6 +68,10 @@ class EngineArgs:
     tensor_parallel_size: int = 1
     tp_timeout: float = 60.0  # seconds a collective waits for a rank (a hung worker)
     tp_all_reduce: str = "shm"  # the CPU ranks' all-reduce: shm or gloo
+    # Service tiers: {"paid": {"weight": 8, "max_running": 48, "max_waiting": 256,
+    # "allow_priority": true}, "free": {...}} (kvserve.config.TierConfig), its JSON text or a
+    # JSON file's path; None: one tier. The server maps API keys to tiers (--api-key-file).
+    tiers: dict | str | None = None
 
     def create_engine_config(self, model_path: str, mc: ModelConfig) -> EngineConfig:
         device = default_device() if self.device == "auto" else self.device
@@ -97,7 +102,8 @@ class EngineArgs:
             scheduler=SchedulerConfig(max_num_seqs=self.max_num_seqs,
                                       max_num_batched_tokens=budget, max_model_len=max_len,
                                       enable_chunked_prefill=self.enable_chunked_prefill,
-                                      max_waiting_requests=self.max_waiting_requests),
+                                      max_waiting_requests=self.max_waiting_requests,
+                                      tiers=parse_tiers(self.tiers)),
             dtype=dtype, device=device, seed=self.seed, ops_backend=self.ops_backend,
             quant=quant_config(quantization, self.quant_group_size, mc.quantization_config),
             grammar_cache_bytes=parse_memory(self.grammar_cache_memory,
@@ -189,6 +195,14 @@ class EngineArgs:
         p.add_argument("--tp-all-reduce", choices=["shm", "gloo"], default=d.tp_all_reduce,
                        help="how CPU ranks sum their partial outputs: shm (shared memory, "
                             "default) or gloo (torch.distributed over loopback TCP)")
+        p.add_argument("--tiers", default=None, metavar="JSON|FILE",
+                       help='service tiers, e.g. \'{"paid": {"weight": 8, "max_running": 48, '
+                            '"max_waiting": 256, "allow_priority": true}, "free": {"weight": '
+                            '1, "max_running": 16, "max_waiting": 64}}\' (or a JSON file): '
+                            'admissions by weighted fair share, each tier\'s own bounds '
+                            '(429 past max_waiting), request priorities within a tier only '
+                            'where allowed, aged by priority_aging_s (default 10 s per '
+                            'level); the server\'s --api-key-file puts each key in one')
         p.add_argument("--ops-backend", default=d.ops_backend,
                        help="auto (cpu kernels on CPU, torch elsewhere), cpu, torch or "
                        "reference (the pure-torch oracle)")

@@ -21,7 +21,7 @@ import logging
 import re
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
@@ -66,6 +66,9 @@ class ServerConfig:
     model_name: str
     # One key or several (clients may send any); each key is a tenant (tenant_of).
     api_key: str | Sequence[str] | None = None
+    # --api-key-file: more keys, each in a service tier (key -> tier name); the keys above
+    # are in the default tier.
+    api_key_tiers: Mapping[str, str] = field(default_factory=dict)
     max_body_bytes: int = 4 << 20
     shutdown_timeout: float = 30.0
     # Host header values accepted (names or IP literals, no port); None: any. A server bound
@@ -122,12 +125,16 @@ def tenant_of(api_key: str) -> str:
 class _Gate:
     def __init__(self, app: ASGIApp, api_key: str | Sequence[str] | None,
                  allowed_hosts: tuple[str, ...] | None = None,
-                 public_paths: Sequence[str] = ("/health",)) -> None:
+                 public_paths: Sequence[str] = ("/health",),
+                 key_tiers: Mapping[str, str] | None = None) -> None:
         """public_paths: exact paths answered without a key (/health; the web page's files,
-        which hold no data and ask for the key themselves)."""
+        which hold no data and ask for the key themselves). key_tiers: more keys, each with
+        its service tier (the others are in the default tier)."""
         self.app = app
         keys = [api_key] if isinstance(api_key, str) else list(api_key or ())
-        self.api_keys = [(k.encode(), tenant_of(k)) for k in keys if k]
+        tiers: dict[str, str | None] = dict.fromkeys((k for k in keys if k), None)
+        tiers.update(key_tiers or {})
+        self.api_keys = [(k.encode(), tenant_of(k), t) for k, t in tiers.items()]
         self.allowed_hosts = allowed_hosts
         self.public_paths = frozenset(public_paths)
 
@@ -154,26 +161,27 @@ class _Gate:
             await error_response(err).__call__(scope, receive, send_with_id)
             return
         if self.api_keys and scope.get("path") not in self.public_paths:
-            tenant = self._tenant(headers)
-            if tenant is None:
+            found = self._tenant(headers)
+            if found is None:
                 err = APIError(401, "missing or invalid API key: send 'Authorization: Bearer "
                                     "<key>'", code="invalid_api_key")
                 await error_response(err).__call__(scope, receive, send_with_id)
                 return
-            scope["state"]["tenant"] = tenant
+            scope["state"]["tenant"], scope["state"]["tier"] = found
         await self.app(scope, receive, send_with_id)
 
-    def _tenant(self, headers: Headers) -> str | None:
-        """The tenant of the key the request sends; None when it sends none of the keys."""
+    def _tenant(self, headers: Headers) -> tuple[str, str | None] | None:
+        """(tenant, tier) of the key the request sends; None when it sends none of the
+        keys."""
         auth = headers.get("authorization", "")
         scheme, _, token = auth.partition(" ")
         sent = token.strip().encode()
         found = None
         # Constant time in the key, and every key compared: a timing side channel must not
         # reveal a matching prefix.
-        for key, tenant in self.api_keys:
+        for key, tenant, tier in self.api_keys:
             if hmac.compare_digest(sent, key) and found is None:
-                found = tenant
+                found = tenant, tier
         return found if scheme.lower() == "bearer" else None
 
 
@@ -448,7 +456,9 @@ def build_app(config: ServerConfig,
 
     async def _generate(request: Request, fn: Callable[..., Any], model: type[BaseModel]
                         ) -> Response:
-        c = dataclasses.replace(ctx(), tenant=request.scope.get("state", {}).get("tenant"))
+        scope_state = request.scope.get("state", {})
+        c = dataclasses.replace(ctx(), tenant=scope_state.get("tenant"),
+                                tier=scope_state.get("tier"))
         body = await parse_body(request, model, config.max_body_bytes)
         result = await _unless_disconnected(request, fn(c, body, rid(request)))
         if result is None:
@@ -542,7 +552,8 @@ def build_app(config: ServerConfig,
         "/v1/completions": CompletionRequest, "/v1/chat/completions": ChatCompletionRequest,
         "/tokenize": TokenizeRequest, "/detokenize": DetokenizeRequest})
     public = ("/health", *web.PAGE_PATHS) if config.web_ui else ("/health",)
-    return _Gate(app, config.api_key, config.allowed_hosts, public)  # type: ignore[return-value]
+    return _Gate(app, config.api_key, config.allowed_hosts, public,  # type: ignore[return-value]
+                 config.api_key_tiers)
 
 
 async def _load(state: ServerState, load_engine: Callable[[], AsyncEngine],

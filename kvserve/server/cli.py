@@ -22,6 +22,7 @@ import sys
 from types import FrameType
 from typing import Any
 
+from kvserve.config import DEFAULT_TIER, parse_tiers
 from kvserve.engine_args import EngineArgs
 from kvserve.tool_calling.parsers import TOOL_PARSERS
 
@@ -41,6 +42,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="require 'Authorization: Bearer KEY' on every endpoint but /health "
                         "(repeatable: any of the keys, each key a tenant; default: "
                         "$KVSERVE_API_KEY or $VLLM_API_KEY)")
+    p.add_argument("--api-key-file", default=None, metavar="FILE",
+                   help="more API keys, one 'key,tier' row each ('#' comments): each key a "
+                        "tenant in the service tier named (see --tiers); --api-key keys are "
+                        "in the default tier")
     p.add_argument("--served-model-name", default=None,
                    help="the model name clients send and responses carry (default: MODEL)")
     p.add_argument("--max-waiting-requests", type=int, default=DEFAULT_MAX_WAITING,
@@ -106,8 +111,11 @@ def _serve(ns: argparse.Namespace) -> int:
     args = EngineArgs.from_cli(ns)
     args.model = path
     api_key = ns.api_key or os.environ.get("KVSERVE_API_KEY") or os.environ.get("VLLM_API_KEY")
+    key_tiers = {} if ns.api_key_file is None else read_api_key_file(
+        ns.api_key_file, {t.name for t in parse_tiers(args.tiers)} | {DEFAULT_TIER})
     name = ns.served_model_name or ns.model or "smollm2-135m"
-    config = ServerConfig(model_name=name, api_key=api_key, max_body_bytes=ns.max_body_bytes,
+    config = ServerConfig(model_name=name, api_key=api_key, api_key_tiers=key_tiers,
+                          max_body_bytes=ns.max_body_bytes,
                           shutdown_timeout=ns.shutdown_timeout,
                           allowed_hosts=allowed_hosts(ns.host, ns.allowed_host),
                           tool_call_parser=ns.tool_call_parser,
@@ -156,6 +164,34 @@ def _serve(ns: argparse.Namespace) -> int:
           file=sys.stderr, flush=True)
     server.run()
     return 1 if failed or not server.started else 0
+
+
+def read_api_key_file(path: str, tiers: set[str]) -> dict[str, str]:
+    """--api-key-file: key -> tier, one 'key,tier' row per key; blank lines and '#' comments
+    skipped. ValueError naming the line (never the key) for a bad row, an unknown tier or a
+    key given twice."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            lines = f.read().splitlines()
+    except (OSError, UnicodeDecodeError) as e:
+        raise ValueError(f"--api-key-file {path!r} cannot be read: {e}") from None
+    keys: dict[str, str] = {}
+    for n, line in enumerate(lines, 1):
+        row = line.strip()
+        if not row or row.startswith("#"):
+            continue
+        key, sep, tier = (x.strip() for x in row.partition(","))
+        if not sep or not key or not tier or "," in tier:
+            raise ValueError(f"--api-key-file {path}:{n}: a row is 'key,tier'")
+        if tier not in tiers:
+            raise ValueError(f"--api-key-file {path}:{n}: unknown tier {tier!r}; the tiers "
+                             f"are {', '.join(sorted(tiers))} (--tiers)")
+        if key in keys:
+            raise ValueError(f"--api-key-file {path}:{n}: this key is already listed")
+        keys[key] = tier
+    if not keys:
+        raise ValueError(f"--api-key-file {path}: no keys in it")
+    return keys
 
 
 def allowed_hosts(host: str, flags: list[str] | None) -> tuple[str, ...] | None:

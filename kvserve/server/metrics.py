@@ -57,6 +57,15 @@ class _EngineCollector(Collector):
             yield metric
         if s.spec is not None:
             yield from self._spec_metrics(s.spec, labels)
+        if s.tiers is not None:
+            for name, doc, i in (("kvserve:tier_num_requests_running",
+                                  "Requests in model execution batches, by service tier.", 0),
+                                 ("kvserve:tier_num_requests_waiting",
+                                  "Requests waiting to be processed, by service tier.", 1)):
+                metric = GaugeMetricFamily(name, doc, labels=labels + ["tier"])
+                for tier, counts in sorted(s.tiers.items()):
+                    metric.add_metric([self._model, tier], float(counts[i]))
+                yield metric
 
     def _spec_metrics(self, spec: SpecStats, labels: list[str]
                       ) -> Iterator[CounterMetricFamily]:
@@ -103,6 +112,13 @@ class ServerMetrics:
         self.queue_time = Histogram("vllm:request_queue_time_seconds",
                                     "Time spent waiting before first scheduled.", labels,
                                     buckets=_REQUEST_BUCKETS, registry=r).labels(model_name)
+        # Service tiers (samples only where tiers are configured).
+        self.tier_ttft = Histogram("kvserve:tier_time_to_first_token_seconds",
+                                   "Time to first token, by service tier.", labels + ["tier"],
+                                   buckets=_TTFT_BUCKETS, registry=r)
+        self.tier_success = Counter("kvserve:tier_request_success",
+                                    "Finished requests, by service tier and finish reason.",
+                                    labels + ["tier", "finished_reason"], registry=r)
 
     def observe(self, it: IterationStats) -> None:
         """Called on the engine thread after each step (prometheus_client is thread-safe)."""
@@ -122,6 +138,10 @@ class ServerMetrics:
             counter = self.request_success.get(reason)
             if counter is not None:
                 counter.inc()
+        for tier, v in it.tier_time_to_first_tokens:
+            self.tier_ttft.labels(self.model_name, tier).observe(v)
+        for tier, reason in it.tier_finished_reasons:
+            self.tier_success.labels(self.model_name, tier, reason).inc()
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -38,6 +38,7 @@ class ServingContext:
     model_name: str
     max_model_len: int
     tenant: str | None = None  # the API key's (api.tenant_of); None without keys
+    tier: str | None = None  # the API key's service tier (--api-key-file); None: default
     tools: ToolSupport | None = None  # the parser and template facts (serving_tools.py)
 
 
@@ -54,6 +55,9 @@ def engine_error(err: BaseException, fields: set[str],
                  renames: dict[str, str] | None = None) -> APIError:
     """Engine-side failures -> HTTP errors."""
     if isinstance(err, QueueFullError):
+        if err.tier is not None:  # the tier's own bound: this client is over its share
+            return APIError(429, str(err), code="tier_queue_full",
+                            headers={"Retry-After": "1"})
         return APIError(503, str(err), code="queue_full",
                         headers={"Retry-After": "1"})
     if isinstance(err, EngineShuttingDown):
@@ -152,7 +156,8 @@ async def add_all(ctx: ServingContext, prompts: list[Any], params: SamplingParam
     try:
         for i, prompt in enumerate(prompts):
             streams.append(await ctx.engine.add_request(f"{base_id}-{i}", prompt, params,
-                                                        priority, tenant=ctx.tenant))
+                                                        priority, tenant=ctx.tenant,
+                                                        tier=ctx.tier))
     except BaseException as e:
         for s in streams:
             ctx.engine.release(s)

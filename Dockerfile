@@ -20,6 +20,7 @@ RUN apt-get update \
 ENV VIRTUAL_ENV=/opt/venv \
     PATH=/opt/venv/bin:$PATH \
     PIP_DISABLE_PIP_VERSION_CHECK=1 \
+    PIP_ROOT_USER_ACTION=ignore \
     KVSERVE_EXTENSIONS_DIR=/opt/kvserve/kernels
 
 # torch first, pinned as README, Makefile and pyproject.toml pin it. PyPI's Linux wheel of

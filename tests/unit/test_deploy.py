@@ -25,6 +25,7 @@ from kvserve.async_engine import EngineStats
 from kvserve.cli import build_parser
 from kvserve.config import parse_memory
 from kvserve.ops import build
+from kvserve.ops import cpu as cpu_mod
 from kvserve.server.cli import allowed_hosts
 from kvserve.server.metrics import ServerMetrics
 
@@ -190,6 +191,9 @@ def test_the_kernels_are_built_in_a_run_step_and_found_at_run_time(
     final_runs = " ".join(args_of(final, "RUN"))
     assert "load_extension()" in final_runs
     assert not re.search(r"apt-get|g\+\+|gcc|clang|build-essential", final_runs)
+    # that one build holds the AVX-512 kernels too (chosen at run time, not built apart)
+    avx512 = {p.name for p in cpu_mod._CSRC.glob("*avx512*.cpp")}
+    assert avx512 and avx512 <= set(cpu_mod._SOURCES)
 
 
 def test_the_server_runs_as_a_user_who_is_not_root(stages: list[list[tuple[str, str]]]

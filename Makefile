@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 PROMPT ?= Explain in two sentences why the sky is blue.
 
-.PHONY: setup run serve test fuzz bench bench-quant bench-spec
+.PHONY: setup run serve test fuzz bench bench-quant bench-spec image
 setup: $(VENV)/.installed
 
 # torch is pinned to 2.13.0 everywhere: that is the CPU wheel; any other spec pulls a
@@ -70,3 +70,10 @@ bench-quant: setup
 bench-spec: setup
 	$(PIP) install -q --no-build-isolation -e '.[test,bench]'
 	$(PY) benchmarks/compare --steps peers,spec $(BENCH_ARGS)
+
+# The CPU container image (Dockerfile; the kernels are compiled while it builds, so a container
+# never compiles at start). Needs a docker daemon. `docker run -p 8000:8000 $(IMAGE)` serves
+# the default model; deploy/k8s/ runs it on Kubernetes.
+IMAGE ?= kvserve:latest
+image:
+	docker build -t $(IMAGE) .

@@ -138,3 +138,18 @@ def test_preemption_takes_the_lighter_tier_first() -> None:
     out, _ = step(sched)
     assert [s.request_id for s in out.scheduled] == ["paid-new"]
     assert out.preempted_ids == ["free-old"]
+
+
+def test_a_priority_reorders_its_own_tier_only() -> None:
+    """Even where the free tier allows priorities, the most urgent free request takes a free
+    admission slot (overtaking free requests), never a paid one."""
+    free_p = TierConfig("free", weight=1, allow_priority=True)
+
+    def order(urgent: int) -> list[str]:
+        q = FairQueue((PAID, free_p))
+        fill(q, *(req(f"p{i}", "paid", i) for i in range(8)), req("f0", "free", 0.0),
+             req("f1", "free", 1.0, priority=urgent))
+        return drain(q, 10)
+
+    assert order(0) == ["p0", "f0", "p1", "p2", "p3", "p4", "f1", "p5", "p6", "p7"]
+    assert order(-1000) == ["p0", "f1", "p1", "p2", "p3", "p4", "f0", "p5", "p6", "p7"]

@@ -112,13 +112,23 @@ class _Relay(Response):
         await send({"type": "http.response.body", "body": b"", "more_body": False})
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        # uvicorn drops what is sent to a client that has gone (ASGI spec 2.3), so the relay
+        # would read the backend to its end: a disconnect is watched for instead.
+        relay = asyncio.ensure_future(self._relay(send))
+        watcher = asyncio.ensure_future(_wait_disconnect(receive))
         try:
-            await self._relay(send)
-        except OSError:
-            pass  # the client went away: closing the upstream aborts its engine request
+            await asyncio.wait({relay, watcher}, return_when=asyncio.FIRST_COMPLETED)
         finally:
-            await self._upstream.aclose()
-            self._release()
+            relay.cancel()
+            watcher.cancel()
+            try:
+                await relay
+            except (asyncio.CancelledError, OSError):
+                pass  # the client went away (OSError: a server on ASGI spec 2.4 says so)
+            finally:
+                # Closing the upstream connection aborts the backend's engine request.
+                await self._upstream.aclose()
+                self._release()
 
 
 class RouterApp:
@@ -152,7 +162,7 @@ class RouterApp:
         aborts its engine request."""
         body = await _read_body(request, self.config.max_body_bytes)
         task = asyncio.ensure_future(self._proxy(request, body, routed))
-        watcher = asyncio.ensure_future(_wait_disconnect(request))
+        watcher = asyncio.ensure_future(_wait_disconnect(request.receive))
         try:
             await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
         finally:
@@ -246,9 +256,9 @@ class RouterApp:
                     await poller
 
 
-async def _wait_disconnect(request: Request) -> None:
+async def _wait_disconnect(receive: Receive) -> None:
     # Called once the body is read, so the next message can only be the disconnect.
-    while (await request.receive())["type"] != "http.disconnect":
+    while (await receive())["type"] != "http.disconnect":
         pass
 
 

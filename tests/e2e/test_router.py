@@ -238,6 +238,32 @@ def test_streaming_is_relayed_as_it_arrives(router: RouterProcess,
     assert times[-1] - times[0] > 0.05, times
 
 
+def test_a_client_gone_aborts_the_replicas_request(router: RouterProcess,
+                                                   replicas: list[ServerProcess],
+                                                   headers: dict[str, str]) -> None:
+    """Gone during the prefill (before the first byte) and gone mid-stream: either way the
+    router closes the replica's connection, which aborts the request there."""
+    body = {"prompt": "word " * 1500, "max_tokens": 200, "min_tokens": 200, "stream": True}
+
+    def aborts() -> float:
+        return sum(s.metrics().get('vllm:request_success_total{finished_reason="abort"}', 0)
+                   for s in replicas)
+
+    before = aborts()
+    with pytest.raises(httpx.TimeoutException):  # a 1500-token prefill takes longer
+        httpx.post(f"{router.base_url}/v1/completions", headers=headers, json=body,
+                   timeout=0.3)
+    _wait(lambda: aborts() == before + 1, 20, router)
+    with httpx.stream("POST", f"{router.base_url}/v1/completions", headers=headers,
+                      json=body, timeout=60) as r:
+        for i, _ in enumerate(r.iter_lines()):
+            if i > 6:
+                break
+    _wait(lambda: aborts() == before + 2, 20, router)
+    _wait(lambda: all(v == 0 for k, v in router.metrics().items()
+                      if k.startswith("kvserve_router_backend_in_flight")), 10, router)
+
+
 def test_a_stopped_replica_is_taken_out_and_put_back(router: RouterProcess,
                                                      replicas: list[ServerProcess],
                                                      headers: dict[str, str]) -> None:

@@ -49,6 +49,9 @@ _HOP_BY_HOP = frozenset({"connection", "keep-alive", "proxy-authenticate",
                          "proxy-authorization", "te", "trailer", "transfer-encoding",
                          "upgrade"})
 _REQUEST_DROP = _HOP_BY_HOP | {"host", "content-length"}
+# The replicas' addresses and states go to the log and /metrics, not to clients.
+_NO_BACKEND = APIError(503, "no backend is available; retry shortly", code="no_backend",
+                       headers={"Retry-After": "1"})
 
 
 @dataclass(frozen=True)
@@ -189,9 +192,8 @@ class RouterApp:
             else:
                 target = self.pool.least_loaded(tried)
             if target is None:
-                why = "; ".join(f"{b.url}: {b.reason}" for b in self.pool.backends.values())
-                return _error(APIError(503, f"no healthy backend ({why})", code="no_backend",
-                                       headers={"Retry-After": "1"}))
+                logger.warning("no backend for %s: %s", path, self.pool.describe())
+                return _error(_NO_BACKEND)
             tried.add(target)
             response = await self._attempt(request.method, target, url, headers, body,
                                            last=self.pool.least_loaded(tried) is None)
@@ -308,8 +310,7 @@ def build_app(config: RouterConfig, tokenizer: Tokenizer | None,
     async def health() -> Response:
         if any(b.healthy for b in state.pool.backends.values()):
             return Response(status_code=200)
-        why = "; ".join(f"{b.url}: {b.reason}" for b in state.pool.backends.values())
-        return _error(APIError(503, f"no healthy backend ({why})", code="no_backend"))
+        return _error(_NO_BACKEND)
 
     @app.get("/metrics")
     async def metrics() -> Response:

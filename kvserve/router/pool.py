@@ -71,6 +71,9 @@ class BackendPool:
             return None
         return least_loaded(loads, {u: self.prefix_map.owned(u) for u in loads})
 
+    def describe(self) -> str:
+        return "; ".join(f"{b.url}: {b.reason}" for b in self.backends.values())
+
     def set_health(self, url: str, healthy: bool, reason: str) -> None:
         b = self.backends[url]
         if b.healthy and not healthy:

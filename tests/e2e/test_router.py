@@ -316,6 +316,19 @@ def test_a_killed_replica_is_taken_out_and_requests_still_succeed(
     assert httpx.get(f"{router.base_url}/health").status_code == 200
 
 
+def test_no_replica_left_is_a_503(router: RouterProcess, replicas: list[ServerProcess],
+                                  headers: dict[str, str]) -> None:
+    for s in replicas:
+        if s.proc.poll() is None:
+            s.proc.kill()
+            s.proc.wait(10)
+    r = httpx.post(f"{router.base_url}/v1/completions", headers=headers,
+                   json={"prompt": "Hi", "max_tokens": 2})
+    assert r.status_code == 503 and r.json()["error"]["code"] == "no_backend"
+    assert "127.0.0.1" not in r.text  # the replicas' addresses stay in the log
+    _wait(lambda: httpx.get(f"{router.base_url}/health").status_code == 503, 10, router)
+
+
 def _wait(cond: Any, timeout: float, router: RouterProcess) -> None:
     deadline = time.monotonic() + timeout
     while not cond():

@@ -53,7 +53,8 @@ def _generate(ns: argparse.Namespace) -> int:
 # Modules with add_parser(subparsers) -> None; each sets `func` on its parser. They must import
 # lightly: heavy imports belong inside `func`.
 _SUBCOMMANDS = ["kvserve.cli", "kvserve.bench.cli", "kvserve.server.cli", "kvserve.eval.cli",
-               "kvserve.quantize", "kvserve.spec.medusa_train", "kvserve.chat"]
+               "kvserve.quantize", "kvserve.spec.medusa_train", "kvserve.chat",
+               "kvserve.router.cli"]
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:

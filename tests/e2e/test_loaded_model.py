@@ -43,3 +43,35 @@ def test_engines_built_in_turn_on_one_loaded_model(tmp_path: Path) -> None:
     assert second.model is loaded.model  # shared, not copied
     assert second.num_blocks == LLMEngine.num_kv_blocks(loaded.config)
     assert _greedy(second) == want
+
+
+def test_an_engine_on_its_share_of_the_cores(tmp_path: Path) -> None:
+    """AsyncEngine.build(cores=...): the engine thread runs on those cores only (a server's
+    hot slot), and the caller's thread keeps its own."""
+    import asyncio
+    import os
+
+    import torch
+
+    from kvserve.async_engine import AsyncEngine
+
+    save_tiny(tmp_path, "llama", seed=5)
+    loaded = LLMEngine.load(EngineArgs(model=str(tmp_path), kv_cache_memory="8MiB"))
+    mine, threads = os.sched_getaffinity(0), torch.get_num_threads()
+    share = [min(mine)]
+
+    async def main() -> set[int]:
+        engine = AsyncEngine.build(lambda: LLMEngine.from_loaded(loaded), cores=share)
+        engine.start()
+        try:
+            out = [o async for o in engine.generate(
+                {"prompt_token_ids": PROMPTS[0]},
+                SamplingParams(temperature=0, max_tokens=3), "r")]
+            assert out[-1].finished
+            assert engine._thread is not None
+            return os.sched_getaffinity(engine._thread.native_id)
+        finally:
+            await engine.shutdown(1.0)
+
+    assert asyncio.run(main()) == set(share)
+    assert (os.sched_getaffinity(0), torch.get_num_threads()) == (mine, threads)

@@ -231,7 +231,8 @@ class ModelPool:
         m = self.find(name)
         self.check_serving()
         if m.state == HOT:
-            self.placement.use(m.name)  # reorders the hot models only
+            moved = self.placement.use(m.name)
+            assert not moved, moved  # using a hot model only reorders the hot ones
             return Lease(m)
         fut: asyncio.Future[Lease] = asyncio.get_running_loop().create_future()
         m.waiters.append(fut)
@@ -303,9 +304,14 @@ class ModelPool:
             slot = self._free_slots.pop(0)
             engine = await loop.run_in_executor(None, self.loader.build, m.spec, m.weights,
                                                 slot)
+            m.engine, m.slot = engine, slot
+            engine.on_dead = self._engine_died
+            if self.on_hot is not None:
+                self.on_hot(m)
         except BaseException:
             if slot is not None:
                 self._free_slots.insert(0, slot)
+            m.engine = m.slot = None  # never started: nothing to stop
             self._drop(m)
             self.placement.forget(m.name)
             for x in draining:  # not torn down yet: back to hot, where the placement has it
@@ -313,11 +319,7 @@ class ModelPool:
                         and self.placement.tier(x.name) == HOT:
                     x.state = HOT
             raise
-        m.engine, m.slot = engine, slot
         m.max_model_len = engine.max_model_len
-        engine.on_dead = self._engine_died
-        if self.on_hot is not None:
-            self.on_hot(m)
         engine.start()
         m.state = HOT
         logger.info("model `%s` hot on slot %d in %.1fs (weights %.1fs); tiers: %s", m.name,

@@ -31,18 +31,19 @@ import threading
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import Any, TypeVar
 
 from kvserve.config import DEFAULT_TIER
 from kvserve.engine_args import EngineArgs
 from kvserve.llm_engine import LLMEngine, PromptType
 from kvserve.outputs import RequestOutput
-from kvserve.platform import configure_threads
+from kvserve.platform import configure_threads, pin_thread
 from kvserve.sampling_params import SamplingParams
 from kvserve.scheduler import QueueFullError
 from kvserve.spec.base import SpecStats
 
 logger = logging.getLogger("kvserve.async_engine")
+_T = TypeVar("_T")
 
 # How long the idle engine thread sleeps on its command queue before checking for shutdown.
 _IDLE_POLL_S = 0.5
@@ -207,6 +208,11 @@ class _Snapshot:
 
 
 class AsyncEngine:
+    # The cores the engine thread is pinned to, one intra-op thread each, when the process
+    # runs several engines side by side (a server's hot models: platform.share_cores); None:
+    # the process's threads (configure_threads).
+    cores: list[int] | None = None
+
     def __init__(self, engine: LLMEngine, *, stats_listener: StatsListener | None = None,
                  tokenizer_workers: int = 2, grammar_workers: int = 1,
                  grammar_timeout: float = 10.0, max_pending_grammars: int = 8,
@@ -264,32 +270,28 @@ class AsyncEngine:
 
     @classmethod
     def from_engine_args(cls, args: EngineArgs, **kwargs: Any) -> AsyncEngine:
-        """Builds the LLMEngine in a short-lived thread of its own, then wraps it.
+        """Loads the model and builds the LLMEngine (build: in a short-lived thread)."""
+        return cls.build(lambda: LLMEngine.from_engine_args(args), **kwargs)
 
-        Why a thread: libgomp keeps an OpenMP worker pool per thread that ever ran a parallel
-        region, and once it manages more threads than there are CPUs it stops spinning
-        between regions. Loading the model (large tensor copies) in a long-lived thread, the
-        caller's or an executor's, left such a pool behind, and every decode step of the engine
-        thread then paid for ~300 sleeping-worker wake-ups: 18 ms instead of 12.5 on 2 cores.
-        A thread that exits frees its pool."""
-        built: list[LLMEngine] = []
-        failed: list[BaseException] = []
+    @classmethod
+    def build(cls, make: Callable[[], LLMEngine], cores: list[int] | None = None,
+              **kwargs: Any) -> AsyncEngine:
+        """Runs make() and the engine's warm-up in a short-lived thread of its own
+        (in_own_thread), then wraps the engine (not started). A server is ready only after
+        the warm-up. cores: the engine's share of the cores when it is one of several in the
+        process (see AsyncEngine.cores); the build and warm-up run there too."""
 
-        def build() -> None:
-            try:
-                engine = LLMEngine.from_engine_args(args)
-                # In this thread too (see above); a server is ready only after it.
-                logger.info("warmed up in %.2fs", engine.warm_up())
-                built.append(engine)
-            except BaseException as e:  # noqa: BLE001 - re-raised in the caller's thread
-                failed.append(e)
+        def build() -> LLMEngine:
+            if cores is not None:
+                pin_thread(cores)  # this thread only, and it ends here
+            engine = make()
+            # In this thread too (see in_own_thread).
+            logger.info("warmed up in %.2fs", engine.warm_up())
+            return engine
 
-        loader = threading.Thread(target=build, name="kvserve-load")
-        loader.start()
-        loader.join()
-        if failed:
-            raise failed[0]
-        return cls(built[0], **kwargs)
+        async_engine = cls(in_own_thread(build), **kwargs)
+        async_engine.cores = cores
+        return async_engine
 
     # ---- lifecycle ----------------------------------------------------------------------
 
@@ -564,6 +566,8 @@ class AsyncEngine:
         # OpenMP thread counts are per thread: set ours, not only the loader thread's.
         self.engine.bind_thread()  # first: a tensor-parallel rank 0's cores set the count
         configure_threads(self.engine.config.device)
+        if self.cores is not None:
+            pin_thread(self.cores)
         try:
             while True:
                 self._heartbeat = time.monotonic()
@@ -738,6 +742,32 @@ class AsyncEngine:
                                   s.kv_cache_usage, s.prefix_cache_queries,
                                   s.prefix_cache_hits, s.num_preemptions, spec,
                                   s.tier_counts() if self._tiered else None)
+
+
+def in_own_thread(fn: Callable[[], _T]) -> _T:
+    """fn() in a short-lived thread of its own (the caller waits): how model loads run.
+
+    Why a thread: libgomp keeps an OpenMP worker pool per thread that ever ran a parallel
+    region, and once it manages more threads than there are CPUs it stops spinning between
+    regions. Loading a model (large tensor copies) in a long-lived thread, the caller's or an
+    executor's, left such a pool behind, and every decode step of the engine thread then
+    paid for ~300 sleeping-worker wake-ups: 18 ms instead of 12.5 on 2 cores. A thread that
+    exits frees its pool."""
+    done: list[_T] = []
+    failed: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            done.append(fn())
+        except BaseException as e:  # noqa: BLE001 - re-raised in the caller's thread
+            failed.append(e)
+
+    loader = threading.Thread(target=run, name="kvserve-load")
+    loader.start()
+    loader.join()
+    if failed:
+        raise failed[0]
+    return done[0]
 
 
 def _num_prompt_tokens(prompt: PromptType) -> int:

@@ -14,7 +14,7 @@ import dataclasses
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -39,6 +39,14 @@ from kvserve.structured_output import StructuredOutputManager
 logger = logging.getLogger("kvserve")
 
 PromptType = str | list[int] | dict[str, Any]
+
+
+class LoadedModel(NamedTuple):
+    """A model in memory with what an engine around it needs; no KV cache, no threads."""
+
+    config: EngineConfig
+    tokenizer: Tokenizer
+    model: torch.nn.Module
 
 
 @dataclass
@@ -102,17 +110,11 @@ class LLMEngine:
             group = executor.group if executor is not None else TPGroup.single()
             config, ops, model = load_model(args, ckpt, config, group)
             t_weights = time.perf_counter()
-            proposer = build_proposer(config, ckpt.tokenizer, model)
-            num_blocks = cls.num_kv_blocks(config,
-                                           proposer.kv_bytes_per_block if proposer else 0)
-            if executor is not None:
-                num_blocks = executor.agree_blocks(num_blocks)
-            engine = cls(config, ckpt.tokenizer, model, num_blocks, proposer)
+            engine = cls.from_loaded(LoadedModel(config, ckpt.tokenizer, model), executor)
         except BaseException:
             if executor is not None:
                 executor.shutdown()
             raise
-        engine.runner.executor = executor
         t_end = time.perf_counter()
         mc = config.model_config
         bs = config.cache.block_size
@@ -123,7 +125,36 @@ class LLMEngine:
                     f", tensor_parallel_size {tp}" if tp > 1 else "",
                     t_end - t0, t_ckpt - t0, t_weights - t_ckpt, t_end - t_weights,
                     resolve_kv_dtype(config.cache.kv_cache_dtype, config.dtype),
-                    num_blocks - 1, bs, (num_blocks - 1) * bs)
+                    engine.num_blocks - 1, bs, (engine.num_blocks - 1) * bs)
+        return engine
+
+    @staticmethod
+    def load(args: EngineArgs) -> LoadedModel:
+        """The model's weights in memory, no KV cache and no engine (one process only): what
+        a model tier keeps warm (kvserve/server/model_pool.py); from_loaded makes it serve."""
+        if args.tensor_parallel_size > 1:
+            raise ValueError("LLMEngine.load is for one process; tensor_parallel_size > 1 "
+                             "loads through from_engine_args")
+        path = resolve_model(args.model)
+        ckpt = load_checkpoint(path)
+        config = args.create_engine_config(path, ckpt.model_config)
+        config, _ops, model = load_model(args, ckpt, config, TPGroup.single())
+        return LoadedModel(config, ckpt.tokenizer, model)
+
+    @classmethod
+    def from_loaded(cls, loaded: LoadedModel, executor: TPExecutor | None = None
+                    ) -> LLMEngine:
+        """An engine around a model already in memory: its proposer, and a fresh KV cache of
+        the block count its config's budget holds (executor: the tensor-parallel ranks,
+        which agree on that count). The model is shared, never copied: one LoadedModel may
+        serve several engines in turn, one at a time."""
+        config, tokenizer, model = loaded
+        proposer = build_proposer(config, tokenizer, model)
+        num_blocks = cls.num_kv_blocks(config, proposer.kv_bytes_per_block if proposer else 0)
+        if executor is not None:
+            num_blocks = executor.agree_blocks(num_blocks)
+        engine = cls(config, tokenizer, model, num_blocks, proposer)
+        engine.runner.executor = executor
         return engine
 
     @staticmethod

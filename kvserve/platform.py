@@ -39,6 +39,25 @@ def physical_cores() -> int:
         return max(1, os.cpu_count() or 1)
 
 
+def share_cores(index: int, count: int) -> list[int]:
+    """Share `index` of `count` of the cores the calling thread may use: disjoint slices
+    while there are enough, else one core each, shared round-robin (more shares than cores
+    still run). Tensor-parallel ranks and a server's hot models (model tiers) split the
+    cores this way."""
+    cores = sorted(os.sched_getaffinity(0))
+    per = len(cores) // count
+    if per >= 1:
+        return cores[index * per:(index + 1) * per]
+    return [cores[index % len(cores)]]
+
+
+def pin_thread(cores: list[int]) -> None:
+    """Pins the calling thread (and the OpenMP threads it starts after this) to cores, with
+    one intra-op thread each. Thread-local: other threads keep theirs."""
+    os.sched_setaffinity(0, cores)
+    torch.set_num_threads(len(cores))
+
+
 def configure_threads(device: str) -> int:
     """One intra-op thread per core; inter-op parallelism only adds contention here."""
     if device != "cpu":

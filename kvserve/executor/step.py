@@ -4,13 +4,13 @@ and the size of the shared-memory all-reduce."""
 
 from __future__ import annotations
 
-import os
 from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
 from kvserve.outputs import ModelInput
+from kvserve.platform import share_cores
 
 if TYPE_CHECKING:
     from kvserve.config import EngineConfig
@@ -54,10 +54,6 @@ def shm_elements(config: EngineConfig) -> int:
 def rank_cores(rank: int, size: int) -> list[int]:
     """This rank's share of the cores the process may use: disjoint slices while there are
     enough, else one core each, shared round-robin (more ranks than cores still run)."""
-    cores = sorted(os.sched_getaffinity(0))
-    per = len(cores) // size
-    if per >= 1:
-        return cores[rank * per:(rank + 1) * per]
-    return [cores[rank % len(cores)]]
+    return share_cores(rank, size)
 
 

@@ -38,7 +38,8 @@ import kvserve
 from kvserve.async_engine import AsyncEngine, EngineStats, IterationStats
 from kvserve.server import web
 from kvserve.server.errors import APIError, bad_request, from_validation_error
-from kvserve.server.metrics import CONTENT_TYPE, ServerMetrics
+from kvserve.server.metrics import CONTENT_TYPE, ServerMetrics, render_merged
+from kvserve.server.model_pool import Lease, ModelPool, ServedModel
 from kvserve.server.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -91,18 +92,27 @@ class ServerState:
     tools: ToolSupport | None = None
     created: int = field(default_factory=lambda: int(time.time()))
     _shutdown: asyncio.Task | None = None
+    # Several models (model tiers, model_pool.py): the pool holds their engines, and
+    # `engine` stays None; metrics is the primary model's once it serves.
+    pool: ModelPool | None = None
 
     def stats(self) -> EngineStats:
         return self.engine.stats if self.engine is not None else EngineStats()
 
     @property
     def ready(self) -> bool:
+        if self.pool is not None:
+            return self.pool.ready
         return (self.engine is not None and self.engine.is_healthy
                 and not self.engine.is_draining)
 
     def begin_shutdown(self) -> None:
         """First step of a graceful shutdown (SIGTERM/SIGINT): refuse new requests, give the
         running ones shutdown_timeout seconds, then end them with an error event."""
+        if self.pool is not None and self._shutdown is None:
+            self.pool.begin_shutdown()
+            self._shutdown = asyncio.ensure_future(
+                self.pool.shutdown(self.config.shutdown_timeout))
         if self.engine is not None and self._shutdown is None:
             self.engine.begin_drain()
             self._shutdown = asyncio.ensure_future(
@@ -355,18 +365,25 @@ class _SSEResponse(StreamingResponse):
     however it ends (finished, client gone before the first byte or mid-stream, cancelled),
     not in the body generator's finally, which never runs if the body never started."""
 
-    def __init__(self, result: EngineStream, engine: AsyncEngine) -> None:
+    def __init__(self, result: EngineStream, engine: AsyncEngine,
+                 on_close: Callable[[], None] | None = None) -> None:
+        """on_close: called last, once the response has ended (a model tier's lease)."""
         super().__init__(result.body, media_type="text/event-stream",
                          headers={"Cache-Control": "no-cache"})
         self._result = result
         self._engine = engine
+        self._on_close = on_close
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         try:
             await super().__call__(scope, receive, send)
         finally:
             release_all(self._engine, self._result.streams)
-            await self._result.body.aclose()  # type: ignore[attr-defined]
+            try:
+                await self._result.body.aclose()  # type: ignore[attr-defined]
+            finally:
+                if self._on_close is not None:
+                    self._on_close()
 
 
 def _openapi_bodies(app: FastAPI, bodies: dict[str, type[BaseModel]]) -> Callable[[], Any]:
@@ -397,12 +414,15 @@ def build_app(config: ServerConfig,
               load_engine: Callable[[], AsyncEngine] | None = None,
               on_ready: Callable[[AsyncEngine], None] | None = None,
               on_load_error: Callable[[str], None] | None = None,
-              on_engine_dead: Callable[[str], None] | None = None) -> FastAPI:
+              on_engine_dead: Callable[[str], None] | None = None,
+              pool: ModelPool | None = None) -> FastAPI:
     """load_engine runs in a worker thread after start-up; it builds the AsyncEngine (not
     started). on_ready runs on the loop once the engine serves; on_load_error if it fails;
     on_engine_dead (on the loop) once the engine thread has died: the CLI exits non-zero, so
-    that a supervisor restarts a process that can never serve again."""
-    state = ServerState(config)
+    that a supervisor restarts a process that can never serve again. pool: several models
+    instead of load_engine's one (model tiers); the callbacks are about its primary model,
+    on_engine_dead about any."""
+    state = ServerState(config, pool=pool)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -410,6 +430,9 @@ def build_app(config: ServerConfig,
         if load_engine is not None:
             loader = asyncio.ensure_future(_load(state, load_engine, on_ready, on_load_error,
                                                  on_engine_dead))
+        if pool is not None:
+            loader = asyncio.ensure_future(_start_pool(state, pool, on_ready, on_load_error,
+                                                       on_engine_dead))
         yield
         if loader is not None and not loader.done():
             loader.cancel()
@@ -454,8 +477,70 @@ def build_app(config: ServerConfig,
     def rid(request: Request) -> str:
         return request.scope.get("state", {}).get("request_id") or uuid.uuid4().hex
 
+    # ---- several models (model tiers): the body names the model -------------------------
+
+    def precheck() -> ServingContext | None:
+        """Before a body is read: the single model's context (ctx); with several models, the
+        server-wide checks only, since the model is the body's to name."""
+        if state.pool is None:
+            return ctx()
+        state.pool.check_serving()
+        return None
+
+    def leased_ctx(lease: Lease, tenant: str | None = None,
+                   tier: str | None = None) -> ServingContext:
+        return ServingContext(lease.engine, lease.model.name, lease.engine.max_model_len,
+                              tenant=tenant, tier=tier, tools=lease.model.tools)
+
+    @asynccontextmanager
+    async def serving(c: ServingContext | None, model: str | None
+                      ) -> AsyncIterator[ServingContext]:
+        """The context of the model a body names (404 for one not served), its lease held
+        for the block when there are several."""
+        if state.pool is None:
+            assert c is not None
+            check_model(c, model)
+            yield c
+            return
+        lease = await state.pool.acquire(model)
+        try:
+            yield leased_ctx(lease)
+        finally:
+            lease.release()
+
+    async def _generate_pooled(request: Request, fn: Callable[..., Any],
+                               model: type[BaseModel]) -> Response:
+        """_generate with several models: the request holds a lease on its model (which
+        may wait for it to load) until its response has ended, so the model is never torn
+        down under it."""
+        assert state.pool is not None
+        pool = state.pool
+        pool.check_serving()
+        body = await parse_body(request, model, config.max_body_bytes)
+        scope_state = request.scope.get("state", {})
+
+        async def work() -> tuple[Any, Lease]:
+            lease = await pool.acquire(getattr(body, "model", None))
+            try:
+                ctx_ = leased_ctx(lease, scope_state.get("tenant"), scope_state.get("tier"))
+                return await fn(ctx_, body, rid(request)), lease
+            except BaseException:
+                lease.release()
+                raise
+
+        done = await _unless_disconnected(request, work())
+        if done is None:
+            return Response(status_code=499)  # the client is gone; nobody reads this
+        result, lease = done
+        if isinstance(result, dict):
+            lease.release()
+            return JSONResponse(result)
+        return _SSEResponse(result, lease.engine, on_close=lease.release)
+
     async def _generate(request: Request, fn: Callable[..., Any], model: type[BaseModel]
                         ) -> Response:
+        if state.pool is not None:
+            return await _generate_pooled(request, fn, model)
         scope_state = request.scope.get("state", {})
         c = dataclasses.replace(ctx(), tenant=scope_state.get("tenant"),
                                 tier=scope_state.get("tier"))
@@ -477,6 +562,8 @@ def build_app(config: ServerConfig,
 
     @app.get("/v1/models")
     async def models() -> JSONResponse:
+        if state.pool is not None:  # every model, with its state (model_pool.py)
+            return JSONResponse({"object": "list", "data": state.pool.listing(state.created)})
         c = ctx()
         return JSONResponse({"object": "list", "data": [{
             "id": config.model_name, "object": "model", "created": state.created,
@@ -485,35 +572,37 @@ def build_app(config: ServerConfig,
 
     @app.post("/tokenize")
     async def tokenize(request: Request) -> JSONResponse:
-        c = ctx()
+        c0 = precheck()
         body = await parse_body(request, TokenizeRequest, config.max_body_bytes)
-        check_model(c, body.model)
-        if (body.prompt is None) == (body.messages is None):
-            raise bad_request("send exactly one of prompt or messages", "prompt")
-        tok = c.engine.tokenizer
-        if body.messages is not None:
-            tools = [t.model_dump(exclude_none=True) for t in body.tools or []]
-            ids = await render_chat(c, body.messages, body.add_generation_prompt, tools=tools)
-        else:
-            ids = await c.engine.run_in_pool(tok.encode, body.prompt, body.add_special_tokens)
-        out: dict[str, Any] = {"count": len(ids), "max_model_len": c.max_model_len,
-                               "tokens": ids}
-        if body.return_token_strs:
-            out["token_strs"] = tok.convert_ids_to_tokens(ids)
-        return JSONResponse(out)
+        async with serving(c0, body.model) as c:
+            if (body.prompt is None) == (body.messages is None):
+                raise bad_request("send exactly one of prompt or messages", "prompt")
+            tok = c.engine.tokenizer
+            if body.messages is not None:
+                tools = [t.model_dump(exclude_none=True) for t in body.tools or []]
+                ids = await render_chat(c, body.messages, body.add_generation_prompt,
+                                        tools=tools)
+            else:
+                ids = await c.engine.run_in_pool(tok.encode, body.prompt,
+                                                 body.add_special_tokens)
+            out: dict[str, Any] = {"count": len(ids), "max_model_len": c.max_model_len,
+                                   "tokens": ids}
+            if body.return_token_strs:
+                out["token_strs"] = tok.convert_ids_to_tokens(ids)
+            return JSONResponse(out)
 
     @app.post("/detokenize")
     async def detokenize(request: Request) -> JSONResponse:
-        c = ctx()
+        c0 = precheck()
         body = await parse_body(request, DetokenizeRequest, config.max_body_bytes)
-        check_model(c, body.model)
-        vocab = c.engine.tokenizer.vocab_size
-        bad = next((t for t in body.tokens if not 0 <= t < vocab), None)
-        if bad is not None:
-            raise bad_request(f"tokens must be token ids in [0, {vocab - 1}], got {bad}",
-                              "tokens")
-        text = await c.engine.run_in_pool(c.engine.tokenizer.decode, body.tokens)
-        return JSONResponse({"prompt": text})
+        async with serving(c0, body.model) as c:
+            vocab = c.engine.tokenizer.vocab_size
+            bad = next((t for t in body.tokens if not 0 <= t < vocab), None)
+            if bad is not None:
+                raise bad_request(f"tokens must be token ids in [0, {vocab - 1}], got {bad}",
+                                  "tokens")
+            text = await c.engine.run_in_pool(c.engine.tokenizer.decode, body.tokens)
+            return JSONResponse({"prompt": text})
 
     @app.get("/version")
     async def version() -> JSONResponse:
@@ -524,6 +613,11 @@ def build_app(config: ServerConfig,
         if state.ready:
             return Response(status_code=200)
         eng = state.engine
+        if state.pool is not None:
+            if state.pool.draining:
+                return error_response(APIError(503, "the server is shutting down",
+                                               code="shutting_down"))
+            eng = state.pool.unhealthy_engine()  # None while the primary loads
         if eng is None and not state.load_error:
             err = APIError(503, "the model is still loading", code="loading",
                            headers={"Retry-After": "5"})
@@ -543,9 +637,18 @@ def build_app(config: ServerConfig,
         if state.metrics is None:
             raise APIError(503, "the model is still loading; no metrics yet",
                            headers={"Retry-After": "5"})
+        if state.pool is not None:  # every model that has been hot, by model_name
+            return Response(render_merged(m.metrics for m in state.pool.models.values()
+                                          if m.metrics is not None), media_type=CONTENT_TYPE)
         return Response(state.metrics.render(), media_type=CONTENT_TYPE)
 
-    web.add_routes(app, config.model_name, lambda: state.window, lambda: ctx().engine,
+    def web_engine() -> AsyncEngine:
+        if state.pool is None:
+            return ctx().engine
+        state.pool.check_serving()
+        return state.pool.primary_engine()  # the page shows the primary model
+
+    web.add_routes(app, config.model_name, lambda: state.window, web_engine,
                    page=config.web_ui)
 
     app.openapi = _openapi_bodies(app, {  # type: ignore[method-assign]
@@ -583,6 +686,44 @@ async def _load(state: ServerState, load_engine: Callable[[], AsyncEngine],
     state.engine = engine
     if on_ready is not None:
         on_ready(engine)
+
+
+async def _start_pool(state: ServerState, pool: ModelPool,
+                      on_ready: Callable[[AsyncEngine], None] | None,
+                      on_load_error: Callable[[str], None] | None,
+                      on_engine_dead: Callable[[str], None] | None) -> None:
+    """_load with several models: the pool loads the primary; as each model goes hot, its
+    tools, metrics (kept across its swaps) and, for the primary, the web page's window."""
+
+    def on_hot(m: ServedModel) -> None:
+        assert m.engine is not None
+        m.tools = tool_support(m.engine.tokenizer, state.config.tool_call_parser)
+        if m.metrics is None:
+            m.metrics = ServerMetrics(m.name, m.stats)
+        observers = [m.metrics.observe]
+        if m.name == pool.primary:
+            # m's stats, not this engine's: the window must not keep a torn-down engine.
+            window = state.window = StatsWindow(lambda: m.stats() or EngineStats())
+            observers.append(window.observe)
+
+        def observe(it: IterationStats) -> None:  # engine thread, after every step
+            for o in observers:
+                o(it)
+
+        m.engine.stats_listener = observe
+
+    pool.on_hot = on_hot
+    pool.on_dead = on_engine_dead
+    await pool.start()
+    if pool.load_error is not None:
+        state.load_error = pool.load_error
+        if on_load_error is not None:
+            on_load_error(state.load_error)
+        return
+    primary = pool.models[pool.primary]
+    state.metrics = primary.metrics
+    if on_ready is not None and primary.engine is not None:
+        on_ready(primary.engine)
 
 
 def app_state(app: Any) -> ServerState:

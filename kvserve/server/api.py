@@ -360,6 +360,16 @@ async def _unless_disconnected(request: Request, work: Awaitable[Any]) -> Any:
 
 # ---- the app -----------------------------------------------------------------------------
 
+async def _started(work: Awaitable[dict[str, Any] | EngineStream], engine: AsyncEngine
+                   ) -> dict[str, Any] | EngineStream:
+    """work's answer; a stream only once it has its first output (EngineStream.first_event),
+    so that nothing is sent while its requests wait in the queue."""
+    result = await work
+    if isinstance(result, EngineStream):
+        await result.first_event(engine)
+    return result
+
+
 class _SSEResponse(StreamingResponse):
     """An SSE body that owns its engine requests: they are released when the response ends,
     however it ends (finished, client gone before the first byte or mid-stream, cancelled),
@@ -523,7 +533,7 @@ def build_app(config: ServerConfig,
             lease = await pool.acquire(getattr(body, "model", None))
             try:
                 ctx_ = leased_ctx(lease, scope_state.get("tenant"), scope_state.get("tier"))
-                return await fn(ctx_, body, rid(request)), lease
+                return await _started(fn(ctx_, body, rid(request)), lease.engine), lease
             except BaseException:
                 lease.release()
                 raise
@@ -545,7 +555,8 @@ def build_app(config: ServerConfig,
         c = dataclasses.replace(ctx(), tenant=scope_state.get("tenant"),
                                 tier=scope_state.get("tier"))
         body = await parse_body(request, model, config.max_body_bytes)
-        result = await _unless_disconnected(request, fn(c, body, rid(request)))
+        result = await _unless_disconnected(request, _started(fn(c, body, rid(request)),
+                                                              c.engine))
         if result is None:
             return Response(status_code=499)  # the client is gone; nobody reads this
         if isinstance(result, dict):

@@ -3,7 +3,11 @@ requests -> cumulative outputs -> OpenAI JSON or SSE deltas (serving_completion.
 serving_chat.py hold the two endpoints).
 
 Every engine request of an HTTP request is added (and validated) before the response starts,
-so bad input is always an HTTP 400, never an error in the middle of a stream. Streaming
+so bad input is always an HTTP 400, never an error in the middle of a stream. A streamed
+response starts (status, headers, first byte) only once one of its requests has its first
+output or an error (EngineStream.first_event), not while they wait in the queue: an error
+before then (a drain, a dead engine) is an HTTP 503, and a proxy in front, having received
+nothing yet, can still retry the request on another replica (deploy/nginx). Streaming
 deltas diff the engine's cumulative outputs against what each choice has already sent:
 
     output text  |==== sent ====|== new, sendable ==|== held back ==|
@@ -42,13 +46,71 @@ class ServingContext:
     tools: ToolSupport | None = None  # the parser and template facts (serving_tools.py)
 
 
+class PrimedStream:
+    """A RequestStream whose first item (an output or an error) can be awaited without
+    taking it (prime); iterating it then yields that item first. Outputs are cumulative, so
+    an output held here is never stale: a later one simply follows it."""
+
+    def __init__(self, stream: RequestStream) -> None:
+        self.stream = stream
+        self.primed = False
+        self.error: BaseException | None = None
+        self._first: RequestOutput | None = None
+
+    async def prime(self) -> None:
+        """Waits for the first item. Safe to cancel: it takes an item only when it also
+        keeps it (no await between the two)."""
+        if self.primed:
+            return
+        try:
+            self._first = await self.stream.__anext__()
+        except StopAsyncIteration:
+            pass
+        except Exception as e:  # noqa: BLE001 - kept, raised to the reader
+            self.error = e
+        self.primed = True
+
+    def __aiter__(self) -> PrimedStream:
+        return self
+
+    async def __anext__(self) -> RequestOutput:
+        if self._first is not None:
+            out, self._first = self._first, None
+            return out
+        if self.error is not None:
+            err, self.error = self.error, None
+            raise err
+        return await self.stream.__anext__()
+
+
 @dataclass
 class EngineStream:
     """A streamed answer: the SSE body and the engine requests behind it. The HTTP response
     that sends the body owns the streams and releases them when it ends (api._SSEResponse)."""
 
     body: AsyncIterator[str]
-    streams: list[RequestStream]
+    streams: list[PrimedStream]
+
+    async def first_event(self, engine: AsyncEngine) -> None:
+        """Returns once one of the streams has its first output, so that the response starts
+        only then. Raises the HTTP error (503) of an error that comes first. On either error
+        or cancellation (the client left) the streams are released, since no response will
+        own them."""
+        try:
+            waits = [asyncio.ensure_future(s.prime()) for s in self.streams]
+            try:
+                await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                for w in waits:
+                    w.cancel()
+                # Done before the body reads the streams: one reader per stream at a time.
+                await asyncio.gather(*waits, return_exceptions=True)
+            error = next((s.error for s in self.streams if s.error is not None), None)
+            if error is not None:
+                raise stream_error(error)
+        except BaseException:
+            release_all(engine, self.streams)
+            raise
 
 
 def engine_error(err: BaseException, fields: set[str],
@@ -150,7 +212,7 @@ def build_params(req: _SamplingFields, *, max_tokens: int | None, logprobs: int 
 
 async def add_all(ctx: ServingContext, prompts: list[Any], params: SamplingParams,
                   priority: int, base_id: str, fields: set[str],
-                  renames: dict[str, str] | None = None) -> list[RequestStream]:
+                  renames: dict[str, str] | None = None) -> list[PrimedStream]:
     """All or nothing: on any failure the streams already added are aborted."""
     streams: list[RequestStream] = []
     try:
@@ -164,10 +226,10 @@ async def add_all(ctx: ServingContext, prompts: list[Any], params: SamplingParam
         if isinstance(e, (ValueError, QueueFullError, EngineShuttingDown, EngineDeadError)):
             raise engine_error(e, fields, renames) from None
         raise
-    return streams
+    return [PrimedStream(s) for s in streams]
 
 
-async def merged(streams: list[RequestStream]) -> AsyncIterator[tuple[int, RequestOutput]]:
+async def merged(streams: list[PrimedStream]) -> AsyncIterator[tuple[int, RequestOutput]]:
     """(prompt index, cumulative output) from several streams as they arrive."""
     if len(streams) == 1:
         async for out in streams[0]:
@@ -175,7 +237,7 @@ async def merged(streams: list[RequestStream]) -> AsyncIterator[tuple[int, Reque
         return
     q: asyncio.Queue[tuple[int, RequestOutput | BaseException | None]] = asyncio.Queue()
 
-    async def pump(i: int, s: RequestStream) -> None:
+    async def pump(i: int, s: PrimedStream) -> None:
         try:
             async for out in s:
                 await q.put((i, out))
@@ -199,7 +261,7 @@ async def merged(streams: list[RequestStream]) -> AsyncIterator[tuple[int, Reque
             t.cancel()
 
 
-async def collect(streams: list[RequestStream]) -> list[RequestOutput]:
+async def collect(streams: list[PrimedStream]) -> list[RequestOutput]:
     """The final output of each stream. A drain or a dead engine ends a waiting request with
     OpenAI's 503, as it ends a stream (not with a 500)."""
     finals: list[RequestOutput | None] = [None] * len(streams)
@@ -212,9 +274,9 @@ async def collect(streams: list[RequestStream]) -> list[RequestOutput]:
     return finals  # type: ignore[return-value]
 
 
-def release_all(engine: AsyncEngine, streams: list[RequestStream]) -> None:
+def release_all(engine: AsyncEngine, streams: list[PrimedStream]) -> None:
     for s in streams:
-        engine.release(s)
+        engine.release(s.stream)
 
 
 def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0

@@ -15,6 +15,7 @@ ROOT = BENCH.parent
 sys.path.insert(0, str(BENCH))
 
 from machine import describe as _machine  # noqa: E402
+from report_router import router_section  # noqa: E402
 from report_tp import tp_section  # noqa: E402
 
 NOISY_CORES = 0.25  # as in benchmarks/compare
@@ -103,6 +104,7 @@ class Report:
         self.quant = _load(results, "quant")
         self.spec = _load(results, "spec")
         self.tp = _load(results, "tp")
+        self.router = _load(results, "router")
         weights = _get(self.machine, "weights") or []
         self.w_file = weights[0] if weights else None
         self.w_f32 = weights[1] if len(weights) > 1 else None
@@ -857,6 +859,7 @@ class Report:
         parts = (self.header() + self.criteria() + self.ceilings() + self.latency()
                  + self.batch() + self.serving() + self.prefix_section()
                  + self.quant_section() + self.spec_section() + tp_section(self.tp)
+                 + router_section(self.router)
                  + self.howto() + self.commands())
         return "\n".join(parts).rstrip() + "\n"
 

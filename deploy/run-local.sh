@@ -19,6 +19,8 @@
 #   NGINX_PORT         nginx listens on 127.0.0.1:NGINX_PORT (default 8080)
 #   KVSERVE            the kvserve command (default: kvserve on PATH, else ./.venv/bin/kvserve)
 #   NGINX              the nginx binary (default: nginx on PATH, else /usr/sbin/nginx)
+#   KVSERVE_NUM_THREADS  threads per replica (default: this script's CPUs / N, at least 1)
+#   PIN_REPLICAS       0: do not pin replica i to its own slice of the CPUs (taskset)
 #   STARTUP_TIMEOUT    seconds a replica may take to become healthy (default 600)
 #   STOP_TIMEOUT       seconds teardown waits for the replicas before SIGKILL (default 60;
 #                      keep it above --shutdown-timeout, 30 s by default)
@@ -104,10 +106,27 @@ trap 'exit 143' TERM
 # ever run in the background (&): its exec replaces that subshell, so $! is the program's pid.
 spawn() { if command -v setsid >/dev/null; then exec setsid "$@"; else exec "$@"; fi; }
 
+# Cores: replica i gets its own slice of this script's CPUs (taskset) and as many threads.
+# Left alone, each replica would start a thread per core and the N would fight over the same
+# cores (about 50x slower for two replicas on two cores).
+mapfile -t cpus < <(python3 -c 'import os; print(*sorted(os.sched_getaffinity(0)), sep="\n")')
+per=$(( ${#cpus[@]} / n ))
+(( per >= 1 )) || per=1
+replica_cores() {
+    local out=() k
+    for ((k = 0; k < per; k++)); do out+=("${cpus[$(( ($1 * per + k) % ${#cpus[@]} ))]}"); done
+    (IFS=,; echo "${out[*]}")
+}
+pin=()
+
 upstreams=()
 for ((i = 0; i < n; i++)); do
     port=$((base_port + i))
-    spawn "$kvserve" serve --host 127.0.0.1 --port "$port" "${kvserve_args[@]}" \
+    if [[ ${PIN_REPLICAS:-1} != 0 ]] && command -v taskset >/dev/null; then
+        pin=(taskset -c "$(replica_cores "$i")")
+    fi
+    spawn env "KVSERVE_NUM_THREADS=${KVSERVE_NUM_THREADS:-$per}" "${pin[@]}" \
+        "$kvserve" serve --host 127.0.0.1 --port "$port" "${kvserve_args[@]}" \
         > "$work/replica-$i.log" 2>&1 < /dev/null &
     replica_pids+=("$!")
     upstreams+=("127.0.0.1:$port")

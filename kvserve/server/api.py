@@ -384,6 +384,23 @@ class _SSEResponse(StreamingResponse):
         self._engine = engine
         self._on_close = on_close
 
+    async def stream_response(self, send: Send) -> None:
+        """Starlette's, but the first chunk is made before the status line goes, and the two
+        are sent back to back, with no await between them that could let the loop run. A
+        process killed between the two would leave a proxy holding a 200 with no byte of
+        body, a request it may no longer retry (deploy/nginx)."""
+        chunks = aiter(self.body_iterator)
+        first = await anext(chunks, None)
+        await send({"type": "http.response.start", "status": self.status_code,
+                    "headers": self.raw_headers})
+        if first is not None:
+            await send({"type": "http.response.body", "body": _encode(first, self.charset),
+                        "more_body": True})
+            async for chunk in chunks:
+                await send({"type": "http.response.body", "body": _encode(chunk, self.charset),
+                            "more_body": True})
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
+
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         try:
             await super().__call__(scope, receive, send)
@@ -394,6 +411,10 @@ class _SSEResponse(StreamingResponse):
             finally:
                 if self._on_close is not None:
                     self._on_close()
+
+
+def _encode(chunk: str | bytes | memoryview, charset: str) -> bytes | memoryview:
+    return chunk.encode(charset) if isinstance(chunk, str) else chunk
 
 
 def _openapi_bodies(app: FastAPI, bodies: dict[str, type[BaseModel]]) -> Callable[[], Any]:

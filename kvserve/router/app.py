@@ -38,6 +38,7 @@ from kvserve.router.metrics import CONTENT_TYPE, RouterMetrics
 from kvserve.router.policy import RoutingConfig
 from kvserve.router.pool import BackendPool
 from kvserve.router.prompt import block_hashes, prompt_token_ids
+from kvserve.server.api import read_bounded
 from kvserve.server.errors import APIError
 from kvserve.tool_calling.support import ToolSupport
 
@@ -163,7 +164,7 @@ class RouterApp:
         """Relays the request; if the client goes away before the response starts (a long
         prefill), the attempt is cancelled, which closes the backend's connection and so
         aborts its engine request."""
-        body = await _read_body(request, self.config.max_body_bytes)
+        body = await read_bounded(request, self.config.max_body_bytes)
         task = asyncio.ensure_future(self._proxy(request, body, routed))
         watcher = asyncio.ensure_future(_wait_disconnect(request.receive))
         try:
@@ -262,17 +263,6 @@ async def _wait_disconnect(receive: Receive) -> None:
     # Called once the body is read, so the next message can only be the disconnect.
     while (await receive())["type"] != "http.disconnect":
         pass
-
-
-async def _read_body(request: Request, max_bytes: int) -> bytes:
-    chunks = []
-    size = 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > max_bytes:
-            raise APIError(413, f"the request body is larger than {max_bytes} bytes")
-        chunks.append(chunk)
-    return b"".join(chunks)
 
 
 def build_app(config: RouterConfig, tokenizer: Tokenizer | None,

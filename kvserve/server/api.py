@@ -300,6 +300,11 @@ def parse_json(body: bytes) -> dict[str, Any]:
 
 async def read_body(request: Request, max_bytes: int) -> bytes:
     _check_json_content_type(request)
+    return await read_bounded(request, max_bytes)
+
+
+async def read_bounded(request: Request, max_bytes: int) -> bytes:
+    """The body, 413 past max_bytes (announced or sent)."""
     length = request.headers.get("content-length")
     if length is not None and length.isdigit() and int(length) > max_bytes:
         raise APIError(413, f"the body has {length} bytes; at most {max_bytes} are allowed")

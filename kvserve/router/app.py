@@ -219,6 +219,7 @@ class RouterApp:
                 backend.in_flight -= 1
 
         upstream: httpx.Response | None = None
+        relay: _Relay | None = None
         try:
             req = self.client.build_request(method, target + url, headers=headers,
                                             content=body)
@@ -231,15 +232,21 @@ class RouterApp:
             except StopAsyncIteration:
                 first = b""
             relay = _Relay(upstream, first, rest, release)
-            upstream = None  # the relay owns it now
+            upstream = None  # the relay owns it now, and releases the backend when done
             return relay
         except httpx.TransportError as e:
             self.pool.set_health(target, False, f"request failed: {type(e).__name__}: {e}")
             return None
         finally:
-            if upstream is not None:
-                await upstream.aclose()
-                release()
+            # However the try ended, the relay's or a failure's or a cancellation's (the
+            # client gone while the backend had not answered yet: a replica sends its status
+            # line with the first token, after the prefill), the backend is released once.
+            try:
+                if upstream is not None:
+                    await upstream.aclose()
+            finally:
+                if relay is None:
+                    release()
 
     @contextlib.asynccontextmanager
     async def lifespan(self, _app: FastAPI) -> AsyncIterator[None]:

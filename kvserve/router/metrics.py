@@ -18,8 +18,8 @@ vllm:* metrics on its own /metrics). One CollectorRegistry per router, no module
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
-from typing import TYPE_CHECKING
+from collections.abc import Callable, Iterator, Mapping
+from typing import Protocol
 
 from prometheus_client import CollectorRegistry, Counter, generate_latest
 from prometheus_client.core import GaugeMetricFamily
@@ -27,39 +27,44 @@ from prometheus_client.registry import Collector
 
 from kvserve.router.policy import DECISION_KINDS, Decision
 
-if TYPE_CHECKING:
-    from kvserve.router.pool import BackendPool
+
+class BackendState(Protocol):
+    """What the gauges read of a backend (pool.Backend)."""
+
+    in_flight: int
+    healthy: bool
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
 
 class _PoolCollector(Collector):
-    def __init__(self, pool: Callable[[], BackendPool | None]) -> None:
-        self._pool = pool
+    def __init__(self, metrics: RouterMetrics) -> None:
+        self._metrics = metrics
 
     def collect(self) -> Iterator[GaugeMetricFamily]:
-        pool = self._pool()
-        if pool is None:
+        backends, prefix_blocks = self._metrics.backends, self._metrics.prefix_blocks
+        if prefix_blocks is None:
             return
         in_flight = GaugeMetricFamily("kvserve_router_backend_in_flight",
                                       "Requests sent to the backend and not finished.",
                                       labels=["backend"])
         healthy = GaugeMetricFamily("kvserve_router_backend_healthy",
                                     "1 while the backend is routable.", labels=["backend"])
-        for url, b in pool.backends.items():
+        for url, b in backends.items():
             in_flight.add_metric([url], b.in_flight)
             healthy.add_metric([url], 1.0 if b.healthy else 0.0)
         yield in_flight
         yield healthy
         yield GaugeMetricFamily("kvserve_router_prefix_map_blocks",
                                 "Block hashes in the router's prefix map.",
-                                value=len(pool.prefix_map))
+                                value=prefix_blocks())
 
 
 class RouterMetrics:
     def __init__(self) -> None:
         self.registry = CollectorRegistry()
-        self._pool: BackendPool | None = None
+        self.backends: Mapping[str, BackendState] = {}
+        self.prefix_blocks: Callable[[], int] | None = None  # entries in the prefix map
         r = self.registry
         self.requests = Counter("kvserve_router_requests", "Responses relayed, by backend.",
                                 ["backend"], registry=r)
@@ -76,11 +81,13 @@ class RouterMetrics:
         self.matched_tokens = Counter("kvserve_router_matched_tokens",
                                       "Prompt tokens in blocks the chosen backend was sent "
                                       "before.", registry=r)
-        r.register(_PoolCollector(lambda: self._pool))
+        r.register(_PoolCollector(self))
 
-    def attach(self, pool: BackendPool) -> None:
-        self._pool = pool
-        for url in pool.backends:
+    def attach(self, backends: Mapping[str, BackendState], prefix_blocks: Callable[[], int]
+               ) -> None:
+        """The pool's backends and prefix map, read at scrape time."""
+        self.backends, self.prefix_blocks = backends, prefix_blocks
+        for url in backends:
             self.requests.labels(url)
             self.retries.labels(url)
 

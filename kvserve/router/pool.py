@@ -44,7 +44,7 @@ class BackendPool:
         self.routing = routing
         self.prefix_map = PrefixMap(routing.max_blocks)
         self.metrics = metrics
-        metrics.attach(self)
+        metrics.attach(self.backends, lambda: len(self.prefix_map))
 
     def _loads(self, exclude: set[str]) -> dict[str, int]:
         return {u: b.in_flight for u, b in self.backends.items()

@@ -33,11 +33,11 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field, replace
 from typing import Any, TypeVar
 
-from kvserve.config import DEFAULT_TIER
 from kvserve.engine_args import EngineArgs
 from kvserve.llm_engine import LLMEngine, PromptType
 from kvserve.outputs import RequestOutput
 from kvserve.platform import configure_threads, pin_thread
+from kvserve.request import DEFAULT_TIER
 from kvserve.sampling_params import SamplingParams
 from kvserve.scheduler import QueueFullError
 from kvserve.spec.base import SpecStats

@@ -117,9 +117,6 @@ class CacheConfig:
                  f"got {self.kv_cache_dtype!r}")
 
 
-DEFAULT_TIER = "default"
-
-
 @dataclass(frozen=True)
 class TierConfig:
     """A service tier (the server maps each API key to one; kvserve/fair_queue.py).
@@ -199,7 +196,7 @@ class SchedulerConfig:
     enable_chunked_prefill: bool = True
     max_waiting_requests: int | None = None  # None: unbounded (the server sets a bound)
     # Service tiers (TierConfig); empty: one tier, strict (priority, arrival) order, as
-    # vLLM's priority policy. A request names its tier (Request.tier; None: DEFAULT_TIER).
+    # vLLM's priority policy. A request names its tier (Request.tier; None: request.DEFAULT_TIER).
     tiers: tuple[TierConfig, ...] = ()
 
     def __post_init__(self) -> None:

@@ -26,8 +26,8 @@ from __future__ import annotations
 import heapq
 from collections.abc import Callable, Iterator
 
-from kvserve.config import DEFAULT_TIER, TierConfig
-from kvserve.request import Request
+from kvserve.config import TierConfig
+from kvserve.request import DEFAULT_TIER, Request
 
 # (priority, arrival time or aged arrival, insertion counter): smaller = more important. The
 # counter breaks ties and keeps heap entries from ever comparing Requests.

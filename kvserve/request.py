@@ -11,8 +11,10 @@ import enum
 import time
 from typing import Any
 
-from kvserve.config import DEFAULT_TIER
 from kvserve.sampling_params import SamplingParams
+
+# The service tier of a request that names none (config.TierConfig, fair_queue.py).
+DEFAULT_TIER = "default"
 
 
 class RequestStatus(enum.IntEnum):

@@ -23,8 +23,9 @@ import sys
 from types import FrameType
 from typing import Any
 
-from kvserve.config import DEFAULT_TIER, parse_tiers
+from kvserve.config import parse_tiers
 from kvserve.engine_args import EngineArgs
+from kvserve.request import DEFAULT_TIER
 from kvserve.tool_calling.parsers import TOOL_PARSERS
 
 logger = logging.getLogger("kvserve.server")

@@ -19,13 +19,13 @@ from typing import Any
 
 import jinja2
 
-from kvserve.async_engine import RequestStream
 from kvserve.outputs import RequestOutput
 from kvserve.sampling_params import SamplingParams
 from kvserve.server.errors import bad_request
 from kvserve.server.protocol import ChatCompletionRequest, ChatMessage
 from kvserve.server.serving import (
     EngineStream,
+    PrimedStream,
     ServingContext,
     Streamer,
     add_all,
@@ -167,7 +167,7 @@ async def create_chat_completion(ctx: ServingContext, req: ChatCompletionRequest
             "system_fingerprint": None}
 
 
-async def _stream_chat(ctx: ServingContext, req: ChatCompletionRequest, stream: RequestStream,
+async def _stream_chat(ctx: ServingContext, req: ChatCompletionRequest, stream: PrimedStream,
                        params: SamplingParams, head: dict[str, Any], use: ToolUse | None
                        ) -> AsyncIterator[str]:
     include_usage = bool(req.stream_options and req.stream_options.include_usage)

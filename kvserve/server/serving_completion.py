@@ -7,13 +7,13 @@ import uuid
 from collections.abc import AsyncIterator
 from typing import Any
 
-from kvserve.async_engine import RequestStream
 from kvserve.outputs import CompletionOutput, RequestOutput
 from kvserve.sampling_params import SamplingParams
 from kvserve.server.errors import bad_request
 from kvserve.server.protocol import MAX_CHOICES, MAX_PROMPTS, CompletionRequest
 from kvserve.server.serving import (
     EngineStream,
+    PrimedStream,
     ServingContext,
     Streamer,
     add_all,
@@ -134,7 +134,7 @@ def _prompt_logprobs(out: RequestOutput, k: int, tokenizer: Any) -> dict[str, An
 
 
 async def _stream_completion(ctx: ServingContext, req: CompletionRequest,
-                             streams: list[RequestStream], params: SamplingParams,
+                             streams: list[PrimedStream], params: SamplingParams,
                              head: dict[str, Any], n: int) -> AsyncIterator[str]:
     include_usage = bool(req.stream_options and req.stream_options.include_usage)
     st = Streamer(hold_back(params))

@@ -74,8 +74,10 @@ class EngineStats:
     num_preemptions: int = 0
     # Speculative decoding (None without it): the runner's SpecStats, copied.
     spec: SpecStats | None = None
-    # Service tiers (only when configured): tier -> (running, waiting) requests.
+    # Service tiers (only when configured): tier -> (running, waiting) requests, and tier ->
+    # requests refused for its full waiting queue (counted on the event loop; in `stats`).
     tiers: dict[str, tuple[int, int]] | None = None
+    tier_rejections: dict[str, int] | None = None
 
 
 @dataclass
@@ -231,6 +233,9 @@ class AsyncEngine:
         tiers = engine.config.scheduler.tiers
         self._tiered = bool(tiers)  # tier stats and metrics only where tiers are configured
         self._tier_caps = {t.name: t.max_waiting for t in tiers}
+        # Event loop only; every tier's key from the start, so that a copy taken on another
+        # thread never sees the dict change size.
+        self._tier_rejections = dict.fromkeys([*self._tier_caps, DEFAULT_TIER], 0)
         self.max_prompt_chars = (_CHARS_SLACK * self.max_model_len
                                  * engine.tokenizer.max_token_chars)
         self.stats_listener = stats_listener
@@ -328,7 +333,9 @@ class AsyncEngine:
 
     @property
     def stats(self) -> EngineStats:
-        return self._stats
+        if not self._tiered:
+            return self._stats
+        return replace(self._stats, tier_rejections=dict(self._tier_rejections))
 
     @property
     def num_in_flight(self) -> int:
@@ -375,7 +382,11 @@ class AsyncEngine:
         queue or a long text costs no tokenization and no grammar compilation.
         """
         self._check_accepting()
-        self._check_queue(tier)
+        try:
+            self._check_queue(tier)
+        except QueueFullError as e:
+            self._count_rejection(e)
+            raise
         if isinstance(prompt, str):
             self.check_text_chars(len(prompt))
         arrival = time.monotonic()
@@ -390,6 +401,9 @@ class AsyncEngine:
             submitted = True  # _submit queues the command before it first awaits
             return await self._submit(request_id, prompt, params, priority, arrival, grammar,
                                       tenant, tier)
+        except QueueFullError as e:  # the engine thread's exact check
+            self._count_rejection(e)
+            raise
         finally:
             if not submitted:
                 self._adds_abandoned += 1
@@ -482,6 +496,10 @@ class AsyncEngine:
             raise EngineDeadError("the engine has stopped")
         if self._draining or self._stopping:
             raise EngineShuttingDown("the server is shutting down")
+
+    def _count_rejection(self, err: QueueFullError) -> None:
+        if err.tier is not None:
+            self._tier_rejections[err.tier] = self._tier_rejections.get(err.tier, 0) + 1
 
     def _check_queue(self, tier: str | None = None) -> None:
         """The waiting-queue bounds, before any work: the engine thread applies the same rule

@@ -69,6 +69,13 @@ class _EngineCollector(Collector):
                 for tier, counts in sorted(s.tiers.items()):
                     metric.add_metric([self._model, tier], float(counts[i]))
                 yield metric
+            rejected = CounterMetricFamily(
+                "kvserve:tier_requests_rejected",
+                "Requests refused with 429: their tier's waiting queue was full.",
+                labels=labels + ["tier"])
+            for tier, n in sorted((s.tier_rejections or {}).items()):
+                rejected.add_metric([self._model, tier], float(n))
+            yield rejected
 
     def _spec_metrics(self, spec: SpecStats, labels: list[str]
                       ) -> Iterator[CounterMetricFamily]:

@@ -123,6 +123,9 @@ def test_paid_is_served_first_and_every_free_request_completes(server: ServerPro
         == len(paid)
     assert m['kvserve:tier_time_to_first_token_seconds_count{tier="paid"}'] == len(paid)
     assert m['kvserve:tier_num_requests_waiting{tier="free"}'] == 0
+    assert m['kvserve:tier_requests_rejected_total{tier="free"}'] == sum(
+        isinstance(s.error, openai.RateLimitError) for s in flood)
+    assert m['kvserve:tier_requests_rejected_total{tier="paid"}'] == 0
 
 
 def test_a_free_keys_priority_is_refused_and_a_paid_one_accepted(server: ServerProcess

@@ -74,9 +74,10 @@ class EngineStats:
     num_preemptions: int = 0
     # Speculative decoding (None without it): the runner's SpecStats, copied.
     spec: SpecStats | None = None
-    # Service tiers (only when configured): tier -> (running, waiting) requests, and tier ->
+    # Service tiers (only when configured): tier -> (running, waiting, waiting groups: n
+    # children once, as max_waiting counts) requests, and tier ->
     # requests refused for its full waiting queue (counted on the event loop; in `stats`).
-    tiers: dict[str, tuple[int, int]] | None = None
+    tiers: dict[str, tuple[int, int, int]] | None = None
     tier_rejections: dict[str, int] | None = None
 
 
@@ -513,7 +514,7 @@ class AsyncEngine:
         tier = tier or DEFAULT_TIER
         cap = self._tier_caps.get(tier)
         counts = self._stats.tiers
-        if cap is not None and counts is not None and counts.get(tier, (0, 0))[1] >= cap:
+        if cap is not None and counts is not None and counts.get(tier, (0, 0, 0))[2] >= cap:
             raise QueueFullError(f"the waiting queue of tier {tier!r} is full ({cap} "
                                  f"requests); retry later", tier=tier)
 

@@ -148,3 +148,6 @@ class FairQueue:
 
     def num_waiting(self, tier: str) -> int:
         return len(self._heaps[tier])
+
+    def num_waiting_groups(self, tier: str) -> int:
+        return len(self._tier_groups[tier])

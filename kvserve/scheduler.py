@@ -348,10 +348,12 @@ class Scheduler:
         """Waiting requests as max_waiting_requests counts them (n children count once)."""
         return self.waiting.num_groups
 
-    def tier_counts(self) -> dict[str, tuple[int, int]]:
-        """tier -> (running, waiting) requests, every tier listed."""
+    def tier_counts(self) -> dict[str, tuple[int, int, int]]:
+        """tier -> (running, waiting, waiting as its max_waiting counts them: a request's n
+        children once), every tier listed."""
         running = Counter(r.tier for r in self.running)
-        return {t: (running[t], self.waiting.num_waiting(t)) for t in self.waiting.tiers}
+        w = self.waiting
+        return {t: (running[t], w.num_waiting(t), w.num_waiting_groups(t)) for t in w.tiers}
 
     @property
     def kv_cache_usage(self) -> float:

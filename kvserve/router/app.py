@@ -169,6 +169,9 @@ class RouterApp:
         watcher = asyncio.ensure_future(_wait_disconnect(request.receive))
         try:
             await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+        except BaseException:
+            task.cancel()  # this handler was cancelled itself: the attempt must not outlive it
+            raise
         finally:
             watcher.cancel()
         if not task.done():

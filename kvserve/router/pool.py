@@ -87,7 +87,8 @@ class BackendPool:
     async def _probe(self, client: httpx.AsyncClient, url: str, timeout: float) -> None:
         try:
             r = await client.get(f"{url}/health", timeout=timeout)
-        except httpx.HTTPError as e:
+        except Exception as e:  # noqa: BLE001 - any failure is an unhealthy backend; the
+            # poller itself must live on, or a backend taken out would never come back
             self.set_health(url, False, f"/health failed: {type(e).__name__}: {e}")
             return
         if r.status_code == 200:

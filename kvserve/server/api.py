@@ -351,6 +351,9 @@ async def _unless_disconnected(request: Request, work: Awaitable[Any]) -> Any:
     watcher = asyncio.ensure_future(_wait_disconnect(request))
     try:
         await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    except BaseException:
+        task.cancel()  # this handler was cancelled itself: the work must not outlive it
+        raise
     finally:
         watcher.cancel()
     if task.done():

@@ -23,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import gc
 import logging
 import time
 from collections.abc import Callable, Sequence
@@ -281,6 +282,7 @@ class ModelPool:
 
     async def _promote(self, m: ServedModel) -> None:
         t0 = time.monotonic()
+        order = self.placement.recent()
         changes = self.placement.use(m.name)
         leaving = {n: t for n, t in changes.items() if n != m.name}
         draining: list[ServedModel] = []
@@ -313,11 +315,17 @@ class ModelPool:
                 self._free_slots.insert(0, slot)
             m.engine = m.slot = None  # never started: nothing to stop
             self._drop(m)
-            self.placement.forget(m.name)
-            for x in draining:  # not torn down yet: back to hot, where the placement has it
-                if x.state == DRAINING and x.engine is not None \
-                        and self.placement.tier(x.name) == HOT:
+            for x in draining:  # not torn down yet: it stays hot and serves again
+                if x.state == DRAINING and x.engine is not None:
                     x.state = HOT
+            # The placement as it was, without m, and as the models now are: those with an
+            # engine hot, those with weights warm. (Whatever use() pushed out must not stay
+            # out: with no warm place, a draining model would be cold there, stuck draining.)
+            order = [n for n in order if n != m.name]
+            self.placement.restore(
+                [n for n in order if self.models[n].engine is not None]
+                + [n for n in order if self.models[n].engine is None
+                   and self.models[n].weights is not None])
             raise
         m.max_model_len = engine.max_model_len
         engine.start()
@@ -340,6 +348,10 @@ class ModelPool:
             x.state = WARM
         else:
             self._drop(x)
+        # Its build froze what it made (platform.setup_process): unfrozen, so that the
+        # collector can free whatever of the old engine sits in reference cycles. The next
+        # build, which follows at once, freezes what is left again.
+        gc.unfreeze()
 
     def _drop(self, x: ServedModel) -> None:
         x.weights = None

@@ -68,6 +68,17 @@ class ModelPlacement:
             self._recent.remove(name)
         return self._changes(before)
 
+    def recent(self) -> list[str]:
+        """The hot then warm models, most recently used first (restore's argument)."""
+        return list(self._recent)
+
+    def restore(self, recent: Sequence[str]) -> None:
+        """Puts back an order that recent() returned (a swap that failed), at most the hot
+        and warm places."""
+        for name in recent:
+            self._check(name)
+        self._recent = list(dict.fromkeys(recent))[:self.max_hot + self.max_warm]
+
     def _changes(self, before: dict[str, str]) -> dict[str, str]:
         after = self.tiers()
         return {n: t for n, t in after.items() if before[n] != t}

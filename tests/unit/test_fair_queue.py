@@ -123,7 +123,7 @@ def test_scheduler_keeps_a_tiers_max_running_and_raises_its_queue_full() -> None
     assert info.value.tier == "free"
     out, _ = step(sched)
     assert [s.request_id for s in out.scheduled] == ["p0", "f0"]  # f1: free runs 1 already
-    assert sched.tier_counts() == {"free": (1, 1), "paid": (1, 0), "default": (0, 0)}
+    assert sched.tier_counts() == {"free": (1, 1, 1), "paid": (1, 0, 0), "default": (0, 0, 0)}
 
 
 def test_preemption_takes_the_lighter_tier_first() -> None:

@@ -291,3 +291,26 @@ def test_the_primarys_failed_load_is_the_servers_load_error() -> None:
             await pool.acquire("b")
         assert (e.value.status, e.value.code) == (503, "engine_dead")
     run(main)
+
+
+def test_a_failed_load_with_no_warm_place_puts_the_draining_model_back() -> None:
+    """max_warm 0: use(c) pushes a straight to cold while it drains. When c's load fails, a
+    must be hot and serving again (not stuck draining, with its slot), and the pool must
+    still swap afterwards."""
+    async def main() -> None:
+        pool, loader = make_pool(max_warm=0)
+        await pool.start()
+        loader.fail.add("c")
+        with pytest.raises(APIError) as e:
+            await pool.acquire("c")
+        assert e.value.code == "model_load_failed"
+        assert states(pool) == {"a": "hot", "b": "cold", "c": "cold"}
+        assert pool.placement.tiers() == {"a": "hot", "b": "cold", "c": "cold"}
+        lease = await pool.acquire("a")
+        assert lease.engine.name == "a" and not lease.engine.stopped
+        lease.release()
+        (await pool.acquire("b")).release()
+        assert states(pool) == {"a": "cold", "b": "hot", "c": "cold"}
+        assert ("build", "b", 0) in loader.log
+        await pool.shutdown(1.0)
+    run(main)

@@ -34,6 +34,7 @@ class TPGroup:
     size: int = 1
     pg: Any = None  # the process group (None in one process)
     shm: ShmAllReduce | None = None  # the CPU all-reduce (shm.py); None: the process group's
+    timeout_s: float = 0.0  # how long a collective waits for the other ranks
 
     @staticmethod
     def single() -> TPGroup:
@@ -65,7 +66,7 @@ class TPGroup:
                 else:
                     shm = ShmAllReduce(store.get("shm").decode(), rank, size, shm_elements,
                                        False, timeout_s, spin)
-        return TPGroup(rank, size, pg, shm)
+        return TPGroup(rank, size, pg, shm, timeout_s)
 
     def close(self) -> None:
         if self.shm is not None:
@@ -85,8 +86,21 @@ class TPGroup:
             return x
         if self.shm is not None and x.numel() <= self.shm.capacity and x.is_contiguous():
             return self.shm(x)  # every rank takes the same branch: the same numel
-        self.pg.allreduce([x]).wait()
+        self._wait(self.pg.allreduce([x]), "all-reduce")
         return x
+
+    def _wait(self, work: Any, what: str) -> None:
+        """A process-group collective's wait, its timeout said in our words (the rank that is
+        late is not known here: any of the others may be)."""
+        try:
+            work.wait()
+        except RuntimeError as e:
+            if "imed out" not in str(e):
+                raise
+            late = [r for r in range(self.size) if r != self.rank]
+            raise TimeoutError(f"tensor parallelism: the {what} did not complete within "
+                               f"{self.timeout_s:g}s: one of ranks {late} is late ({e})"
+                               ) from None
 
     def gather_logits(self, x: torch.Tensor) -> torch.Tensor | None:
         """[rows, vocab / size] on each rank -> [rows, vocab] on rank 0 (None elsewhere)."""
@@ -98,5 +112,5 @@ class TPGroup:
         parts = [torch.empty_like(x) for _ in range(self.size)] if self.rank == 0 else []
         opts = dist.GatherOptions()
         opts.rootRank = 0
-        self.pg.gather([parts] if parts else [], [x], opts).wait()
+        self._wait(self.pg.gather([parts] if parts else [], [x], opts), "logits gather")
         return torch.cat(parts, dim=-1) if parts else None

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import time
 from pathlib import Path
@@ -114,7 +115,11 @@ def test_hung_worker_ends_the_engine_after_the_timeout(model_dir: str) -> None:
         assert events[-1] == "[DONE]" and "error" in json.loads(events[-2])
         assert time.monotonic() - t_stop < 15
         assert srv.proc.wait(timeout=20) == 1
-        assert "ranks [1] did not arrive within 3s" in srv.log(), srv.log()[-2000:]
+        # Stopped in an all-reduce (shared memory: the late rank named) or in the logits
+        # gather (gloo: one of the others late), as the signal falls.
+        assert re.search(r"ranks \[1\] did not arrive within 3s|the logits gather did not "
+                         r"complete within 3s: one of ranks \[1\] is late", srv.log()), \
+            srv.log()[-2000:]
         assert _gone([worker], 10), _state(worker)
     finally:
         if worker > 0 and Path(f"/proc/{worker}").exists():

@@ -38,7 +38,7 @@ from kvserve.router.metrics import CONTENT_TYPE, RouterMetrics
 from kvserve.router.policy import RoutingConfig
 from kvserve.router.pool import BackendPool
 from kvserve.router.prompt import block_hashes, prompt_token_ids
-from kvserve.server.api import read_bounded
+from kvserve.server.api import read_bounded, unless_disconnected
 from kvserve.server.errors import APIError
 from kvserve.tool_calling.support import ToolSupport
 
@@ -165,21 +165,8 @@ class RouterApp:
         prefill), the attempt is cancelled, which closes the backend's connection and so
         aborts its engine request."""
         body = await read_bounded(request, self.config.max_body_bytes)
-        task = asyncio.ensure_future(self._proxy(request, body, routed))
-        watcher = asyncio.ensure_future(_wait_disconnect(request.receive))
-        try:
-            await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
-        except BaseException:
-            task.cancel()  # this handler was cancelled itself: the attempt must not outlive it
-            raise
-        finally:
-            watcher.cancel()
-        if not task.done():
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
-            return Response(status_code=499)  # nobody reads it
-        return task.result()
+        response = await unless_disconnected(request, self._proxy(request, body, routed))
+        return Response(status_code=499) if response is None else response  # nobody reads a 499
 
     async def _proxy(self, request: Request, body: bytes, routed: bool) -> Response:
         path = request.url.path

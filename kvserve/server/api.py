@@ -344,7 +344,7 @@ async def _wait_disconnect(request: Request) -> None:
             return
 
 
-async def _unless_disconnected(request: Request, work: Awaitable[Any]) -> Any:
+async def unless_disconnected(request: Request, work: Awaitable[Any]) -> Any:
     """Runs work; if the client goes away first, cancels it (which aborts its engine
     requests and frees their KV blocks) and returns None."""
     task = asyncio.ensure_future(work)
@@ -567,7 +567,7 @@ def build_app(config: ServerConfig,
                 lease.release()
                 raise
 
-        done = await _unless_disconnected(request, work())
+        done = await unless_disconnected(request, work())
         if done is None:
             return Response(status_code=499)  # the client is gone; nobody reads this
         result, lease = done
@@ -584,7 +584,7 @@ def build_app(config: ServerConfig,
         c = dataclasses.replace(ctx(), tenant=scope_state.get("tenant"),
                                 tier=scope_state.get("tier"))
         body = await parse_body(request, model, config.max_body_bytes)
-        result = await _unless_disconnected(request, _started(fn(c, body, rid(request)),
+        result = await unless_disconnected(request, _started(fn(c, body, rid(request)),
                                                               c.engine))
         if result is None:
             return Response(status_code=499)  # the client is gone; nobody reads this

@@ -39,7 +39,7 @@ from kvserve.async_engine import AsyncEngine, EngineStats, IterationStats
 from kvserve.server import web
 from kvserve.server.errors import APIError, bad_request, from_validation_error
 from kvserve.server.metrics import CONTENT_TYPE, ServerMetrics, render_merged
-from kvserve.server.model_pool import Lease, ModelPool, ServedModel
+from kvserve.server.model_pool import ModelPool, ServedModel
 from kvserve.server.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -421,6 +421,10 @@ class _SSEResponse(StreamingResponse):
                     self._on_close()
 
 
+def _no_release() -> None:
+    """One model's requests hold nothing (acquire)."""
+
+
 def _encode(chunk: str | bytes | memoryview, charset: str) -> bytes | memoryview:
     return chunk.encode(charset) if isinstance(chunk, str) else chunk
 
@@ -526,71 +530,55 @@ def build_app(config: ServerConfig,
         state.pool.check_serving()
         return None
 
-    def leased_ctx(lease: Lease, tenant: str | None = None,
-                   tier: str | None = None) -> ServingContext:
-        return ServingContext(lease.engine, lease.model.name, lease.engine.max_model_len,
-                              tenant=tenant, tier=tier, tools=lease.model.tools)
-
-    @asynccontextmanager
-    async def serving(c: ServingContext | None, model: str | None
-                      ) -> AsyncIterator[ServingContext]:
-        """The context of the model a body names (404 for one not served), its lease held
-        for the block when there are several."""
+    async def acquire(c: ServingContext | None, model: str | None
+                      ) -> tuple[ServingContext, Callable[[], None]]:
+        """The context of the model a body names, and its release. With several models: a
+        lease on it (waited for while it loads; 404 for one not served), held until the
+        release, so that the model is never torn down under the request. With one: c (the
+        name is checked by the caller: check_model), nothing to release."""
         if state.pool is None:
             assert c is not None
+            return c, _no_release
+        lease = await state.pool.acquire(model)
+        return ServingContext(lease.engine, lease.model.name, lease.engine.max_model_len,
+                              tools=lease.model.tools), lease.release
+
+    @asynccontextmanager
+    async def serving(c0: ServingContext | None, model: str | None
+                      ) -> AsyncIterator[ServingContext]:
+        """acquire's context for the block, its name checked."""
+        c, release = await acquire(c0, model)
+        try:
             check_model(c, model)
             yield c
-            return
-        lease = await state.pool.acquire(model)
-        try:
-            yield leased_ctx(lease)
         finally:
-            lease.release()
+            release()
 
-    async def _generate_pooled(request: Request, fn: Callable[..., Any],
-                               model: type[BaseModel]) -> Response:
-        """_generate with several models: the request holds a lease on its model (which
-        may wait for it to load) until its response has ended, so the model is never torn
-        down under it."""
-        assert state.pool is not None
-        pool = state.pool
-        pool.check_serving()
+    async def _generate(request: Request, fn: Callable[..., Any], model: type[BaseModel]
+                        ) -> Response:
+        c0 = precheck()
         body = await parse_body(request, model, config.max_body_bytes)
         scope_state = request.scope.get("state", {})
 
-        async def work() -> tuple[Any, Lease]:
-            lease = await pool.acquire(getattr(body, "model", None))
+        async def work() -> tuple[Any, ServingContext, Callable[[], None]]:
+            c, release = await acquire(c0, getattr(body, "model", None))
             try:
-                ctx_ = leased_ctx(lease, scope_state.get("tenant"), scope_state.get("tier"))
-                return await _started(fn(ctx_, body, rid(request)), lease.engine), lease
+                c = dataclasses.replace(c, tenant=scope_state.get("tenant"),
+                                        tier=scope_state.get("tier"))
+                return await _started(fn(c, body, rid(request)), c.engine), c, release
             except BaseException:
-                lease.release()
+                release()
                 raise
 
         done = await unless_disconnected(request, work())
         if done is None:
             return Response(status_code=499)  # the client is gone; nobody reads this
-        result, lease = done
+        result, c, release = done
         if isinstance(result, dict):
-            lease.release()
+            release()
             return JSONResponse(result)
-        return _SSEResponse(result, lease.engine, on_close=lease.release)
-
-    async def _generate(request: Request, fn: Callable[..., Any], model: type[BaseModel]
-                        ) -> Response:
-        if state.pool is not None:
-            return await _generate_pooled(request, fn, model)
-        scope_state = request.scope.get("state", {})
-        c = dataclasses.replace(ctx(), tenant=scope_state.get("tenant"),
-                                tier=scope_state.get("tier"))
-        body = await parse_body(request, model, config.max_body_bytes)
-        result = await unless_disconnected(request, _started(fn(c, body, rid(request)),
-                                                              c.engine))
-        if result is None:
-            return Response(status_code=499)  # the client is gone; nobody reads this
-        if isinstance(result, dict):
-            return JSONResponse(result)
-        return _SSEResponse(result, c.engine)
+        # The response releases (a lease) once it has ended, the stream included.
+        return _SSEResponse(result, c.engine, on_close=release)
 
     @app.post("/v1/completions", response_model=None)
     async def completions(request: Request) -> Response:

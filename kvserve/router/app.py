@@ -24,7 +24,7 @@ import asyncio
 import contextlib
 import json
 import logging
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -38,7 +38,12 @@ from kvserve.router.metrics import CONTENT_TYPE, RouterMetrics
 from kvserve.router.policy import RoutingConfig
 from kvserve.router.pool import BackendPool
 from kvserve.router.prompt import block_hashes, prompt_token_ids
-from kvserve.server.api import read_bounded, unless_disconnected
+from kvserve.server.api import (
+    error_response,
+    read_bounded,
+    unless_disconnected,
+    wait_disconnect,
+)
 from kvserve.server.errors import APIError
 from kvserve.tool_calling.support import ToolSupport
 
@@ -78,10 +83,6 @@ class RouterConfig:
             raise ValueError(f"max_body_bytes must be >= 1024, got {self.max_body_bytes}")
 
 
-def _error(err: APIError) -> JSONResponse:
-    return JSONResponse(err.body(), status_code=err.status, headers=err.headers)
-
-
 class _Relay(Response):
     """A backend's response, relayed as it arrives; the first body chunk is already read.
     The backend's connection and its in-flight count are released however the relay ends
@@ -119,7 +120,7 @@ class _Relay(Response):
         # uvicorn drops what is sent to a client that has gone (ASGI spec 2.3), so the relay
         # would read the backend to its end: a disconnect is watched for instead.
         relay = asyncio.ensure_future(self._relay(send))
-        watcher = asyncio.ensure_future(_wait_disconnect(receive))
+        watcher = asyncio.ensure_future(wait_disconnect(receive))
         try:
             await asyncio.wait({relay, watcher}, return_when=asyncio.FIRST_COMPLETED)
         finally:
@@ -184,7 +185,7 @@ class RouterApp:
                 target = self.pool.least_loaded(tried)
             if target is None:
                 logger.warning("no backend for %s: %s", path, self.pool.describe())
-                return _error(_NO_BACKEND)
+                return error_response(_NO_BACKEND)
             tried.add(target)
             response = await self._attempt(request.method, target, url, headers, body,
                                            last=self.pool.least_loaded(tried) is None)
@@ -256,12 +257,6 @@ class RouterApp:
                     await poller
 
 
-async def _wait_disconnect(receive: Receive) -> None:
-    # Called once the body is read, so the next message can only be the disconnect.
-    while (await receive())["type"] != "http.disconnect":
-        pass
-
-
 def build_app(config: RouterConfig, tokenizer: Tokenizer | None,
               tools: ToolSupport | None = None) -> FastAPI:
     """tokenizer None: no prompt is read, every request is routed by load alone."""
@@ -271,33 +266,25 @@ def build_app(config: RouterConfig, tokenizer: Tokenizer | None,
 
     @app.exception_handler(APIError)
     async def _api_error(_request: Request, exc: APIError) -> JSONResponse:
-        return _error(exc)
+        return error_response(exc)
 
-    @app.post("/v1/completions", response_model=None)
-    async def completions(request: Request) -> Response:
-        return await state.proxy(request, routed=True)
+    def relay(routed: bool) -> Callable[[Request], Awaitable[Response]]:
+        async def endpoint(request: Request) -> Response:
+            return await state.proxy(request, routed=routed)
+        return endpoint
 
-    @app.post("/v1/chat/completions", response_model=None)
-    async def chat_completions(request: Request) -> Response:
-        return await state.proxy(request, routed=True)
-
-    @app.get("/v1/models", response_model=None)
-    async def models(request: Request) -> Response:
-        return await state.proxy(request, routed=False)
-
-    @app.post("/tokenize", response_model=None)
-    async def tokenize(request: Request) -> Response:
-        return await state.proxy(request, routed=False)
-
-    @app.post("/detokenize", response_model=None)
-    async def detokenize(request: Request) -> Response:
-        return await state.proxy(request, routed=False)
+    for method, path, routed in (("POST", "/v1/completions", True),
+                                 ("POST", "/v1/chat/completions", True),
+                                 ("GET", "/v1/models", False),
+                                 ("POST", "/tokenize", False),
+                                 ("POST", "/detokenize", False)):
+        app.add_api_route(path, relay(routed), methods=[method], response_model=None)
 
     @app.get("/health", response_model=None)
     async def health() -> Response:
         if any(b.healthy for b in state.pool.backends.values()):
             return Response(status_code=200)
-        return _error(_NO_BACKEND)
+        return error_response(_NO_BACKEND)
 
     @app.get("/metrics")
     async def metrics() -> Response:

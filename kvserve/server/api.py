@@ -337,18 +337,18 @@ async def parse_body(request: Request, model: type[_M], max_bytes: int) -> _M:
 
 # ---- client disconnects ------------------------------------------------------------------
 
-async def _wait_disconnect(request: Request) -> None:
-    while True:
-        message = await request.receive()
-        if message["type"] == "http.disconnect":
-            return
+async def wait_disconnect(receive: Receive) -> None:
+    """Returns once the client has gone (called once the body is read, so the next
+    message can only be the disconnect)."""
+    while (await receive())["type"] != "http.disconnect":
+        pass
 
 
 async def unless_disconnected(request: Request, work: Awaitable[Any]) -> Any:
     """Runs work; if the client goes away first, cancels it (which aborts its engine
     requests and frees their KV blocks) and returns None."""
     task = asyncio.ensure_future(work)
-    watcher = asyncio.ensure_future(_wait_disconnect(request))
+    watcher = asyncio.ensure_future(wait_disconnect(request.receive))
     try:
         await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
     except BaseException:

@@ -1,6 +1,6 @@
-"""What crosses from tensor-parallel rank 0 to the others, and how the cores are shared:
-a step's ModelInput as one int64 array (encode_step / decode_step), STOP, each rank's cores,
-and the size of the shared-memory all-reduce."""
+"""What crosses from tensor-parallel rank 0 to the others: a step's ModelInput as one int64
+array (encode_step / decode_step), STOP, and the size of the shared-memory all-reduce. Each
+rank's cores are platform.share_cores(rank, size)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,6 @@ import numpy as np
 import torch
 
 from kvserve.outputs import ModelInput
-from kvserve.platform import share_cores
 
 if TYPE_CHECKING:
     from kvserve.config import EngineConfig
@@ -49,11 +48,3 @@ def shm_elements(config: EngineConfig) -> int:
     if config.parallel.all_reduce != "shm" or config.device != "cpu":
         return 0
     return config.scheduler.max_num_batched_tokens * config.model_config.hidden_size
-
-
-def rank_cores(rank: int, size: int) -> list[int]:
-    """This rank's share of the cores the process may use: disjoint slices while there are
-    enough, else one core each, shared round-robin (more ranks than cores still run)."""
-    return share_cores(rank, size)
-
-

@@ -31,8 +31,9 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from kvserve.distributed.group import TPGroup
-from kvserve.executor.step import STOP, encode_step, rank_cores, shm_elements
+from kvserve.executor.step import STOP, encode_step, shm_elements
 from kvserve.outputs import ModelInput
+from kvserve.platform import pin_thread, share_cores
 
 if TYPE_CHECKING:
     from kvserve.config import EngineConfig
@@ -70,7 +71,7 @@ class TPExecutor:
         for rank in range(1, size):
             ours, theirs = ctx.Pipe()
             p = ctx.Process(target=worker_main, name=f"kvserve-tp{rank}", daemon=True,
-                            args=(args, rank, size, port, theirs, rank_cores(rank, size),
+                            args=(args, rank, size, port, theirs, share_cores(rank, size),
                                   spin))
             p.start()
             theirs.close()
@@ -90,7 +91,7 @@ class TPExecutor:
         # the whole process, which also runs the server's threads. Unpinned, it would share a
         # worker's core half the time. shutdown() gives this thread back what it had: the
         # caller's thread (and whatever it starts later) must not stay on one core.
-        threads = len(rank_cores(0, size))
+        threads = len(share_cores(0, size))
         executor.pin_thread()
         how = ("nccl" if device.startswith("cuda") else
                "shared memory" if executor.group.shm is not None else "gloo")
@@ -102,10 +103,8 @@ class TPExecutor:
         """Pins the calling thread (and the OpenMP threads it starts after this) to rank 0's
         cores, with one intra-op thread each; the thread's own settings come back at
         shutdown() if it is the thread that calls it."""
-        cores = rank_cores(0, len(self.procs) + 1)
         self._saved[threading.get_ident()] = (os.sched_getaffinity(0), torch.get_num_threads())
-        os.sched_setaffinity(0, cores)
-        torch.set_num_threads(len(cores))
+        pin_thread(share_cores(0, len(self.procs) + 1))
 
     def agree_blocks(self, num_blocks: int, timeout_s: float = 600.0) -> int:
         """Every rank's KV block count (from its own view of free memory) -> the minimum,

@@ -14,6 +14,7 @@ import torch
 
 from kvserve.distributed.group import TPGroup
 from kvserve.executor.step import STOP, decode_step, shm_elements
+from kvserve.platform import pin_thread
 
 logger = logging.getLogger(__name__)
 
@@ -42,8 +43,7 @@ def worker_main(args: Any, rank: int, size: int, port: int, conn: Any, cores: li
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is rank 0's to handle
     logging.basicConfig(level=logging.WARNING, format=f"%(levelname)s tp{rank}: %(message)s",
                         stream=sys.stderr)
-    os.sched_setaffinity(0, cores)  # the OpenMP threads started from here inherit it
-    torch.set_num_threads(len(cores))
+    pin_thread(cores)  # the OpenMP threads started from here inherit it
     try:
         from kvserve.loader import load_checkpoint, resolve_model
         from kvserve.model_setup import allocate_kv_cache, load_model, num_kv_blocks

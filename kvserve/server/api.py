@@ -37,7 +37,12 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 import kvserve
 from kvserve.async_engine import AsyncEngine, EngineStats, IterationStats
 from kvserve.server import web
-from kvserve.server.errors import APIError, bad_request, from_validation_error
+from kvserve.server.errors import (
+    APIError,
+    bad_request,
+    check_can_serve,
+    from_validation_error,
+)
 from kvserve.server.metrics import CONTENT_TYPE, ServerMetrics, render_merged
 from kvserve.server.model_pool import ModelPool, ServedModel
 from kvserve.server.protocol import (
@@ -506,15 +511,11 @@ def build_app(config: ServerConfig,
 
     def ctx() -> ServingContext:
         eng = state.engine
-        if eng is not None and eng.is_draining:
-            raise APIError(503, "the server is shutting down", code="shutting_down",
-                           headers={"Retry-After": "5"})
-        if state.load_error is not None or (eng is not None and not eng.is_alive):
-            raise APIError(503, "the engine has stopped; the server cannot serve requests",
-                           code="engine_dead")
-        if eng is None:
-            raise APIError(503, "the model is still loading; retry shortly", code="loading",
-                           headers={"Retry-After": "5"})
+        check_can_serve(draining=eng is not None and eng.is_draining,
+                        stopped=state.load_error is not None
+                        or (eng is not None and not eng.is_alive),
+                        loading=eng is None)
+        assert eng is not None
         return ServingContext(eng, config.model_name, eng.max_model_len, tools=state.tools)
 
     def rid(request: Request) -> str:

@@ -49,6 +49,20 @@ def bad_request(message: str, param: str | None = None) -> APIError:
     return APIError(400, message, param)
 
 
+def check_can_serve(*, draining: bool, stopped: bool, loading: bool) -> None:
+    """The 503 of a server that cannot take a request now, checked in this order (api's
+    ctx for one model, ModelPool.check_serving for several)."""
+    if draining:
+        raise APIError(503, "the server is shutting down", code="shutting_down",
+                       headers={"Retry-After": "5"})
+    if stopped:
+        raise APIError(503, "the engine has stopped; the server cannot serve requests",
+                       code="engine_dead")
+    if loading:
+        raise APIError(503, "the model is still loading; retry shortly", code="loading",
+                       headers={"Retry-After": "5"})
+
+
 def loc_to_param(loc: tuple[int | str, ...]) -> str | None:
     """('messages', 0, 'role') -> 'messages[0].role'; union type tags are dropped."""
     out = ""

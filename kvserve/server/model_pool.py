@@ -35,7 +35,7 @@ from kvserve.config import CacheConfig, parse_memory
 from kvserve.engine_args import EngineArgs
 from kvserve.llm_engine import LLMEngine, LoadedModel
 from kvserve.platform import available_memory, default_device, setup_process, share_cores
-from kvserve.server.errors import APIError
+from kvserve.server.errors import APIError, check_can_serve
 from kvserve.server.placement import COLD, HOT, WARM, ModelPlacement
 
 if TYPE_CHECKING:
@@ -204,15 +204,9 @@ class ModelPool:
 
     def check_serving(self) -> None:
         """What the single-model server checks before reading a body (api.ctx), here."""
-        if self.draining:
-            raise APIError(503, "the server is shutting down", code="shutting_down",
-                           headers={"Retry-After": "5"})
-        if self.load_error is not None or self.dead is not None:
-            raise APIError(503, "the engine has stopped; the server cannot serve requests",
-                           code="engine_dead")
-        if not self.started:
-            raise APIError(503, "the model is still loading; retry shortly", code="loading",
-                           headers={"Retry-After": "5"})
+        check_can_serve(draining=self.draining,
+                        stopped=self.load_error is not None or self.dead is not None,
+                        loading=not self.started)
 
     def find(self, name: str | None) -> ServedModel:
         """The model a request names (None: the primary); 404 naming the served ones."""

@@ -5,14 +5,12 @@ The ids must be the replica's own, token for token, or no block hash would ever 
 
     /v1/completions       prompt: text (encoded with add_special_tokens, default true) or
                           token ids; a list of prompts is routed by its first
-    /v1/chat/completions  messages through the model's chat template, as
-                          serving_chat.render_chat does: roles mapped (developer -> system),
-                          list content joined by newlines, tools as the server's tool
-                          support renders them (from the body as sent: the server renders
-                          its validated copy, so a tool written with nulls or unknown keys
-                          renders differently from there on, which costs only the match
-                          past that point); continue_final_message is rendered without
-                          the generation prompt (the server cuts later, so the head matches)
+    /v1/chat/completions  messages and tools read with the server's own models
+                          (protocol.ChatMessage, Tool) and turned into the template's
+                          conversation by its own serving_chat.conversation, then through
+                          the model's chat template as serving_chat.render_chat does;
+                          continue_final_message is rendered without the generation prompt
+                          (the server cuts later, so the head matches)
 
 Anything the router cannot read gives None: the request is routed by load alone, and the
 replica answers it (with its own 400, if it is bad).
@@ -23,14 +21,18 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+from pydantic import TypeAdapter
+
 from kvserve.kv.block_pool import hash_full_blocks
 from kvserve.loader import Tokenizer
+from kvserve.server.protocol import ChatMessage, Tool
+from kvserve.server.serving_chat import conversation
 from kvserve.tool_calling.prompt import prompt_messages
 from kvserve.tool_calling.support import ToolSupport
 
-# OpenAI's roles -> what chat templates know (as serving_chat).
-_TEMPLATE_ROLES = {"developer": "system"}
-_MESSAGE_KEYS = ("name", "tool_call_id")
+# The server's own models of the body's parts: the router reads them as the server does.
+_MESSAGES = TypeAdapter(list[ChatMessage])
+_TOOLS = TypeAdapter(list[Tool])
 
 
 def block_hashes(token_ids: Sequence[int], block_size: int) -> list[int]:
@@ -49,30 +51,6 @@ def _first_prompt(prompt: Any) -> str | list[int] | None:
     return None
 
 
-def _conversation(messages: list[Any]) -> list[dict[str, Any]] | None:
-    conv = []
-    for m in messages:
-        if not isinstance(m, dict) or not isinstance(m.get("role"), str):
-            return None
-        content = m.get("content")
-        if isinstance(content, list):
-            if not all(isinstance(p, dict) and isinstance(p.get("text"), str) for p in content):
-                return None
-            content = "\n".join(p["text"] for p in content)
-        msg: dict[str, Any] = {"role": _TEMPLATE_ROLES.get(m["role"], m["role"]),
-                               "content": content or ""}
-        calls = m.get("tool_calls")
-        if content is None and calls:
-            msg["content"] = None
-        for key in _MESSAGE_KEYS:
-            if m.get(key) is not None:
-                msg[key] = m[key]
-        if calls:
-            msg["tool_calls"] = calls
-        conv.append(msg)
-    return conv
-
-
 def prompt_token_ids(tokenizer: Tokenizer, tools: ToolSupport | None, route: str,
                      body: Any) -> list[int] | None:
     """The prompt's token ids for a /v1/completions or /v1/chat/completions body, or None."""
@@ -87,12 +65,12 @@ def prompt_token_ids(tokenizer: Tokenizer, tools: ToolSupport | None, route: str
         messages = body.get("messages")
         if not isinstance(messages, list) or not messages:
             return None
-        conv = _conversation(messages)
-        if conv is None:
-            return None
+        conv = conversation(_MESSAGES.validate_python(messages))
         extra: dict[str, Any] = {}
         if tools is not None:
-            request_tools = body.get("tools") or None
+            request_tools = [t.model_dump(exclude_none=True)
+                             for t in _TOOLS.validate_python(body["tools"])] \
+                if body.get("tools") else None
             conv, extra = prompt_messages(conv, request_tools, tools.template_renders_tools,
                                           tools.parser.call_format)
         add_generation = (body.get("add_generation_prompt", True) is True

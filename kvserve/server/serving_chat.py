@@ -50,7 +50,8 @@ _CHAT_RENAMES = {"prompt": "messages"}
 _TEMPLATE_ROLES = {"developer": "system"}
 
 
-def _conversation(messages: list[ChatMessage]) -> list[dict[str, Any]]:
+def conversation(messages: list[ChatMessage]) -> list[dict[str, Any]]:
+    """Validated messages as chat templates take them (the router renders with it too)."""
     conv = []
     for m in messages:
         if isinstance(m.content, list):
@@ -88,7 +89,7 @@ async def render_chat(ctx: ServingContext, messages: list[ChatMessage],
             raise bad_request(f"continue_final_message needs an assistant message last, got "
                               f"role {messages[-1].role}", "continue_final_message")
     tok = ctx.engine.tokenizer
-    conv = _conversation(messages)
+    conv = conversation(messages)
     extra: dict[str, Any] = {}
     if ctx.tools is not None:
         conv, extra = prompt_messages(conv, tools, ctx.tools.template_renders_tools,

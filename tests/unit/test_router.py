@@ -255,17 +255,17 @@ def test_completion_prompts(tokenizer: Any) -> None:
 
 
 def test_chat_prompts_render_as_the_server_does(tokenizer: Any) -> None:
-    """Against the server's own conversion (serving_chat._conversation of the validated
+    """Against the server's own conversion (serving_chat.conversation of the validated
     messages) and the tokenizer's template."""
     from kvserve.server.protocol import ChatMessage
-    from kvserve.server.serving_chat import _conversation
+    from kvserve.server.serving_chat import conversation
 
     messages = [{"role": "developer", "content": "Be brief."},
                 {"role": "user", "content": [{"type": "text", "text": "Hi"},
                                              {"type": "text", "text": "there"}]},
                 {"role": "assistant", "content": None, "name": "bot"},
                 {"role": "user", "content": "Why?", "extra_field": 1}]
-    server_conv = _conversation([ChatMessage.model_validate(m) for m in messages])
+    server_conv = conversation([ChatMessage.model_validate(m) for m in messages])
     want = tokenizer.apply_chat_template(server_conv, add_generation_prompt=True,
                                          tokenize=True)
     body = {"messages": messages}

@@ -13,7 +13,7 @@ import pytest
 
 from kvserve.loader import Tokenizer
 from kvserve.server.protocol import ChatMessage
-from kvserve.server.serving_chat import _conversation
+from kvserve.server.serving_chat import conversation
 from kvserve.tool_calling.parsers import HermesParser
 from kvserve.tool_calling.prompt import prompt_messages
 from kvserve.tool_calling.support import tool_support
@@ -65,7 +65,7 @@ HF_MESSAGES: list[dict[str, Any]] = [
 def _ours(tok: Tokenizer, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None
           ) -> str:
     support = tool_support(tok, None)
-    conv = _conversation([ChatMessage.model_validate(m) for m in messages])
+    conv = conversation([ChatMessage.model_validate(m) for m in messages])
     conv, extra = prompt_messages(conv, tools, support.template_renders_tools,
                                   support.parser.call_format)
     text = tok.apply_chat_template(conv, add_generation_prompt=True, **extra)

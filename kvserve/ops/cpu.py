@@ -13,13 +13,16 @@ Routing, decided per call here and never inside the kernels:
   shapes a kernel does not cover: that op is ReferenceOps';
 - linear with more than SMALL_M rows (SMALL_M_AVX512 for the AVX-512 kernel): torch's
   F.linear (MKL's GEMM wins at large M);
-- linear's kernel: the AVX-512 one when the CPU has AVX-512F, else the AVX2 one; the
-  environment variable KVSERVE_CPU_ISA=avx2 (or CpuOps(isa="avx2")) forces the AVX2 one.
+- the ISA (ISAS): the best this CPU runs, "amx" > "avx512" > "avx2"; the environment
+  variable KVSERVE_CPU_ISA (or CpuOps(isa=...)) names a lower one. "amx" is "avx512" plus
+  AMX tiles for qlinear_kquant at 4+ rows.
+- linear's kernel: the AVX-512 one when the ISA is "avx512" or "amx", else the AVX2 one.
 - qlinear (packed GGUF Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q8_0 weights, or W8A8, x int8
   activations): the kernel at every M, the VNNI one where the AVX-512 ISA is chosen and the
   CPU has VNNI, else the AVX2 one (the same bits either way).
 - qlinear_kquant (packed GGUF K-quants x Q8_K activations, KQUANT_KERNEL_WTYPES): the kernel
-  at every M, VNNI or AVX2 as qlinear (the same bits, ggml_kquants.dot_kquant's).
+  at every M, VNNI or AVX2 as qlinear; under "amx", Q4_K / Q5_K / Q6_K at 4+ rows on AMX
+  tiles (the same bits, ggml_kquants.dot_kquant's, on every path).
 - otherwise the kernel, with the semantics of the reference docstrings.
 """
 
@@ -173,7 +176,17 @@ def _build_once() -> ModuleType | RuntimeError:
                             f"g++ and ninja): {e}")
 
 
-ISAS = ("avx512", "avx2")
+ISAS = ("amx", "avx512", "avx2")  # best first
+
+
+def runnable_isas(amx: bool = True) -> list[str]:
+    """The ISAs this CPU runs, best first, from what CpuOps() takes down (KVSERVE_CPU_ISA caps
+    it): each kernel path a test holds to its reference. amx=False leaves out "amx", which
+    differs from "avx512" only in qlinear_kquant at 32+ rows."""
+    if not cpu_has_avx2_fma():
+        return []
+    isas = list(ISAS[ISAS.index(CpuOps().isa):])
+    return isas if amx else [i for i in isas if i != "amx"]
 
 
 def _kv_parts(kv_cache: torch.Tensor | QuantizedKVCache
@@ -200,9 +213,9 @@ class CpuOps(ReferenceOps):
                  fuse_layers: bool = True) -> None:
         """use_kernels=None: use them when the CPU supports them (building on first use);
         False: behave exactly like ReferenceOps.
-        isa: the instruction set of linear's kernel, one of ISAS; None reads KVSERVE_CPU_ISA
-        and, when that is unset, takes the best this CPU runs. "avx512" on a CPU without
-        AVX-512F is a ValueError."""
+        isa: the kernels' instruction set, one of ISAS; None reads KVSERVE_CPU_ISA and, when
+        that is unset, takes the best this CPU runs. "avx512" on a CPU without AVX-512F, or
+        "amx" on one without AMX-INT8, is a ValueError."""
         if use_kernels is None:
             use_kernels = cpu_has_avx2_fma()
         self._ext = load_extension() if use_kernels else None
@@ -211,12 +224,17 @@ class CpuOps(ReferenceOps):
             raise ValueError(f"isa (or KVSERVE_CPU_ISA) must be one of {', '.join(ISAS)}, "
                              f"got {isa!r}")
         has_avx512 = self._ext is not None and self._ext.cpu_has_avx512()
-        if isa == "avx512" and self._ext is not None and not has_avx512:
-            raise ValueError("isa='avx512' needs a CPU with AVX-512F; this one has AVX2 only")
-        self.isa = isa or ("avx512" if has_avx512 else "avx2")
-        self._avx512 = self.isa == "avx512" and has_avx512
+        has_amx = has_avx512 and self._ext.cpu_has_amx_int8()
+        if isa in ("avx512", "amx") and self._ext is not None and not has_avx512:
+            raise ValueError(f"isa={isa!r} needs a CPU with AVX-512F; this one has AVX2 only")
+        if isa == "amx" and self._ext is not None and not has_amx:
+            raise ValueError("isa='amx' needs a CPU with AMX-INT8 (and Linux's grant of its "
+                             "tile state); this one has AVX-512 without it")
+        self.isa = isa or ("amx" if has_amx else "avx512" if has_avx512 else "avx2")
+        self._avx512 = self.isa in ("avx512", "amx") and has_avx512
         # qlinear's AVX-512 kernel needs VNNI as well; without it the AVX2 twin runs (same bits).
         self._vnni = self._avx512 and self._ext.cpu_has_avx512_vnni()
+        self._amx = self.isa == "amx" and has_amx
         self.small_m = SMALL_M_AVX512 if self._avx512 else SMALL_M
         self.fuse_layers = fuse_layers and self._ext is not None
         # layer -> its LayerWeights for the fused kernel, or None when it cannot be fused.
@@ -268,8 +286,8 @@ class CpuOps(ReferenceOps):
         if not self._packed_kernel_takes(x, bias, wtype, KQUANT_KERNEL_WTYPES):
             return super().qlinear_kquant(x, weight, n, bias, wtype=wtype)
         x2 = self._rows(x)
-        return self._ext.qlinear_kquant(x2, weight, wtype, n, bias,
-                                        self._vnni).view(*x.shape[:-1], n)
+        return self._ext.qlinear_kquant(x2, weight, wtype, n, bias, self._vnni,
+                                        self._amx).view(*x.shape[:-1], n)
 
     def fused_llama_layer(self, layer: Any, x: torch.Tensor, residual: torch.Tensor | None,
                           inp: Any, kv_cache: torch.Tensor, cos_sin: torch.Tensor
@@ -314,7 +332,8 @@ class CpuOps(ReferenceOps):
             tp = layers[0].self_attn.o_proj.tp
             hook = tp.all_reduce if tp.size > 1 else None
             self._stacks[key] = (None if None in plan else
-                                 self._ext.LlamaStack(plan, self._avx512, self.small_m, hook))
+                                 self._ext.LlamaStack(plan, self._avx512, self.small_m, hook,
+                                                      self._amx))
         return self._stacks[key]
 
     def _args(self, layer: Any, cos_sin: torch.Tensor) -> Any:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from kvserve.ops.cpu import ISAS, CpuOps, cpu_has_avx2_fma
+from kvserve.ops.cpu import ISAS, CpuOps, cpu_has_avx2_fma, runnable_isas
 
 
 @pytest.fixture(scope="module")
@@ -18,10 +18,11 @@ def ops() -> CpuOps:
 @pytest.fixture(scope="module", params=ISAS)
 def qlinear_ops(request: pytest.FixtureRequest) -> CpuOps:
     """CpuOps whose int8-activation kernels (qlinear, qlinear_kquant) are the AVX-512 VNNI
-    ones, or the AVX2 ones; skipped where this CPU has neither that ISA nor VNNI."""
-    if not cpu_has_avx2_fma():
-        pytest.skip("needs an AVX2+FMA CPU")
-    ops = CpuOps(isa=request.param) if request.param == "avx2" else CpuOps()
-    if request.param == "avx512" and not ops._vnni:
+    ones with AMX tiles, the VNNI ones alone, or the AVX2 ones; skipped where this CPU lacks
+    that ISA."""
+    if request.param not in runnable_isas():
+        pytest.skip(f"needs a CPU with {request.param} (and AVX2+FMA)")
+    ops = CpuOps(isa=request.param)
+    if request.param != "avx2" and not ops._vnni:
         pytest.skip("needs an AVX-512 VNNI CPU")
     return ops

@@ -218,9 +218,10 @@ def test_kernel_at_the_integer_bounds(qlinear_ops: CpuOps, qtype: int) -> None:
     raw = raw.reshape(n, -1)
     packed = pack_kquant(raw, qtype, k)
     signs = torch.tensor([1.0, -1.0]).repeat(k // 2)
-    for x in (torch.ones(3, k), -torch.ones(3, k), torch.ones(3, k) * signs):
-        expect = dot_kquant(raw, qtype, quantize_activations_q8_k(x))
-        assert torch.equal(qlinear_ops.qlinear_kquant(x, packed, n, wtype=qtype), expect)
+    for rows in (3, 40):  # the VNNI / AVX2 tiles; and AMX's (32+ rows) where the ISA is amx
+        for x in (torch.ones(rows, k), -torch.ones(rows, k), torch.ones(rows, k) * signs):
+            expect = dot_kquant(raw, qtype, quantize_activations_q8_k(x))
+            assert torch.equal(qlinear_ops.qlinear_kquant(x, packed, n, wtype=qtype), expect)
 
 
 @needs_kernels
@@ -235,6 +236,9 @@ def test_kernel_is_batch_invariant_and_isa_invariant(qtype: int) -> None:
                        for i in range(40)])
     assert torch.equal(ops.qlinear_kquant(x, packed, 80, wtype=qtype), alone)
     assert torch.equal(avx2.qlinear_kquant(x, packed, 80, wtype=qtype), alone)
+    if ops.isa == "amx":  # 40 rows: AMX tiles (Q4_K, Q5_K, Q6_K) against VNNI alone
+        vnni = CpuOps(isa="avx512")
+        assert torch.equal(vnni.qlinear_kquant(x, packed, 80, wtype=qtype), alone)
     assert torch.equal(avx2.qlinear_kquant(x[7:20], packed, 80, wtype=qtype), alone[7:20])
     assert torch.equal(ReferenceOps.qlinear_kquant(x, packed, 80, wtype=qtype), alone)
     # leading dims are rows

@@ -29,7 +29,7 @@ from kvserve.kv.layout import (
     bytes_per_block,
     kv_elem_size,
 )
-from kvserve.ops.cpu import CpuOps
+from kvserve.ops.cpu import CpuOps, runnable_isas
 from kvserve.ops.reference import ReferenceOps, dequantize_kv, quantize_kv
 from kvserve.ops.torch_ops import TorchOps
 from tests.helpers import assert_close_exact_dtype as close
@@ -42,7 +42,7 @@ DATA_DTYPE = {"int8": torch.int8, "fp8_e4m3": torch.uint8}
 
 
 def _isas() -> list[str]:
-    return ["avx512", "avx2"] if CpuOps().isa == "avx512" else ["avx2"]
+    return runnable_isas(amx=False) or ["avx2"]
 
 
 @pytest.fixture(scope="module", params=_isas())

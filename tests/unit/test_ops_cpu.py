@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from kvserve.ops import get_ops
-from kvserve.ops.cpu import CpuOps, cpu_has_avx2_fma
+from kvserve.ops.cpu import ISAS, CpuOps, cpu_has_avx2_fma, runnable_isas
 from kvserve.ops.reference import ReferenceOps
 from tests.helpers import assert_close_exact_dtype as close
 from tests.helpers import paged_model_input
@@ -56,9 +56,7 @@ def test_linear_strided_and_batched_inputs(ops: CpuOps) -> None:
 
 def _isa_ops() -> list[str]:
     """The linear kernels this CPU can run, each to be tested on its own."""
-    if not cpu_has_avx2_fma():
-        return []
-    return ["avx512", "avx2"] if CpuOps().isa == "avx512" else ["avx2"]
+    return runnable_isas(amx=False)
 
 
 @pytest.fixture(scope="module", params=_isa_ops())
@@ -111,6 +109,29 @@ def test_linear_isa_choice(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("KVSERVE_CPU_ISA", "neon")
     with pytest.raises(ValueError, match="KVSERVE_CPU_ISA"):
         CpuOps()
+
+
+@pytest.mark.skipif(not cpu_has_avx2_fma(), reason="needs an AVX2+FMA CPU")
+def test_isa_order_and_amx_choice(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The default is the best ISA this CPU runs; KVSERVE_CPU_ISA names a lower one; "amx" on
+    a CPU without AMX-INT8 is an error that says so."""
+    monkeypatch.delenv("KVSERVE_CPU_ISA", raising=False)
+    best = CpuOps()
+    ext = best._ext
+    has_amx = ext.cpu_has_avx512() and ext.cpu_has_amx_int8()
+    assert best.isa == ("amx" if has_amx else "avx512" if ext.cpu_has_avx512() else "avx2")
+    assert runnable_isas() == list(ISAS[ISAS.index(best.isa):])
+    assert "amx" not in runnable_isas(amx=False)
+    if has_amx:
+        monkeypatch.setenv("KVSERVE_CPU_ISA", "avx512")
+        vnni = CpuOps()
+        assert vnni.isa == "avx512" and vnni._vnni and not vnni._amx
+        assert best._amx and best._vnni
+    else:
+        with pytest.raises(ValueError, match="AMX"):
+            CpuOps(isa="amx")
+    monkeypatch.setenv("KVSERVE_CPU_ISA", "avx2")
+    assert runnable_isas() == ["avx2"]
 
 
 def test_linear_other_dtypes_fall_back(ops: CpuOps) -> None:

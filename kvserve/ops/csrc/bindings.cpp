@@ -210,9 +210,10 @@ std::vector<torch::Tensor> quantize_acts_q8k(const torch::Tensor& x) {
 // (kernels.h kquant_record_bytes)] (kvserve/quant/kquant_pack.py) -> [M, N]: x quantized to
 // Q8_K, then the exact integer dot products in ggml_kquants.dot_kquant's float order
 // (kernels.h qlinear_kquant).
-// avx512: the VNNI kernel.
+// avx512: the VNNI kernel; amx: with AMX tiles for 4+ rows (avx512 too).
 torch::Tensor qlinear_kquant(const torch::Tensor& x, const torch::Tensor& weight, int64_t wtype,
-                             int64_t N, const c10::optional<torch::Tensor>& bias, bool avx512) {
+                             int64_t N, const c10::optional<torch::Tensor>& bias, bool avx512,
+                             bool amx) {
   check_f32(x, "x");
   TORCH_CHECK(x.dim() == 2, "x must be [M, K], got ", x.sizes());
   check_inner(x, "x");
@@ -221,7 +222,7 @@ torch::Tensor qlinear_kquant(const torch::Tensor& x, const torch::Tensor& weight
   const float* b = bias_ptr(bias, N);
   auto out = torch::empty({M, N}, x.options());
   kquant_linear(x.data_ptr<float>(), x.stride(0), M, K, weight.data_ptr<uint8_t>(), kt, b,
-                out.data_ptr<float>(), N, avx512, at::get_num_threads());
+                out.data_ptr<float>(), N, avx512, amx, at::get_num_threads());
   return out;
 }
 
@@ -257,7 +258,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("x"), nogil());
   m.def("qlinear_kquant", &qlinear_kquant, "packed GGUF K-quant weight x Q8_K activations",
         py::arg("x"), py::arg("weight"), py::arg("wtype"), py::arg("N"), py::arg("bias"),
-        py::arg("avx512") = false, nogil());
+        py::arg("avx512") = false, py::arg("amx") = false, nogil());
+  m.def("cpu_has_amx_int8", &kvs::cpu_has_amx_int8,
+        "AMX-TILE + AMX-INT8 usable (asks Linux for the tile state once)");
   // module_local: two builds of the extension (another source hash) may share a process.
   using LinW = LlamaStack::LinearWeights;
   py::class_<LinW>(m, "LinearWeights", py::module_local(),
@@ -285,9 +288,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def_readwrite("scale", &LW::scale);
   py::class_<LlamaStack>(m, "LlamaStack", py::module_local(),
                          "a run of a Llama model's decoder layers per call")
-      .def(py::init<const std::vector<LW>&, bool, int64_t, py::object>(),
+      .def(py::init<const std::vector<LW>&, bool, int64_t, py::object, bool>(),
            py::arg("layers"), py::arg("avx512"), py::arg("small_m"),
-           py::arg("all_reduce") = py::none())
+           py::arg("all_reduce") = py::none(), py::arg("amx") = false)
       .def("forward", &LlamaStack::forward, "x through every layer -> (out, residual)",
            py::arg("x"), py::arg("residual"), py::arg("positions"), py::arg("cos_sin"),
            py::arg("kv_cache"), py::arg("slot_mapping"), py::arg("block_tables"),

@@ -19,43 +19,55 @@ inline void some_rows(int64_t rows, bool prefetch, const Q8KActs& a, int64_t m0,
   }
 }
 
-// out [M, N] for a packed weight w of format Fmt, MT activation rows per tile.
-template <class Fmt, int MT>
-void run(const Q8KActs& a, const uint8_t* w, const float* bias, float* out, int64_t N,
-         int nthreads) {
+// out [M, N] for a packed weight of record_bytes per super-block, split into (pass, group)
+// work items: pass(p0, p1, gw, bias, out, cols) computes activation rows [p0, p1) against the
+// 16-row group at gw (out and bias at its first column). A pass holds a multiple of MT rows
+// whose int8 activations take about act_bytes, so that they stay in L2 while it streams.
+template <int MT, class Pass>
+void run_passes(const Q8KActs& a, const uint8_t* w, int64_t record_bytes, const float* bias,
+                float* out, int64_t N, int nthreads, int64_t act_bytes, const Pass& pass) {
   const int64_t M = a.M, K = a.K, groups = (N + kGroup - 1) / kGroup;
-  const int64_t group_bytes = K / kQK * Fmt::kRecord;
-  // Rows per pass over a thread's slab: ~256 KB of int8 activations stay in L2 while it
-  // streams.
-  const int64_t m_block = max64(MT, (1 << 18) / max64(K, 1) / MT * MT);
+  const int64_t group_bytes = K / kQK * record_bytes;
+  const int64_t m_block = max64(MT, act_bytes / max64(K, 1) / MT * MT);
   // Below ~64K multiply-adds the fork/join (~2 us) costs more than it saves.
   const bool parallel = nthreads > 1 && M * N * K >= (1 << 16);
   for_each_tile(groups, (M + m_block - 1) / m_block, nthreads, parallel,
-                [&](int64_t pass, int64_t g) {
-    const int64_t p0 = pass * m_block, p1 = min64(M, p0 + m_block);
-    const uint8_t* gw = w + g * group_bytes;
-    const int64_t n0 = g * kGroup, cols = min64(kGroup, N - n0);
-    const float* bg = bias ? bias + n0 : nullptr;
-    // The first tile streams the group from memory (prefetch); the others hit cache.
-    for (int64_t m = p0; m < p1; m += MT)
-      some_rows<Fmt, MT>(min64(MT, p1 - m), m == p0, a, m, gw, bg, out + n0, N, cols);
+                [&](int64_t p, int64_t g) {
+    const int64_t n0 = g * kGroup;
+    pass(p * m_block, min64(M, (p + 1) * m_block), w + g * group_bytes,
+         bias ? bias + n0 : nullptr, out + n0, min64(kGroup, N - n0));
   });
 }
 
-// Each file's own choice of rows per tile for a format (run<Fmt, MT> above), defined there.
+// out [M, N] for a packed weight w of format Fmt, MT activation rows per tile, ~256 KB of
+// activations per pass. The first tile of a pass streams the group from memory (prefetch);
+// the others hit cache.
+template <class Fmt, int MT>
+void run(const Q8KActs& a, const uint8_t* w, const float* bias, float* out, int64_t N,
+         int nthreads) {
+  run_passes<MT>(a, w, Fmt::kRecord, bias, out, N, nthreads, 1 << 18,
+                 [&](int64_t p0, int64_t p1, const uint8_t* gw, const float* bg, float* o,
+                     int64_t cols) {
+    for (int64_t m = p0; m < p1; m += MT)
+      some_rows<Fmt, MT>(min64(MT, p1 - m), m == p0, a, m, gw, bg, o, N, cols);
+  });
+}
+
+// Each file's own choice of rows per tile for a format (run<Fmt, MT> above), defined there;
+// amx: the AVX-512 file's AMX tiles may run (the AVX2 file has none and ignores it).
 template <class Fmt>
 void run_fmt(const Q8KActs& a, const uint8_t* w, const float* bias, float* out, int64_t N,
-             int nthreads);
+             int nthreads, bool amx);
 
 // The named format's run_fmt. Needs, from the including file: the format structs Q2K .. Q6K.
 inline void run_kquant(const Q8KActs& a, const uint8_t* w, KType kt, const float* bias,
-                       float* out, int64_t N, int nthreads) {
+                       float* out, int64_t N, int nthreads, bool amx = false) {
   if (a.M == 0 || N == 0) return;
   switch (kt) {
-    case KType::Q2_K: return run_fmt<Q2K>(a, w, bias, out, N, nthreads);
-    case KType::Q3_K: return run_fmt<Q3K>(a, w, bias, out, N, nthreads);
-    case KType::Q4_K: return run_fmt<Q4K>(a, w, bias, out, N, nthreads);
-    case KType::Q5_K: return run_fmt<Q5K>(a, w, bias, out, N, nthreads);
-    case KType::Q6_K: return run_fmt<Q6K>(a, w, bias, out, N, nthreads);
+    case KType::Q2_K: return run_fmt<Q2K>(a, w, bias, out, N, nthreads, amx);
+    case KType::Q3_K: return run_fmt<Q3K>(a, w, bias, out, N, nthreads, amx);
+    case KType::Q4_K: return run_fmt<Q4K>(a, w, bias, out, N, nthreads, amx);
+    case KType::Q5_K: return run_fmt<Q5K>(a, w, bias, out, N, nthreads, amx);
+    case KType::Q6_K: return run_fmt<Q6K>(a, w, bias, out, N, nthreads, amx);
   }
 }

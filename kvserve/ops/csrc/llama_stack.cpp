@@ -66,9 +66,11 @@ LlamaStack::Linear LlamaStack::make_linear(const LinearWeights& lw,
 }
 
 LlamaStack::LlamaStack(const std::vector<LayerWeights>& layers, bool avx512, int64_t small_m,
-                       pybind11::object all_reduce)
+                       pybind11::object all_reduce, bool amx)
     : all_reduce_(std::move(all_reduce)), avx512_(avx512),
-      vnni_(avx512 && kvs::cpu_has_avx512_vnni()), small_m_(small_m) {
+      vnni_(avx512 && kvs::cpu_has_avx512_vnni()), amx_(amx), small_m_(small_m) {
+  TORCH_CHECK(!amx || (vnni_ && kvs::cpu_has_amx_int8()), "LlamaStack(amx=True) needs "
+              "avx512=True and a CPU with AMX-INT8");
   TORCH_CHECK(!layers.empty(), "a stack needs at least one layer");
   TORCH_CHECK(!avx512 || kvs::cpu_has_avx512(), "LlamaStack(avx512=True) on a CPU without "
               "AVX-512F");
@@ -127,7 +129,7 @@ void LlamaStack::run_part(const Part& p, int64_t K, const float* x, int64_t M,
                        nthreads);
       return;
     case Part::kKPacked:
-      kquant_linear(x, K, M, K, w, static_cast<kvs::KType>(p.wtype), b, out, p.N, vnni_,
+      kquant_linear(x, K, M, K, w, static_cast<kvs::KType>(p.wtype), b, out, p.N, vnni_, amx_,
                     nthreads);
       return;
     case Part::kRows:

@@ -36,8 +36,9 @@ class LlamaStack {
   // (kvserve.distributed.group.TPGroup.all_reduce), called after each layer's o_proj and
   // down_proj, where the Python layer's row-parallel Linear calls it: the same order, so the
   // same bits. It runs with the GIL taken back (forward releases it).
+  // amx: K-quant linears of 4+ rows on AMX tiles (the same bits; needs avx512).
   LlamaStack(const std::vector<LayerWeights>& layers, bool avx512, int64_t small_m,
-             pybind11::object all_reduce = pybind11::none());
+             pybind11::object all_reduce = pybind11::none(), bool amx = false);
 
   // x [T, hidden] through every layer -> (mlp out, residual) of the last one, as the Python
   // layers return them. residual: the stream so far (none before a model's first layer).
@@ -86,6 +87,6 @@ class LlamaStack {
   int64_t w_qkv_ = 0, w_q_ = 0, w_k_ = 0, w_i_ = 0;
   // The widest part of a linear that has several (0: none has), for linear's tmp.
   int64_t w_part_ = 0;
-  bool avx512_, vnni_;
+  bool avx512_, vnni_, amx_;
   int64_t small_m_;
 };

@@ -423,7 +423,7 @@ inline void tile(const Q8KActs& a, int64_t m0, const uint8_t* gw, const float* b
 
 template <class Fmt>
 void run_fmt(const Q8KActs& a, const uint8_t* w, const float* bias, float* out, int64_t N,
-             int nthreads) {
+             int nthreads, bool) {
   // MT = 1 at decode: one stream, the accumulators in registers. Larger M: 2 rows share each
   // chunk's load and nibble split (16 ymm cannot hold more rows' accumulators).
   if (a.M == 1) run<Fmt, 1>(a, w, bias, out, N, nthreads);

@@ -20,12 +20,19 @@
 // The integer sums are exact, the float steps per (m, n, super-block) fixed by the spec, so the
 // bits equal the AVX2 twin's and the oracle's whatever the tile.
 //
+// On a CPU with AMX (amx_rows, below) the dot products of 32+ activation rows run on tiles.
+//
 // As in qlinear_avx512.cpp, the target pragma covers only this file's code after the headers,
 // everything is internal except qlinear_kquant_avx512(), and bindings call it only when
-// cpu_has_avx512_vnni().
+// cpu_has_avx512_vnni() (and with amx only when cpu_has_amx_int8()).
+#include <cpuid.h>
 #include <immintrin.h>
+#include <sys/syscall.h>
+#include <unistd.h>
 
 #include <cstdint>
+#include <type_traits>
+#include <vector>
 
 #include "kernels.h"
 #include "kquant.h"
@@ -33,7 +40,7 @@
 #include "tiles.h"
 
 #pragma GCC push_options
-#pragma GCC target("avx512f,avx512bw,avx512vnni")
+#pragma GCC target("avx512f,avx512bw,avx512vnni,amx-tile,amx-int8")
 
 namespace kvs {
 namespace {
@@ -174,25 +181,30 @@ struct Q45K {
   static constexpr int64_t kQs = kHighBit ? kq::kQ5KQs : kq::kQ4KQs;
   static constexpr int64_t kD = 0, kDmin = 32;
   static constexpr bool kMin = true, kJoint = false;
+  // Chunk 8c + l4's quants: *lo those of sub-block 2c (its low nibbles), *hi of 2c + 1.
+  static inline void quants(const uint8_t* rec, int c, int l4, __m512i* lo, __m512i* hi) {
+    const __m512i nib = _mm512_set1_epi8(15), b4 = _mm512_set1_epi8(16);
+    const __m512i v = load512(rec + kQs + 64 * (8 * c + l4));
+    *lo = _mm512_and_si512(v, nib);
+    *hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), nib);
+    if constexpr (kHighBit) {
+      const __m512i b = load512(rec + kq::kQ5KQh + 64 * l4);
+      *lo = _mm512_or_si512(*lo, _mm512_and_si512(move_bit(b, 2 * c, 4), b4));
+      *hi = _mm512_or_si512(*hi, _mm512_and_si512(move_bit(b, 2 * c + 1, 4), b4));
+    }
+  }
   template <int MT>
   static inline void dot(const uint8_t* rec, const int8_t* const* x, const int16_t* const* bs,
                          __m512i* isum, __m512i* msum) {
     __m128i sc[8], mn[8];
     kq::q4k_scales(rec + kScales, sc, mn);
-    const __m512i nib = _mm512_set1_epi8(15), b4 = _mm512_set1_epi8(16);
     for (int m = 0; m < MT; ++m) isum[m] = _mm512_setzero_si512();
     for (int c = 0; c < 4; ++c) {  // sub-blocks 2c (low nibbles) and 2c + 1 (high)
       __m512i lo[MT], hi[MT];
       for (int m = 0; m < MT; ++m) lo[m] = hi[m] = _mm512_setzero_si512();
       for (int l4 = 0; l4 < 8; ++l4) {
-        const __m512i v = load512(rec + kQs + 64 * (8 * c + l4));
-        __m512i wl = _mm512_and_si512(v, nib);
-        __m512i wh = _mm512_and_si512(_mm512_srli_epi16(v, 4), nib);
-        if constexpr (kHighBit) {
-          const __m512i b = load512(rec + kq::kQ5KQh + 64 * l4);
-          wl = _mm512_or_si512(wl, _mm512_and_si512(move_bit(b, 2 * c, 4), b4));
-          wh = _mm512_or_si512(wh, _mm512_and_si512(move_bit(b, 2 * c + 1, 4), b4));
-        }
+        __m512i wl, wh;
+        quants(rec, c, l4, &wl, &wh);
         for (int m = 0; m < MT; ++m) {
           lo[m] = _mm512_dpbusd_epi32(lo[m], wl, bcast4(x[m] + 64 * c + 4 * l4));
           hi[m] = _mm512_dpbusd_epi32(hi[m], wh, bcast4(x[m] + 64 * c + 32 + 4 * l4));
@@ -215,14 +227,28 @@ struct Q6K {
   static constexpr int64_t kRecord = kq::kQ6KRecord;
   static constexpr int64_t kD = kq::kQ6KD, kDmin = 0;
   static constexpr bool kMin = false, kJoint = false;
+  // u[c] (q + 32, 0..63) of weights 128h + 32c + 4l4 + j, j < 4, of the 16 rows: the low
+  // nibble from ql chunk 16h + l4 (c = 0, 2: its low / high nibble) or 16h + 8 + l4 (c = 1,
+  // 3), bits 2c, 2c + 1 of qh chunk 8h + l4 above it.
+  static inline void quants(const uint8_t* rec, int h, int l4, __m512i* u) {
+    const __m512i nib = _mm512_set1_epi8(15), top = _mm512_set1_epi8(48);
+    const __m512i a = load512(rec + 64 * (16 * h + l4));
+    const __m512i b = load512(rec + 64 * (16 * h + 8 + l4));
+    const __m512i q = load512(rec + kq::kQ6KQh + 64 * (8 * h + l4));
+    u[0] = _mm512_or_si512(_mm512_and_si512(a, nib),
+                           _mm512_and_si512(_mm512_slli_epi16(q, 4), top));
+    u[1] = _mm512_or_si512(_mm512_and_si512(b, nib),
+                           _mm512_and_si512(_mm512_slli_epi16(q, 2), top));
+    u[2] = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(a, 4), nib),
+                           _mm512_and_si512(q, top));
+    u[3] = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(b, 4), nib),
+                           _mm512_and_si512(_mm512_srli_epi16(q, 2), top));
+  }
   template <int MT>
   static inline void dot(const uint8_t* rec, const int8_t* const* x, const int16_t* const* bs,
                          __m512i* isum, __m512i*) {
-    const __m512i nib = _mm512_set1_epi8(15), top = _mm512_set1_epi8(48);
     for (int m = 0; m < MT; ++m) isum[m] = _mm512_setzero_si512();
-    // Weight 128h + 32c + 4l4 + j (sub-block 8h + 2c + l4 / 4): low nibble in ql chunk
-    // 16h + l4 (c = 0, 2: low / high nibble) or 16h + 8 + l4 (c = 1, 3), high 2 bits in bits
-    // 2c of qh chunk 8h + l4.
+    // Weight 128h + 32c + 4l4 + j is in sub-block 8h + 2c + l4 / 4.
     for (int h = 0; h < 2; ++h)
       for (int half = 0; half < 2; ++half) {
         __m512i acc[4][MT];  // sub-blocks 8h + 2c + half, c < 4, each from -32 * its bsum
@@ -231,19 +257,8 @@ struct Q6K {
             acc[c][m] = _mm512_set1_epi32(-32 * bs[m][8 * h + 2 * c + half]);
         for (int e = 0; e < 4; ++e) {
           const int l4 = 4 * half + e;
-          const __m512i a = load512(rec + 64 * (16 * h + l4));
-          const __m512i b = load512(rec + 64 * (16 * h + 8 + l4));
-          const __m512i q = load512(rec + kq::kQ6KQh + 64 * (8 * h + l4));
-          // bits 2c, 2c + 1 of the qh byte to bits 4, 5; the nibble below them
-          const __m512i u[4] = {
-              _mm512_or_si512(_mm512_and_si512(a, nib),
-                              _mm512_and_si512(_mm512_slli_epi16(q, 4), top)),
-              _mm512_or_si512(_mm512_and_si512(b, nib),
-                              _mm512_and_si512(_mm512_slli_epi16(q, 2), top)),
-              _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(a, 4), nib),
-                              _mm512_and_si512(q, top)),
-              _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(b, 4), nib),
-                              _mm512_and_si512(_mm512_srli_epi16(q, 2), top))};
+          __m512i u[4];
+          quants(rec, h, l4, u);
           for (int c = 0; c < 4; ++c)
             for (int m = 0; m < MT; ++m)
               acc[c][m] = _mm512_dpbusd_epi32(acc[c][m], u[c],
@@ -309,11 +324,330 @@ inline void tile(const Q8KActs& a, int64_t m0, const uint8_t* gw, const float* b
   }
 }
 
+// --- AMX tiles (Q4_K, Q5_K, Q6_K at M >= kAmxMinRows) ---
+//
+// TDPBSUD multiplies an A tile (up to 16 activation rows x 64 int8) by a B tile (16 rows of
+// 64 bytes: row r holds, for each of 16 output columns n, the 4 unsigned weights of k = 4r ..
+// 4r + 3) into 16 x 16 int32 sums. The VNNI tile scales each sub-block's sum by the row's
+// scale before adding them up; a tile sums 64 k of two or four sub-blocks at once, so the
+// scales go into the weights instead, split into parts small enough that quant x part is
+// still a byte ("planes"):
+//
+//   Q4_K / Q5_K: scale = lo + 8 hi (lo, hi < 8; quant x part <= 31 x 7 = 217)
+//     isum = C(quant x lo) + 8 C(quant x hi)
+//   Q6_K: scale = d0 + 4 d1 + 16 d2 + 64 (d3 - 2) (d_b < 4; u x d_b <= 63 x 3 = 189, and
+//     u x (d3 - 2) in -126..63, a signed byte: TDPBSSD for that plane)
+//     isum = sum_b 4^b C(plane b) - 32 sum_s scale_s bsum_s
+//
+// C(B) is the tile product over the whole super-block, each sum over s of scale_s x (the
+// sub-block's dot product) is the same integer as the VNNI tile's, and the float steps are
+// its steps: the same bits. The mins (and Q6_K's bsum term) are int16 pairs: vpdpwssd.
+//
+// A pass unpacks its group's records once (unpack: the planes, the pair vectors and d, dmin
+// as floats) into a per-thread buffer, then runs every 16 rows of the pass through it.
+
+struct TileConfig {  // LDTILECFG's 64 bytes, palette 1
+  uint8_t palette = 1, start_row = 0, reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+// Configures tiles t < 8 with rows[t] rows of 64 bytes (16 int32 or 64 int8); a tile of 0
+// rows is unused (then its width must be 0 too, or LDTILECFG faults).
+inline void amx_config(const int (&rows)[8]) {
+  TileConfig cfg;
+  for (int t = 0; t < 8; ++t) {
+    cfg.rows[t] = static_cast<uint8_t>(rows[t]);
+    cfg.colsb[t] = rows[t] ? 64 : 0;
+  }
+  _tile_loadconfig(&cfg);
+}
+
+// a in the low and the high int16 of each int32 lane (a < 2^15): a 16-bit multiplier for
+// both bytes of the lane's halves, or an int16 pair (a, a) for vpdpwssd.
+inline __m512i dup16(__m512i a) { return _mm512_or_si512(a, _mm512_slli_epi32(a, 16)); }
+
+// Every byte of v times the int16 lane's multiplier: exact while each product is < 256.
+inline __m512i mul_bytes(__m512i v, __m512i m16) { return _mm512_mullo_epi16(v, m16); }
+
+// sum_j pair_j . (bs[2j], bs[2j + 1]), j < n: int16 pairs, exact in int32.
+template <int n>
+inline __m512i pair_dots(const uint8_t* pairs, const int16_t* bs) {
+  __m512i acc = _mm512_setzero_si512();
+  for (int j = 0; j < n; ++j) {
+    int32_t b;
+    __builtin_memcpy(&b, bs + 2 * j, 4);
+    acc = _mm512_dpwssd_epi32(acc, _mm512_load_si512(pairs + 64 * j), _mm512_set1_epi32(b));
+  }
+  return acc;
+}
+
+// Unpacked record layout: plane p's K-chunk c (64 weights) at 4096 p + 1024 c, B-tile rows
+// of 64 bytes; then kPairs pair vectors, then d and dmin as 16 floats.
+template <bool kHighBit>
+struct AmxQ45K : Q45K<kHighBit> {
+  using F = Q45K<kHighBit>;
+  static constexpr int kPlanes = 2, kPairs = 4;
+  static constexpr int64_t kPairsAt = 4096 * kPlanes, kDAt = kPairsAt + 64 * kPairs;
+  static constexpr int64_t kBytes = kDAt + 128;
+  static inline void unpack(const uint8_t* rec, uint8_t* dst) {
+    __m128i sc[8], mn[8];
+    kq::q4k_scales(rec + F::kScales, sc, mn);
+    __m512i lo[8], hi[8];  // scale & 7, scale >> 3 as 16-bit multipliers
+    for (int s = 0; s < 8; ++s) {
+      const __m512i v = _mm512_cvtepu8_epi32(sc[s]);
+      lo[s] = dup16(_mm512_and_si512(v, _mm512_set1_epi32(7)));
+      hi[s] = dup16(_mm512_srli_epi32(v, 3));
+    }
+    for (int j = 0; j < 4; ++j)  // mins: (min 2j, min 2j + 1) . (bsum32 2j, bsum32 2j + 1)
+      _mm512_store_si512(dst + kPairsAt + 64 * j,
+                         _mm512_or_si512(_mm512_cvtepu8_epi32(mn[2 * j]),
+                                         _mm512_slli_epi32(_mm512_cvtepu8_epi32(mn[2 * j + 1]),
+                                                           16)));
+    for (int c = 0; c < 4; ++c)  // B rows 0..7: sub-block 2c's chunks, 8..15: 2c + 1's
+      for (int l4 = 0; l4 < 8; ++l4) {
+        __m512i ql, qh;
+        F::quants(rec, c, l4, &ql, &qh);
+        uint8_t* row = dst + 1024 * c + 64 * l4;
+        _mm512_store_si512(row, mul_bytes(ql, lo[2 * c]));
+        _mm512_store_si512(row + 512, mul_bytes(qh, lo[2 * c + 1]));
+        _mm512_store_si512(row + 4096, mul_bytes(ql, hi[2 * c]));
+        _mm512_store_si512(row + 4096 + 512, mul_bytes(qh, hi[2 * c + 1]));
+      }
+    _mm512_store_ps(dst + kDAt, load_halves16(rec + F::kD));
+    _mm512_store_ps(dst + kDAt + 64, load_halves16(rec + F::kDmin));
+  }
+  // Two sets of tiles, so that a super-block's products need not wait for the previous one's
+  // to be stored: set S's tiles (literal numbers: they are instruction operands) 4S, 4S + 1
+  // C, 4S + 2 A (mt rows), 4S + 3 B (16 rows).
+  static inline void configure(int64_t mt) {
+    const int r = static_cast<int>(mt);
+    amx_config({r, r, r, 16, r, r, r, 16});
+  }
+  // cb[p] = C(plane p): the super-block's A tiles (xa, rows K apart) times the planes at u,
+  // on set 0 (products0) or 1.
+#define KVS_AMX_Q45K_PRODUCTS(name, C0, C1, A, B)                                       \
+  static inline void name(const int8_t* xa, int64_t K, const uint8_t* u,                 \
+                          int32_t (*cb)[16][16]) {                                       \
+    _tile_zero(C0);                                                                      \
+    _tile_zero(C1);                                                                      \
+    for (int c = 0; c < 4; ++c) {                                                        \
+      _tile_loadd(A, xa + 64 * c, K);                                                    \
+      _tile_loadd(B, u + 1024 * c, 64);                                                  \
+      _tile_dpbsud(C0, A, B);                                                            \
+      _tile_loadd(B, u + 4096 + 1024 * c, 64);                                           \
+      _tile_dpbsud(C1, A, B);                                                            \
+    }                                                                                    \
+    _tile_stored(C0, cb[0], 64);                                                         \
+    _tile_stored(C1, cb[1], 64);                                                         \
+  }
+  KVS_AMX_Q45K_PRODUCTS(products0, 0, 1, 2, 3)
+  KVS_AMX_Q45K_PRODUCTS(products1, 4, 5, 6, 7)
+#undef KVS_AMX_Q45K_PRODUCTS
+  // isum and msum of a row from its planes' sums (c[p]: 16 int32) and its activations' int16
+  // pairs at pa (pairs(): the sums of 32 quants, 8 per super-block).
+  static inline void sums(const int32_t* const* c, const uint8_t* u, const int16_t* pa,
+                          __m512i* isum, __m512i* msum) {
+    *isum = _mm512_add_epi32(_mm512_load_si512(c[0]),
+                             _mm512_slli_epi32(_mm512_load_si512(c[1]), 3));
+    *msum = pair_dots<4>(u + kPairsAt, pa);
+  }
+  // The activations' int16s that sums pairs with: per row K / 32 sums of 32 quants (out).
+  static inline const int16_t* pairs(const Q8KActs& a, std::vector<int16_t>& out,
+                                     int64_t* row) {
+    *row = a.K / 32;
+    out.resize(a.M * *row);
+    for (int64_t t = 0; t < a.M * *row; ++t) out[t] = a.bsums[2 * t] + a.bsums[2 * t + 1];
+    return out.data();
+  }
+  static constexpr int64_t kPairsPerBlock = 8;  // int16s of pairs() per super-block
+};
+
+// mt (4 <= mt <= 16) activation rows at m0 against one group whose nsb records
+// are unpacked at ub, as tile<Fmt, mt> computes them; the tiles configured for mt rows.
+// pa: Fmt::pairs, pa_row int16s per row. First every super-block's tile products into cb
+// (on the two tile sets in turn, so that none waits for the last one's stores), then per row
+// its sums in registers.
+template <class Fmt>
+void amx_rows(int64_t mt, const Q8KActs& a, int64_t m0, const uint8_t* ub, const int16_t* pa,
+              int64_t pa_row, const float* bias, float* out, int64_t N, int64_t cols) {
+  constexpr int P = Fmt::kPlanes;
+  const int64_t K = a.K, nsb = K / kQK;
+  thread_local std::vector<int32_t> cbuf;  // [nsb][P][16][16]
+  if (static_cast<int64_t>(cbuf.size()) < nsb * P * 256 + 16) cbuf.resize(nsb * P * 256 + 16);
+  int32_t (*cb)[P][16][16] = reinterpret_cast<int32_t (*)[P][16][16]>(
+      (reinterpret_cast<uintptr_t>(cbuf.data()) + 63) & ~uintptr_t(63));
+  for (int64_t i = 0; i < nsb; ++i) {
+    const int8_t* xa = a.q + m0 * K + i * kQK;
+    if (i % 2) Fmt::products1(xa, K, ub + i * Fmt::kBytes, cb[i]);
+    else Fmt::products0(xa, K, ub + i * Fmt::kBytes, cb[i]);
+  }
+  const __mmask16 mask = cols >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << cols) - 1);
+  const __m512 bv = bias ? _mm512_maskz_loadu_ps(mask, bias) : _mm512_setzero_ps();
+  for (int64_t m = 0; m < mt; ++m) {
+    __m512 sums = _mm512_setzero_ps(), mins = _mm512_setzero_ps();
+    const int16_t* prow = pa + (m0 + m) * pa_row;
+    const float* xd_row = a.d + (m0 + m) * nsb;
+    for (int64_t i = 0; i < nsb; ++i) {
+      const uint8_t* u = ub + i * Fmt::kBytes;
+      const int32_t* c[P];
+      for (int p = 0; p < P; ++p) c[p] = cb[i][p][m];
+      __m512i isum, msum;
+      Fmt::sums(c, u, prow + i * Fmt::kPairsPerBlock, &isum, &msum);
+      const __m512 xd = _mm512_set1_ps(xd_row[i]);
+      const __m512 dw = _mm512_load_ps(u + Fmt::kDAt);
+      sums = _mm512_add_ps(sums, _mm512_mul_ps(_mm512_mul_ps(dw, xd), _mm512_cvtepi32_ps(isum)));
+      if constexpr (Fmt::kMin) {
+        const __m512 dm = _mm512_load_ps(u + Fmt::kDAt + 64);
+        mins = _mm512_sub_ps(mins, _mm512_mul_ps(_mm512_mul_ps(dm, xd), _mm512_cvtepi32_ps(msum)));
+      }
+    }
+    __m512 v = _mm512_add_ps(mins, sums);
+    if (bias) v = _mm512_add_ps(v, bv);
+    _mm512_mask_storeu_ps(out + (m0 + m) * N, mask, v);
+  }
+}
+
+// Q6_K: the digits d_b of scale + 128 (base 4), planes 0..2 u x d_b, plane 3 u x (d3 - 2).
+// B row r of K-chunk c is weight 64c + 4r + j: quants(c / 2, r % 8)[2 (c % 2) + r / 8], of
+// sub-block 4c + r / 4.
+struct AmxQ6K : Q6K {
+  static constexpr int kPlanes = 4, kPairs = 8;
+  static constexpr int64_t kPairsAt = 4096 * kPlanes, kDAt = kPairsAt + 64 * kPairs;
+  static constexpr int64_t kBytes = kDAt + 128;
+  static constexpr bool kMin = false;
+  static inline void unpack(const uint8_t* rec, uint8_t* dst) {
+    __m512i mul[16][4];  // sub-block s's d_b as 16-bit multipliers
+    for (int s = 0; s < 16; ++s) {
+      const __m512i e = _mm512_add_epi32(
+          _mm512_cvtepi8_epi32(load128(rec + kq::kQ6KScales + 16 * s)), _mm512_set1_epi32(128));
+      for (int b = 0; b < 4; ++b)
+        mul[s][b] = dup16(_mm512_and_si512(_mm512_srli_epi32(e, 2 * b), _mm512_set1_epi32(3)));
+    }
+    for (int j = 0; j < 8; ++j) {  // (scale 2j, scale 2j + 1) . (bsum 2j, bsum 2j + 1)
+      const __m512i lo = _mm512_cvtepi8_epi32(load128(rec + kq::kQ6KScales + 32 * j));
+      const __m512i hi = _mm512_cvtepi8_epi32(load128(rec + kq::kQ6KScales + 32 * j + 16));
+      _mm512_store_si512(dst + kPairsAt + 64 * j,
+                         _mm512_or_si512(_mm512_and_si512(lo, _mm512_set1_epi32(0xFFFF)),
+                                         _mm512_slli_epi32(hi, 16)));
+    }
+    for (int h = 0; h < 2; ++h)
+      for (int l4 = 0; l4 < 8; ++l4) {
+        __m512i u[4];
+        quants(rec, h, l4, u);
+        for (int cc = 0; cc < 4; ++cc) {
+          const int c = 2 * h + cc / 2, r = 8 * (cc % 2) + l4, s = 4 * c + r / 4;
+          uint8_t* row = dst + 1024 * c + 64 * r;
+          for (int b = 0; b < 3; ++b)
+            _mm512_store_si512(row + 4096 * b, mul_bytes(u[cc], mul[s][b]));
+          // u x (d3 - 2) = u x d3 - 2u, bytewise (mod 256: the signed byte)
+          _mm512_store_si512(row + 4096 * 3,
+                             _mm512_sub_epi8(mul_bytes(u[cc], mul[s][3]),
+                                             _mm512_add_epi8(u[cc], u[cc])));
+        }
+      }
+    _mm512_store_ps(dst + kDAt, load_halves16(rec + kq::kQ6KD));
+  }
+  // Tiles 0..3: C, 4: A, 5: B. One set: 4 planes leave no room for a second.
+  static inline void configure(int64_t mt) {
+    const int r = static_cast<int>(mt);
+    amx_config({r, r, r, r, r, 16, 0, 0});
+  }
+  static inline void products(const int8_t* xa, int64_t K, const uint8_t* u,
+                              int32_t (*cb)[16][16]) {
+    _tile_zero(0);
+    _tile_zero(1);
+    _tile_zero(2);
+    _tile_zero(3);
+    for (int c = 0; c < 4; ++c) {
+      _tile_loadd(4, xa + 64 * c, K);
+      _tile_loadd(5, u + 1024 * c, 64);
+      _tile_dpbsud(0, 4, 5);
+      _tile_loadd(5, u + 4096 + 1024 * c, 64);
+      _tile_dpbsud(1, 4, 5);
+      _tile_loadd(5, u + 2 * 4096 + 1024 * c, 64);
+      _tile_dpbsud(2, 4, 5);
+      _tile_loadd(5, u + 3 * 4096 + 1024 * c, 64);
+      _tile_dpbssd(3, 4, 5);
+    }
+    _tile_stored(0, cb[0], 64);
+    _tile_stored(1, cb[1], 64);
+    _tile_stored(2, cb[2], 64);
+    _tile_stored(3, cb[3], 64);
+  }
+  static inline void products0(const int8_t* xa, int64_t K, const uint8_t* u,
+                               int32_t (*cb)[16][16]) {
+    products(xa, K, u, cb);
+  }
+  static inline void products1(const int8_t* xa, int64_t K, const uint8_t* u,
+                               int32_t (*cb)[16][16]) {
+    products(xa, K, u, cb);
+  }
+  static inline void sums(const int32_t* const* c, const uint8_t* u, const int16_t* pa,
+                          __m512i* isum, __m512i*) {
+    __m512i v = _mm512_load_si512(c[0]);
+    v = _mm512_add_epi32(v, _mm512_slli_epi32(_mm512_load_si512(c[1]), 2));
+    v = _mm512_add_epi32(v, _mm512_slli_epi32(_mm512_load_si512(c[2]), 4));
+    v = _mm512_add_epi32(v, _mm512_slli_epi32(_mm512_load_si512(c[3]), 6));
+    *isum = _mm512_sub_epi32(v, _mm512_slli_epi32(pair_dots<8>(u + kPairsAt, pa), 5));
+  }
+  // sums pairs scales with the activations' bsums (per 16) as they are.
+  static inline const int16_t* pairs(const Q8KActs& a, std::vector<int16_t>&, int64_t* row) {
+    *row = a.K / 16;
+    return a.bsums;
+  }
+  static constexpr int64_t kPairsPerBlock = 16;
+};
+
+template <class Fmt> struct Amx { using type = void; };
+template <> struct Amx<Q4K> { using type = AmxQ45K<false>; };
+template <> struct Amx<Q5K> { using type = AmxQ45K<true>; };
+template <> struct Amx<Q6K> { using type = AmxQ6K; };
+
 #include "kquant_driver.h"  // some_rows, run, run_kquant: see there why in this namespace
 
 template <class Fmt>
 void run_fmt(const Q8KActs& a, const uint8_t* w, const float* bias, float* out, int64_t N,
-             int nthreads) {
+             int nthreads, bool amx) {
+  using AmxFmt = typename Amx<Fmt>::type;
+  if constexpr (!std::is_void_v<AmxFmt>) {
+    if (amx && a.M >= kAmxMinRows) {
+      // A pass of ~1 MB of activations unpacks its group once, then 16 rows per tile; a
+      // tail under 4 rows runs on VNNI.
+      std::vector<int16_t> pairs_buf;
+      int64_t pa_row = 0;
+      const int16_t* pa = AmxFmt::pairs(a, pairs_buf, &pa_row);
+      run_passes<16>(a, w, Fmt::kRecord, bias, out, N, nthreads, 1 << 20,
+                     [&](int64_t p0, int64_t p1, const uint8_t* gw, const float* bg, float* o,
+                         int64_t cols) {
+        const int64_t nsb = a.K / kQK;
+        thread_local std::vector<uint8_t> buf;
+        if (static_cast<int64_t>(buf.size()) < nsb * AmxFmt::kBytes + 64)
+          buf.resize(nsb * AmxFmt::kBytes + 64);
+        uint8_t* ub = reinterpret_cast<uint8_t*>(
+            (reinterpret_cast<uintptr_t>(buf.data()) + 63) & ~uintptr_t(63));
+        for (int64_t i = 0; i < nsb; ++i) {
+          const uint8_t* rec = gw + i * Fmt::kRecord;
+          for (int64_t off = 0; off < Fmt::kRecord; off += 64)
+            _mm_prefetch(reinterpret_cast<const char*>(rec) + kPrefetchBytes + off,
+                         _MM_HINT_T0);
+          AmxFmt::unpack(rec, ub + i * AmxFmt::kBytes);
+        }
+        int64_t configured = 0;  // LDTILECFG costs as much as a tile's work: once per shape
+        for (int64_t m = p0; m < p1; m += 16) {
+          const int64_t rows = min64(16, p1 - m);
+          if (rows < 4) {
+            some_rows<Fmt, 4>(rows, false, a, m, gw, bg, o, N, cols);
+            continue;
+          }
+          if (rows != configured) AmxFmt::configure(configured = rows);
+          amx_rows<AmxFmt>(rows, a, m, ub, pa, pa_row, bg, o, N, cols);
+        }
+        if (configured) _tile_release();
+      });
+      return;
+    }
+  }
   // Registers (32 zmm): per activation row 2 float sums, one isum and the open sub-block
   // chains (2 for Q2_K..Q5_K, 4 for Q6_K). M == 1: one row, one stream per thread; otherwise
   // 4 rows per tile share each chunk's load and decode.
@@ -324,10 +658,27 @@ void run_fmt(const Q8KActs& a, const uint8_t* w, const float* bias, float* out, 
 }  // namespace
 
 void qlinear_kquant_avx512(const Q8KActs& a, const uint8_t* w, KType kt, const float* bias,
-                           float* out, int64_t N, int nthreads) {
-  run_kquant(a, w, kt, bias, out, N, nthreads);
+                           float* out, int64_t N, int nthreads, bool amx) {
+  run_kquant(a, w, kt, bias, out, N, nthreads, amx);
 }
 
 }  // namespace kvs
 
 #pragma GCC pop_options
+
+namespace kvs {
+
+bool cpu_has_amx_int8() {
+  static const bool ok = [] {
+    unsigned a, b, c, d;
+    if (!cpu_has_avx512_vnni() || !__get_cpuid_count(7, 0, &a, &b, &c, &d)) return false;
+    if (!((d >> 24) & 1) || !((d >> 25) & 1)) return false;  // AMX-TILE, AMX-INT8
+    // Linux hands out the 8 KB of tile state only on request (ARCH_REQ_XCOMP_PERM for
+    // XFEATURE_XTILEDATA), for the whole process; without it the first tile op is a SIGILL.
+    constexpr long kReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;
+    return syscall(SYS_arch_prctl, kReqXcompPerm, kXfeatureXtiledata) == 0;
+  }();
+  return ok;
+}
+
+}  // namespace kvs

@@ -313,9 +313,11 @@ inline kvs::KType checked_kquant_type(const torch::Tensor& weight, int64_t wtype
 // live in per-thread buffers that only grow, as quantized_linear's.
 inline void kquant_linear(const float* x, int64_t ldx, int64_t M, int64_t K, const uint8_t* w,
                           kvs::KType kt, const float* bias, float* out, int64_t N, bool avx512,
-                          int nthreads) {
+                          bool amx, int nthreads) {
   TORCH_CHECK(!avx512 || kvs::cpu_has_avx512_vnni(),
               "qlinear_kquant(avx512=True) on a CPU without AVX-512 VNNI");
+  TORCH_CHECK(!amx || (avx512 && kvs::cpu_has_amx_int8()),
+              "qlinear_kquant(amx=True) needs avx512=True and a CPU with AMX-INT8");
   if (M == 0) return;
   thread_local std::vector<int8_t> q;
   thread_local std::vector<float> d;
@@ -327,7 +329,8 @@ inline void kquant_linear(const float* x, int64_t ldx, int64_t M, int64_t K, con
   }
   kvs::quantize_acts_q8k(x, ldx, M, K, q.data(), d.data(), bsums.data(), nthreads);
   const kvs::Q8KActs a{q.data(), d.data(), bsums.data(), M, K};
-  (avx512 ? kvs::qlinear_kquant_avx512 : kvs::qlinear_kquant)(a, w, kt, bias, out, N, nthreads);
+  if (avx512) kvs::qlinear_kquant_avx512(a, w, kt, bias, out, N, nthreads, amx);
+  else kvs::qlinear_kquant(a, w, kt, bias, out, N, nthreads);
 }
 
 }  // namespace kvs_args

@@ -139,7 +139,13 @@ def main() -> None:
     p.add_argument("--gemm-n", type=int, default=2048)
     p.add_argument("--iters", type=int, default=5)
     p.add_argument("--prefill-len", type=int, default=512)
+    p.add_argument("--only-bandwidth", action="store_true",
+                   help="print only the read bandwidth (a benchmark measures it beside each "
+                        "timed round: this shared machine's bandwidth drifts)")
     ns = p.parse_args()
+    if ns.only_bandwidth:
+        print(json.dumps({"bandwidth": read_bandwidth(ns.bw_gib, ns.threads, ns.iters)}))
+        return
     out = {"machine": cpu_info(),
            "bandwidth": read_bandwidth(ns.bw_gib, ns.threads, ns.iters),
            "gemm": gemm_flops(ns.gemm_n, ns.threads, ns.iters),

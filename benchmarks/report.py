@@ -6,6 +6,7 @@
 from __future__ import annotations
 
 import json
+import statistics
 import sys
 from pathlib import Path
 from typing import Any
@@ -487,7 +488,10 @@ class Report:
              f"throughput` beside `llama-batched-bench`), median of {q.get('batch_rounds')} "
              f"alternating rounds. Weights: bytes as loaded (kvserve: every weight tensor it "
              f"holds, an embedding kept as stored counted by its blocks; llama.cpp: the "
-             f"file's tensors). "
+             f"file's tensors). *% of read bandwidth*: bytes a decode step reads (every "
+             f"linear's weights, lm_head's too) x decode tok/s over the read bandwidth "
+             f"measured in the same round (`benchmarks/machine.py --only-bandwidth`), the "
+             f"median over rounds. "
              f"KV: bytes per token over all layers. GPTQ / AWQ rows are made by `kvserve "
              f"quantize` from {src}, calibrated on `{q.get('calib')}`."),
             ""]
@@ -532,9 +536,15 @@ class Report:
         lines += ["", "### Speed", "",
                   (f"| row | ISA | prefill {q.get('prefill_len')} kvserve (tok/s) | llama.cpp | "
                    f"kvserve / llama.cpp | decode kvserve (tok/s) | llama.cpp | kvserve / "
-                   f"llama.cpp | batch {b.get('seqs')} kvserve (tok/s) | llama.cpp | "
-                   f"kvserve / llama.cpp |"),
-                  "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+                   f"llama.cpp | kvserve decode, % of read bandwidth | batch {b.get('seqs')} "
+                   f"kvserve (tok/s) | llama.cpp | kvserve / llama.cpp |"),
+                  "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+        def share(lat: dict[str, Any]) -> str:
+            s, bws = lat.get("decode_bandwidth_share"), lat.get("bandwidth_gb_s_runs")
+            if s is None or not bws:
+                return "n/a"
+            return f"{100 * s:.0f}% of {statistics.median(bws):.1f} GB/s"
+
         for r in measured:
             lat, bat = r.get("latency") or {}, r.get("batch16") or {}
             lines.append(
@@ -544,7 +554,7 @@ class Report:
                 f"{_x(lat.get('prefill_ratio'))} | "
                 f"{_f(_get(lat, 'kvserve', 'decode_tok_s'))} | "
                 f"{_f(_get(lat, 'llama.cpp', 'decode_tok_s'))} | "
-                f"{_x(lat.get('decode_ratio'))} | "
+                f"{_x(lat.get('decode_ratio'))} | {share(lat)} | "
                 f"{_f(_get(bat, 'kvserve', 'output_tok_s'))} | "
                 f"{_f(_get(bat, 'llama.cpp', 'output_tok_s'))} | {_x(bat.get('ratio'))} |")
         notes = [f"- {r['label']}: {r['unavailable']}" for r in rows if r.get("unavailable")]

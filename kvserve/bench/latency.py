@@ -55,8 +55,10 @@ def footprint(engine: Any) -> dict[str, Any]:
     of its linears' methods (a K-quant layer mixing two formats keeps its weights there), each
     tensor once (a tied embedding is the lm_head); kv_bytes_per_token over all layers, K and
     V, a quantized cache's scales included; kv_dtype; and the ops backend's ISA (cpu: the
-    linear kernels', "avx512" or "avx2"; None elsewhere). An embedding kept as stored counts
-    its blocks."""
+    linear kernels', "amx", "avx512" or "avx2"; None elsewhere). An embedding kept as stored
+    counts its blocks. decode_read_bytes: what one batch-1 decode step reads of them, every
+    linear's tensors (the lm_head's too), not an untied embedding's table (it reads one row
+    of it)."""
     import torch
 
     from kvserve.kv.layout import (
@@ -66,31 +68,39 @@ def footprint(engine: Any) -> dict[str, Any]:
         kv_elem_size,
         resolve_kv_dtype,
     )
+    from kvserve.layers.linear import Linear
 
     seen: set[tuple[int, int]] = set()  # (address, bytes): a tensor's own bytes, not its
     # storage's (a weight kept as a view of the file's memmap would count the whole file)
+    streamed: set[tuple[int, int]] = set()  # the linears' tensors (lm_head's included)
 
-    def add(t: Any) -> None:
+    def add(t: Any, into: set[tuple[int, int]]) -> None:
         if isinstance(t, torch.Tensor):
-            seen.add((t.data_ptr(), t.nbytes))
+            into.add((t.data_ptr(), t.nbytes))
         elif isinstance(t, (list, tuple)):
             for x in t:
-                add(x)
+                add(x, into)
 
     model = engine.model
     for param in model.parameters():
-        add(param)
-    add(getattr(model, "embed_stored", None))  # an embedding kept as stored (its blocks)
+        add(param, seen)
+    add(getattr(model, "embed_stored", None), seen)  # an embedding kept as stored (its blocks)
     for module in model.modules():
         method = getattr(module, "quant_method", None)
         for value in vars(method).values() if method is not None else ():
-            add(value)
+            add(value, seen)
+            if isinstance(module, Linear):
+                add(value, streamed)
+        if isinstance(module, Linear):
+            for param in module.parameters():
+                add(param, streamed)
     cfg, mc = engine.config, engine.config.model_config
     kv_dtype = resolve_kv_dtype(cfg.cache.kv_cache_dtype, cfg.dtype)
     kv_per_token = bytes_per_block(
         mc.num_hidden_layers, 1, mc.num_key_value_heads, mc.head_dim, kv_elem_size(kv_dtype),
         SCALE_BYTES if kv_dtype in QUANTIZED_KV_DTYPES else 0)
-    return {"weight_bytes": sum(n for _, n in seen), "kv_dtype": kv_dtype,
+    return {"weight_bytes": sum(n for _, n in seen),
+            "decode_read_bytes": sum(n for _, n in streamed), "kv_dtype": kv_dtype,
             "kv_bytes_per_token": kv_per_token, "quantization": cfg.quantization,
             "isa": getattr(getattr(model, "ops", None), "isa", None)}
 

@@ -12,6 +12,7 @@ from pathlib import Path
 import gguf
 
 from kvserve.loader import resolve_model
+from kvserve.ops.cpu import ISAS
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -38,7 +39,12 @@ def test_paired_protocol_times_one_run_per_command() -> None:
     assert ready["kv_dtype"] == "float16" and ready["kv_bytes_per_token"] == (
         meta["llama.block_count"] * 2 * meta["llama.attention.head_count_kv"]
         * (hidden // heads) * 2)
-    assert ready["quantization"] == "gguf" and ready["isa"] in ("avx2", "avx512")
+    # What a decode step reads: every linear's weights (the layers' and the lm_head's
+    # repacked copy of the embedding), not the norms nor the stored table looked up by row.
+    linears = sum(int(t.n_bytes) for t in r.tensors
+                  if t.name.startswith("blk.") and len(t.shape) == 2)
+    assert ready["decode_read_bytes"] == linears + embd
+    assert ready["quantization"] == "gguf" and ready["isa"] in ISAS
     # One answer per command, in order, until the unknown one; nothing after it runs.
     assert [next(iter(a)) for a in answers] == ["decode_tok_s", "prefill_tok_s",
                                                 "decode_tok_s", "error"]

@@ -144,8 +144,13 @@ def test_quant_table_compares_each_row_with_its_peer_and_its_float32_row(
             row("f32", "smollm2-135m", 18.0, 18.0, 100.0, 100.0),
             row("int4", "smollm2-135m", 21.0, None, 380.0, None),
             row("qwen", "qwen", 9.0, 9.0, 20.0, 25.0),
+            row("qwen_bw", "qwen", 9.0, 9.0, 20.0, 25.0),
             {"key": "w8a8", "label": "w8a8", "family": "smollm2-135m", "errors": {},
              "unavailable": "not available: no --method smoothquant"}]})
+    q = json.loads((tmp_path / "quant.json").read_text())
+    q["rows"][4]["latency"].update(decode_bandwidth_share=0.9,
+                                   bandwidth_gb_s_runs=[20.0, 23.0, 22.0])
+    (tmp_path / "quant.json").write_text(json.dumps(q))
     md = "\n".join(report.Report(tmp_path).quant_section())
 
     def cells(text: str) -> dict[str, list[str]]:
@@ -165,4 +170,6 @@ def test_quant_table_compares_each_row_with_its_peer_and_its_float32_row(
     assert speed["q4_1"][:8] == ["avx512", "1,000.0", "500.0", "2.00x", "400.0", "200.0",
                                  "2.00x", "n/a"]
     assert speed["qwen"][6] == "0.80x"
+    # decode's share of the bandwidth measured in its rounds (their median beside it)
+    assert speed["qwen"][7] == "n/a" and speed["qwen_bw"][7] == "90% of 22.0 GB/s"
     assert "w8a8" not in quality and "- w8a8: not available: no --method smoothquant" in md

@@ -75,14 +75,26 @@ inline __m512i move_bit(__m512i v, int from, int to) {
   return from >= to ? _mm512_srli_epi16(v, from - to) : _mm512_slli_epi16(v, to - from);
 }
 
-// Q4_K / Q5_K: msum[m] = sum_s min_s * (the two bsums of sub-block s).
+// a in the low and the high int16 of each int32 lane (a < 2^15): a 16-bit multiplier for
+// both bytes of the lane's halves, or an int16 pair (a, a) for vpdpwssd.
+inline __m512i dup16(__m512i a) { return _mm512_or_si512(a, _mm512_slli_epi32(a, 16)); }
+
+// The int16 pair (p[0], p[1]) in every 32-bit lane.
+inline __m512i bcast_pair(const int16_t* p) {
+  int32_t v;
+  __builtin_memcpy(&v, p, 4);
+  return _mm512_set1_epi32(v);
+}
+
+// Q4_K / Q5_K: msum[m] = sum_s min_s * (the two bsums of sub-block s), one vpdpwssd of the
+// pair (min_s, min_s) with the pair of bsums per sub-block (exact in int32).
 template <int MT>
 inline void min_sums(const __m128i* mn, const int16_t* const* bs, __m512i* msum) {
+  __m512i dup[8];
+  for (int s = 0; s < 8; ++s) dup[s] = dup16(_mm512_cvtepu8_epi32(mn[s]));
   for (int m = 0; m < MT; ++m) {
     __m512i acc = _mm512_setzero_si512();
-    for (int s = 0; s < 8; ++s)  // |bsum of 32| <= 32 * 127: an int16
-      acc = _mm512_add_epi32(acc, _mm512_madd_epi16(_mm512_cvtepu8_epi32(mn[s]),
-                                                    bc16(bs[m][2 * s] + bs[m][2 * s + 1])));
+    for (int s = 0; s < 8; ++s) acc = _mm512_dpwssd_epi32(acc, dup[s], bcast_pair(bs[m] + 2 * s));
     msum[m] = acc;
   }
 }
@@ -363,10 +375,6 @@ inline void amx_config(const int (&rows)[8]) {
   _tile_loadconfig(&cfg);
 }
 
-// a in the low and the high int16 of each int32 lane (a < 2^15): a 16-bit multiplier for
-// both bytes of the lane's halves, or an int16 pair (a, a) for vpdpwssd.
-inline __m512i dup16(__m512i a) { return _mm512_or_si512(a, _mm512_slli_epi32(a, 16)); }
-
 // Every byte of v times the int16 lane's multiplier: exact while each product is < 256.
 inline __m512i mul_bytes(__m512i v, __m512i m16) { return _mm512_mullo_epi16(v, m16); }
 
@@ -374,11 +382,8 @@ inline __m512i mul_bytes(__m512i v, __m512i m16) { return _mm512_mullo_epi16(v, 
 template <int n>
 inline __m512i pair_dots(const uint8_t* pairs, const int16_t* bs) {
   __m512i acc = _mm512_setzero_si512();
-  for (int j = 0; j < n; ++j) {
-    int32_t b;
-    __builtin_memcpy(&b, bs + 2 * j, 4);
-    acc = _mm512_dpwssd_epi32(acc, _mm512_load_si512(pairs + 64 * j), _mm512_set1_epi32(b));
-  }
+  for (int j = 0; j < n; ++j)
+    acc = _mm512_dpwssd_epi32(acc, _mm512_load_si512(pairs + 64 * j), bcast_pair(bs + 2 * j));
   return acc;
 }
 
@@ -650,8 +655,10 @@ void run_fmt(const Q8KActs& a, const uint8_t* w, const float* bias, float* out, 
   }
   // Registers (32 zmm): per activation row 2 float sums, one isum and the open sub-block
   // chains (2 for Q2_K..Q5_K, 4 for Q6_K). M == 1: one row, one stream per thread; otherwise
-  // 4 rows per tile share each chunk's load and decode.
+  // 4 rows per tile share each chunk's load and decode, and M == 5 (a speculative step's
+  // K + 1 rows at K = 4) is one tile of 5 rather than 4 and a second pass for one.
   if (a.M == 1) run<Fmt, 1>(a, w, bias, out, N, nthreads);
+  else if (a.M == 5) run<Fmt, 5>(a, w, bias, out, N, nthreads);
   else run<Fmt, 4>(a, w, bias, out, N, nthreads);
 }
 

@@ -726,6 +726,9 @@ class Report:
 
         for m in s.get("models") or []:
             lines += [f"### {m['label']}", ""]
+            if m.get("date") and m["date"] != s.get("date"):
+                lines += [(f"Measured {m['date']}, in an earlier run of this step (kept when "
+                           f"`--spec-models` named only the others)."), ""]
             if m.get("error"):
                 lines += [f"Not measured: {m['error']}", ""]
                 continue

@@ -566,6 +566,11 @@ class Report:
         if noisy:
             lines += ["", (f"*(noisy)*: other processes used more than {NOISY_CORES} cores "
                            "on average while the row ran; its speeds are not to be quoted.")]
+        earlier = [r for r in measured if r.get("date") and r["date"] != q.get("date")]
+        if earlier:
+            lines += ["", "Kept from earlier runs of this step (`--quant-rows` named the "
+                      "others): " + "; ".join(f"{r['label']} ({r['date']})" for r in earlier)
+                      + "."]
         lines += ["", "n/a: no same-format llama.cpp peer (kvserve's own formats), or the row "
                   "has no float32 row of its model.", "",
                   "![decode tok/s against perplexity](benchmarks/results/quant.png)", ""]
@@ -726,6 +731,9 @@ class Report:
 
         for m in s.get("models") or []:
             lines += [f"### {m['label']}", ""]
+            if m.get("date") and m["date"] != s.get("date"):
+                lines += [(f"Measured {m['date']}, in an earlier run of this step (kept when "
+                           f"`--spec-models` named only the others)."), ""]
             if m.get("error"):
                 lines += [f"Not measured: {m['error']}", ""]
                 continue

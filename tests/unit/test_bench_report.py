@@ -150,6 +150,9 @@ def test_quant_table_compares_each_row_with_its_peer_and_its_float32_row(
     q = json.loads((tmp_path / "quant.json").read_text())
     q["rows"][4]["latency"].update(decode_bandwidth_share=0.9,
                                    bandwidth_gb_s_runs=[20.0, 23.0, 22.0])
+    # a row kept from an earlier run (compare --quant-rows re-measured the others)
+    q["date"] = q["rows"][0]["date"] = "2026-12-02T03:00:00+00:00"
+    q["rows"][2]["date"] = "2026-12-01T15:09:29+00:00"
     (tmp_path / "quant.json").write_text(json.dumps(q))
     md = "\n".join(report.Report(tmp_path).quant_section())
 
@@ -172,4 +175,24 @@ def test_quant_table_compares_each_row_with_its_peer_and_its_float32_row(
     assert speed["qwen"][6] == "0.80x"
     # decode's share of the bandwidth measured in its rounds (their median beside it)
     assert speed["qwen"][7] == "n/a" and speed["qwen_bw"][7] == "90% of 22.0 GB/s"
+    assert ("Kept from earlier runs of this step (`--quant-rows` named the others): int4 "
+            "(2026-12-01T15:09:29+00:00).") in md
     assert "w8a8" not in quality and "- w8a8: not available: no --method smoothquant" in md
+
+
+def test_spec_section_dates_a_model_kept_from_an_earlier_run(tmp_path: Path,
+                                                             report: Any) -> None:
+    """compare's spec step narrowed by --spec-models keeps the other model's results with
+    the date they were measured; the page says so for that model alone."""
+    def model(key: str, date: str) -> dict[str, Any]:
+        return {"key": key, "label": f"model {key}", "date": date, "configs": [],
+                "cells": []}
+
+    _write(tmp_path, "spec", {
+        "date": "2026-12-02T03:00:00+00:00", "threads": 2, "tasks": {"grounded": "g"},
+        "concurrency": [1, 8], "models": [model("default", "2026-12-01T17:37:42+00:00"),
+                                          model("qwen1.5b", "2026-12-02T03:00:00+00:00")]})
+    md = "\n".join(report.Report(tmp_path).spec_section())
+    default, qwen = md.split("### model default")[1].split("### model qwen1.5b")
+    assert "Measured 2026-12-01T17:37:42+00:00, in an earlier run" in default
+    assert "Measured" not in qwen

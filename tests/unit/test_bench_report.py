@@ -196,3 +196,40 @@ def test_spec_section_dates_a_model_kept_from_an_earlier_run(tmp_path: Path,
     default, qwen = md.split("### model default")[1].split("### model qwen1.5b")
     assert "Measured 2026-12-01T17:37:42+00:00, in an earlier run" in default
     assert "Measured" not in qwen
+
+
+def test_spec_quotes_a_learning_proposer_by_its_first_run_only(tmp_path: Path,
+                                                               report: Any) -> None:
+    """suffix drafts from the server's earlier answers, and the runs repeat prompts: only its
+    first run of a task's first cell is quoted; the rest are replays, out of the targets."""
+    def cell(config: str, method: str, conc: int, tok_s: list[float],
+             speedups: list[float] | None) -> dict[str, Any]:
+        c: dict[str, Any] = {
+            "config": config, "task": "open", "concurrency": conc, "engine": "kvserve",
+            "method": method, "kind": "none" if method == "none" else "lookup",
+            "label": config, "output_tok_s": sorted(tok_s)[1], "errors": [],
+            "runs": [{"output_throughput": x} for x in tok_s]}
+        if speedups:
+            c.update(speedup=sorted(speedups)[1], speedup_runs=speedups,
+                     acceptance={"acceptance_rate": 0.85, "mean_acceptance_length": 5.2})
+        return c
+
+    cells = [cell("kvserve:none", "none", 1, [17.0, 17.0, 17.0], None),
+             cell("kvserve:suffix", "suffix", 1, [18.7, 69.5, 74.3], [1.10, 3.99, 4.58]),
+             cell("kvserve:ngram", "ngram", 1, [18.0, 19.0, 20.0], [1.06, 1.12, 1.18]),
+             cell("kvserve:suffix", "suffix", 8, [60.0, 61.0, 62.0], [1.4, 1.45, 1.5])]
+    _write(tmp_path, "spec", {
+        "date": "d", "threads": 2, "tasks": {"open": "o"}, "concurrency": [1, 8],
+        "models": [{"key": "qwen1.5b", "label": "qwen", "configs": [
+            {"key": c, "label": c, "kind": "lookup" if c != "kvserve:none" else "none"}
+            for c in ("kvserve:none", "kvserve:suffix", "kvserve:ngram")], "cells": cells}]})
+    rep = report.Report(tmp_path)
+    m = rep.spec["models"][0]
+    first = rep.spec_cell(m, "kvserve:suffix", "open", 1)
+    assert first["output_tok_s"] == 18.7 and first["speedup"] == 1.10
+    assert rep.spec_cell(m, "kvserve:suffix", "open", 8)["replays"] is True
+    assert rep.spec_cell(m, "kvserve:ngram", "open", 1)["speedup"] == 1.12  # as measured
+    md = "\n".join(rep.spec_section())
+    row = next(ln for ln in md.splitlines() if ln.startswith("| kvserve:suffix"))
+    assert "| 18.7 | 1.10x | first run only |" in row and "replays (not quoted)" in row
+    assert "3.99x" not in md

@@ -15,13 +15,13 @@ Routing, decided per call here and never inside the kernels:
   F.linear (MKL's GEMM wins at large M);
 - the ISA (ISAS): the best this CPU runs, "amx" > "avx512" > "avx2"; the environment
   variable KVSERVE_CPU_ISA (or CpuOps(isa=...)) names a lower one. "amx" is "avx512" plus
-  AMX tiles for qlinear_kquant at 4+ rows.
+  AMX tiles for qlinear_kquant at 32+ rows.
 - linear's kernel: the AVX-512 one when the ISA is "avx512" or "amx", else the AVX2 one.
 - qlinear (packed GGUF Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q8_0 weights, or W8A8, x int8
   activations): the kernel at every M, the VNNI one where the AVX-512 ISA is chosen and the
   CPU has VNNI, else the AVX2 one (the same bits either way).
 - qlinear_kquant (packed GGUF K-quants x Q8_K activations, KQUANT_KERNEL_WTYPES): the kernel
-  at every M, VNNI or AVX2 as qlinear; under "amx", Q4_K / Q5_K / Q6_K at 4+ rows on AMX
+  at every M, VNNI or AVX2 as qlinear; under "amx", Q4_K / Q5_K / Q6_K at 32+ rows on AMX
   tiles (the same bits, ggml_kquants.dot_kquant's, on every path).
 - otherwise the kernel, with the semantics of the reference docstrings.
 """
@@ -224,7 +224,8 @@ class CpuOps(ReferenceOps):
             raise ValueError(f"isa (or KVSERVE_CPU_ISA) must be one of {', '.join(ISAS)}, "
                              f"got {isa!r}")
         has_avx512 = self._ext is not None and self._ext.cpu_has_avx512()
-        has_amx = has_avx512 and self._ext.cpu_has_amx_int8()
+        # Only where amx may be chosen: asking is what makes Linux grant the tile state.
+        has_amx = has_avx512 and isa in (None, "amx") and self._ext.cpu_has_amx_int8()
         if isa in ("avx512", "amx") and self._ext is not None and not has_avx512:
             raise ValueError(f"isa={isa!r} needs a CPU with AVX-512F; this one has AVX2 only")
         if isa == "amx" and self._ext is not None and not has_amx:

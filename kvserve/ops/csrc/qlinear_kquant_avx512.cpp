@@ -286,6 +286,28 @@ struct Q6K {
   }
 };
 
+// The next kPrefetchBytes' lines of a record being streamed, into L1.
+inline void prefetch_ahead(const uint8_t* rec, int64_t bytes) {
+  for (int64_t o = 0; o < bytes; o += 64)
+    _mm_prefetch(reinterpret_cast<const char*>(rec) + kPrefetchBytes + o, _MM_HINT_T0);
+}
+
+// A group's output columns 0 .. cols - 1 of one row: mins + sums (+ bias), the spec's last
+// step (Q2_K, Q3_K, Q6_K: +0 + sums, which turns a -0 into +0 as the oracle does).
+struct OutCols {
+  __mmask16 mask;
+  __m512 bv;
+  bool bias;
+  OutCols(const float* b, int64_t cols)
+      : mask(cols >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << cols) - 1)),
+        bv(b ? _mm512_maskz_loadu_ps(mask, b) : _mm512_setzero_ps()), bias(b != nullptr) {}
+  void store(float* dst, __m512 mins, __m512 sums) const {
+    __m512 v = _mm512_add_ps(mins, sums);
+    if (bias) v = _mm512_add_ps(v, bv);
+    _mm512_mask_storeu_ps(dst, mask, v);
+  }
+};
+
 // MT activation rows m0.. against one group (records from gw) -> out columns 0 .. cols - 1 of
 // those rows (out points at the group's first column, rows N apart).
 template <class Fmt, int MT, bool kPf>
@@ -296,9 +318,7 @@ inline void tile(const Q8KActs& a, int64_t m0, const uint8_t* gw, const float* b
   for (int m = 0; m < MT; ++m) sums[m] = mins[m] = _mm512_setzero_ps();
   for (int64_t i = 0; i < nsb; ++i) {
     const uint8_t* rec = gw + i * Fmt::kRecord;
-    if constexpr (kPf)
-      for (int64_t o = 0; o < Fmt::kRecord; o += 64)
-        _mm_prefetch(reinterpret_cast<const char*>(rec) + kPrefetchBytes + o, _MM_HINT_T0);
+    if constexpr (kPf) prefetch_ahead(rec, Fmt::kRecord);
     const int8_t* x[MT];
     const int16_t* bs[MT];
     for (int m = 0; m < MT; ++m) {
@@ -326,14 +346,8 @@ inline void tile(const Q8KActs& a, int64_t m0, const uint8_t* gw, const float* b
       }
     }
   }
-  // out = mins + sums (Q2_K, Q3_K, Q6_K: +0 + sums, which turns a -0 into +0 as the oracle does)
-  const __mmask16 mask = cols >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << cols) - 1);
-  const __m512 bv = bias ? _mm512_maskz_loadu_ps(mask, bias) : _mm512_setzero_ps();
-  for (int m = 0; m < MT; ++m) {
-    __m512 v = _mm512_add_ps(mins[m], sums[m]);
-    if (bias) v = _mm512_add_ps(v, bv);
-    _mm512_mask_storeu_ps(out + (m0 + m) * N, mask, v);
-  }
+  const OutCols oc(bias, cols);
+  for (int m = 0; m < MT; ++m) oc.store(out + (m0 + m) * N, mins[m], sums[m]);
 }
 
 // --- AMX tiles (Q4_K, Q5_K, Q6_K at M >= kAmxMinRows) ---
@@ -357,6 +371,8 @@ inline void tile(const Q8KActs& a, int64_t m0, const uint8_t* gw, const float* b
 //
 // A pass unpacks its group's records once (unpack: the planes, the pair vectors and d, dmin
 // as floats) into a per-thread buffer, then runs every 16 rows of the pass through it.
+
+constexpr int64_t kAmxMinTile = 4;  // a pass's tail under this many rows runs on VNNI
 
 struct TileConfig {  // LDTILECFG's 64 bytes, palette 1
   uint8_t palette = 1, start_row = 0, reserved[14] = {};
@@ -468,7 +484,7 @@ struct AmxQ45K : Q45K<kHighBit> {
   static constexpr int64_t kPairsPerBlock = 8;  // int16s of pairs() per super-block
 };
 
-// mt (4 <= mt <= 16) activation rows at m0 against one group whose nsb records
+// mt (kAmxMinTile <= mt <= 16) activation rows at m0 against one group whose nsb records
 // are unpacked at ub, as tile<Fmt, mt> computes them; the tiles configured for mt rows.
 // pa: Fmt::pairs, pa_row int16s per row. First every super-block's tile products into cb
 // (on the two tile sets in turn, so that none waits for the last one's stores), then per row
@@ -487,8 +503,7 @@ void amx_rows(int64_t mt, const Q8KActs& a, int64_t m0, const uint8_t* ub, const
     if (i % 2) Fmt::products1(xa, K, ub + i * Fmt::kBytes, cb[i]);
     else Fmt::products0(xa, K, ub + i * Fmt::kBytes, cb[i]);
   }
-  const __mmask16 mask = cols >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << cols) - 1);
-  const __m512 bv = bias ? _mm512_maskz_loadu_ps(mask, bias) : _mm512_setzero_ps();
+  const OutCols oc(bias, cols);
   for (int64_t m = 0; m < mt; ++m) {
     __m512 sums = _mm512_setzero_ps(), mins = _mm512_setzero_ps();
     const int16_t* prow = pa + (m0 + m) * pa_row;
@@ -507,9 +522,7 @@ void amx_rows(int64_t mt, const Q8KActs& a, int64_t m0, const uint8_t* ub, const
         mins = _mm512_sub_ps(mins, _mm512_mul_ps(_mm512_mul_ps(dm, xd), _mm512_cvtepi32_ps(msum)));
       }
     }
-    __m512 v = _mm512_add_ps(mins, sums);
-    if (bias) v = _mm512_add_ps(v, bv);
-    _mm512_mask_storeu_ps(out + (m0 + m) * N, mask, v);
+    oc.store(out + (m0 + m) * N, mins, sums);
   }
 }
 
@@ -617,8 +630,7 @@ void run_fmt(const Q8KActs& a, const uint8_t* w, const float* bias, float* out, 
   using AmxFmt = typename Amx<Fmt>::type;
   if constexpr (!std::is_void_v<AmxFmt>) {
     if (amx && a.M >= kAmxMinRows) {
-      // A pass of ~1 MB of activations unpacks its group once, then 16 rows per tile; a
-      // tail under 4 rows runs on VNNI.
+      // A pass of ~1 MB of activations unpacks its group once, then 16 rows per tile.
       std::vector<int16_t> pairs_buf;
       int64_t pa_row = 0;
       const int16_t* pa = AmxFmt::pairs(a, pairs_buf, &pa_row);
@@ -633,15 +645,13 @@ void run_fmt(const Q8KActs& a, const uint8_t* w, const float* bias, float* out, 
             (reinterpret_cast<uintptr_t>(buf.data()) + 63) & ~uintptr_t(63));
         for (int64_t i = 0; i < nsb; ++i) {
           const uint8_t* rec = gw + i * Fmt::kRecord;
-          for (int64_t off = 0; off < Fmt::kRecord; off += 64)
-            _mm_prefetch(reinterpret_cast<const char*>(rec) + kPrefetchBytes + off,
-                         _MM_HINT_T0);
+          prefetch_ahead(rec, Fmt::kRecord);
           AmxFmt::unpack(rec, ub + i * AmxFmt::kBytes);
         }
         int64_t configured = 0;  // LDTILECFG costs as much as a tile's work: once per shape
         for (int64_t m = p0; m < p1; m += 16) {
           const int64_t rows = min64(16, p1 - m);
-          if (rows < 4) {
+          if (rows < kAmxMinTile) {
             some_rows<Fmt, 4>(rows, false, a, m, gw, bg, o, N, cols);
             continue;
           }

@@ -3,8 +3,8 @@
 // their own tile<Fmt, MT, kPrefetch>(a, m0, gw, bias, out, N, cols). So each file gets its own
 // copy, compiled for its ISA and of internal linkage: the two never meet at link time.
 //
-// Needs, from the including file: Q8KActs, kGroup, kQK, min64 / max64 (simd.h) and
-// for_each_tile (tiles.h).
+// Needs, from the including file: Q8KActs, kGroup, kQK, min64 / max64 (simd.h),
+// for_each_tile (tiles.h) and prefetch_ahead(rec, bytes).
 
 // rows (1 <= rows <= MT) at m0 as one tile of exactly that many rows.
 template <class Fmt, int MT>
@@ -37,6 +37,24 @@ void run_passes(const Q8KActs& a, const uint8_t* w, int64_t record_bytes, const 
     pass(p * m_block, min64(M, (p + 1) * m_block), w + g * group_bytes,
          bias ? bias + n0 : nullptr, out + n0, min64(kGroup, N - n0));
   });
+}
+
+// A group's nsb packed records (record bytes each, from gw) unpacked by unpack(rec, dst) into
+// `bytes` each, in this thread's 64-byte aligned buffer (kept for its next group): the form a
+// pass of many activation rows reads instead of the packed records (AMX's tiles, the AVX2
+// kernel's wide records). Each record is read once, streamed from memory (prefetched ahead).
+template <class Unpack>
+const uint8_t* unpack_group(const uint8_t* gw, int64_t nsb, int64_t record, int64_t bytes,
+                            const Unpack& unpack) {
+  thread_local std::vector<uint8_t> buf;
+  if (static_cast<int64_t>(buf.size()) < nsb * bytes + 64) buf.resize(nsb * bytes + 64);
+  uint8_t* ub = reinterpret_cast<uint8_t*>(
+      (reinterpret_cast<uintptr_t>(buf.data()) + 63) & ~uintptr_t(63));
+  for (int64_t i = 0; i < nsb; ++i) {
+    prefetch_ahead(gw + i * record, record);
+    unpack(gw + i * record, ub + i * bytes);
+  }
+  return ub;
 }
 
 // out [M, N] for a packed weight w of format Fmt, MT activation rows per tile, ~256 KB of

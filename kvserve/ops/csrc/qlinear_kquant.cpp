@@ -32,6 +32,7 @@
 // records are re-read from cache for every MT rows after the first tile.
 #include <omp.h>
 
+#include <vector>
 
 #include "kernels.h"
 #include "kquant.h"
@@ -64,6 +65,12 @@ using kq::kQK;
 
 // How far ahead of the record being read its stream is prefetched (as qlinear.cpp).
 constexpr int64_t kPrefetchBytes = 8192;
+
+// The next kPrefetchBytes' lines of a record being streamed, into L1.
+inline void prefetch_ahead(const uint8_t* rec, int64_t bytes) {
+  for (int64_t o = 0; o < bytes; o += 64)
+    _mm_prefetch(reinterpret_cast<const char*>(rec) + kPrefetchBytes + o, _MM_HINT_T0);
+}
 
 // 16 per-row bytes (rows 0..15) -> int32 lanes of rows 8h .. 8h + 7, zero- or sign-extended.
 inline __m256i widen_u8(__m128i b, int h) {
@@ -366,9 +373,7 @@ inline void tile(const Q8KActs& a, int64_t m0, const uint8_t* gw, const float* b
     for (int h = 0; h < 2; ++h) sums[m][h] = mins[m][h] = _mm256_setzero_ps();
   for (int64_t i = 0; i < nsb; ++i) {
     const uint8_t* rec = gw + i * Fmt::kRecord;
-    if constexpr (kPrefetchW)
-      for (int64_t off = 0; off < Fmt::kRecord; off += 64)
-        _mm_prefetch(reinterpret_cast<const char*>(rec) + kPrefetchBytes + off, _MM_HINT_T0);
+    if constexpr (kPrefetchW) prefetch_ahead(rec, Fmt::kRecord);
     const int8_t* x[MT];
     const int16_t* bs[MT];
     for (int m = 0; m < MT; ++m) {

@@ -637,17 +637,8 @@ void run_fmt(const Q8KActs& a, const uint8_t* w, const float* bias, float* out, 
       run_passes<16>(a, w, Fmt::kRecord, bias, out, N, nthreads, 1 << 20,
                      [&](int64_t p0, int64_t p1, const uint8_t* gw, const float* bg, float* o,
                          int64_t cols) {
-        const int64_t nsb = a.K / kQK;
-        thread_local std::vector<uint8_t> buf;
-        if (static_cast<int64_t>(buf.size()) < nsb * AmxFmt::kBytes + 64)
-          buf.resize(nsb * AmxFmt::kBytes + 64);
-        uint8_t* ub = reinterpret_cast<uint8_t*>(
-            (reinterpret_cast<uintptr_t>(buf.data()) + 63) & ~uintptr_t(63));
-        for (int64_t i = 0; i < nsb; ++i) {
-          const uint8_t* rec = gw + i * Fmt::kRecord;
-          prefetch_ahead(rec, Fmt::kRecord);
-          AmxFmt::unpack(rec, ub + i * AmxFmt::kBytes);
-        }
+        const uint8_t* ub = unpack_group(gw, a.K / kQK, Fmt::kRecord, AmxFmt::kBytes,
+                                         AmxFmt::unpack);
         int64_t configured = 0;  // LDTILECFG costs as much as a tile's work: once per shape
         for (int64_t m = p0; m < p1; m += 16) {
           const int64_t rows = min64(16, p1 - m);

@@ -29,9 +29,12 @@
 //
 // Parallel split (tiles.h): a tile is one 16-row group, each thread streams its slab of groups
 // front to back; activation rows go in passes of ~256 KB of int8 (kept in L2), and a group's
-// records are re-read from cache for every MT rows after the first tile.
+// records are re-read from cache for every MT rows after the first tile. At 16+ rows (prefill,
+// large batches) Q4_K, Q5_K and Q6_K groups are read as wide records instead, unpacked once
+// per pass ("Wide records" below).
 #include <omp.h>
 
+#include <type_traits>
 #include <vector>
 
 #include "kernels.h"
@@ -424,11 +427,208 @@ inline void tile(const Q8KActs& a, int64_t m0, const uint8_t* gw, const float* b
   }
 }
 
+// --- Wide records: Q4_K, Q5_K and Q6_K at M >= kWideMinRows ---
+//
+// A pass of many activation rows reads its group's records unpacked once (unpack_group) into
+// "wide" records, which tile<> reads as it reads packed ones: each chunk's quants already a
+// byte each (nibble split, high bits ORed in), the scales already widened to the int16 madd
+// factors, the min (Q4_K / Q5_K) or the + 32 correction (Q6_K) factors as int16 pairs. The
+// inner loop is then one load per 8 rows x 4 quants and, per activation row, one broadcast,
+// maddubs and add: that work, done once per pass instead of once per MT rows, was a third of
+// the packed kernel's. The integer sums are the packed kernel's, so are the bits.
+//
+//   wide record, kSub sub-blocks of kK chunks (a chunk: 4 quants of 16 rows, 2 x 32 bytes):
+//   0        32          64            kScales             kQuants
+//   | d[16]  | dmin[16] | pair factors | scales: kSub x 2 | quants: kSub x kK x 2 |
+//     (Q6_K: no dmin)     (kPairs x 2)  dup16(scale), rows   sub-block s, chunk k, rows 8r..:
+//                                       8r .. 8r + 7         weights kK * 4 * s + 4 k + j
+constexpr int64_t kWideMinRows = 16;
+
+// kSub sub-blocks of kK chunks; int16 sums of kRun chunks at a time, each madd by the scale
+// (the int16 bound of the packed kernel's same format).
+template <int kSub, int kK, int kRun, int kPairs>
+struct WideLayout {
+  static constexpr int64_t kPairsAt = 64, kScales = kPairsAt + 64 * kPairs;
+  static constexpr int64_t kQuants = kScales + 64 * kSub;
+  static constexpr int64_t kRecord = kQuants + 64 * kSub * kK;
+  static constexpr int64_t kD = 0, kDmin = 32;
+  static constexpr bool kJoint = false;
+
+  // isum[m][r] = sum_s scale_s * sum over s's weights of q * x, rows 8r..
+  template <int MT>
+  static inline void sums(const uint8_t* rec, const int8_t* const* x, __m256i (*isum)[2]) {
+    for (int m = 0; m < MT; ++m) isum[m][0] = isum[m][1] = _mm256_setzero_si256();
+    for (int s = 0; s < kSub; ++s) {
+      const __m256i sc[2] = {load256(rec + kScales + 64 * s), load256(rec + kScales + 64 * s + 32)};
+      for (int k0 = 0; k0 < kK; k0 += kRun) {
+        __m256i acc[MT][2];
+        for (int m = 0; m < MT; ++m) acc[m][0] = acc[m][1] = _mm256_setzero_si256();
+        for (int k = k0; k < k0 + kRun; ++k) {
+          const uint8_t* q = rec + kQuants + 64 * (kK * s + k);
+          const __m256i w0 = load256(q), w1 = load256(q + 32);
+          for (int m = 0; m < MT; ++m) {
+            const __m256i xb = bcast4(x[m] + 4 * (kK * s + k));
+            acc[m][0] = _mm256_add_epi16(acc[m][0], _mm256_maddubs_epi16(w0, xb));
+            acc[m][1] = _mm256_add_epi16(acc[m][1], _mm256_maddubs_epi16(w1, xb));
+            // Keeps each running sum in its register: unpinned, GCC reassociates the chain
+            // into all the products first, spilled to the stack, then a tree of adds.
+            asm("" : "+x"(acc[m][0]), "+x"(acc[m][1]));
+          }
+        }
+        for (int m = 0; m < MT; ++m)
+          for (int r = 0; r < 2; ++r)
+            isum[m][r] = _mm256_add_epi32(isum[m][r], _mm256_madd_epi16(acc[m][r], sc[r]));
+      }
+    }
+  }
+
+  // sum_t madd(pair factors t, rows 8r.., the int16 pair v[t] in every lane)
+  template <int kN>
+  static inline __m256i pair_dot(const uint8_t* rec, int r, const int32_t* v) {
+    __m256i acc = _mm256_setzero_si256();
+    for (int t = 0; t < kN; ++t)
+      acc = _mm256_add_epi32(acc, _mm256_madd_epi16(load256(rec + kPairsAt + 64 * t + 32 * r),
+                                                    _mm256_set1_epi32(v[t])));
+    return acc;
+  }
+
+  static inline void store(uint8_t* dst, __m256i v) {
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst), v);
+  }
+  // Two int32 lane vectors' low int16s as one vector of (a, b) pairs.
+  static inline __m256i pair16(__m256i a, __m256i b) {
+    return _mm256_blend_epi16(a, _mm256_slli_epi32(b, 16), 0xAA);
+  }
+};
+
+// Q4_K / Q5_K wide: sub-block s (32 weights) = 8 chunks; pair factors t < 4: (min_2t,
+// min_2t+1), against the pair (bsum of sub-block 2t, of 2t + 1), 32 weights each.
+template <bool kHighBit>
+struct WideQ45K : WideLayout<8, 8, kHighBit ? 4 : 8, 4> {
+  using L = WideLayout<8, 8, kHighBit ? 4 : 8, 4>;
+  static constexpr bool kMin = true;
+  static constexpr int64_t kQs = kHighBit ? kq::kQ5KQs : kq::kQ4KQs;
+
+  static inline void unpack(const uint8_t* rec, uint8_t* dst) {
+    std::memcpy(dst, rec, 64);  // d, dmin: the packed record's first 64 bytes
+    __m128i sc[8], mn[8];
+    kq::q4k_scales(rec + (kHighBit ? kq::kQ5KScales : kq::kQ4KScales), sc, mn);
+    for (int r = 0; r < 2; ++r) {
+      for (int t = 0; t < 4; ++t)
+        L::store(dst + L::kPairsAt + 64 * t + 32 * r,
+                 L::pair16(widen_u8(mn[2 * t], r), widen_u8(mn[2 * t + 1], r)));
+      for (int s = 0; s < 8; ++s)
+        L::store(dst + L::kScales + 64 * s + 32 * r, dup16(widen_u8(sc[s], r)));
+    }
+    const __m256i nib = _mm256_set1_epi8(15), b4 = _mm256_set1_epi8(16);
+    for (int s = 0; s < 8; ++s)  // low nibbles of chunks 8c + k (s = 2c), high (s = 2c + 1)
+      for (int k = 0; k < 8; ++k)
+        for (int r = 0; r < 2; ++r) {
+          const __m256i v = load256(rec + kQs + 64 * (8 * (s / 2) + k) + 32 * r);
+          __m256i q = _mm256_and_si256(s % 2 ? _mm256_srli_epi16(v, 4) : v, nib);
+          if constexpr (kHighBit)  // bit s of qh chunk k
+            q = _mm256_or_si256(q, _mm256_and_si256(
+                move_bit(load256(rec + kq::kQ5KQh + 64 * k + 32 * r), s, 4), b4));
+          L::store(dst + L::kQuants + 64 * (8 * s + k) + 32 * r, q);
+        }
+  }
+
+  template <int MT>
+  static inline void dot(const uint8_t* rec, const int8_t* const* x, const int16_t* const* bs,
+                         __m256i (*isum)[2], __m256i (*msum)[2]) {
+    L::template sums<MT>(rec, x, isum);
+    for (int m = 0; m < MT; ++m) {
+      int32_t v[4];  // (bsum of 2t, of 2t + 1): |bsum of 32| <= 32 * 127, an int16
+      for (int t = 0; t < 4; ++t) {
+        const int16_t* b = bs[m] + 4 * t;
+        v[t] = static_cast<int32_t>(static_cast<uint32_t>(static_cast<uint16_t>(b[2] + b[3]))
+                                    << 16 | static_cast<uint16_t>(b[0] + b[1]));
+      }
+      for (int r = 0; r < 2; ++r) msum[m][r] = L::template pair_dot<4>(rec, r, v);
+    }
+  }
+};
+
+// Q6_K wide: sub-block s (16 weights) = 4 chunks of q + 32; pair factors t < 8: (scale_2t,
+// scale_2t+1), against the pair of bsums (2t, 2t + 1), for the - 32 * sum_s scale_s * bsum_s.
+struct WideQ6K : WideLayout<16, 4, 2, 8> {
+  using L = WideLayout<16, 4, 2, 8>;
+  static constexpr bool kMin = false;
+
+  static inline void unpack(const uint8_t* rec, uint8_t* dst) {
+    std::memcpy(dst, rec + kq::kQ6KD, 32);
+    std::memset(dst + 32, 0, 32);
+    __m128i sc[16];
+    for (int s = 0; s < 16; ++s)
+      sc[s] = _mm_loadu_si128(reinterpret_cast<const __m128i*>(rec + kq::kQ6KScales + 16 * s));
+    for (int r = 0; r < 2; ++r) {
+      for (int t = 0; t < 8; ++t)
+        store(dst + kPairsAt + 64 * t + 32 * r,
+              pair16(widen_i8(sc[2 * t], r), widen_i8(sc[2 * t + 1], r)));
+      for (int s = 0; s < 16; ++s)
+        store(dst + kScales + 64 * s + 32 * r, dup16(widen_i8(sc[s], r)));
+    }
+    // Sub-block s = 8h + 2c + half, chunk k: weight 128h + 32c + 4l4 + j for l4 = 4 half + k,
+    // assembled as Q6K::dot does.
+    const __m256i nib = _mm256_set1_epi8(15), top = _mm256_set1_epi8(48);
+    for (int s = 0; s < 16; ++s) {
+      const int h = s / 8, c = s % 8 / 2, half = s % 2;
+      for (int k = 0; k < 4; ++k) {
+        const int l4 = 4 * half + k;
+        const uint8_t* ql = rec + 64 * (16 * h + 8 * (c & 1) + l4);
+        const uint8_t* qh = rec + kq::kQ6KQh + 64 * (8 * h + l4);
+        for (int r = 0; r < 2; ++r) {
+          __m256i lo = load256(ql + 32 * r), hb = load256(qh + 32 * r);
+          if (c >= 2) lo = _mm256_srli_epi16(lo, 4);
+          hb = c == 0 ? _mm256_slli_epi16(hb, 4) : c == 1 ? _mm256_slli_epi16(hb, 2)
+               : c == 3 ? _mm256_srli_epi16(hb, 2) : hb;
+          store(dst + kQuants + 64 * (4 * s + k) + 32 * r,
+                _mm256_or_si256(_mm256_and_si256(lo, nib), _mm256_and_si256(hb, top)));
+        }
+      }
+    }
+  }
+
+  template <int MT>
+  static inline void dot(const uint8_t* rec, const int8_t* const* x, const int16_t* const* bs,
+                         __m256i (*isum)[2], __m256i (*)[2]) {
+    sums<MT>(rec, x, isum);
+    for (int m = 0; m < MT; ++m) {
+      int32_t v[8];  // the bsum pairs (2t, 2t + 1) as stored: |bsum| <= 16 * 127
+      std::memcpy(v, bs[m], sizeof v);
+      for (int r = 0; r < 2; ++r)
+        isum[m][r] = _mm256_sub_epi32(isum[m][r], _mm256_slli_epi32(pair_dot<8>(rec, r, v), 5));
+    }
+  }
+};
+
+template <class Fmt> struct Wide { using type = void; };
+template <> struct Wide<Q4K> { using type = WideQ45K<false>; };
+template <> struct Wide<Q5K> { using type = WideQ45K<true>; };
+template <> struct Wide<Q6K> { using type = WideQ6K; };
+
 #include "kquant_driver.h"  // some_rows, run, run_kquant: see there why in this namespace
 
 template <class Fmt>
 void run_fmt(const Q8KActs& a, const uint8_t* w, const float* bias, float* out, int64_t N,
              int nthreads, bool) {
+  using WideFmt = typename Wide<Fmt>::type;
+  if constexpr (!std::is_void_v<WideFmt>) {
+    if (a.M >= kWideMinRows) {
+      // Wide records: a pass of ~256 KB of activations unpacks its group once, then
+      // kWideMT rows per tile read them from cache.
+      constexpr int kWideMT = 4;
+      run_passes<kWideMT>(a, w, Fmt::kRecord, bias, out, N, nthreads, 1 << 18,
+                          [&](int64_t p0, int64_t p1, const uint8_t* gw, const float* bg,
+                              float* o, int64_t cols) {
+        const uint8_t* ub = unpack_group(gw, a.K / kQK, Fmt::kRecord, WideFmt::kRecord,
+                                         WideFmt::unpack);
+        for (int64_t m = p0; m < p1; m += kWideMT)
+          some_rows<WideFmt, kWideMT>(min64(kWideMT, p1 - m), false, a, m, ub, bg, o, N, cols);
+      });
+      return;
+    }
+  }
   // MT = 1 at decode: one stream, the accumulators in registers. Larger M: 2 rows share each
   // chunk's load and nibble split (16 ymm cannot hold more rows' accumulators).
   if (a.M == 1) run<Fmt, 1>(a, w, bias, out, N, nthreads);

@@ -218,9 +218,9 @@ def test_kernel_at_the_integer_bounds(qlinear_ops: CpuOps, qtype: int) -> None:
     raw = raw.reshape(n, -1)
     packed = pack_kquant(raw, qtype, k)
     signs = torch.tensor([1.0, -1.0]).repeat(k // 2)
-    # the VNNI / AVX2 packed tiles; at 40 rows AVX2's wide records (16+ rows) and AMX's tiles
-    # (32+ rows) where the ISA is amx
-    for rows in (3, 40):
+    # the VNNI / AVX2 packed tiles (AVX2: 1 row, and 2 but for Q6_K), AVX2's wide records (3+
+    # rows; Q6_K 2+), and AMX's tiles (32+ rows) where the ISA is amx
+    for rows in (1, 2, 3, 40):
         for x in (torch.ones(rows, k), -torch.ones(rows, k), torch.ones(rows, k) * signs):
             expect = dot_kquant(raw, qtype, quantize_activations_q8_k(x))
             assert torch.equal(qlinear_ops.qlinear_kquant(x, packed, n, wtype=qtype), expect)

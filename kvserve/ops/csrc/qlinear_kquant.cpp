@@ -29,9 +29,9 @@
 //
 // Parallel split (tiles.h): a tile is one 16-row group, each thread streams its slab of groups
 // front to back; activation rows go in passes of ~256 KB of int8 (kept in L2), and a group's
-// records are re-read from cache for every MT rows after the first tile. At 16+ rows (prefill,
-// large batches) Q4_K, Q5_K and Q6_K groups are read as wide records instead, unpacked once
-// per pass ("Wide records" below).
+// records are re-read from cache for every MT rows after the first tile. From 3 rows (Q6_K:
+// 2) on, Q4_K, Q5_K and Q6_K groups are read as wide records instead, unpacked once per pass
+// ("Wide records" below): prefill, batches, and a speculative step's K + 1 rows.
 #include <omp.h>
 
 #include <type_traits>
@@ -427,7 +427,7 @@ inline void tile(const Q8KActs& a, int64_t m0, const uint8_t* gw, const float* b
   }
 }
 
-// --- Wide records: Q4_K, Q5_K and Q6_K at M >= kWideMinRows ---
+// --- Wide records: Q4_K, Q5_K and Q6_K at M >= kMinRows (3; Q6_K 2) ---
 //
 // A pass of many activation rows reads its group's records unpacked once (unpack_group) into
 // "wide" records, which tile<> reads as it reads packed ones: each chunk's quants already a
@@ -442,8 +442,6 @@ inline void tile(const Q8KActs& a, int64_t m0, const uint8_t* gw, const float* b
 //   | d[16]  | dmin[16] | pair factors | scales: kSub x 2 | quants: kSub x kK x 2 |
 //     (Q6_K: no dmin)     (kPairs x 2)  dup16(scale), rows   sub-block s, chunk k, rows 8r..:
 //                                       8r .. 8r + 7         weights kK * 4 * s + 4 k + j
-constexpr int64_t kWideMinRows = 16;
-
 // kSub sub-blocks of kK chunks; int16 sums of kRun chunks at a time, each madd by the scale
 // (the int16 bound of the packed kernel's same format).
 template <int kSub, int kK, int kRun, int kPairs>
@@ -507,6 +505,9 @@ template <bool kHighBit>
 struct WideQ45K : WideLayout<8, 8, kHighBit ? 4 : 8, 4> {
   using L = WideLayout<8, 8, kHighBit ? 4 : 8, 4>;
   static constexpr bool kMin = true;
+  // Measured per kernel call (Q4_K 8960 x 1536 and 1536 x 8960, 2 threads): from 3 rows the
+  // unpacking costs less than the packed tiles' decoding (even at 2: 0.7x-1.3x)
+  static constexpr int64_t kMinRows = 3;
   static constexpr int64_t kQs = kHighBit ? kq::kQ5KQs : kq::kQ4KQs;
 
   static inline void unpack(const uint8_t* rec, uint8_t* dst) {
@@ -554,6 +555,9 @@ struct WideQ45K : WideLayout<8, 8, kHighBit ? 4 : 8, 4> {
 struct WideQ6K : WideLayout<16, 4, 2, 8> {
   using L = WideLayout<16, 4, 2, 8>;
   static constexpr bool kMin = false;
+  // Q6_K's packed decoding is dearer (6 bits from two chunks): wide is 1.3x at 2 rows, 2.3x
+  // at 5 and 3-4x at 15 (same shapes)
+  static constexpr int64_t kMinRows = 2;
 
   static inline void unpack(const uint8_t* rec, uint8_t* dst) {
     std::memcpy(dst, rec + kq::kQ6KD, 32);
@@ -614,7 +618,7 @@ void run_fmt(const Q8KActs& a, const uint8_t* w, const float* bias, float* out, 
              int nthreads, bool) {
   using WideFmt = typename Wide<Fmt>::type;
   if constexpr (!std::is_void_v<WideFmt>) {
-    if (a.M >= kWideMinRows) {
+    if (a.M >= WideFmt::kMinRows) {
       // Wide records: a pass of ~256 KB of activations unpacks its group once, then
       // kWideMT rows per tile read them from cache.
       constexpr int kWideMT = 4;

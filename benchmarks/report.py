@@ -569,9 +569,14 @@ class Report:
             lines += ["", (f"*(noisy)*: other processes used more than {NOISY_CORES} cores "
                            "on average while the row ran; its speeds are not to be quoted.")]
         earlier = [r for r in measured if r.get("date") and r["date"] != q.get("date")]
+
+        def when(r: dict[str, Any]) -> str:
+            other = r.get("machine") and _machine(r["machine"]) != _machine(m)
+            return r["date"] + (f", on {_machine(r['machine'])}" if other else "")
+
         if earlier:
             lines += ["", "Kept from earlier runs of this step (`--quant-rows` named the "
-                      "others): " + "; ".join(f"{r['label']} ({r['date']})" for r in earlier)
+                      "others): " + "; ".join(f"{r['label']} ({when(r)})" for r in earlier)
                       + "."]
         lines += ["", "n/a: no same-format llama.cpp peer (kvserve's own formats), or the row "
                   "has no float32 row of its model.", "",

@@ -153,6 +153,11 @@ def test_quant_table_compares_each_row_with_its_peer_and_its_float32_row(
     # a row kept from an earlier run (compare --quant-rows re-measured the others)
     q["date"] = q["rows"][0]["date"] = "2026-12-02T03:00:00+00:00"
     q["rows"][2]["date"] = "2026-12-01T15:09:29+00:00"
+    # ... and one kept from a run on another CPU, which the note names
+    xeon = {"cpu_model": "Intel Xeon", "cpus": 2, "isa": ["avx2", "avx512f"]}
+    q["machine"] = q["rows"][1]["machine"] = xeon
+    q["rows"][3].update(date="2026-12-02T09:00:00+00:00",
+                        machine={"cpu_model": "AMD EPYC", "cpus": 2, "isa": ["avx2", "fma"]})
     (tmp_path / "quant.json").write_text(json.dumps(q))
     md = "\n".join(report.Report(tmp_path).quant_section())
 
@@ -176,7 +181,8 @@ def test_quant_table_compares_each_row_with_its_peer_and_its_float32_row(
     # decode's share of the bandwidth measured in its rounds (their median beside it)
     assert speed["qwen"][7] == "n/a" and speed["qwen_bw"][7] == "90% of 22.0 GB/s"
     assert ("Kept from earlier runs of this step (`--quant-rows` named the others): int4 "
-            "(2026-12-01T15:09:29+00:00).") in md
+            "(2026-12-01T15:09:29+00:00); qwen (2026-12-02T09:00:00+00:00, on AMD EPYC "
+            "(2 cores; avx2, fma)).") in md
     assert "w8a8" not in quality and "- w8a8: not available: no --method smoothquant" in md
 
 

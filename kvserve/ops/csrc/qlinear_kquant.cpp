@@ -434,14 +434,16 @@ inline void tile(const Q8KActs& a, int64_t m0, const uint8_t* gw, const float* b
 // byte each (nibble split, high bits ORed in), the scales already widened to the int16 madd
 // factors, the min (Q4_K / Q5_K) or the + 32 correction (Q6_K) factors as int16 pairs. The
 // inner loop is then one load per 8 rows x 4 quants and, per activation row, one broadcast,
-// maddubs and add: that work, done once per pass instead of once per MT rows, was a third of
-// the packed kernel's. The integer sums are the packed kernel's, so are the bits.
+// maddubs and add; the decoding, done once per pass instead of once per 2 rows, had cost more
+// than the products (one call at 512 rows, 2 threads: Q4_K 2.5x, Q6_K 3x the packed tiles).
+// The integer sums are the packed kernel's, so are the bits.
 //
 //   wide record, kSub sub-blocks of kK chunks (a chunk: 4 quants of 16 rows, 2 x 32 bytes):
 //   0        32          64            kScales             kQuants
 //   | d[16]  | dmin[16] | pair factors | scales: kSub x 2 | quants: kSub x kK x 2 |
 //     (Q6_K: no dmin)     (kPairs x 2)  dup16(scale), rows   sub-block s, chunk k, rows 8r..:
 //                                       8r .. 8r + 7         weights kK * 4 * s + 4 k + j
+//
 // kSub sub-blocks of kK chunks; int16 sums of kRun chunks at a time, each madd by the scale
 // (the int16 bound of the packed kernel's same format).
 template <int kSub, int kK, int kRun, int kPairs>
@@ -457,7 +459,8 @@ struct WideLayout {
   static inline void sums(const uint8_t* rec, const int8_t* const* x, __m256i (*isum)[2]) {
     for (int m = 0; m < MT; ++m) isum[m][0] = isum[m][1] = _mm256_setzero_si256();
     for (int s = 0; s < kSub; ++s) {
-      const __m256i sc[2] = {load256(rec + kScales + 64 * s), load256(rec + kScales + 64 * s + 32)};
+      const uint8_t* sp = rec + kScales + 64 * s;
+      const __m256i sc[2] = {load256(sp), load256(sp + 32)};
       for (int k0 = 0; k0 < kK; k0 += kRun) {
         __m256i acc[MT][2];
         for (int m = 0; m < MT; ++m) acc[m][0] = acc[m][1] = _mm256_setzero_si256();

@@ -471,10 +471,12 @@ struct WideLayout {
             const __m256i xb = bcast4(x[m] + 4 * (kK * s + k));
             acc[m][0] = _mm256_add_epi16(acc[m][0], _mm256_maddubs_epi16(w0, xb));
             acc[m][1] = _mm256_add_epi16(acc[m][1], _mm256_maddubs_epi16(w1, xb));
-            // Keeps each running sum in its register: unpinned, GCC reassociates the chain
-            // into all the products first, spilled to the stack, then a tree of adds.
-            asm("" : "+x"(acc[m][0]), "+x"(acc[m][1]));
           }
+          // Keeps each running sum in its register: unpinned, GCC reassociates the chain
+          // into all the products first, spilled to the stack, then a tree of adds. Pinned
+          // once per chunk, after all rows' products (inside the row loop the pins cost 4
+          // extra register moves per chunk: 1.10x slower on Q4_K).
+          for (int m = 0; m < MT; ++m) asm("" : "+x"(acc[m][0]), "+x"(acc[m][1]));
         }
         for (int m = 0; m < MT; ++m)
           for (int r = 0; r < 2; ++r)

@@ -575,9 +575,12 @@ class Report:
             return r["date"] + (f", on {_machine(r['machine'])}" if other else "")
 
         if earlier:
+            runs: dict[str, list[str]] = {}
+            for r in earlier:
+                runs.setdefault(when(r), []).append(r["label"])
             lines += ["", "Kept from earlier runs of this step (`--quant-rows` named the "
-                      "others): " + "; ".join(f"{r['label']} ({when(r)})" for r in earlier)
-                      + "."]
+                      "others): " + "; ".join(f"{', '.join(labels)} ({w})"
+                                              for w, labels in runs.items()) + "."]
         lines += ["", "n/a: no same-format llama.cpp peer (kvserve's own formats), or the row "
                   "has no float32 row of its model.", "",
                   "![decode tok/s against perplexity](benchmarks/results/quant.png)", ""]

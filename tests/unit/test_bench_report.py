@@ -156,8 +156,9 @@ def test_quant_table_compares_each_row_with_its_peer_and_its_float32_row(
     # ... and one kept from a run on another CPU, which the note names
     xeon = {"cpu_model": "Intel Xeon", "cpus": 2, "isa": ["avx2", "avx512f"]}
     q["machine"] = q["rows"][1]["machine"] = xeon
-    q["rows"][3].update(date="2026-12-02T09:00:00+00:00",
-                        machine={"cpu_model": "AMD EPYC", "cpus": 2, "isa": ["avx2", "fma"]})
+    epyc = {"cpu_model": "AMD EPYC", "cpus": 2, "isa": ["avx2", "fma"]}
+    for i in (3, 4):
+        q["rows"][i].update(date="2026-12-02T09:00:00+00:00", machine=epyc)
     (tmp_path / "quant.json").write_text(json.dumps(q))
     md = "\n".join(report.Report(tmp_path).quant_section())
 
@@ -181,8 +182,8 @@ def test_quant_table_compares_each_row_with_its_peer_and_its_float32_row(
     # decode's share of the bandwidth measured in its rounds (their median beside it)
     assert speed["qwen"][7] == "n/a" and speed["qwen_bw"][7] == "90% of 22.0 GB/s"
     assert ("Kept from earlier runs of this step (`--quant-rows` named the others): int4 "
-            "(2026-12-01T15:09:29+00:00); qwen (2026-12-02T09:00:00+00:00, on AMD EPYC "
-            "(2 cores; avx2, fma)).") in md
+            "(2026-12-01T15:09:29+00:00); qwen, qwen_bw (2026-12-02T09:00:00+00:00, on AMD "
+            "EPYC (2 cores; avx2, fma)).") in md
     assert "w8a8" not in quality and "- w8a8: not available: no --method smoothquant" in md
 
 

@@ -227,7 +227,8 @@ class CpuOps(ReferenceOps):
         # Only where amx may be chosen: asking is what makes Linux grant the tile state.
         has_amx = has_avx512 and isa in (None, "amx") and self._ext.cpu_has_amx_int8()
         if isa in ("avx512", "amx") and self._ext is not None and not has_avx512:
-            raise ValueError(f"isa={isa!r} needs a CPU with AVX-512F; this one has AVX2 only")
+            needs = "AVX-512F and AMX-INT8" if isa == "amx" else "AVX-512F"
+            raise ValueError(f"isa={isa!r} needs a CPU with {needs}; this one has AVX2 only")
         if isa == "amx" and self._ext is not None and not has_amx:
             raise ValueError("isa='amx' needs a CPU with AMX-INT8 (and Linux's grant of its "
                              "tile state); this one has AVX-512 without it")

@@ -639,8 +639,9 @@ void run_fmt(const Q8KActs& a, const uint8_t* w, const float* bias, float* out, 
       return;
     }
   }
-  // MT = 1 at decode: one stream, the accumulators in registers. Larger M: 2 rows share each
-  // chunk's load and nibble split (16 ymm cannot hold more rows' accumulators).
+  // MT = 1 at decode: one stream, the accumulators in registers. Otherwise (Q2_K and Q3_K;
+  // Q4_K / Q5_K at 2 rows) 2 rows share each chunk's load and nibble split (16 ymm cannot
+  // hold more rows' accumulators).
   if (a.M == 1) run<Fmt, 1>(a, w, bias, out, N, nthreads);
   else run<Fmt, 2>(a, w, bias, out, N, nthreads);
 }

@@ -303,6 +303,18 @@ struct Q5K {
   }
 };
 
+// Q6_K's q + 32 (0..63) of rows 8r .. 8r + 7, 4 weights each: the low nibbles of the ql
+// chunk at ql (its high nibbles for c >= 2) with bits 2c, 2c + 1 of the qh chunk at qh.
+inline __m256i q6_quants(const uint8_t* ql, const uint8_t* qh, int c, int r) {
+  __m256i lo = load256(ql + 32 * r), hb = load256(qh + 32 * r);
+  if (c >= 2) lo = _mm256_srli_epi16(lo, 4);
+  // bits 2c, 2c + 1 of the qh byte up (or down) to bits 4, 5
+  hb = c == 0 ? _mm256_slli_epi16(hb, 4) : c == 1 ? _mm256_slli_epi16(hb, 2)
+       : c == 3 ? _mm256_srli_epi16(hb, 2) : hb;
+  return _mm256_or_si256(_mm256_and_si256(lo, _mm256_set1_epi8(15)),
+                         _mm256_and_si256(hb, _mm256_set1_epi8(48)));
+}
+
 struct Q6K {
   static constexpr int64_t kRecord = kq::kQ6KRecord;
   static constexpr int64_t kD = kq::kQ6KD, kDmin = 0;
@@ -310,7 +322,6 @@ struct Q6K {
   template <int MT>
   static inline void dot(const uint8_t* rec, const int8_t* const* x, const int16_t* const* bs,
                          __m256i (*isum)[2], __m256i (*)[2]) {
-    const __m256i nib = _mm256_set1_epi8(15), top = _mm256_set1_epi8(48);
     __m128i sc[16];
     for (int s = 0; s < 16; ++s)
       sc[s] = _mm_loadu_si128(reinterpret_cast<const __m128i*>(rec + kq::kQ6KScales + 16 * s));
@@ -330,15 +341,7 @@ struct Q6K {
               const int l4 = 4 * half + 2 * pair + e;
               const uint8_t* ql = rec + 64 * (16 * h + 8 * (c & 1) + l4);
               const uint8_t* qh = rec + kq::kQ6KQh + 64 * (8 * h + l4);
-              __m256i u[2];
-              for (int r = 0; r < 2; ++r) {
-                __m256i lo = load256(ql + 32 * r), hb = load256(qh + 32 * r);
-                if (c >= 2) lo = _mm256_srli_epi16(lo, 4);
-                // bits 2c, 2c + 1 of the qh byte up (or down) to bits 4, 5
-                hb = c == 0 ? _mm256_slli_epi16(hb, 4) : c == 1 ? _mm256_slli_epi16(hb, 2)
-                     : c == 3 ? _mm256_srli_epi16(hb, 2) : hb;
-                u[r] = _mm256_or_si256(_mm256_and_si256(lo, nib), _mm256_and_si256(hb, top));
-              }
+              const __m256i u[2] = {q6_quants(ql, qh, c, 0), q6_quants(ql, qh, c, 1)};
               for (int m = 0; m < MT; ++m) {
                 const __m256i xb = bcast4(x[m] + 128 * h + 32 * c + 4 * l4);
                 for (int r = 0; r < 2; ++r)
@@ -579,21 +582,14 @@ struct WideQ6K : WideLayout<16, 4, 2, 8> {
     }
     // Sub-block s = 8h + 2c + half, chunk k: weight 128h + 32c + 4l4 + j for l4 = 4 half + k,
     // assembled as Q6K::dot does.
-    const __m256i nib = _mm256_set1_epi8(15), top = _mm256_set1_epi8(48);
     for (int s = 0; s < 16; ++s) {
       const int h = s / 8, c = s % 8 / 2, half = s % 2;
       for (int k = 0; k < 4; ++k) {
         const int l4 = 4 * half + k;
         const uint8_t* ql = rec + 64 * (16 * h + 8 * (c & 1) + l4);
         const uint8_t* qh = rec + kq::kQ6KQh + 64 * (8 * h + l4);
-        for (int r = 0; r < 2; ++r) {
-          __m256i lo = load256(ql + 32 * r), hb = load256(qh + 32 * r);
-          if (c >= 2) lo = _mm256_srli_epi16(lo, 4);
-          hb = c == 0 ? _mm256_slli_epi16(hb, 4) : c == 1 ? _mm256_slli_epi16(hb, 2)
-               : c == 3 ? _mm256_srli_epi16(hb, 2) : hb;
-          store(dst + kQuants + 64 * (4 * s + k) + 32 * r,
-                _mm256_or_si256(_mm256_and_si256(lo, nib), _mm256_and_si256(hb, top)));
-        }
+        for (int r = 0; r < 2; ++r)
+          store(dst + kQuants + 64 * (4 * s + k) + 32 * r, q6_quants(ql, qh, c, r));
       }
     }
   }

@@ -561,7 +561,6 @@ struct WideQ45K : WideLayout<8, 8, kHighBit ? 4 : 8, 4> {
 // Q6_K wide: sub-block s (16 weights) = 4 chunks of q + 32; pair factors t < 8: (scale_2t,
 // scale_2t+1), against the pair of bsums (2t, 2t + 1), for the - 32 * sum_s scale_s * bsum_s.
 struct WideQ6K : WideLayout<16, 4, 2, 8> {
-  using L = WideLayout<16, 4, 2, 8>;
   static constexpr bool kMin = false;
   // Q6_K's packed decoding is dearer (6 bits from two chunks): wide is 1.3x at 2 rows, 2.3x
   // at 5 and 3-4x at 15 (same shapes)

@@ -17,6 +17,7 @@ import asyncio
 import json
 import logging
 import math
+import os
 import random
 import sys
 import time
@@ -41,6 +42,9 @@ class ServeConfig:
     timeout_s: float = 3600.0
     percentiles: tuple[float, ...] = (99,)
     extra_body: tuple[tuple[str, Any], ...] = ()
+    # Sent as 'Authorization: Bearer <key>' (a server with --api-key); on kvserve each key is
+    # a tenant, so a run with its own key shares nothing per tenant with other runs.
+    api_key: str | None = None
 
     def __post_init__(self) -> None:
         if self.max_concurrency is not None and self.max_concurrency < 1:
@@ -63,6 +67,21 @@ def completion_body(cfg: ServeConfig, req: SampleRequest) -> dict[str, Any]:
         body.update(ignore_eos=True, min_tokens=req.output_len, n_predict=req.output_len)
     body.update(dict(cfg.extra_body))
     return body
+
+
+def auth_headers(api_key: str | None) -> dict[str, str]:
+    return {"Authorization": f"Bearer {api_key}"} if api_key else {}
+
+
+def redact_key(argv: Sequence[str]) -> list[str]:
+    """argv with an --api-key value hidden, for the result file."""
+    out = list(argv)
+    for i, a in enumerate(out):
+        if a == "--api-key" and i + 1 < len(out):
+            out[i + 1] = "***"
+        elif a.startswith("--api-key="):
+            out[i] = "--api-key=***"
+    return out
 
 
 def request_intervals(n: int, rate: float, seed: int) -> list[float]:
@@ -130,7 +149,8 @@ async def run_requests(cfg: ServeConfig, requests: Sequence[SampleRequest],
 
     limits = httpx.Limits(max_connections=max(len(requests), 1) + 4,
                           max_keepalive_connections=max(len(requests), 1) + 4)
-    async with httpx.AsyncClient(limits=limits, timeout=cfg.timeout_s) as client:
+    async with httpx.AsyncClient(limits=limits, timeout=cfg.timeout_s,
+                                 headers=auth_headers(cfg.api_key)) as client:
         for _ in range(warmups):
             # A short prompt unrelated to the dataset: it must not warm a shared prefix.
             warm = SampleRequest("Hello, my name is", 5, 4)
@@ -155,10 +175,10 @@ async def run_requests(cfg: ServeConfig, requests: Sequence[SampleRequest],
     return records, duration
 
 
-async def first_model_id(base_url: str) -> str:
+async def first_model_id(base_url: str, api_key: str | None = None) -> str:
     import httpx
 
-    async with httpx.AsyncClient(timeout=30) as client:
+    async with httpx.AsyncClient(timeout=30, headers=auth_headers(api_key)) as client:
         r = await client.get(base_url.rstrip("/") + "/v1/models")
         r.raise_for_status()
         data = r.json().get("data") or []
@@ -187,13 +207,14 @@ def load_dataset(ns: argparse.Namespace) -> list[SampleRequest]:
 def run(ns: argparse.Namespace) -> int:
     logging.getLogger("httpx").setLevel(logging.WARNING)  # no line per request
     requests = load_dataset(ns)
-    model = ns.served_model_name or asyncio.run(first_model_id(ns.base_url))
+    api_key = ns.api_key or os.environ.get("OPENAI_API_KEY") or None
+    model = ns.served_model_name or asyncio.run(first_model_id(ns.base_url, api_key))
     extra = tuple(json.loads(ns.extra_body).items()) if ns.extra_body else ()
     cfg = ServeConfig(base_url=ns.base_url, model=model, max_concurrency=ns.max_concurrency,
                       request_rate=ns.request_rate, ignore_eos=ns.ignore_eos,
                       temperature=ns.temperature, seed=ns.seed,
                       percentiles=tuple(float(p) for p in ns.metric_percentiles.split(",")),
-                      extra_body=extra)
+                      extra_body=extra, api_key=api_key)
     print(f"{len(requests)} requests ({ns.dataset_name}), concurrency "
           f"{cfg.max_concurrency or 'unlimited'}, rate {cfg.request_rate} req/s -> "
           f"{cfg.base_url} ({model})", file=sys.stderr)
@@ -219,7 +240,7 @@ def run(ns: argparse.Namespace) -> int:
             "max_concurrency": cfg.max_concurrency,
             "request_rate": None if math.isinf(cfg.request_rate) else cfg.request_rate,
             "ignore_eos": cfg.ignore_eos, "seed": cfg.seed,
-            "command": " ".join(sys.argv),
+            "command": " ".join(redact_key(sys.argv)),
             **m,
             "output_lens": [r.output_len for r in records],
             "ttfts_ms": [r.ttft * 1000 if r.success else None for r in records],
@@ -232,6 +253,8 @@ def run(ns: argparse.Namespace) -> int:
 
 def add_cli_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--base-url", default="http://127.0.0.1:8000")
+    p.add_argument("--api-key", default=None,
+                   help="sent as 'Authorization: Bearer KEY' (default: $OPENAI_API_KEY)")
     p.add_argument("--model", dest="served_model_name", default=None,
                    help="the model name sent in requests; default: the first of /v1/models")
     p.add_argument("--tokenizer", default=None,

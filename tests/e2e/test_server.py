@@ -116,6 +116,26 @@ def test_api_key(server: ServerProcess) -> None:
         openai.OpenAI(base_url=url + "/v1", api_key="wrong", max_retries=0).models.list()
 
 
+def test_bench_serve_sends_its_api_key(server: ServerProcess) -> None:
+    """`kvserve bench serve --api-key` reaches a server that requires one; without the key
+    every request is a failed record (HTTP 401), not a crash."""
+    from kvserve.bench.datasets import SampleRequest
+    from kvserve.bench.serve import ServeConfig, first_model_id, run_requests
+
+    assert asyncio.run(first_model_id(server.base_url, server.api_key)) == MODEL
+    with pytest.raises(httpx.HTTPStatusError):
+        asyncio.run(first_model_id(server.base_url))
+    reqs = [SampleRequest("The capital of France is", 6, 5)] * 2
+    for key, ok in ((server.api_key, True), ("wrong-key", False), (None, False)):
+        cfg = ServeConfig(base_url=server.base_url, model=MODEL, ignore_eos=True, api_key=key)
+        records, _ = asyncio.run(run_requests(cfg, reqs, warmups=0))
+        if ok:
+            assert [(r.success, r.output_len) for r in records] == [(True, 5)] * 2
+        else:
+            assert [r.success for r in records] == [False] * 2
+            assert all(r.error.startswith("HTTP 401") for r in records)
+
+
 def test_request_id_and_routes(http: httpx.Client) -> None:
     r = http.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 2},
                   headers={"X-Request-Id": "my-request-42"})

@@ -143,3 +143,12 @@ def test_send_request_failures_are_records() -> None:
     assert not rec.success and "boom" in rec.error
     rec = _send(_sse([]))
     assert not rec.success and "no text" in rec.error
+
+
+def test_result_file_command_hides_the_api_key() -> None:
+    from kvserve.bench.serve import redact_key
+
+    argv = ["kvserve", "bench", "serve", "--api-key", "sk-1", "--label", "x",
+            "--api-key=sk-2"]
+    assert redact_key(argv) == ["kvserve", "bench", "serve", "--api-key", "***", "--label",
+                                "x", "--api-key=***"]

@@ -633,11 +633,13 @@ class Report:
         (LEARNS_ACROSS_REQUESTS) has answered the very same prompts before every run but
         the first of the first cell of each task (rounds repeat them, and 8 streams repeat
         the 1-stream prompts), so its later runs replay answers: only that first run is
-        quoted, and its other cells are left out (replays: True)."""
+        quoted, and its other cells are left out (replays: True). Runs measured with a
+        tenant (API key) per run (the model's tenant_per_run) share nothing: all quoted."""
         cell = next((c for c in model.get("cells") or [] if c["config"] == config
                      and c["task"] == task and c["concurrency"] == conc), None)
-        if cell is None or cell.get("method") not in LEARNS_ACROSS_REQUESTS:
-            return cell
+        if cell is None or cell.get("method") not in LEARNS_ACROSS_REQUESTS \
+                or model.get("tenant_per_run"):
+            return cell  # (with a tenant per run, no run sees another's answers)
         first = min((c["concurrency"] for c in model.get("cells") or []
                      if c["config"] == config and c["task"] == task), default=conc)
         if conc != first or not cell.get("runs") or not cell.get("speedup_runs"):
@@ -722,7 +724,12 @@ class Report:
              f"drafts (tokens per verification step). *Same outputs*: every request "
              f"generated as many tokens as without speculation (greedy: it should). Prompt "
              f"caches off on both servers (`--no-enable-prefix-caching`; `--no-cache-prompt "
-             f"--cache-ram 0`): each round prefills again."),
+             f"--cache-ram 0`): each round prefills again."
+             + (" Each kvserve run sends its own API key, one per (task, streams, round), "
+                "and each key is a tenant: the suffix proposer drafts from its own tenant's "
+                "past outputs only, so no run drafts from another's answers to the same "
+                "prompts." if any(m.get("tenant_per_run") for m in s.get("models") or [])
+                else "")),
             "",
             ("kvserve's `--speculative-config`s: "
              + "; ".join(f"{k} `{json.dumps(v)}`" for k, v in methods.items()) + "."),
@@ -802,7 +809,8 @@ class Report:
                     lines.append("| " + " | ".join(row) + " |")
                 lines.append("")
             learners = sorted({c["label"] for c in m.get("cells") or []
-                               if c.get("method") in LEARNS_ACROSS_REQUESTS})
+                               if c.get("method") in LEARNS_ACROSS_REQUESTS
+                               and not m.get("tenant_per_run")})
             if learners:
                 lines += [(f"{', '.join(learners)}: drafts from the server's earlier answers "
                            "too, and the runs repeat prompts (every round the same ones, 8 "

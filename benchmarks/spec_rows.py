@@ -27,6 +27,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from kvserve.request import DEFAULT_TIER
+
 TASKS = {
     "grounded": "input-grounded (rewrite / edit a given code or text, return it whole)",
     "open": "open generation (write new code or prose)",
@@ -48,7 +50,8 @@ KVSERVE_METHOD_CONFIGS: dict[str, dict[str, Any]] = {
     "self_draft": {"method": "self_draft", "num_speculative_tokens": 4},
 }
 DEFAULT_METHODS = ["ngram", "draft_model", "suffix", "self_draft"]  # the Qwen target
-DEFAULT_MODEL_METHODS = ["ngram"]  # the default model (SmolLM2-135M: no smaller draft)
+# The default model (SmolLM2-135M: no smaller draft): the lookups.
+DEFAULT_MODEL_METHODS = ["ngram", "suffix"]
 
 # llama-server's own speculative decoding (this llama.cpp: the --draft-max / --draft-min of
 # older builds are removed; --spec-draft-n-max / -n-min replace them). "draft": -md with the
@@ -278,6 +281,24 @@ def prompt_lines(tokenizer: Any, task: str, n: int, max_tokens: int, gpl: str | 
                                              add_generation_prompt=True)
         out.append({"prompt": text, "output_len": max_tokens})
     return out
+
+
+# kvserve's servers take one API key per (task, streams, round), and one for the warm-up
+# request: each key is a tenant, and the suffix proposer drafts only from its tenant's past
+# outputs. With one tenant for the whole run, round 2 would draft round 1's answers to the
+# very same prompts word for word, a speed-up no user sees.
+WARM_UP_KEY = "spec-warm-up"
+
+
+def run_key(task: str, concurrency: int, round_: int) -> str:
+    return f"spec-{task}-c{concurrency}-r{round_}"
+
+
+def api_key_file(tasks: list[str], concurrencies: list[int], rounds: int) -> str:
+    """`kvserve serve --api-key-file` text: every run's key and the warm-up's, default tier."""
+    keys = [WARM_UP_KEY] + [run_key(t, c, r) for t in tasks for c in concurrencies
+                            for r in range(rounds)]
+    return "".join(f"{k},{DEFAULT_TIER}\n" for k in keys)
 
 
 def write_jsonl(path: Path, lines: list[dict[str, Any]]) -> Path:

@@ -240,3 +240,32 @@ def test_spec_quotes_a_learning_proposer_by_its_first_run_only(tmp_path: Path,
     row = next(ln for ln in md.splitlines() if ln.startswith("| kvserve:suffix"))
     assert "| 18.7 | 1.10x | first run only |" in row and "replays (not quoted)" in row
     assert "3.99x" not in md
+    # Measured with an API key (a tenant) per run, no run saw another's answers: every
+    # cell as measured, the median of its rounds.
+    spec = json.loads((tmp_path / "spec.json").read_text())
+    spec["models"][0]["tenant_per_run"] = True
+    _write(tmp_path, "spec", spec)
+    rep = report.Report(tmp_path)
+    m = rep.spec["models"][0]
+    assert rep.spec_cell(m, "kvserve:suffix", "open", 1)["speedup"] == 3.99
+    assert rep.spec_cell(m, "kvserve:suffix", "open", 8)["speedup"] == 1.45
+    md = "\n".join(rep.spec_section())
+    row = next(ln for ln in md.splitlines() if ln.startswith("| kvserve:suffix"))
+    assert "| 69.5 | 3.99x | 85% / 5.20 |" in row and "replays" not in md
+    assert "its own API key" in md
+
+
+def test_spec_runs_key_file_is_one_the_server_reads(tmp_path: Path, report: Any) -> None:
+    """compare's spec step gives kvserve one API key per (task, streams, round) and one for
+    the warm-up; kvserve serve's own --api-key-file reader takes the file as those keys."""
+    import spec_rows  # benchmarks/, on the path once report.py is loaded
+
+    from kvserve.server.cli import read_api_key_file
+
+    path = tmp_path / "keys.txt"
+    path.write_text(spec_rows.api_key_file(["grounded", "open"], [1, 8], 3))
+    keys = read_api_key_file(str(path), {"default"})
+    runs = {spec_rows.run_key(t, c, r) for t in ("grounded", "open") for c in (1, 8)
+            for r in range(3)}
+    assert len(runs) == 12 and spec_rows.WARM_UP_KEY not in runs
+    assert keys == dict.fromkeys(runs | {spec_rows.WARM_UP_KEY}, "default")

@@ -771,8 +771,10 @@ class Report:
         for m in s.get("models") or []:
             lines += [f"### {m['label']}", ""]
             if m.get("date") and m["date"] != s.get("date"):
+                rounds = (f" {m['rounds']} round(s), medians."
+                          if m.get("rounds") and m["rounds"] != s.get("rounds") else "")
                 lines += [(f"Measured {m['date']}, in an earlier run of this step (kept when "
-                           f"`--spec-models` named only the others)."), ""]
+                           f"`--spec-models` named only the others).{rounds}"), ""]
             if m.get("error"):
                 lines += [f"Not measured: {m['error']}", ""]
                 continue

@@ -202,7 +202,13 @@ def test_spec_section_dates_a_model_kept_from_an_earlier_run(tmp_path: Path,
     md = "\n".join(report.Report(tmp_path).spec_section())
     default, qwen = md.split("### model default")[1].split("### model qwen1.5b")
     assert "Measured 2026-12-01T17:37:42+00:00, in an earlier run" in default
-    assert "Measured" not in qwen
+    assert "Measured" not in qwen and "round(s), medians." not in default
+    # A kept model measured over other rounds than this run's says so.
+    spec = json.loads((tmp_path / "spec.json").read_text())
+    spec["rounds"], spec["models"][0]["rounds"] = 1, 3
+    _write(tmp_path, "spec", spec)
+    md = "\n".join(report.Report(tmp_path).spec_section())
+    assert "named only the others). 3 round(s), medians." in md
 
 
 def test_spec_quotes_a_learning_proposer_by_its_first_run_only(tmp_path: Path,

@@ -275,3 +275,39 @@ def test_spec_runs_key_file_is_one_the_server_reads(tmp_path: Path, report: Any)
             for r in range(3)}
     assert len(runs) == 12 and spec_rows.WARM_UP_KEY not in runs
     assert keys == dict.fromkeys(runs | {spec_rows.WARM_UP_KEY}, "default")
+
+
+def test_spec_best_proposer_counts_only_runs_that_drafted(tmp_path: Path,
+                                                          report: Any) -> None:
+    """The model-based target quotes the best proposer that made drafts: a configuration
+    whose counters read no draft at all runs plain decoding, and its ratio is noise."""
+    def cell(method: str, speedup: float | None, drafts: float) -> dict[str, Any]:
+        c: dict[str, Any] = {
+            "config": f"kvserve:{method}", "task": "open", "concurrency": 1,
+            "engine": "kvserve", "method": method,
+            "kind": "none" if method == "none" else "model", "label": method,
+            "output_tok_s": 10.0, "errors": [], "runs": [{"output_throughput": 10.0}]}
+        if speedup is not None:
+            c.update(speedup=speedup, speedup_runs=[speedup], acceptance={
+                "acceptance_rate": 0.7 if drafts else None,
+                "mean_acceptance_length": 3.1 if drafts else None, "drafts": drafts})
+        return c
+
+    cells = [cell("none", None, 0), cell("draft_model", 1.05, 40.0),
+             cell("self_draft", 1.14, 0.0)]
+    _write(tmp_path, "spec", {
+        "date": "d", "threads": 2, "tasks": {"open": "o"}, "concurrency": [1],
+        "models": [{"key": "qwen1.5b", "label": "qwen", "draft": "d.gguf",
+                    "tenant_per_run": True, "cells": cells, "configs": []}]})
+    rows = {t: (k, ll, met) for t, k, ll, met in report.Report(tmp_path).spec_targets()}
+    k, _, met = rows["qwen1.5b: best model-based proposer, open generation, 1 stream >= 1.3x"]
+    assert k == "1.05x (draft_model)" and met is False
+    # The floor (every proposer >= 0.95x) still counts it: enabling it cost what it cost.
+    cells[2]["speedup"] = 0.80
+    _write(tmp_path, "spec", {**json.loads((tmp_path / "spec.json").read_text()),
+                              "models": [{"key": "qwen1.5b", "label": "qwen",
+                                          "draft": "d.gguf", "tenant_per_run": True,
+                                          "cells": cells, "configs": []}]})
+    rows = {t: k for t, k, _, _ in report.Report(tmp_path).spec_targets()}
+    assert rows["qwen1.5b: every proposer at 8 streams and on open generation >= 0.95x "
+                "(the lowest)"] == "0.80x (self_draft open c=1)"

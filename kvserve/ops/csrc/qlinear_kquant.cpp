@@ -29,9 +29,10 @@
 //
 // Parallel split (tiles.h): a tile is one 16-row group, each thread streams its slab of groups
 // front to back; activation rows go in passes of ~256 KB of int8 (kept in L2), and a group's
-// records are re-read from cache for every MT rows after the first tile. From 3 rows (Q6_K:
-// 2) on, Q4_K, Q5_K and Q6_K groups are read as wide records instead, unpacked once per pass
-// ("Wide records" below): prefill, batches, and a speculative step's K + 1 rows.
+// records are re-read from cache for every MT rows after the first tile. Q4_K at 2..8 rows
+// (a speculative step's K + 1, small batches) runs Q4KRows' 8-row tiles over the packed
+// records; from 3 rows (Q4_K: 9, Q6_K: 4) on, Q4_K, Q5_K and Q6_K groups are read as wide
+// records instead, unpacked once per pass ("Wide records" below): prefill and batches.
 #include <omp.h>
 
 #include <type_traits>
@@ -250,6 +251,38 @@ struct Q4K {
   }
 };
 
+// Q4_K's packed records at a few rows (a speculative step's K + 1, small batches): one
+// sub-block (one nibble of 8 chunks) at a time, so that 4 rows' int16 sums fit in registers
+// beside the chunk's two split halves, each chunk split once for all the tile's rows. The
+// wide records' unpacking (store, then reload) costs about a 1-row call per group, which a
+// few rows cannot amortize. Same integer sums (the int16 bound of Q4K's lo / hi), same bits.
+struct Q4KRows : Q4K {
+  template <int MT>
+  static inline void dot(const uint8_t* rec, const int8_t* const* x, const int16_t* const* bs,
+                         __m256i (*isum)[2], __m256i (*msum)[2]) {
+    __m128i sc[8], mn[8];
+    kq::q4k_scales(rec + kq::kQ4KScales, sc, mn);
+    const __m256i nib = _mm256_set1_epi8(15);
+    for (int m = 0; m < MT; ++m) isum[m][0] = isum[m][1] = _mm256_setzero_si256();
+    for (int s = 0; s < 8; ++s)  // the low (s even) or high (s odd) nibbles of chunks 8(s/2)..
+      for (int h = 0; h < 2; ++h) {  // rows 8h .. 8h + 7 of the group
+        __m256i acc[MT];
+        for (int m = 0; m < MT; ++m) acc[m] = _mm256_setzero_si256();
+        for (int l4 = 0; l4 < 8; ++l4) {
+          const __m256i v = load256(rec + kq::kQ4KQs + 64 * (8 * (s / 2) + l4) + 32 * h);
+          const __m256i w = _mm256_and_si256(s % 2 ? _mm256_srli_epi16(v, 4) : v, nib);
+          for (int m = 0; m < MT; ++m)
+            acc[m] = _mm256_add_epi16(acc[m],
+                                      _mm256_maddubs_epi16(w, bcast4(x[m] + 32 * s + 4 * l4)));
+        }
+        const __m256i f = dup16(widen_u8(sc[s], h));
+        for (int m = 0; m < MT; ++m)
+          isum[m][h] = _mm256_add_epi32(isum[m][h], _mm256_madd_epi16(acc[m], f));
+      }
+    min_sums<MT>(mn, bs, msum);
+  }
+};
+
 struct Q5K {
   static constexpr int64_t kRecord = kq::kQ5KRecord;
   static constexpr int64_t kD = 0, kDmin = 32;
@@ -443,7 +476,7 @@ inline void tile(const Q8KActs& a, int64_t m0, const uint8_t* gw, const float* b
   }
 }
 
-// --- Wide records: Q4_K, Q5_K and Q6_K at M >= kMinRows (3; Q6_K 2) ---
+// --- Wide records: Q4_K at 9+ rows (Q4KRows below that), Q5_K at 3+, Q6_K at 4+ ---
 //
 // A pass of many activation rows reads its group's records unpacked once (unpack_group) into
 // "wide" records, which tile<> reads as it reads packed ones: each chunk's quants already a
@@ -575,10 +608,10 @@ struct WideQ45K : WideLayout<8, 8, kHighBit ? 4 : 8, 4> {
 // scale_2t+1), against the pair of bsums (2t, 2t + 1), for the - 32 * sum_s scale_s * bsum_s.
 struct WideQ6K : WideLayout<16, 4, 2, 8> {
   static constexpr bool kMin = false;
-  // Q6_K's packed decoding is dearer (6 bits from two chunks): wide is 1.3x at 2 rows, 2.3x
-  // at 5 and 3-4x at 15 (same shapes; measured before the packed tile built its scale
-  // factors once per record, which made it 1.3-1.5x faster, so 2 rows may now be even)
-  static constexpr int64_t kMinRows = 2;
+  // Q6_K's packed tiles at 2 and 3 rows beat the wide records' unpacking (one call from
+  // DRAM, 1536 x 8960, 2 threads, Zen 3: 1.09-1.12x against 1.55-1.77x a 1-row call at 2
+  // rows, 1.38-1.45x against 1.63-1.87x at 3); even at 4, wide ahead from 5.
+  static constexpr int64_t kMinRows = 4;
 
   static inline void unpack(const uint8_t* rec, uint8_t* dst) {
     std::memcpy(dst, rec + kq::kQ6KD, 32);
@@ -627,10 +660,20 @@ template <> struct Wide<Q6K> { using type = WideQ6K; };
 
 #include "kquant_driver.h"  // some_rows, run, run_kquant: see there why in this namespace
 
+// Q4_K at 2..8 rows: Q4KRows, one tile. Against the wide records, one call from DRAM (8960 x
+// 1536, 2 threads, Zen 3): 1.2-1.27x at 3 to 6 rows, 1.13x at 8, even at 12, slower at 16.
+constexpr int kQ4KRowsMax = 8;
+
 template <class Fmt>
 void run_fmt(const Q8KActs& a, const uint8_t* w, const float* bias, float* out, int64_t N,
              int nthreads, bool) {
   using WideFmt = typename Wide<Fmt>::type;
+  if constexpr (std::is_same_v<Fmt, Q4K>) {
+    if (a.M >= 2 && a.M <= kQ4KRowsMax) {
+      run<Q4KRows, kQ4KRowsMax>(a, w, bias, out, N, nthreads);
+      return;
+    }
+  }
   if constexpr (!std::is_void_v<WideFmt>) {
     if (a.M >= WideFmt::kMinRows) {
       // Wide records: a pass of ~1 MB of activations (as AMX's) unpacks its group once,
@@ -649,9 +692,10 @@ void run_fmt(const Q8KActs& a, const uint8_t* w, const float* bias, float* out, 
     }
   }
   // MT = 1 at decode: one stream, the accumulators in registers. Otherwise (Q2_K and Q3_K;
-  // Q4_K / Q5_K at 2 rows) 2 rows share each chunk's load and nibble split (16 ymm cannot
-  // hold more rows' accumulators).
+  // Q5_K at 2 rows; Q6_K at 2 and 3) 2 rows (Q6_K: 3, its int16 sums are 2 a row) share each
+  // chunk's load and split (16 ymm cannot hold more rows' accumulators).
   if (a.M == 1) run<Fmt, 1>(a, w, bias, out, N, nthreads);
+  else if constexpr (std::is_same_v<Fmt, Q6K>) run<Fmt, 3>(a, w, bias, out, N, nthreads);
   else run<Fmt, 2>(a, w, bias, out, N, nthreads);
 }
 

@@ -252,10 +252,11 @@ struct Q4K {
 };
 
 // Q4_K's packed records at a few rows (a speculative step's K + 1, small batches): one
-// sub-block (one nibble of 8 chunks) at a time, so that 4 rows' int16 sums fit in registers
-// beside the chunk's two split halves, each chunk split once for all the tile's rows. The
-// wide records' unpacking (store, then reload) costs about a 1-row call per group, which a
-// few rows cannot amortize. Same integer sums (the int16 bound of Q4K's lo / hi), same bits.
+// sub-block (one nibble of 8 chunks) and one 8-row half of the group at a time, so that up
+// to 8 activation rows' int16 sums fit in registers beside the split chunk, each chunk half
+// split once for all the tile's rows. The wide records' unpacking (store, then reload)
+// costs about a 1-row call per group, which a few rows cannot amortize. Same integer sums
+// (the int16 bound of Q4K's lo / hi), same bits.
 struct Q4KRows : Q4K {
   template <int MT>
   static inline void dot(const uint8_t* rec, const int8_t* const* x, const int16_t* const* bs,

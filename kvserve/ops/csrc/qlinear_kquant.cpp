@@ -561,7 +561,8 @@ struct WideQ45K : WideLayout<8, 8, kHighBit ? 4 : 8, 4> {
   using L = WideLayout<8, 8, kHighBit ? 4 : 8, 4>;
   static constexpr bool kMin = true;
   // Measured per kernel call (Q4_K 8960 x 1536 and 1536 x 8960, 2 threads): from 3 rows the
-  // unpacking costs less than the packed tiles' decoding (even at 2: 0.7x-1.3x)
+  // unpacking costs less than the 2-row packed tiles' decoding (even at 2: 0.7x-1.3x). Q4_K
+  // reaches here from 9 rows only: below, Q4KRows' 8-row tiles beat both.
   static constexpr int64_t kMinRows = 3;
   static constexpr int64_t kQs = kHighBit ? kq::kQ5KQs : kq::kQ4KQs;
 

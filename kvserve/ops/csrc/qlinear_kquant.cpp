@@ -353,7 +353,7 @@ struct Q6K {
   static constexpr int64_t kRecord = kq::kQ6KRecord;
   static constexpr int64_t kD = kq::kQ6KD, kDmin = 0;
   static constexpr bool kMin = false, kJoint = false;
-  // Runs at 1 row only (from 2 rows, WideQ6K). Per record the 16 scales' madd factors are
+  // Runs at 1 to 3 rows (from 4 rows, WideQ6K). Per record the 16 scales' madd factors are
   // built once (each is read by its sub-block's two chunk pairs and by the + 32 correction),
   // and a qh chunk is loaded once for two of its four bit pairs. Against building the
   // factors per chunk pair, one call at 1 row (8960 x 1536 and 1536 x 8960, 2 threads, Zen 3

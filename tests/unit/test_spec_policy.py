@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from kvserve.request import Request
 from kvserve.sampling_params import SamplingParams
-from kvserve.spec.policy import PROBE_EVERY, SpecPolicy, StepCosts
+from kvserve.spec.policy import PROBE_EVERY, PROBE_SHARE, SpecPolicy, StepCosts
 
 
 def _reqs(n: int) -> list[Request]:
@@ -53,6 +53,26 @@ def test_an_unpredictable_request_backs_off_then_probes() -> None:
     _accept(policy, reqs, 5, 0)
     ks = [policy.num_drafts(reqs, [16])[0] for _ in range(PROBE_EVERY)]
     assert ks == [0] * (PROBE_EVERY - 1) + [1]
+
+
+def test_probes_under_load_cost_at_most_their_share() -> None:
+    # 8 streams on a CPU: a step of 8 rows costs 480 ms and one more row 40 ms (a 12th of
+    # it). Probing each request every PROBE_EVERY steps would add a row to nearly every
+    # step (~8% of the time, for drafts that are mostly rejected); the probes' rows must
+    # cost at most PROBE_SHARE of the steps, and every request must still probe.
+    policy = SpecPolicy(5)
+    for rows in range(1, 40):
+        policy.observe_step(rows, 0.200 + 0.040 * (rows - 1))
+    reqs = _reqs(8)
+    _accept(policy, reqs, 5, 0)
+    steps = 30 * PROBE_EVERY
+    probes = [0] * 8
+    for _ in range(steps):
+        for i, k in enumerate(policy.num_drafts(reqs, [16] * 8)):
+            assert k in (0, 1)
+            probes[i] += k
+    assert all(p >= 2 for p in probes)
+    assert sum(probes) * 0.040 <= PROBE_SHARE * steps * 0.480 * 1.1
 
 
 def test_draft_forwards_priced_per_depth_back_off_under_load() -> None:

@@ -275,6 +275,9 @@ struct Q4KRows : Q4K {
           for (int m = 0; m < MT; ++m)
             acc[m] = _mm256_add_epi16(acc[m],
                                       _mm256_maddubs_epi16(w, bcast4(x[m] + 32 * s + 4 * l4)));
+          // Pinned (as in WideQ45K): unpinned, GCC computed all 8 chunks' products first and
+          // spilled them to the stack.
+          for (int m = 0; m < MT; ++m) asm("" : "+x"(acc[m]));
         }
         const __m256i f = dup16(widen_u8(sc[s], h));
         for (int m = 0; m < MT; ++m)

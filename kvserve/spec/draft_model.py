@@ -114,6 +114,9 @@ class DraftModelProposer:
         self.runner: ModelRunner | None = None  # over the draft, once allocate_kv sized it
         self.sampler = Sampler(seed=_draft_seed(config.seed))
         self._computed: dict[str, int] = {}  # request -> tokens whose draft KV is written
+        # request -> the drafts its last proposal fed (their KV written after _computed's):
+        # as many of them as the target accepted need not be read again
+        self._fed: dict[str, list[int]] = {}
         self._q: dict[str, torch.Tensor] = {}  # request -> q [k, V] of its pending drafts
         self.last_timing: list[tuple[int, float]] | None = None
         self.last_catch_up: tuple[int, float] | None = None
@@ -190,6 +193,7 @@ class DraftModelProposer:
     def propose(self, requests: list[Request], num_drafts: list[int],
                 block_tables: list[list[int]]) -> list[list[int]]:
         drafts: list[list[int]] = [[] for _ in requests]
+        fed_drafts: list[list[int]] = [[] for _ in requests]
         qs: list[list[torch.Tensor]] = [[] for _ in requests]
         active = [b for b, k in enumerate(num_drafts) if k > 0]
         self.last_timing, self.last_catch_up = [], None
@@ -207,6 +211,7 @@ class DraftModelProposer:
                     self._computed[req.request_id] = req.num_tokens
                 else:
                     start, tokens = req.num_tokens + j - 1, [drafts[b][-1]]
+                    fed_drafts[b].append(drafts[b][-1])
                 scheduled.append(ScheduledRequest(req, tokens, start, block_tables[b], True))
             logits = self._forward(scheduled)
             reqs = [requests[b] for b in active]
@@ -230,6 +235,8 @@ class DraftModelProposer:
                 self.last_catch_up = (fed, seconds)
             active = confident
         for b, req in enumerate(requests):
+            if num_drafts[b]:
+                self._fed[req.request_id] = fed_drafts[b]
             if qs[b]:
                 self._q[req.request_id] = torch.stack(qs[b])
             else:
@@ -238,9 +245,18 @@ class DraftModelProposer:
 
     def _start(self, req: Request) -> int:
         """The first of req's tokens the draft has not read (a prefix-cache hit counts as
-        read)."""
-        return min(self._computed.get(req.request_id, max(req.num_cached_tokens, 0)),
-                   req.num_tokens - 1)
+        read; so do the drafts its last proposal fed, as far as the target accepted them:
+        their KV sits at those positions already, computed from the same tokens)."""
+        rid = req.request_id
+        n = self._computed.get(rid)
+        if n is None:
+            return min(max(req.num_cached_tokens, 0), req.num_tokens - 1)
+        ids = req.all_token_ids
+        for t in self._fed.get(rid, ()):
+            if n >= len(ids) or ids[n] != t:
+                break
+            n += 1
+        return min(n, req.num_tokens - 1)
 
     def catch_up_tokens(self, requests: list[Request]) -> list[int]:
         # Beyond the last step's own tokens (at most K + 1), which every proposal reads.
@@ -289,5 +305,6 @@ class DraftModelProposer:
     def remove(self, request_ids: list[str]) -> None:
         for rid in request_ids:
             self._computed.pop(rid, None)
+            self._fed.pop(rid, None)
             self._q.pop(rid, None)
             self.sampler.remove(rid)

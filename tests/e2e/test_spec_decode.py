@@ -111,6 +111,32 @@ def test_greedy_identity_alone(make_engine: Any, smollm2: Any, gpl_text: str) ->
     assert engine.runner.spec_stats.mean_accepted_length > 1.5
 
 
+def test_a_draft_model_reads_every_position_once_but_rejected_drafts(
+        make_engine: Any, smollm2: Any, gpl_text: str) -> None:
+    # The drafts a proposal fed have their KV in the draft's cache: as far as the target
+    # accepts them, the next proposal starts after them. Every position is read at least
+    # once, and again only where a fed draft was rejected.
+    tok = smollm2[1].tokenizer
+    prompt = _chat(tok, "Repeat this text exactly:\n" + gpl_text[2000:2400])
+    engine = make_engine(speculative_config=_spec("draft_model"))
+    proposer = engine.runner.proposer
+    read: list[int] = []  # every position the draft is fed, in order
+    forward = proposer._forward
+
+    def counted(scheduled: Any) -> Any:
+        for s in scheduled:
+            read.extend(range(s.start_pos, s.start_pos + s.num_tokens))
+        return forward(scheduled)
+
+    proposer._forward = counted
+    sp = SamplingParams(temperature=0, max_tokens=48, ignore_eos=True)
+    _outputs(engine, [prompt], [sp])
+    st = engine.runner.spec_stats
+    assert st.num_accepted_tokens >= 24, st  # the target's own blocks draft: most accepted
+    assert set(read) == set(range(max(read) + 1))  # none skipped
+    assert len(read) <= max(read) + 1 + st.num_draft_tokens - st.num_accepted_tokens
+
+
 def test_suffix_serves_a_repeated_request_from_its_tenants_past_outputs_only(
         make_engine: Any, smollm2: Any) -> None:
     """The same open prompt three times, each after the last finished: again for its tenant,

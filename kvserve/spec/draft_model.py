@@ -113,10 +113,10 @@ class DraftModelProposer:
             resolve_kv_dtype(draft_config.cache.kv_cache_dtype, draft_config.dtype))
         self.runner: ModelRunner | None = None  # over the draft, once allocate_kv sized it
         self.sampler = Sampler(seed=_draft_seed(config.seed))
-        self._computed: dict[str, int] = {}  # request -> tokens whose draft KV is written
-        # request -> the drafts its last proposal fed (their KV written after _computed's):
-        # as many of them as the target accepted need not be read again
-        self._fed: dict[str, list[int]] = {}
+        # request -> (N, fed): the draft's KV is written for its first N tokens (its last
+        # proposal's start) and for the drafts that proposal fed after them, of which as
+        # many as the target accepted need not be read again
+        self._read: dict[str, tuple[int, list[int]]] = {}
         self._q: dict[str, torch.Tensor] = {}  # request -> q [k, V] of its pending drafts
         self.last_timing: list[tuple[int, float]] | None = None
         self.last_catch_up: tuple[int, float] | None = None
@@ -208,7 +208,7 @@ class DraftModelProposer:
                 if j == 0:
                     start = self._start(req)
                     tokens = req.all_token_ids[start:]
-                    self._computed[req.request_id] = req.num_tokens
+                    self._read[req.request_id] = (req.num_tokens, fed_drafts[b])
                 else:
                     start, tokens = req.num_tokens + j - 1, [drafts[b][-1]]
                     fed_drafts[b].append(drafts[b][-1])
@@ -235,8 +235,6 @@ class DraftModelProposer:
                 self.last_catch_up = (fed, seconds)
             active = confident
         for b, req in enumerate(requests):
-            if num_drafts[b]:
-                self._fed[req.request_id] = fed_drafts[b]
             if qs[b]:
                 self._q[req.request_id] = torch.stack(qs[b])
             else:
@@ -247,12 +245,12 @@ class DraftModelProposer:
         """The first of req's tokens the draft has not read (a prefix-cache hit counts as
         read; so do the drafts its last proposal fed, as far as the target accepted them:
         their KV sits at those positions already, computed from the same tokens)."""
-        rid = req.request_id
-        n = self._computed.get(rid)
-        if n is None:
+        read = self._read.get(req.request_id)
+        if read is None:
             return min(max(req.num_cached_tokens, 0), req.num_tokens - 1)
+        n, fed = read
         ids = req.all_token_ids
-        for t in self._fed.get(rid, ()):
+        for t in fed:
             if n >= len(ids) or ids[n] != t:
                 break
             n += 1
@@ -304,7 +302,6 @@ class DraftModelProposer:
 
     def remove(self, request_ids: list[str]) -> None:
         for rid in request_ids:
-            self._computed.pop(rid, None)
-            self._fed.pop(rid, None)
+            self._read.pop(rid, None)
             self._q.pop(rid, None)
             self.sampler.remove(rid)

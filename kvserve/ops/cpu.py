@@ -52,7 +52,7 @@ from kvserve.ops.build import (
     toolchain,
 )
 from kvserve.ops.reference import ReferenceOps
-from kvserve.quant.base import KernelWeight
+from kvserve.quant.base import BF16, F16, HALF_DTYPES, KernelWeight
 from kvserve.quant.ggml_kquants import Q2_K, Q3_K, Q4_K, Q5_K, Q6_K
 from kvserve.quant.gguf import F32, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, W8A8
 
@@ -86,7 +86,7 @@ SMALL_M_AVX512 = 2048
 KV_CACHE_DTYPES = (torch.float32, torch.float16, torch.int8, torch.uint8)
 # Weight formats (ggml type ids) the kernels read; the caller names the format (wtype).
 # linear's row kernels (csrc/linear*.cpp, also gguf_exact) read these as stored rows:
-ROW_WTYPES = (F32, Q4_1, Q8_0)
+ROW_WTYPES = (F32, F16, BF16, Q4_1, Q8_0)
 # qlinear's int8-activation kernels (csrc/qlinear*.cpp) read these packed (gguf.pack; W8A8:
 # Q8_0 records against per-token activations):
 PACKED_WTYPES = (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, W8A8)
@@ -102,7 +102,7 @@ def _kernels_read(p: KernelWeight) -> bool:
     if p.weight.dim() == 3:
         return p.weight.dtype == torch.uint8 and p.wtype in PACKED_WTYPES + KQUANT_KERNEL_WTYPES
     return (p.weight.dtype, p.wtype) == (torch.float32, F32) or (
-        p.weight.dtype == torch.uint8 and p.wtype in ROW_WTYPES and p.wtype != F32)
+        p.weight.dtype == torch.uint8 and p.wtype in (Q4_1, Q8_0))
 
 
 def cpu_has_avx2_fma() -> bool:
@@ -251,11 +251,15 @@ class CpuOps(ReferenceOps):
 
     def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
                *, wtype: int = F32) -> torch.Tensor:
-        """weight: float32 [N, K] (wtype F32), or uint8 GGUF Q4_1 / Q8_0 blocks of the format
-        wtype names (kvserve/quant/gguf.py), which the kernels read as stored and dequantize
-        for torch's GEMM at large M. Other block formats (no row kernel): the reference."""
+        """weight: float32 [N, K] (wtype F32), float16 / bfloat16 [N, K] (F16 / BF16, K % 16
+        == 0: half the bytes, widened exactly in registers), or uint8 GGUF Q4_1 / Q8_0 blocks
+        of the format wtype names (kvserve/quant/gguf.py), which the kernels read as stored
+        and dequantize for torch's GEMM at large M. Other block formats (no row kernel): the
+        reference."""
+        half = HALF_DTYPES.get(wtype)
         if (self._ext is None or x.dtype != torch.float32 or wtype not in ROW_WTYPES
-                or weight.dtype not in (torch.float32, torch.uint8)
+                or weight.dtype != (half or (torch.float32 if wtype == F32 else torch.uint8))
+                or (half is not None and x.shape[-1] % 16)
                 or (bias is not None and (bias.dtype != torch.float32
                                           or not bias.is_contiguous()))
                 or not weight.is_contiguous() or x.dim() == 0):
@@ -263,7 +267,9 @@ class CpuOps(ReferenceOps):
         k = x.shape[-1]
         x2 = x.reshape(-1, k)
         if x2.shape[0] > self.small_m or x2.stride(-1) != 1:
-            if wtype != F32:
+            if half is not None:
+                weight = weight.float()
+            elif wtype != F32:
                 weight = self._ext.dequantize(weight, wtype, k)
             return F.linear(x, weight, bias)
         out = self._ext.linear(x2, weight, wtype, bias, self._avx512)

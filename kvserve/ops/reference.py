@@ -54,9 +54,12 @@ class ReferenceOps:
     @staticmethod
     def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
                wtype: int = 0) -> torch.Tensor:
-        """weight: float [N, K] (wtype 0), or uint8 GGUF blocks of the ggml type wtype
-        (kvserve/quant/gguf.py), dequantized."""
-        if wtype != 0:
+        """weight: float [N, K] (wtype 0), float16 / bfloat16 [N, K] (wtype 1 / 30, widened
+        exactly), or uint8 GGUF blocks of the ggml type wtype (kvserve/quant/gguf.py),
+        dequantized."""
+        if wtype in (1, 30):
+            weight = weight.to(x.dtype)
+        elif wtype != 0:
             from kvserve.quant.gguf import dequantize
 
             weight = dequantize(weight, wtype, x.shape[-1]).to(x.dtype)

@@ -59,6 +59,18 @@ def is_quantized(tensor: torch.Tensor | QuantizedTensor) -> bool:
     return not isinstance(tensor, torch.Tensor)
 
 
+# ggml type ids of the float rows of half float32's bytes that ops.linear reads (and widens
+# exactly); float32 is 0.
+F16, BF16 = 1, 30
+HALF_DTYPES = {F16: torch.float16, BF16: torch.bfloat16}
+
+
+def float_wtype(weight: torch.Tensor) -> int:
+    """The ggml type id ops.linear is told for a float weight: F16 / BF16, else 0."""
+    return BF16 if weight.dtype == torch.bfloat16 else F16 if weight.dtype == torch.float16 \
+        else 0
+
+
 def dense(tensor: torch.Tensor | QuantizedTensor) -> torch.Tensor:
     """A checkpoint tensor as floats, whatever its format."""
     return tensor.dequantize() if is_quantized(tensor) else tensor  # type: ignore[return-value]
@@ -136,6 +148,14 @@ class UnquantizedLinearMethod:
     """Dense weights in nn.Linear's [out, in] layout, which both the small-M kernels and
     MKL's large-M GEMM read row-contiguously. A quantized checkpoint tensor is dequantized."""
 
+    def __init__(self, half: bool = False) -> None:
+        """half: once loaded, a float32 weight whose every value is a float16 value (else a
+        bfloat16 one) is kept at that width. For a quantized checkpoint's float output layer
+        (GPTQ, AWQ and W8A8 exports keep lm_head in float16), which a decode step would
+        otherwise stream as float32: twice the bytes of every other layer together on a
+        small model. ops.linear widens it exactly, so the logits are float32's bit for bit."""
+        self.half = half
+
     def checkpoint_names(self, layer: Linear) -> tuple[str, ...]:
         return dense_names(layer)
 
@@ -147,13 +167,22 @@ class UnquantizedLinearMethod:
         copy_shard(layer, name, shard, dense(tensor))
 
     def process_weights_after_loading(self, layer: Linear) -> None:
-        pass
+        w = layer.weight
+        if not self.half or w.dtype != torch.float32:
+            return
+        for dtype in HALF_DTYPES.values():
+            narrow = w.to(dtype)
+            if torch.equal(narrow.float(), w):
+                # A parameter of its own: a tied lm_head leaves the float32 embedding (looked
+                # up row by row) as it is.
+                layer.weight = nn.Parameter(narrow, requires_grad=False)
+                return
 
     def apply(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
-        return layer.ops.linear(x, layer.weight, layer.bias)
+        return layer.ops.linear(x, layer.weight, layer.bias, wtype=float_wtype(layer.weight))
 
     def kernel_weights(self, layer: Linear) -> list[KernelWeight] | None:
-        return [KernelWeight(layer.weight, 0, 0, layer.out_features)]
+        return [KernelWeight(layer.weight, float_wtype(layer.weight), 0, layer.out_features)]
 
 
 class QuantMethod:

@@ -248,7 +248,7 @@ class _Int4CheckpointMethod(QuantMethod):
         if prefix == "lm_head":  # GPTQ and AWQ exports keep the output layer in float
             from kvserve.quant.base import UnquantizedLinearMethod
 
-            return UnquantizedLinearMethod()
+            return UnquantizedLinearMethod(half=True)
         assert self.config is not None and self.config.checkpoint_config is not None
         bits, group, offset = self.settings(dict(self.config.checkpoint_config))
         return Int4CheckpointLinearMethod(self.fmt, group, offset, prefix, bits)

@@ -261,5 +261,5 @@ class W8A8QuantMethod(QuantMethod):
         if prefix == "lm_head" and not checkpoint_settings(qc):
             from kvserve.quant.base import UnquantizedLinearMethod
 
-            return UnquantizedLinearMethod()
+            return UnquantizedLinearMethod(half=True)
         return W8A8LinearMethod(prefix, from_checkpoint=True)

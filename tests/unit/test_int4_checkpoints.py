@@ -170,6 +170,11 @@ def test_checkpoint_loads_to_the_dequantized_model(tmp_path: Path, fmt: str, act
         assert method.perm is not None and method.kernel_weights(lin) is None
         want = want[:, method.perm]
     assert torch.allclose(got[:lin.out_features], want, rtol=0, atol=2e-3 * want.abs().max())
+    # The float output layer stays at the checkpoint's float16 (half the bytes a decode
+    # step streams), its values as written.
+    head = hf.state_dict().get("lm_head.weight", hf.state_dict()["model.embed_tokens.weight"])
+    assert model.lm_head.weight.dtype == torch.float16
+    assert torch.equal(model.lm_head.weight, head.half())
     # The whole model: the logits of the float model holding the dequantized weights.
     hf_deq = tiny_hf_model("llama")
     hf_deq.load_state_dict({**hf.state_dict(), **deq})

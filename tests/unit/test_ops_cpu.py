@@ -101,6 +101,34 @@ def test_linear_is_batch_invariant(isa_ops: CpuOps, n: int, k: int) -> None:
         assert torch.equal(out[i:i + 1], isa_ops.linear(big[i:i + 1], w, b)), i
 
 
+@pytest.mark.parametrize("dtype, wtype", [(torch.float16, 1), (torch.bfloat16, 30)])
+@pytest.mark.parametrize("n,k", [(960, 576), (37, 1536), (13, 16)])
+def test_half_weights_give_float32_on_their_values(isa_ops: CpuOps, dtype: torch.dtype,
+                                                   wtype: int, n: int, k: int) -> None:
+    """float16 / bfloat16 rows (wtype 1 / 30) are widened exactly in registers, so every row
+    is the float32 kernel's on the widened weights bit for bit, at any M (each tile shape,
+    and torch's GEMM past small_m), and close to the reference's own float32 product."""
+    g = torch.Generator().manual_seed(n + k + wtype)
+    w = (torch.randn(n, k, generator=g) / math.sqrt(k)).to(dtype)
+    b = torch.randn(n, generator=g)
+    for m in (1, 2, 3, 5, 8, 13, 40, isa_ops.small_m + 1):
+        x = torch.randn(m, k, generator=g)
+        for bias in (None, b):
+            got = isa_ops.linear(x, w, bias, wtype=wtype)
+            assert torch.equal(got, isa_ops.linear(x, w.float(), bias)), (m, bias is None)
+            close(got, REF.linear(x, w, bias, wtype=wtype), atol=1e-5, rtol=1e-5)
+
+
+def test_half_weights_of_odd_width_use_the_reference(ops: CpuOps) -> None:
+    """The kernels take K % 16 == 0; other widths widen through the reference."""
+    x, w = torch.randn(3, 24), torch.randn(5, 24).half()
+    assert torch.equal(ops.linear(x, w, wtype=1), REF.linear(x, w.float()))
+    with pytest.raises(RuntimeError, match="K % 16 == 0"):
+        ops._ext.linear(x, w, 1, None, False)
+    with pytest.raises(RuntimeError, match="must be Half"):
+        ops._ext.linear(torch.randn(3, 32), torch.randn(5, 32).bfloat16(), 1, None, False)
+
+
 def test_linear_isa_choice(monkeypatch: pytest.MonkeyPatch) -> None:
     with pytest.raises(ValueError, match="isa"):
         CpuOps(isa="sse2")

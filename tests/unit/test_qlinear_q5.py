@@ -219,13 +219,14 @@ def test_kernels_name_the_formats_they_read() -> None:
     """The packed kernels take all five block formats (and W8A8, Q8_0 records against
     per-token activations); the row kernels (ops.linear, gguf_exact) still only Q4_1 / Q8_0,
     and say so."""
-    assert ROW_WTYPES == (0, Q4_1, Q8_0)
+    assert ROW_WTYPES == (0, 1, 30, Q4_1, Q8_0)  # F32, F16, BF16 and two block formats
     assert set(PACKED_WTYPES) == {Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, W8A8}
     ops = CpuOps()
     raw = random_blocks(Q5_0, 20, 64, seed=7)
     x = torch.randn(2, 64)
-    with pytest.raises(RuntimeError, match=r"wtype must be 0 \(F32\), 3 \(Q4_1\) or 8 \(Q8_0\) "
-                                           r"for a weight read as rows, got 6 \(Q4_0 / Q5_0 / "
+    with pytest.raises(RuntimeError, match=r"wtype must be 0 \(F32\), 1 \(F16\), 3 \(Q4_1\), "
+                                           r"8 \(Q8_0\) or 30 \(BF16\) for a weight read "
+                                           r"as rows, got 6 \(Q4_0 / Q5_0 / "
                                            r"Q5_1 / W8A8 run packed only: qlinear\)"):
         ops._ext.linear(x, raw, Q5_0, None, False)
     with pytest.raises(RuntimeError, match="got 7"):
@@ -237,9 +238,9 @@ def test_kernels_name_the_formats_they_read() -> None:
     with pytest.raises(RuntimeError, match="packed wtype 7 records take 384 bytes, the "
                                            "weight's have 352"):
         ops._ext.qlinear(x, packed, Q5_1, 20, None, False)
-    with pytest.raises(RuntimeError, match=r"wtype must be 0 \(F32\), 2 \(Q4_0\), 3 \(Q4_1\), "
-                                           r"6 \(Q5_0\), 7 \(Q5_1\), 8 \(Q8_0\) or 256 "
-                                           r"\(W8A8\), got 5"):
+    with pytest.raises(RuntimeError, match=r"wtype must be 0 \(F32\), 1 \(F16\), 2 \(Q4_0\), "
+                                           r"3 \(Q4_1\), 6 \(Q5_0\), 7 \(Q5_1\), 8 \(Q8_0\), "
+                                           r"30 \(BF16\) or 256 \(W8A8\), got 5"):
         ops._ext.qlinear(x, packed, 5, 20, None, False)
 
 

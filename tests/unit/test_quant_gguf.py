@@ -107,7 +107,8 @@ def test_kernel_takes_the_named_format_and_checks_its_rows() -> None:
     with pytest.raises(RuntimeError, match="wtype 3 rows of K=64 weights take 40 bytes, the "
                                            "weight has 68"):
         ops._ext.linear(x, q8, Q4_1, None, False)  # Q8_0 bytes named Q4_1
-    with pytest.raises(RuntimeError, match=r"wtype must be 0 \(F32\), 3 \(Q4_1\) or 8"):
+    with pytest.raises(RuntimeError,
+                       match=r"wtype must be 0 \(F32\), 1 \(F16\), 3 \(Q4_1\), 8 \(Q8_0\) or 30"):
         ops._ext.linear(x, q8, 2, None, False)  # Q4_0: packed only (test_qlinear_q5.py)
     with pytest.raises(RuntimeError, match=r"for a weight read as rows, got 256"):
         ops._ext.linear(x, q8, 256, None, False)  # W8A8: packed only

@@ -82,3 +82,27 @@ def test_every_linear_gets_its_method_by_checkpoint_name() -> None:
         runner = PagedSequence(m)
         runs.append(runner.forward({runner.new_seq(): prompt})[0])
     assert torch.equal(runs[0], runs[1])
+
+
+@pytest.mark.parametrize("backend", ["cpu", "reference"])
+def test_a_half_unquantized_layer_keeps_exact_halves_and_float32_results(backend: str) -> None:
+    """UnquantizedLinearMethod(half=True) keeps a weight whose values are all float16 values
+    as float16, else all bfloat16 values as bfloat16 (1e6 has no float16), else float32; the
+    outputs are the float32 layer's bit for bit."""
+    ops = get_ops(backend)
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(3, 64, generator=g)
+    base = torch.randn(40, 64, generator=g) / 8
+    cases = [(base.half().float(), torch.float16),
+             ((base * 1e6).bfloat16().float(), torch.bfloat16), (base, torch.float32)]
+    for w, want in cases:
+        outs = []
+        for method in (UnquantizedLinearMethod(half=True), UnquantizedLinearMethod()):
+            lin = Linear(64, 40, bias=False, ops=ops, dtype=torch.float32, quant_method=method)
+            lin.load_shard("weight", 0, w)
+            lin.process_weights_after_loading()
+            outs.append(lin(x))
+            if method.half:
+                assert lin.weight.dtype == want
+                assert torch.equal(lin.weight.float(), w)
+        assert torch.equal(outs[0], outs[1])

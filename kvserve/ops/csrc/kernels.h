@@ -20,12 +20,15 @@ namespace kvs {
 // W8A8 is kvserve's own id (past ggml's): Q8_0 records whose blocks all carry their row's
 // scale (per output channel), run against activations quantized per token (one scale per
 // row, quantize_acts_per_token): SmoothQuant's W8A8 on the Q8_0 kernels.
+// F16 and BF16 are float rows of half the bytes, widened exactly to float32 in registers.
 enum class WType : int {
-  F32 = 0, Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q8_0 = 8, W8A8 = 256
+  F32 = 0, F16 = 1, Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q8_0 = 8, BF16 = 30, W8A8 = 256
 };
 inline bool is_row_format(WType wt) {
-  return wt == WType::F32 || wt == WType::Q4_1 || wt == WType::Q8_0;
+  return wt == WType::F32 || wt == WType::F16 || wt == WType::BF16 || wt == WType::Q4_1 ||
+         wt == WType::Q8_0;
 }
+inline bool is_half_format(WType wt) { return wt == WType::F16 || wt == WType::BF16; }
 int64_t row_bytes(WType wt, int64_t K);  // bytes of one row of K weights; a row format only
 
 // The KV cache's element type. I8 and FP8_E4M3 are quantized: int8 (-127..127) or the e4m3fn

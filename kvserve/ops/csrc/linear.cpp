@@ -15,12 +15,15 @@
 //   blocks, M > 2 * MT: a dequantized scratch tile, then the float32 tiles
 //
 // Weight formats (kernels.h WType): the tile reads its weight vectors through a format policy
-// (F32, Q4_1, Q8_0) whose load(row, k) returns the 8 float32 weights k..k+7 of a row. The
+// (F32, F16, BF16, Q4_1, Q8_0) whose load(row, k) returns the 8 float32 weights k..k+7 of a
+// row. F16 and BF16 rows widen exactly (F16C / a 16-bit shift), so they stream half the bytes
+// of float32 and give its result on the widened weights bit for bit (K % 16 == 0: no tail). The
 // quantized ones dequantize in registers, so a Q4_1 row streams 5 bits per weight instead of
 // 32, and since they produce the same floats in the same FMA chain, a quantized weight gives
 // the float32 result on its dequantized values bit for bit.
 
 #include <algorithm>
+#include <cstring>
 #include <vector>
 
 #include "kernels.h"
@@ -37,10 +40,29 @@ constexpr int64_t kPrefetch = 512;
 #if KVS_AVX2
 
 // Weight format policies: load(row, k) = float32 weights k..k+7 of the row starting at `row`.
+// Float policies: kBytes per weight (paces the prefetch); kTail: takes a K % 8 tail.
 struct F32 {
-  static constexpr bool kQuant = false;
+  static constexpr bool kQuant = false, kTail = true;
+  static constexpr int64_t kBytes = 4;
   static __m256 load(const uint8_t* row, int64_t k) {
     return _mm256_loadu_ps(reinterpret_cast<const float*>(row) + k);
+  }
+};
+
+struct F16 {
+  static constexpr bool kQuant = false, kTail = false;
+  static constexpr int64_t kBytes = 2;
+  static __m256 load(const uint8_t* row, int64_t k) {
+    return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row + 2 * k)));
+  }
+};
+
+struct BF16 {  // a bfloat16 is the top half of its float32
+  static constexpr bool kQuant = false, kTail = false;
+  static constexpr int64_t kBytes = 2;
+  static __m256 load(const uint8_t* row, int64_t k) {
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(
+        _mm_loadu_si128(reinterpret_cast<const __m128i*>(row + 2 * k))), 16));
   }
 };
 
@@ -118,17 +140,18 @@ inline void tile(const float* x, int64_t ldx, const uint8_t* w, int64_t rb, int6
     __m256 xv[MT];
     for (int m = 0; m < MT; ++m) xv[m] = _mm256_loadu_ps(x + m * ldx + k);
     for (int n = 0; n < NT; ++n) {
-      // A line per 16 weights, kPrefetch weights (2 KB) ahead in the row (quantized rows:
+      // A line per 64 bytes of weights, kPrefetch weights ahead in the row (quantized rows:
       // the line 2 KB ahead of each block, above).
-      if (kPrefetchW && (k & 15) == 0)
-        _mm_prefetch(reinterpret_cast<const char*>(w + n * rb) + 4 * (k + kPrefetch),
-                     _MM_HINT_T0);
+      if constexpr (!Fmt::kQuant)
+        if (kPrefetchW && (k & (64 / Fmt::kBytes - 1)) == 0)
+          _mm_prefetch(reinterpret_cast<const char*>(w + n * rb) + Fmt::kBytes * (k + kPrefetch),
+                       _MM_HINT_T0);
       __m256 wv = Fmt::load(w + n * rb, k);
       for (int m = 0; m < MT; ++m) acc[n][m] = _mm256_fmadd_ps(wv, xv[m], acc[n][m]);
     }
   }
   if constexpr (!Fmt::kQuant) {
-    if (k < K) {  // K % 8 tail: masked loads read zeros past the end, never touching it.
+    if (Fmt::kTail && k < K) {  // K % 8 tail: masked loads read zeros past the end
       __m256i mask = tail_mask(K - k);
       __m256 xv[MT];
       for (int m = 0; m < MT; ++m) xv[m] = _mm256_maskload_ps(x + m * ldx + k, mask);
@@ -238,8 +261,16 @@ void run_fmt(const float* x, int64_t ldx, const uint8_t* w, int64_t rb, const fl
 
 #endif  // KVS_AVX2
 
-// One weight of a quantized row, exactly as the vector loads compute it.
+// One weight of a row, exactly as the vector loads compute it.
 inline float dequant_one(const uint8_t* row, WType wt, int64_t k) {
+  if (wt == WType::F32) return reinterpret_cast<const float*>(row)[k];
+  if (wt == WType::F16) return half_to_float(load_u16(row + 2 * k));
+  if (wt == WType::BF16) {
+    const uint32_t bits = static_cast<uint32_t>(load_u16(row + 2 * k)) << 16;
+    float f;
+    std::memcpy(&f, &bits, 4);
+    return f;
+  }
   if (wt == WType::Q4_1) {
     const uint8_t* b = row + (k >> 5) * 20;
     const uint8_t q = b[4 + (k & 15)];
@@ -256,6 +287,7 @@ int64_t row_bytes(WType wt, int64_t K) {
   switch (wt) {
     case WType::Q4_1: return K / 32 * 20;
     case WType::Q8_0: return K / 32 * 34;
+    case WType::F16: case WType::BF16: return K * 2;
     default: return K * 4;
   }
 }
@@ -276,6 +308,8 @@ void linear_small_m(const float* x, int64_t ldx, const void* w, WType wt, const 
   switch (wt) {
     case WType::Q4_1: return run_fmt<Q41>(x, ldx, wb, rb, bias, out, M, N, K, nthreads);
     case WType::Q8_0: return run_fmt<Q80>(x, ldx, wb, rb, bias, out, M, N, K, nthreads);
+    case WType::F16: return run_fmt<F16>(x, ldx, wb, rb, bias, out, M, N, K, nthreads);
+    case WType::BF16: return run_fmt<BF16>(x, ldx, wb, rb, bias, out, M, N, K, nthreads);
     default: return run_fmt<F32>(x, ldx, wb, rb, bias, out, M, N, K, nthreads);
   }
 #else
@@ -284,8 +318,7 @@ void linear_small_m(const float* x, int64_t ldx, const void* w, WType wt, const 
     for (int64_t m = 0; m < M; ++m) {
       float s = 0.f;
       for (int64_t k = 0; k < K; ++k)
-        s += x[m * ldx + k] * (wt == WType::F32 ? reinterpret_cast<const float*>(wb + n * rb)[k]
-                                                : dequant_one(wb + n * rb, wt, k));
+        s += x[m * ldx + k] * dequant_one(wb + n * rb, wt, k);
       out[m * N + n] = s + (bias ? bias[n] : 0.f);
     }
 #endif

@@ -111,11 +111,29 @@ inline void reduce_store(const __m512 (&acc)[NT][MT], const float* bias, float* 
 // quantized ones dequantize in registers exactly as gguf-py does (see kernels.h), so the FMA
 // chain sees the float32 weights' values and the result is the float32 one bit for bit.
 // kStep: weight-stream bytes consumed per 16 weights, which paces the prefetch.
+// kTail: takes a K % 16 tail (F16 / BF16 rows have K % 16 == 0: checked at the binding).
 struct F32 {
-  static constexpr bool kQuant = false;
+  static constexpr bool kQuant = false, kTail = true;
   static constexpr int64_t kStep = 64;
   static __m512 load(const uint8_t* row, int64_t k) {
     return _mm512_loadu_ps(reinterpret_cast<const float*>(row) + k);
+  }
+};
+
+struct F16 {  // widened exactly (vcvtph2ps)
+  static constexpr bool kQuant = false, kTail = false;
+  static constexpr int64_t kStep = 32;
+  static __m512 load(const uint8_t* row, int64_t k) {
+    return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + 2 * k)));
+  }
+};
+
+struct BF16 {  // a bfloat16 is the top half of its float32
+  static constexpr bool kQuant = false, kTail = false;
+  static constexpr int64_t kStep = 32;
+  static __m512 load(const uint8_t* row, int64_t k) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(
+        _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + 2 * k))), 16));
   }
 };
 
@@ -201,17 +219,19 @@ inline void tile(const float* x, int64_t ldx, const uint8_t* w, int64_t rb, int6
     for (int m = 0; m < MT; ++m) xv[m] = _mm512_loadu_ps(x + m * ldx + k);
     for (int n = 0; n < NT; ++n) {
       if constexpr (kPf && NT == 1) {  // one row: a linear stream (kRowAheadBytes)
-        _mm_prefetch(reinterpret_cast<const char*>(w) + 4 * k + kRowAheadBytes, _MM_HINT_T0);
+        _mm_prefetch(reinterpret_cast<const char*>(w) + Fmt::kStep / 16 * k + kRowAheadBytes,
+                     _MM_HINT_T0);
       } else if constexpr (kPf) {
-        _mm_prefetch(pf + consumed, _MM_HINT_T0);
-        consumed += 64;
+        if (((consumed + Fmt::kStep) >> 6) != (consumed >> 6))
+          _mm_prefetch(pf + (consumed & ~int64_t{63}), _MM_HINT_T0);
+        consumed += Fmt::kStep;
       }
       __m512 wv = Fmt::load(w + n * rb, k);
       for (int m = 0; m < MT; ++m) acc[n][m] = _mm512_fmadd_ps(wv, xv[m], acc[n][m]);
     }
   }
   if constexpr (!Fmt::kQuant) {
-    if (k < K) {  // K % 16 tail: masked lanes load as zero and never touch memory.
+    if (Fmt::kTail && k < K) {  // K % 16 tail: masked lanes load as zero and never touch memory.
       const __mmask16 mask = static_cast<__mmask16>((1u << (K - k)) - 1);
       __m512 xv[MT];
       for (int m = 0; m < MT; ++m) xv[m] = _mm512_maskz_loadu_ps(mask, x + m * ldx + k);
@@ -336,6 +356,8 @@ void linear_small_m_avx512(const float* x, int64_t ldx, const void* w, WType wt,
   switch (wt) {
     case WType::Q4_1: return run_fmt<Q41>(x, ldx, wb, rb, bias, out, M, N, K, nthreads);
     case WType::Q8_0: return run_fmt<Q80>(x, ldx, wb, rb, bias, out, M, N, K, nthreads);
+    case WType::F16: return run_fmt<F16>(x, ldx, wb, rb, bias, out, M, N, K, nthreads);
+    case WType::BF16: return run_fmt<BF16>(x, ldx, wb, rb, bias, out, M, N, K, nthreads);
     default: return run_fmt<F32>(x, ldx, wb, rb, bias, out, M, N, K, nthreads);
   }
 }

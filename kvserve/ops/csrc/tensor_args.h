@@ -77,10 +77,10 @@ inline torch::Tensor as_int64(const torch::Tensor& t) {
 
 // The ggml type id the caller names -> a format the kernels take.
 inline kvs::WType weight_format(int64_t wtype) {
-  TORCH_CHECK(wtype == 0 || wtype == 2 || wtype == 3 || wtype == 6 || wtype == 7 || wtype == 8 ||
-                  wtype == 256,
-              "wtype must be 0 (F32), 2 (Q4_0), 3 (Q4_1), 6 (Q5_0), 7 (Q5_1), 8 (Q8_0) or 256 "
-              "(W8A8), got ", wtype);
+  TORCH_CHECK(wtype == 0 || wtype == 1 || wtype == 2 || wtype == 3 || wtype == 6 || wtype == 7 ||
+                  wtype == 8 || wtype == 30 || wtype == 256,
+              "wtype must be 0 (F32), 1 (F16), 2 (Q4_0), 3 (Q4_1), 6 (Q5_0), 7 (Q5_1), 8 (Q8_0), "
+              "30 (BF16) or 256 (W8A8), got ", wtype);
   return static_cast<kvs::WType>(wtype);
 }
 
@@ -88,7 +88,8 @@ inline kvs::WType weight_format(int64_t wtype) {
 // length must be that format's for K weights.
 inline kvs::WType checked_weight_type(const torch::Tensor& weight, int64_t wtype, int64_t K) {
   TORCH_CHECK(kvs::is_row_format(static_cast<kvs::WType>(wtype)),
-              "wtype must be 0 (F32), 3 (Q4_1) or 8 (Q8_0) for a weight read as rows, got ",
+              "wtype must be 0 (F32), 1 (F16), 3 (Q4_1), 8 (Q8_0) or 30 (BF16) for a weight "
+              "read as rows, got ",
               wtype, wtype == 2 || wtype == 6 || wtype == 7 || wtype == 256
                          ? " (Q4_0 / Q5_0 / Q5_1 / W8A8 run packed only: qlinear)" : "");
   const kvs::WType wt = weight_format(wtype);
@@ -96,6 +97,14 @@ inline kvs::WType checked_weight_type(const torch::Tensor& weight, int64_t wtype
     TORCH_CHECK(weight.scalar_type() == torch::kFloat32,
                 "a wtype 0 (F32) weight must be float32, got ", weight.scalar_type());
     TORCH_CHECK(weight.size(1) == K, "weight [N, K] has K=", weight.size(1), ", x has ", K);
+    return wt;
+  }
+  if (kvs::is_half_format(wt)) {
+    const auto want = wt == kvs::WType::F16 ? torch::kFloat16 : torch::kBFloat16;
+    TORCH_CHECK(weight.scalar_type() == want, "a wtype ", wtype, " weight must be ", want,
+                ", got ", weight.scalar_type());
+    TORCH_CHECK(weight.size(1) == K, "weight [N, K] has K=", weight.size(1), ", x has ", K);
+    TORCH_CHECK(K % 16 == 0, "a float16 / bfloat16 weight needs K % 16 == 0, got K=", K);
     return wt;
   }
   TORCH_CHECK(weight.scalar_type() == torch::kUInt8,
@@ -117,7 +126,8 @@ inline kvs::WType checked_packed_type(const torch::Tensor& weight, int64_t wtype
               "a packed weight is a contiguous uint8 [groups, K / 32, record bytes] tensor, got ",
               weight.scalar_type(), " ", weight.sizes());
   const kvs::WType wt = weight_format(wtype);
-  TORCH_CHECK(wt != kvs::WType::F32, "a packed weight needs a block format, got wtype 0");
+  TORCH_CHECK(wt != kvs::WType::F32 && !kvs::is_half_format(wt),
+              "a packed weight needs a block format, got wtype ", wtype);
   const int64_t rb = kvs::packed_format(wt).record;
   TORCH_CHECK(weight.size(2) == rb, "packed wtype ", wtype, " records take ", rb,
               " bytes, the weight's have ", weight.size(2));

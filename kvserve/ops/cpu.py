@@ -95,12 +95,14 @@ KQUANT_KERNEL_WTYPES = (Q2_K, Q3_K, Q4_K, Q5_K, Q6_K)
 
 
 def _kernels_read(p: KernelWeight) -> bool:
-    """Whether the fused stack's kernels read this run as it is: float32 rows, GGUF rows,
-    or packed groups of a format with a packed kernel."""
+    """Whether the fused stack's kernels read this run as it is: float32 / float16 /
+    bfloat16 rows, GGUF rows, or packed groups of a format with a packed kernel."""
     if not p.weight.is_contiguous():
         return False
     if p.weight.dim() == 3:
         return p.weight.dtype == torch.uint8 and p.wtype in PACKED_WTYPES + KQUANT_KERNEL_WTYPES
+    if p.wtype in HALF_DTYPES:
+        return p.weight.dtype == HALF_DTYPES[p.wtype] and p.weight.shape[1] % 16 == 0
     return (p.weight.dtype, p.wtype) == (torch.float32, F32) or (
         p.weight.dtype == torch.uint8 and p.wtype in (Q4_1, Q8_0))
 

@@ -65,6 +65,21 @@ F16, BF16 = 1, 30
 HALF_DTYPES = {F16: torch.float16, BF16: torch.bfloat16}
 
 
+def keep_exact_halves(layer: Linear) -> None:
+    """A float32 weight whose every value is a float16 value (else a bfloat16 one) is kept at
+    that width: ops.linear widens it exactly, so results are float32's bit for bit, and a
+    decode step streams half the bytes. A new parameter: a tied lm_head leaves the float32
+    embedding (looked up row by row) as it is."""
+    w = layer.weight
+    if w.dtype != torch.float32 or w.dim() != 2 or w.shape[1] % 16:
+        return
+    for dtype in HALF_DTYPES.values():
+        narrow = w.to(dtype)
+        if torch.equal(narrow.float(), w):
+            layer.weight = nn.Parameter(narrow, requires_grad=False)
+            return
+
+
 def float_wtype(weight: torch.Tensor) -> int:
     """The ggml type id ops.linear is told for a float weight: F16 / BF16, else 0."""
     return BF16 if weight.dtype == torch.bfloat16 else F16 if weight.dtype == torch.float16 \
@@ -167,16 +182,8 @@ class UnquantizedLinearMethod:
         copy_shard(layer, name, shard, dense(tensor))
 
     def process_weights_after_loading(self, layer: Linear) -> None:
-        w = layer.weight
-        if not self.half or w.dtype != torch.float32:
-            return
-        for dtype in HALF_DTYPES.values():
-            narrow = w.to(dtype)
-            if torch.equal(narrow.float(), w):
-                # A parameter of its own: a tied lm_head leaves the float32 embedding (looked
-                # up row by row) as it is.
-                layer.weight = nn.Parameter(narrow, requires_grad=False)
-                return
+        if self.half:
+            keep_exact_halves(layer)
 
     def apply(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
         return layer.ops.linear(x, layer.weight, layer.bias, wtype=float_wtype(layer.weight))

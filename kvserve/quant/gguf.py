@@ -47,6 +47,8 @@ from kvserve.quant.base import (
     create_dense_weight,
     dense,
     dense_names,
+    float_wtype,
+    keep_exact_halves,
     require_float32,
 )
 
@@ -168,7 +170,8 @@ class GGUFLinearMethod:
     repacked into 16-row groups (`pack`; K-quants `pack_kquant`). One run is the usual case; a
     Q4_K_M file mixes types inside one fused layer (q and k Q4_K, v Q6_K), and then the runs'
     outputs are concatenated. Anything else (a float tensor, a format without a kernel, K not
-    a multiple of the block) ends up dequantized into the usual float weight.
+    a multiple of the block) ends up dequantized into the usual float weight, kept at 16 bits
+    where every value is a float16 (or bfloat16) one: a file's F16 / BF16 matrices.
 
     int8_activations: runs go to `ops.qlinear` / `ops.qlinear_kquant` (llama.cpp's
     arithmetic); otherwise Q4_1 / Q8_0 rows stay as stored and `ops.linear` dequantizes them
@@ -220,7 +223,10 @@ class GGUFLinearMethod:
                 if s is not None:
                     layer.weight.data[start:start + size].copy_(s.dequantize())
                 start += size
-            self.parts = [KernelWeight(layer.weight, F32, 0, layer.out_features)]
+            # A file's F16 / BF16 matrices (dequantized exactly by the loader) stay 16-bit.
+            keep_exact_halves(layer)
+            self.parts = [KernelWeight(layer.weight, float_wtype(layer.weight), 0,
+                                       layer.out_features)]
             return
         runs: list[tuple[int, int, list[GGUFWeight]]] = []  # (qtype, first row, shards)
         row = 0

@@ -176,12 +176,13 @@ inline void quantized_linear(const float* x, int64_t ldx, int64_t M, int64_t K,
 }
 
 // GGUF rows of K weights in the named format -> float32 [N, K], the kernels' values; a
-// float32 weight as it is.
+// float32 weight as it is, a float16 / bfloat16 one widened (exactly).
 inline torch::Tensor dequantize_weight(const torch::Tensor& weight, int64_t wtype, int64_t K) {
   TORCH_CHECK(weight.device().is_cpu() && weight.dim() == 2 && weight.is_contiguous(),
               "weight must be a contiguous 2-D CPU tensor");
   const kvs::WType wt = checked_weight_type(weight, wtype, K);
   if (wt == kvs::WType::F32) return weight;
+  if (kvs::is_half_format(wt)) return weight.to(torch::kFloat32);  // exact
   auto out = torch::empty({weight.size(0), K}, weight.options().dtype(torch::kFloat32));
   kvs::dequantize_rows(weight.data_ptr(), wt, out.data_ptr<float>(), weight.size(0), K,
                        at::get_num_threads());

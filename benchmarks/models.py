@@ -10,6 +10,7 @@ checked when it was written: a file lands under its name only after its check pa
         deleted once the GGUF is written.
     smollm2-135m-instruct-q4_k_m.gguf        the default model requantized by llama-quantize
     smollm2-135m-instruct-q8_0.gguf          (benchmarks/setup_peers.sh builds it)
+    smollm2-135m-instruct-f16.gguf / -bf16.gguf
         Source: the F32 GGUF of benchmarks/to_f32_gguf.py (compare's f32 step; made here when
         missing), i.e. the shipped Q4_1 file's weights dequantized. No float original of the
         default model is on disk, so these carry the Q4_1 rounding once, not twice as a
@@ -69,6 +70,8 @@ WHEEL_MODELS = (
 REQUANTIZED = (
     Requantized("smollm2-135m-instruct-q4_k_m.gguf", "Q4_K_M"),
     Requantized("smollm2-135m-instruct-q8_0.gguf", "Q8_0"),
+    Requantized("smollm2-135m-instruct-f16.gguf", "F16"),
+    Requantized("smollm2-135m-instruct-bf16.gguf", "BF16"),
 )
 NAMES = [m.file for m in (*WHEEL_MODELS, *REQUANTIZED)]
 

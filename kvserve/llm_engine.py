@@ -79,9 +79,9 @@ class LLMEngine:
         self.num_blocks = num_blocks
         if proposer is None:
             proposer = build_proposer(config, tokenizer, model)
-        if proposer is not None:
-            proposer.allocate_kv(num_blocks)
         self.runner = ModelRunner(config, model, num_blocks, proposer)
+        if proposer is not None:
+            proposer.allocate_kv(num_blocks, self.runner.kv_cache)
         self.structured_output = StructuredOutputManager(
             tokenizer, config.model_config.vocab_size, config.grammar_cache_bytes)
         self.runner.structured_output = self.structured_output

@@ -28,13 +28,15 @@ logger = logging.getLogger(__name__)
 
 class ModelRunner:
     def __init__(self, config: EngineConfig, model: Any, num_blocks: int,
-                 proposer: Proposer | None = None) -> None:
+                 proposer: Proposer | None = None, kv_cache: Any = None) -> None:
+        """kv_cache: a paged cache to run in (a self-draft's: the target's own); None
+        allocates one of num_blocks blocks."""
         self.config = config
         self.model = model
         self.device = torch.device(config.device)
         self.block_size = config.cache.block_size
         self.vocab_size = config.model_config.vocab_size
-        self.kv_cache = allocate_kv_cache(config, num_blocks)
+        self.kv_cache = allocate_kv_cache(config, num_blocks) if kv_cache is None else kv_cache
         # Tensor parallelism (kvserve/executor/): set by the engine; each step's inputs
         # go to the other ranks before this rank's forward.
         self.executor: TPExecutor | None = None

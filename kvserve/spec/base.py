@@ -4,7 +4,7 @@ counters."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 if TYPE_CHECKING:
     import torch
@@ -41,8 +41,9 @@ class Proposer(Protocol):
     # prompt), None if there was none.
     last_catch_up: tuple[int, float] | None
 
-    def allocate_kv(self, num_blocks: int) -> None:
-        """Its KV cache, in the target's blocks (nothing for a proposer without a model)."""
+    def allocate_kv(self, num_blocks: int, target_kv: Any) -> None:
+        """Its KV cache, in the target's blocks (nothing for a proposer without a model);
+        target_kv: the target's own cache, which a self-draft shares."""
 
     def propose(self, requests: list[Request], num_drafts: list[int],
                 block_tables: list[list[int]]) -> list[list[int]]: ...
@@ -73,7 +74,7 @@ class KVFreeProposer:
     last_catch_up: tuple[int, float] | None = None
     needs_hidden_states = False
 
-    def allocate_kv(self, num_blocks: int) -> None:
+    def allocate_kv(self, num_blocks: int, target_kv: Any) -> None:
         pass
 
     def catch_up_tokens(self, requests: list[Request]) -> list[int]:

@@ -23,6 +23,9 @@ draws decide acceptance) and keeps q until draft_probs() hands it to verificatio
 A prefix-cache hit is trusted for the draft too: the draft ran over those blocks when the
 request that computed them drafted. Where it never did, its KV there is stale and it drafts
 badly, never wrongly.
+
+self_draft (early_exit) is the target's own first layers: it runs in the target's cache and
+feeds only the last sampled token at step 0 (nothing to catch up on, no cache of its own).
 """
 
 from __future__ import annotations
@@ -99,16 +102,19 @@ def _draft_seed(seed: int | None) -> int | None:
 
 class DraftModelProposer:
     def __init__(self, config: EngineConfig, draft_config: EngineConfig, model: Any,
-                 vocab_ids: torch.Tensor | None = None) -> None:
+                 vocab_ids: torch.Tensor | None = None, shares_target_kv: bool = False
+                 ) -> None:
         """vocab_ids: the token ids the draft's lm_head computes, in its row order (None:
-        all of them)."""
+        all of them). shares_target_kv: the draft is the target's first layers (self_draft),
+        and runs in the target's own cache (see early_exit)."""
         self.config = draft_config
         self.model = model
         self.vocab_size = config.model_config.vocab_size
         self.vocab_ids = vocab_ids
         self.p_min = config.speculative.draft_p_min  # type: ignore[union-attr]
         self.num_lookahead_tokens = config.speculative.num_speculative_tokens  # type: ignore
-        self.kv_bytes_per_block = model_block_bytes(
+        self.shares_target_kv = shares_target_kv
+        self.kv_bytes_per_block = 0 if shares_target_kv else model_block_bytes(
             draft_config.model_config, draft_config.cache.block_size,
             resolve_kv_dtype(draft_config.cache.kv_cache_dtype, draft_config.dtype))
         self.runner: ModelRunner | None = None  # over the draft, once allocate_kv sized it
@@ -173,7 +179,15 @@ class DraftModelProposer:
 
     @classmethod
     def early_exit(cls, config: EngineConfig, target: Any) -> DraftModelProposer:
-        """self_draft: the target's first num_layers layers (default half) as the draft."""
+        """self_draft: the target's first num_layers layers (default half) as the draft.
+
+        It runs in the target's own KV cache: for every position the target has computed,
+        the KV of its first layers is what the draft's would be (the same weights over the
+        same tokens), so the draft reads no prompt and keeps no cache of its own. It writes
+        only at positions the target has not computed yet (its input, the last sampled
+        token, and its drafts), in blocks no other request shares (a block is shared once
+        full and computed), and the target computes each of those positions, overwriting
+        the slot in every layer, before anything reads it."""
         spec = config.speculative
         assert spec is not None
         total = config.model_config.num_hidden_layers
@@ -185,10 +199,13 @@ class DraftModelProposer:
         logger.info("self-drafting with the target's first %d of %d layers, K=%d", n, total,
                     spec.num_speculative_tokens)
         return cls(config, config.replace(model_config=mc, speculative=None),
-                   EarlyExit(target, n))
+                   EarlyExit(target, n), shares_target_kv=True)
 
-    def allocate_kv(self, num_blocks: int) -> None:
-        self.runner = ModelRunner(self.config, self.model, num_blocks)
+    def allocate_kv(self, num_blocks: int, target_kv: Any) -> None:
+        # A self-draft's: the target's first layers (a view: the same memory).
+        own = target_kv[:self.config.model_config.num_hidden_layers] \
+            if self.shares_target_kv else None
+        self.runner = ModelRunner(self.config, self.model, num_blocks, kv_cache=own)
 
     def propose(self, requests: list[Request], num_drafts: list[int],
                 block_tables: list[list[int]]) -> list[list[int]]:
@@ -245,6 +262,8 @@ class DraftModelProposer:
         """The first of req's tokens the draft has not read (a prefix-cache hit counts as
         read; so do the drafts its last proposal fed, as far as the target accepted them:
         their KV sits at those positions already, computed from the same tokens)."""
+        if self.shares_target_kv:  # the target's cache holds all but the last token
+            return req.num_tokens - 1
         read = self._read.get(req.request_id)
         if read is None:
             return min(max(req.num_cached_tokens, 0), req.num_tokens - 1)

@@ -137,6 +137,46 @@ def test_a_draft_model_reads_every_position_once_but_rejected_drafts(
     assert len(read) <= max(read) + 1 + st.num_draft_tokens - st.num_accepted_tokens
 
 
+def test_a_self_draft_runs_in_the_targets_cache_and_reads_one_token_per_proposal(
+        make_engine: Any, smollm2: Any, gpl_text: str) -> None:
+    # The target's first layers over the target's own KV: no cache of its own, no prompt
+    # to read first (each proposal feeds the last sampled token, then its drafts), and its
+    # drafts are those of the same layers drafting in a cache of their own (as it ran
+    # before), which read every prompt first: the shared KV is the same KV.
+    tok = smollm2[1].tokenizer
+    prompts = [_chat(tok, "Repeat this text exactly:\n" + gpl_text[2000:2300]),
+               _chat(tok, "Write a poem about the sea.")]
+    spec = {**_spec("self_draft"), "num_layers": 28}
+    engine = make_engine(speculative_config=spec)
+    proposer = engine.runner.proposer
+    assert proposer.shares_target_kv and proposer.kv_bytes_per_block == 0
+    assert proposer.runner.kv_cache.data_ptr() == engine.runner.kv_cache.data_ptr()
+    fed: list[tuple[int, int]] = []  # (request's tokens then, positions fed) per request
+    forward = proposer._forward
+
+    def counted(scheduled: Any) -> Any:
+        fed.extend((s.request.num_tokens, s.start_pos) for s in scheduled
+                   if s.start_pos < s.request.num_tokens)  # step 0 of a proposal
+        assert all(s.num_tokens == 1 for s in scheduled)
+        return forward(scheduled)
+
+    proposer._forward = counted
+    sp = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    shared = _outputs(engine, prompts, [sp] * 2)
+    assert fed and all(start == n - 1 for n, start in fed)
+    st = engine.runner.spec_stats
+    assert st.num_accepted_tokens > 0 and st.num_accepted_tokens < st.num_draft_tokens, st
+    plain = _outputs(make_engine(), prompts, [sp] * 2)
+    assert [o.outputs[0].token_ids for o in shared.values()] == \
+        [o.outputs[0].token_ids for o in plain.values()]
+    # The same layers with a cache of their own (reading each prompt first): same drafts.
+    own = make_engine(speculative_config=spec)
+    own.runner.proposer.shares_target_kv = False
+    own.runner.proposer.allocate_kv(own.num_blocks, None)
+    _outputs(own, prompts, [sp] * 2)
+    assert vars(own.runner.spec_stats) == vars(st)
+
+
 def test_suffix_serves_a_repeated_request_from_its_tenants_past_outputs_only(
         make_engine: Any, smollm2: Any) -> None:
     """The same open prompt three times, each after the last finished: again for its tenant,

@@ -1,6 +1,7 @@
 """Micro-benchmarks of the CPU ops backend against torch / ReferenceOps at SmolLM2-135M shapes.
 
     python benchmarks/ops_micro.py [--threads 2] [--reps 15] [--only linear] [--ms 1,8,16]
+                                   [--weights float16]
 
 Each row is the median of --reps timed calls, both sides at the same thread count. Weights and
 KV caches rotate through enough copies (>= 256 MB) that every call reads them from DRAM, as in
@@ -51,16 +52,25 @@ def row(name: str, ours: float, base: float, base_name: str, extra: str = "") ->
           f"{base_name:<10} {extra}")
 
 
-def bench_linear(ops: CpuOps, reps: int, ms: list[int]) -> None:
+# --weights: the width ops.linear reads (float16 / bfloat16 rows are widened exactly in
+# registers: wtype 1 / 30), against F.linear on the same values in float32.
+WEIGHT_WTYPES = {"float32": (torch.float32, 0), "float16": (torch.float16, 1),
+                 "bfloat16": (torch.bfloat16, 30)}
+
+
+def bench_linear(ops: CpuOps, reps: int, ms: list[int], weights: str = "float32") -> None:
     """ops' kernel (whatever its ISA; M > SMALL_M is F.linear inside it too) against F.linear,
     plus the AVX2 kernel's time when ops runs the AVX-512 one."""
     avx2 = CpuOps(isa="avx2") if ops.isa != "avx2" else None
-    print(f"\nlinear (fp32 weights from DRAM, {ops.isa}) ours us   torch us  speedup  baseline"
-          "   ours GB/s GFLOP/s | torch GB/s" + (" | avx2 us" if avx2 else ""))
+    dtype, wtype = WEIGHT_WTYPES[weights]
+    print(f"\nlinear ({weights} weights from DRAM, {ops.isa}) ours us   torch us  speedup  "
+          "baseline   ours GB/s GFLOP/s | torch GB/s" + (" | avx2 us" if avx2 else ""))
     g = torch.Generator().manual_seed(0)
     for label, (n, k) in LINEAR_SHAPES.items():
-        nbytes = n * k * 4
-        ws = [torch.randn(n, k, generator=g) for _ in range(copies_for(nbytes))]
+        nbytes = n * k * dtype.itemsize
+        ws = [torch.randn(n, k, generator=g).to(dtype) for _ in range(copies_for(nbytes))]
+        # torch's side: the same values in float32 (its own rotating copies).
+        wf = ws if dtype == torch.float32 else [w.float() for w in ws[:copies_for(nbytes * 2)]]
         # Every call takes the least recently used copy, whichever side made the last calls,
         # so no side gets weights that the other just left in L3.
         nxt = itertools.count()
@@ -69,13 +79,16 @@ def bench_linear(ops: CpuOps, reps: int, ms: list[int]) -> None:
                   ) -> float:
             return median_time(lambda i: fn(x, ws[next(nxt) % len(ws)]), reps)
 
+        def ours_fn(x: torch.Tensor, w: torch.Tensor, o: CpuOps = ops) -> torch.Tensor:
+            return o.linear(x, w, wtype=wtype)
+
         for m in ms:
             x = torch.randn(m, k, generator=g)
-            ours, base = timed(ops.linear, x), timed(F.linear, x)
+            ours, base = timed(ours_fn, x), timed(F.linear, x, wf)
             extra = (f"{nbytes / ours / 1e9:6.1f} {2 * m * n * k / ours / 1e9:6.1f} | "
                      f"{nbytes / base / 1e9:6.1f}")
             if avx2 is not None:
-                extra += f" | {timed(avx2.linear, x) * 1e6:8.1f}"
+                extra += f" | {timed(lambda x, w: ours_fn(x, w, avx2), x) * 1e6:8.1f}"
             row(f"{label} {n}x{k} M={m}", ours, base, "F.linear", extra)
 
 
@@ -165,13 +178,15 @@ def main() -> None:
     ap.add_argument("--ms", default="1,4,8,16,64,256",
                     help="comma-separated batch sizes M for linear")
     ap.add_argument("--isa", choices=("avx512", "avx2"), help="linear kernel (default: best)")
+    ap.add_argument("--weights", choices=tuple(WEIGHT_WTYPES), default="float32",
+                    help="the weight width the linear kernel reads")
     a = ap.parse_args()
     torch.set_num_threads(a.threads)
     ops, ref = CpuOps(isa=a.isa), ReferenceOps()
     assert ops.uses_kernels, "this CPU lacks AVX2/FMA: CpuOps is the reference here"
     print(f"torch {torch.__version__}, {a.threads} threads, median of {a.reps}")
     if a.only in (None, "linear"):
-        bench_linear(ops, a.reps, [int(m) for m in a.ms.split(",")])
+        bench_linear(ops, a.reps, [int(m) for m in a.ms.split(",")], a.weights)
     if a.only in (None, "attention"):
         bench_attention(ops, ref, a.reps)
     if a.only in (None, "elementwise"):

@@ -17,7 +17,14 @@ from kvserve.distributed.group import TPGroup
 from kvserve.layers.linear import Linear
 from kvserve.layers.rotary import rope_cos_sin
 from kvserve.outputs import ModelInput
-from kvserve.quant.base import NoQuantization, QuantizedTensor, QuantMethod, dense, is_quantized
+from kvserve.quant.base import (
+    NoQuantization,
+    QuantizedTensor,
+    QuantMethod,
+    dense,
+    is_quantized,
+    tied_embedding_rows,
+)
 
 
 class RMSNorm(nn.Module):
@@ -237,6 +244,10 @@ class LlamaForCausalLM(nn.Module):
         self._check_all_loaded(params, linears, loaded)
         for module in linears.values():
             module.process_weights_after_loading()
+        if self.config.tie_word_embeddings and self.embed_stored is None:
+            # A tied lm_head that keeps the embedding's values in another exact form serves
+            # the lookup too, instead of the float copy (dropped below).
+            self.embed_stored = tied_embedding_rows(self.lm_head.weight, self.embed_tokens)
         if self.embed_stored is not None and self.lm_head.weight is not self.embed_tokens:
             # Nothing reads the float table (a tied lm_head kept its own blocks): drop the
             # placeholder, so the model's parameters are what it holds.

@@ -91,6 +91,37 @@ def dense(tensor: torch.Tensor | QuantizedTensor) -> torch.Tensor:
     return tensor.dequantize() if is_quantized(tensor) else tensor  # type: ignore[return-value]
 
 
+class FloatRows(NamedTuple):
+    """A float matrix kept at its stored width (16-bit) and read row by row as float32, as
+    QuantizedTensor is: a tied lm_head kept at 16 bits, which the embedding lookup shares
+    instead of a float32 copy of the same values (the widening is exact)."""
+
+    weight: torch.Tensor
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return tuple(self.weight.shape)
+
+    def dequantize(self) -> torch.Tensor:
+        return self.weight.float()
+
+    def rows(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.weight[ids.to(self.weight.device)].float()
+
+    def narrow(self, dim: int, start: int, length: int) -> FloatRows:
+        return FloatRows(self.weight.narrow(dim, start, length))
+
+
+def tied_embedding_rows(head: torch.Tensor, embedding: torch.Tensor) -> QuantizedTensor | None:
+    """The table a tied model's embedding lookup reads: the lm_head's weight, where the
+    lm_head keeps the embedding's values in another exact form (16-bit rows:
+    keep_exact_halves) rather than sharing the float tensor; None otherwise."""
+    if head is embedding or head.dtype not in HALF_DTYPES.values() \
+            or head.shape != embedding.shape:
+        return None
+    return FloatRows(head)
+
+
 class KernelWeight(NamedTuple):
     """Output rows [start, start + rows) of a linear's weight in one format, as the kernels
     read it: float rows [rows, K] (wtype 0), GGUF rows [rows, row bytes] (ops.linear), or

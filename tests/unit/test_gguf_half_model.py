@@ -58,3 +58,30 @@ def test_half_matrices_stay_16_bit_and_give_the_float32_logits(tmp_path: Path,
         runs.append(out)
     for a, b in zip(*runs, strict=True):
         assert torch.equal(a, b)
+
+
+def test_a_tied_16_bit_embedding_is_held_once(tmp_path: Path) -> None:
+    """Tied, with an F16 token_embd: the lm_head keeps it at 16 bits and the lookup reads the
+    same rows (widened exactly), so no float32 copy is held; logits as the float32 model's."""
+    types = {f"blk.{i}.{t}.weight": Q.F16 for i in range(1) for t in LINEARS}
+    types["token_embd.weight"] = Q.F16
+    path = tmp_path / "tied.gguf"
+    write_gguf(path, n_layers=1, tied=True, types=types)
+    ck = load_checkpoint(str(path))
+    assert ck.model_config.tie_word_embeddings
+    ops = CpuOps()
+    half = build_model(ck, ops, torch.float32, "gguf")
+    floats = build_model(ck, ops, torch.float32, "none")
+    assert half.lm_head.weight.dtype == torch.float16
+    assert half.embed_tokens.numel() == 0 and half.embed_stored is not None
+    assert half.embed_stored.weight is half.lm_head.weight
+    held = sum(p.numel() * p.element_size() for p in half.parameters())
+    assert held < sum(p.numel() * p.element_size() for p in floats.parameters()) / 1.9
+    prompt = [5, 9, 2, 7, 1, 3, 20, 11]
+    runs = []
+    for model in (half, floats):
+        runner = PagedSequence(model, block_size=16)
+        seq = runner.new_seq()
+        runs.append([runner.forward({seq: prompt})[0], runner.forward({seq: [4]})[0]])
+    for a, b in zip(*runs, strict=True):
+        assert torch.equal(a, b)

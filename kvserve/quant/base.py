@@ -63,6 +63,7 @@ def is_quantized(tensor: torch.Tensor | QuantizedTensor) -> bool:
 # exactly); float32 is 0.
 F16, BF16 = 1, 30
 HALF_DTYPES = {F16: torch.float16, BF16: torch.bfloat16}
+_HALF_WTYPES = {dtype: wtype for wtype, dtype in HALF_DTYPES.items()}
 
 
 def keep_exact_halves(layer: Linear) -> None:
@@ -82,8 +83,7 @@ def keep_exact_halves(layer: Linear) -> None:
 
 def float_wtype(weight: torch.Tensor) -> int:
     """The ggml type id ops.linear is told for a float weight: F16 / BF16, else 0."""
-    return BF16 if weight.dtype == torch.bfloat16 else F16 if weight.dtype == torch.float16 \
-        else 0
+    return _HALF_WTYPES.get(weight.dtype, 0)
 
 
 def dense(tensor: torch.Tensor | QuantizedTensor) -> torch.Tensor:
@@ -116,8 +116,7 @@ def tied_embedding_rows(head: torch.Tensor, embedding: torch.Tensor) -> Quantize
     """The table a tied model's embedding lookup reads: the lm_head's weight, where the
     lm_head keeps the embedding's values in another exact form (16-bit rows:
     keep_exact_halves) rather than sharing the float tensor; None otherwise."""
-    if head is embedding or head.dtype not in HALF_DTYPES.values() \
-            or head.shape != embedding.shape:
+    if head is embedding or head.dtype not in _HALF_WTYPES or head.shape != embedding.shape:
         return None
     return FloatRows(head)
 

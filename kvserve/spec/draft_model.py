@@ -225,7 +225,8 @@ class DraftModelProposer:
                 if j == 0:
                     start = self._start(req)
                     tokens = req.all_token_ids[start:]
-                    self._read[req.request_id] = (req.num_tokens, fed_drafts[b])
+                    if not self.shares_target_kv:  # (a self-draft's start needs no record)
+                        self._read[req.request_id] = (req.num_tokens, fed_drafts[b])
                 else:
                     start, tokens = req.num_tokens + j - 1, [drafts[b][-1]]
                     fed_drafts[b].append(drafts[b][-1])

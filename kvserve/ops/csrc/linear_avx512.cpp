@@ -231,7 +231,7 @@ inline void tile(const float* x, int64_t ldx, const uint8_t* w, int64_t rb, int6
     }
   }
   if constexpr (!Fmt::kQuant) {
-    if (Fmt::kTail && k < K) {  // K % 16 tail: masked lanes load as zero and never touch memory.
+    if (Fmt::kTail && k < K) {  // K % 16 tail: masked lanes load as zero, never touch memory
       const __mmask16 mask = static_cast<__mmask16>((1u << (K - k)) - 1);
       __m512 xv[MT];
       for (int m = 0; m < MT; ++m) xv[m] = _mm512_maskz_loadu_ps(mask, x + m * ldx + k);

@@ -93,18 +93,15 @@ inline kvs::WType checked_weight_type(const torch::Tensor& weight, int64_t wtype
               wtype, wtype == 2 || wtype == 6 || wtype == 7 || wtype == 256
                          ? " (Q4_0 / Q5_0 / Q5_1 / W8A8 run packed only: qlinear)" : "");
   const kvs::WType wt = weight_format(wtype);
-  if (wt == kvs::WType::F32) {
-    TORCH_CHECK(weight.scalar_type() == torch::kFloat32,
-                "a wtype 0 (F32) weight must be float32, got ", weight.scalar_type());
+  if (wt == kvs::WType::F32 || kvs::is_half_format(wt)) {  // float rows [N, K]
+    const bool f16 = wt == kvs::WType::F16, f32 = wt == kvs::WType::F32;
+    const auto want = f32 ? torch::kFloat32 : f16 ? torch::kFloat16 : torch::kBFloat16;
+    TORCH_CHECK(weight.scalar_type() == want, "a wtype ", wtype, " (",
+                f32 ? "F32" : f16 ? "F16" : "BF16", ") weight must be ",
+                f32 ? "float32" : f16 ? "float16" : "bfloat16", ", got ", weight.scalar_type());
     TORCH_CHECK(weight.size(1) == K, "weight [N, K] has K=", weight.size(1), ", x has ", K);
-    return wt;
-  }
-  if (kvs::is_half_format(wt)) {
-    const auto want = wt == kvs::WType::F16 ? torch::kFloat16 : torch::kBFloat16;
-    TORCH_CHECK(weight.scalar_type() == want, "a wtype ", wtype, " weight must be ", want,
-                ", got ", weight.scalar_type());
-    TORCH_CHECK(weight.size(1) == K, "weight [N, K] has K=", weight.size(1), ", x has ", K);
-    TORCH_CHECK(K % 16 == 0, "a float16 / bfloat16 weight needs K % 16 == 0, got K=", K);
+    TORCH_CHECK(wt == kvs::WType::F32 || K % 16 == 0,
+                "a float16 / bfloat16 weight needs K % 16 == 0, got K=", K);
     return wt;
   }
   TORCH_CHECK(weight.scalar_type() == torch::kUInt8,

@@ -56,7 +56,7 @@ class ModelRunner:
         spec = config.speculative
         self.spec_policy = None if spec is None else SpecPolicy(
             spec.num_speculative_tokens, spec.adaptive,
-            draft_forwards=proposer is not None and proposer.num_lookahead_tokens > 0)
+            draft_forwards=proposer.draft_forwards if proposer is not None else "none")
 
     def prepare_inputs(self, so: SchedulerOutput) -> tuple[ModelInput, list[int], dict[str, Any]]:
         """Flatten the step into one varlen batch.

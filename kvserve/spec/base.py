@@ -12,6 +12,9 @@ if TYPE_CHECKING:
     from kvserve.request import Request
 
 
+DRAFT_FORWARDS = ("none", "per_depth", "per_step")
+
+
 class Proposer(Protocol):
     """Guesses the tokens that follow each request's tokens.
 
@@ -34,8 +37,12 @@ class Proposer(Protocol):
     num_lookahead_tokens: int
     # Bytes the proposer's own KV cache needs per block of the target's (one memory budget).
     kv_bytes_per_block: int
+    # What drafting costs beyond the verify rows, for the policy (DRAFT_FORWARDS): "none" (a
+    # lookup: ~free), "per_depth" (a model forward per drafting depth: a draft model), or
+    # "per_step" (one forward for every depth: Medusa's heads through the lm_head).
+    draft_forwards: str
     # The last propose()'s model forwards, (requests drafting, seconds) each, which the
-    # policy prices drafting by; None for a proposer that runs no model (a lookup: ~free).
+    # policy prices drafting by; None for a proposer that runs no model.
     last_timing: list[tuple[int, float]] | None
     # (tokens, seconds) of the last propose()'s catch-up over tokens it had not read (a new
     # prompt), None if there was none.
@@ -65,9 +72,11 @@ class Proposer(Protocol):
 class KVFreeProposer:
     """The Proposer members of a proposer that keeps no KV cache and runs no model per
     drafting depth (ngram, suffix, medusa): no lookahead slots, no bytes per block, nothing
-    to catch up on, nothing timed for the policy, one-hot q (deterministic drafts). A
-    subclass writes propose(), and what it keeps past a request."""
+    to catch up on, nothing timed for the policy (a subclass that runs a model says so in
+    draft_forwards and last_timing), one-hot q (deterministic drafts). A subclass writes
+    propose(), and what it keeps past a request."""
 
+    draft_forwards = "none"
     num_lookahead_tokens = 0
     kv_bytes_per_block = 0
     last_timing: list[tuple[int, float]] | None = None

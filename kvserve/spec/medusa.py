@@ -228,6 +228,7 @@ class MedusaProposer(KVFreeProposer):
     of its own, and one batched call for every depth: not priced per depth."""
 
     needs_hidden_states = True
+    draft_forwards = "per_step"  # every head at once: one pass over the lm_head per step
 
     def __init__(self, heads: MedusaHeads, target: Any) -> None:
         self.heads = heads
@@ -270,6 +271,7 @@ class MedusaProposer(KVFreeProposer):
     def propose(self, requests: list[Request], num_drafts: list[int],
                 block_tables: list[list[int]]) -> list[list[int]]:
         drafts: list[list[int]] = [[] for _ in requests]
+        self.last_timing = None
         # A request gets drafts where its hidden state is for its current last token (a
         # stop string or preemption since then leaves none).
         live = []
@@ -303,8 +305,9 @@ class MedusaProposer(KVFreeProposer):
             rows, top1 = tokens[i]
             for n, t in zip(rows, top1):
                 drafts[live[n]].append(t)
-        logger.debug("medusa: %d drafts in %.2f ms", sum(map(len, drafts)),
-                     (time.perf_counter() - t0) * 1e3)
+        seconds = time.perf_counter() - t0
+        self.last_timing = [(len(live), seconds)]
+        logger.debug("medusa: %d drafts in %.2f ms", sum(map(len, drafts)), seconds * 1e3)
         return drafts
 
     def remove(self, request_ids: list[str]) -> None:

@@ -11,8 +11,9 @@ Its price has two parts, both read from tables of measured times (StepCosts: sec
 interpolated between the row counts seen):
 
     rows     cost(T + n) - cost(T)   the target step with the n draft rows added
-    drafting draft_cost(rows) per drafting step (a draft model: one forward per depth, over
-             the requests drafting that deep; a lookup: nothing)
+    drafting draft_cost(rows) per drafting forward (a draft model: one per depth, over the
+             requests drafting that deep; Medusa: one per step, every head at once; a
+             lookup: nothing)
     catch-up a draft model that has not read a request's tokens yet (a new prompt) reads
              them first: catch_up_tokens x its measured cost per token, spread over the
              steps the request has left (max_tokens), since it is paid once
@@ -36,11 +37,18 @@ from __future__ import annotations
 import math
 
 from kvserve.request import Request
+from kvserve.spec.base import DRAFT_FORWARDS
 
 PROBE_EVERY = 8
 PROBE_SHARE = 0.03
+# A request's acceptance counts start at this prior and decay with its verify steps, prior
+# included: what a proposer never gets accepted falls to ~0, not to a floor the prior holds
+# up (a constant prior of weight 2 against counts decayed to ~5 kept alpha >= 0.2, and
+# Medusa heads accepted 5% of the time drafted at every step of the default model).
 _PRIOR_ALPHA, _PRIOR_WEIGHT = 0.7, 2.0
 _DECAY = 0.8  # per verify step, of a request's acceptance counts
+_PRIOR_ACCEPTED = _PRIOR_ALPHA * _PRIOR_WEIGHT
+_PRIOR_REJECTED = (1 - _PRIOR_ALPHA) * _PRIOR_WEIGHT
 _EMA = 0.2  # of the step-time tables
 # Until a row count is measured, one more row costs this share of a one-row step.
 _PRIOR_ROW_SHARE = 0.05
@@ -82,9 +90,13 @@ class StepCosts:
 
 
 class SpecPolicy:
-    def __init__(self, k_max: int, adaptive: bool = True, draft_forwards: bool = False
+    def __init__(self, k_max: int, adaptive: bool = True, draft_forwards: str = "none"
                  ) -> None:
-        """draft_forwards: the proposer runs a model per drafting depth (a draft model)."""
+        """draft_forwards: how the proposer's own forwards are priced (spec/base.py's
+        DRAFT_FORWARDS: none, per_depth, per_step)."""
+        if draft_forwards not in DRAFT_FORWARDS:
+            raise ValueError(f"draft_forwards must be one of {DRAFT_FORWARDS}, got "
+                             f"{draft_forwards!r}")
         self.k_max = k_max
         self.adaptive = adaptive
         self.draft_forwards = draft_forwards
@@ -113,13 +125,15 @@ class SpecPolicy:
         for rid, d, e in zip(request_ids, drafts, emitted, strict=True):
             if d:
                 a = len(e) - 1
-                self._accepted[rid] = self._accepted.get(rid, 0.0) * _DECAY + a
-                self._rejected[rid] = self._rejected.get(rid, 0.0) * _DECAY + (a < len(d))
+                self._accepted[rid] = self._accepted.get(rid, _PRIOR_ACCEPTED) * _DECAY + a
+                self._rejected[rid] = (self._rejected.get(rid, _PRIOR_REJECTED) * _DECAY
+                                       + (a < len(d)))
 
     def alpha(self, request_id: str) -> float:
-        a = self._accepted.get(request_id, 0.0)
-        r = self._rejected.get(request_id, 0.0)
-        return (a + _PRIOR_ALPHA * _PRIOR_WEIGHT) / (a + r + _PRIOR_WEIGHT)
+        """Per-draft acceptance: accepted drafts / (accepted + first rejections), decayed."""
+        a = self._accepted.get(request_id, _PRIOR_ACCEPTED)
+        r = self._rejected.get(request_id, _PRIOR_REJECTED)
+        return a / (a + r)
 
     def _catch_up_prior(self) -> float:
         """Until measured: a draft model reads a prompt at about 0.6x the target's cost per
@@ -154,8 +168,10 @@ class SpecPolicy:
             gain = sum(sum(a ** j for j in range(1, k + 1)) for a, k in zip(alphas, ks,
                                                                            strict=True))
             price = self.cost(rows + sum(ks)) - base
-            if self.draft_forwards:
-                prior = _PRIOR_DRAFT_SHARE * self.cost(1)
+            prior = _PRIOR_DRAFT_SHARE * self.cost(1)
+            if self.draft_forwards == "per_step":
+                price += self.draft_cost(sum(1 for k in ks if k), prior)
+            if self.draft_forwards == "per_depth":
                 price += sum(self.draft_cost(sum(1 for k in ks if k > j), prior)
                              for j in range(d))
                 if catch_up:
@@ -169,10 +185,11 @@ class SpecPolicy:
             if value > best_value:
                 best_d, best_value = d, value
         ks = [min(best_d, k) for k in own]
-        # Probes: a request at 0 for probe_every steps drafts one token. A draft model's
-        # probes wait for a step that runs its forward anyway, or go all at once.
+        # Probes: a request at 0 for probe_every steps drafts one token. A proposer's probes
+        # that need its forward (a draft model, Medusa) wait for a step that runs it anyway,
+        # or go all at once.
         probe_price = max(row_price, 0.0)
-        if self.draft_forwards:
+        if self.draft_forwards != "none":
             probe_price += (self.draft_cost(rows, _PRIOR_DRAFT_SHARE * self.cost(1))
                             / max(rows, 1))
         probe_every = PROBE_EVERY if c_tok <= 0 else max(
@@ -185,7 +202,7 @@ class SpecPolicy:
             if not ks[i] and caps[i] and self._idle[rid] >= probe_every \
                     and not (catch_up and catch_up[i]):
                 due.append(i)
-        if due and (not self.draft_forwards or best_d or len(due) == sum(
+        if due and (self.draft_forwards == "none" or best_d or len(due) == sum(
                 1 for c in caps if c)):
             for i in due:
                 ks[i] = 1

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pytest
+
 from kvserve.request import Request
 from kvserve.sampling_params import SamplingParams
 from kvserve.spec.policy import PROBE_EVERY, PROBE_SHARE, SpecPolicy, StepCosts
@@ -48,7 +50,7 @@ def test_a_predictable_request_drafts_deep_when_rows_are_cheap() -> None:
 
 def test_an_unpredictable_request_backs_off_then_probes() -> None:
     policy = SpecPolicy(5)
-    _cpu_like(policy, 0.012)  # alpha ~0.2 gains 10 ms of a 50 ms token for a 12 ms row
+    _cpu_like(policy, 0.012)
     reqs = _reqs(1)
     _accept(policy, reqs, 5, 0)
     ks = [policy.num_drafts(reqs, [16])[0] for _ in range(PROBE_EVERY)]
@@ -77,7 +79,7 @@ def test_probes_under_load_cost_at_most_their_share() -> None:
 
 def test_draft_forwards_priced_per_depth_back_off_under_load() -> None:
     # A draft forward costs 17 ms whatever its rows; rows cost 6 ms each.
-    policy = SpecPolicy(4, draft_forwards=True)
+    policy = SpecPolicy(4, draft_forwards="per_depth")
     _cpu_like(policy, 0.006)
     policy.observe_draft([(n, 0.017 + 0.001 * n) for n in range(1, 17)])
     one = _reqs(1)
@@ -91,3 +93,45 @@ def test_draft_forwards_priced_per_depth_back_off_under_load() -> None:
 def test_not_adaptive_drafts_k() -> None:
     policy = SpecPolicy(3, adaptive=False)
     assert policy.num_drafts(_reqs(2), [16, 1]) == [3, 1]
+
+
+def test_drafts_never_accepted_stop_even_where_rows_are_cheap() -> None:
+    # A 4 ms row against a 50 ms token: a draft pays from 8% acceptance. Drafts that are
+    # never accepted must not look like 20% (a prior that outweighs the evidence).
+    policy = SpecPolicy(5)
+    _cpu_like(policy, 0.004)
+    reqs = _reqs(1)
+    _accept(policy, reqs, 1, 0)
+    assert policy.alpha("0") < 0.05
+    assert policy.num_drafts(reqs, [16]) == [0]
+
+
+def test_a_per_step_forward_is_priced_once_whatever_the_depth() -> None:
+    # Medusa: one 15 ms pass over the heads and the lm_head per step, for every depth; rows
+    # cost 2 ms against a 50 ms token.
+    def policies() -> tuple[SpecPolicy, SpecPolicy]:
+        per_step, free = SpecPolicy(4, draft_forwards="per_step"), SpecPolicy(4)
+        for policy in (per_step, free):
+            _cpu_like(policy, 0.002)
+            policy.observe_draft([(1, 0.015)])
+        return per_step, free
+
+    reqs = _reqs(1)
+    per_step, free = policies()
+    for policy in (per_step, free):
+        _accept(policy, reqs, 4, 3)  # alpha ~0.75: four drafts gain ~100 ms, cost 23
+    assert per_step.num_drafts(reqs, [16]) == [4] == free.num_drafts(reqs, [16])
+    per_step, free = policies()
+    for policy in (per_step, free):
+        for _ in range(10):  # one in four accepted: alpha ~0.25
+            _accept(policy, reqs, 1, 1, times=1)
+            _accept(policy, reqs, 1, 0, times=3)
+    assert 0.15 < per_step.alpha("0") < 0.35
+    # A draft gains ~12 ms: not the pass and a row (17 ms), but a row alone.
+    assert per_step.num_drafts(reqs, [16]) == [0]
+    assert free.num_drafts(reqs, [16]) != [0]
+
+
+def test_draft_forwards_must_be_known() -> None:
+    with pytest.raises(ValueError, match="draft_forwards must be one of"):
+        SpecPolicy(4, draft_forwards=True)  # type: ignore[arg-type]

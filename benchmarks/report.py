@@ -788,6 +788,10 @@ class Report:
             if m.get("error"):
                 lines += [f"Not measured: {m['error']}", ""]
                 continue
+            med = m.get("medusa")
+            if med:
+                lines += [f"Medusa heads: `{med['command']}` (its defaults), once; its report: "
+                          + " ".join(med.get("report") or ["(none kept)"]), ""]
             notes = []
             for cfg in m.get("configs") or []:
                 why = cfg.get("unavailable") or cfg.get("error")
@@ -862,7 +866,8 @@ class Report:
              "compare --steps peers,spec`, about 1.5 hours on 2 cores; `make bench` runs it "
              "too): `BENCH_ARGS='--spec-models qwen1.5b --spec-methods ngram,draft_model "
              "--spec-rounds 1'` narrows it; `--spec-config NAME=JSON` gives a method's "
-             "`--speculative-config` (`$DRAFT`: the draft GGUF)."),
+             "`--speculative-config` (`$DRAFT`: the draft GGUF; `$MEDUSA`: the model's heads, "
+             "trained by the step when missing)."),
             ("- `benchmarks/compare --quick ...`: tiny workloads, a smoke test of the runner "
              "(its figures are marked and are not to be quoted)."),
             ("- On a CPU with AMX, `setup_peers.sh` builds llama.cpp native but for AMX "

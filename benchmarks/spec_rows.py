@@ -40,7 +40,8 @@ MODEL_BASED = frozenset({"draft_model", "self_draft", "eagle", "eagle3", "medusa
 LOOKUP = frozenset({"ngram", "suffix", "ngram-simple"})
 
 # kvserve's --speculative-config per method, vLLM-shaped. "$DRAFT" is replaced with the
-# model's draft GGUF; a method that needs one is skipped on a model without one.
+# model's draft GGUF, "$MEDUSA" with its Medusa heads (`kvserve train-medusa`, run by the spec
+# step when they are missing); a method that needs one is skipped on a model without one.
 # `compare --spec-config NAME=JSON` adds or replaces one.
 KVSERVE_METHOD_CONFIGS: dict[str, dict[str, Any]] = {
     "ngram": {"method": "ngram", "num_speculative_tokens": 5, "prompt_lookup_min": 2,
@@ -48,10 +49,12 @@ KVSERVE_METHOD_CONFIGS: dict[str, dict[str, Any]] = {
     "draft_model": {"method": "draft_model", "model": "$DRAFT", "num_speculative_tokens": 4},
     "suffix": {"method": "suffix", "num_speculative_tokens": 8},
     "self_draft": {"method": "self_draft", "num_speculative_tokens": 4},
+    "medusa": {"method": "medusa", "model": "$MEDUSA", "num_speculative_tokens": 4},
 }
 DEFAULT_METHODS = ["ngram", "draft_model", "suffix", "self_draft"]  # the Qwen target
-# The default model (SmolLM2-135M: no smaller draft): the lookups.
-DEFAULT_MODEL_METHODS = ["ngram", "suffix"]
+# The default model (SmolLM2-135M: no smaller draft): the lookups, its own first layers and
+# Medusa heads trained on it.
+DEFAULT_MODEL_METHODS = ["ngram", "suffix", "self_draft", "medusa"]
 
 # llama-server's own speculative decoding (this llama.cpp: the --draft-max / --draft-min of
 # older builds are removed; --spec-draft-n-max / -n-min replace them). "draft": -md with the
@@ -69,6 +72,7 @@ class SpecModel:
     target: str                  # GGUF path
     draft: str | None            # GGUF path of the draft model, or None
     methods: tuple[str, ...]     # kvserve methods to run on this model
+    medusa: str | None = None    # its Medusa heads' directory (trained when missing), or None
 
 
 @dataclass(frozen=True)
@@ -101,10 +105,11 @@ def spec_configs(model: SpecModel, method_configs: dict[str, dict[str, Any]],
             continue
         text = json.dumps(cfg)
         why = None
-        if "$DRAFT" in text:
-            if model.draft is None:
-                continue  # a draft-model method on a model without a draft: not a row
-            text = text.replace("$DRAFT", model.draft)
+        paths = {"$DRAFT": model.draft, "$MEDUSA": model.medusa}
+        if any(var in text and path is None for var, path in paths.items()):
+            continue  # a method needing a draft / heads the model lacks: not a row
+        for var, path in paths.items():
+            text = text.replace(var, path or var)
         if not kvserve_has_spec:
             why = "`kvserve serve` has no --speculative-config yet"
         spec = json.loads(text)

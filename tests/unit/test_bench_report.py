@@ -311,3 +311,29 @@ def test_spec_best_proposer_counts_only_runs_that_drafted(tmp_path: Path,
     rows = {t: k for t, k, _, _ in report.Report(tmp_path).spec_targets()}
     assert rows["qwen1.5b: every proposer at 8 streams and on open generation >= 0.95x "
                 "(the lowest)"] == "0.80x (self_draft open c=1)"
+
+
+def test_spec_configs_fill_in_each_models_draft_and_heads(report: Any) -> None:
+    """spec_rows.spec_configs: a method needing a draft model or Medusa heads runs where the
+    model has them, with their paths in its --speculative-config (which kvserve's own
+    SpeculativeConfig accepts), and is no row where it has not."""
+    import spec_rows  # benchmarks/, on the path once report.py is loaded
+
+    from kvserve.config import SpeculativeConfig
+
+    methods = ("ngram", "draft_model", "medusa")
+    with_both = spec_rows.SpecModel("m", "M", "t.gguf", "d.gguf", methods, "heads/m")
+    bare = spec_rows.SpecModel("m", "M", "t.gguf", None, methods)
+    configs = spec_rows.KVSERVE_METHOD_CONFIGS
+    got = {c.method: c for c in spec_rows.spec_configs(with_both, configs, True, True)
+           if c.engine == "kvserve"}
+    assert set(got) == {"none", "ngram", "draft_model", "medusa"}
+    assert got["draft_model"].spec["model"] == "d.gguf"
+    assert got["medusa"].spec["model"] == "heads/m"
+    assert got["medusa"].flags == ("--speculative-config", json.dumps(got["medusa"].spec))
+    for c in got.values():
+        if c.spec:
+            assert SpeculativeConfig(**c.spec).method == c.method
+    got = {c.method for c in spec_rows.spec_configs(bare, configs, True, True)
+           if c.engine == "kvserve"}
+    assert got == {"none", "ngram"}

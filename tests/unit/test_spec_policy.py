@@ -135,3 +135,18 @@ def test_a_per_step_forward_is_priced_once_whatever_the_depth() -> None:
 def test_draft_forwards_must_be_known() -> None:
     with pytest.raises(ValueError, match="draft_forwards must be one of"):
         SpecPolicy(4, draft_forwards=True)  # type: ignore[arg-type]
+
+
+def test_a_stale_dear_row_count_does_not_lock_drafting_in() -> None:
+    # The server's first decode steps are slow (160 ms here against 6); one row is then only
+    # measured again if the policy ever picks it. No row count may look dearer than more
+    # rows do, so a request whose drafts are rejected stops drafting.
+    policy = SpecPolicy(4, draft_forwards="per_depth")
+    policy.observe_step(1, 0.160)
+    for rows in range(2, 6):
+        policy.observe_step(rows, 0.006 + 0.001 * rows)
+    policy.observe_draft([(1, 0.004)])
+    assert policy.cost(1) <= policy.cost(2) <= policy.cost(3)
+    reqs = _reqs(1)
+    _accept(policy, reqs, 1, 0)
+    assert policy.num_drafts(reqs, [16]) == [0]

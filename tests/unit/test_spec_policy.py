@@ -143,10 +143,21 @@ def test_a_stale_dear_row_count_does_not_lock_drafting_in() -> None:
     # rows do, so a request whose drafts are rejected stops drafting.
     policy = SpecPolicy(4, draft_forwards="per_depth")
     policy.observe_step(1, 0.160)
-    for rows in range(2, 6):
-        policy.observe_step(rows, 0.006 + 0.001 * rows)
+    for _ in range(10):
+        for rows in range(2, 6):
+            policy.observe_step(rows, 0.006 + 0.001 * rows)
     policy.observe_draft([(1, 0.004)])
     assert policy.cost(1) <= policy.cost(2) <= policy.cost(3)
     reqs = _reqs(1)
     _accept(policy, reqs, 1, 0)
     assert policy.num_drafts(reqs, [16]) == [0]
+
+
+def test_a_fresh_row_count_keeps_its_own_time() -> None:
+    # Under load the step of 8 rows is measured all the time; a larger count measured once
+    # at a quiet moment must not make it (and so the rows past it) look cheaper.
+    c = StepCosts()
+    c.observe(12, 0.150)
+    for _ in range(50):
+        c.observe(8, 0.200)
+    assert c(8) == 0.200

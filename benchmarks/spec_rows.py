@@ -109,7 +109,8 @@ def spec_configs(model: SpecModel, method_configs: dict[str, dict[str, Any]],
         if any(var in text and path is None for var, path in paths.items()):
             continue  # a method needing a draft / heads the model lacks: not a row
         for var, path in paths.items():
-            text = text.replace(var, path or var)
+            if path is not None:
+                text = text.replace(var, path)
         if not kvserve_has_spec:
             why = "`kvserve serve` has no --speculative-config yet"
         spec = json.loads(text)

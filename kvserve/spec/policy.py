@@ -76,14 +76,14 @@ class StepCosts:
     def __init__(self, row_share: float = _PRIOR_ROW_SHARE) -> None:
         self.table: dict[int, float] = {}
         self.row_share = row_share
-        self.observations = 0
+        self._observations = 0
         self._seen: dict[int, int] = {}  # row count -> the observation that last measured it
 
     def observe(self, rows: int, seconds: float) -> None:
         old = self.table.get(rows)
         self.table[rows] = _ema(old, seconds)
-        self.observations += 1
-        self._seen[rows] = self.observations
+        self._observations += 1
+        self._seen[rows] = self._observations
 
     def __call__(self, rows: int, default_base: float = 1.0) -> float:
         table = self.table
@@ -91,7 +91,7 @@ class StepCosts:
             return default_base * (1 + self.row_share * (rows - 1))
         cost = self._estimate(rows)
         seen = self._seen.get(rows)
-        if seen is not None and self.observations - seen > _STALE:
+        if seen is not None and self._observations - seen > _STALE:
             cost = min([cost] + [v for n, v in table.items()
                                  if n > rows and self._seen[n] > seen])
         return cost
@@ -184,17 +184,18 @@ class SpecPolicy:
             while j < cap and a ** (j + 1) * c_tok > row_price:
                 j += 1
             own.append(j)
+        # What a proposer forward costs until one is measured (a lookup runs none).
+        draft_prior = _PRIOR_DRAFT_SHARE * self.cost(1)
         best_d, best_value = 0, 0.0
         for d in range(1, max(own, default=0) + 1):
             ks = [min(d, k) for k in own]
             gain = sum(sum(a ** j for j in range(1, k + 1)) for a, k in zip(alphas, ks,
                                                                            strict=True))
             price = self.cost(rows + sum(ks)) - base
-            prior = _PRIOR_DRAFT_SHARE * self.cost(1)
             if self.draft_forwards == "per_step":
-                price += self.draft_cost(sum(1 for k in ks if k), prior)
-            if self.draft_forwards == "per_depth":
-                price += sum(self.draft_cost(sum(1 for k in ks if k > j), prior)
+                price += self.draft_cost(sum(1 for k in ks if k), draft_prior)
+            elif self.draft_forwards == "per_depth":
+                price += sum(self.draft_cost(sum(1 for k in ks if k > j), draft_prior)
                              for j in range(d))
                 if catch_up:
                     per_token = self.catch_up_cost or self._catch_up_prior()
@@ -212,8 +213,7 @@ class SpecPolicy:
         # or go all at once.
         probe_price = max(row_price, 0.0)
         if self.draft_forwards != "none":
-            probe_price += (self.draft_cost(rows, _PRIOR_DRAFT_SHARE * self.cost(1))
-                            / max(rows, 1))
+            probe_price += self.draft_cost(rows, draft_prior) / max(rows, 1)
         probe_every = PROBE_EVERY if c_tok <= 0 else max(
             PROBE_EVERY, math.ceil(probe_price / (PROBE_SHARE * c_tok) - 1e-9))
         due = []

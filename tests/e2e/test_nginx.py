@@ -94,16 +94,24 @@ class Nginx:
         return path.read_text() if path.exists() else ""
 
     def upstreams(self, rids: list[str]) -> dict[str, list[str]]:
-        """X-Request-Id -> the upstreams nginx tried for it, in order, from its access log
-        (waited for: nginx writes a line once it has finalized the request, which can be a
-        moment after the client read its last byte)."""
+        """X-Request-Id -> the upstreams nginx tried for it, in order."""
+        return {rid: [a for a, _ in tried] for rid, tried in self.tries(rids).items()}
+
+    def tries(self, rids: list[str]) -> dict[str, list[tuple[str, str]]]:
+        """X-Request-Id -> (upstream, the status it answered) for each upstream nginx tried
+        for it, in order, from its access log ("502": it failed before a status line; waited
+        for: nginx writes a line once it has finalized the request, which can be a moment
+        after the client read its last byte)."""
         deadline = time.monotonic() + 10
         while True:
             out = {}
             for line in (self.prefix / "access.log").read_text().splitlines():
-                m = re.search(r"rid=(\S+) upstream=\[([^\]]*)\]", line)
+                m = re.search(r"rid=(\S+) upstream=\[([^\]]*)\] upstream_status=\[([^\]]*)\]",
+                              line)
                 if m and m.group(1) in rids:
-                    out[m.group(1)] = [a.strip() for a in m.group(2).split(",")]
+                    addrs, codes = (g.split(",") for g in m.group(2, 3))
+                    out[m.group(1)] = [(a.strip(), c.strip())
+                                       for a, c in zip(addrs, codes, strict=True)]
             if len(out) == len(rids) or time.monotonic() > deadline:
                 return out
             time.sleep(0.1)
@@ -284,15 +292,20 @@ def test_a_killed_replica_loses_no_request_that_had_not_started(replicas: Replic
         t.join(120)
     assert not any(t.is_alive() for t in threads)
 
-    log = replicas.nginx.upstreams([s.rid for s in streams])
+    tries = replicas.nginx.tries([s.rid for s in streams])
+    log = {rid: [addr for addr, _ in t] for rid, t in tries.items()}
     addr_a, addr_b = replicas.addr(a), replicas.addr(b)
     assert len(log) == len(streams), [s for s in streams if s.rid not in log]
     failed = [s for s in streams if s.error]
     for s in failed:
-        # It had received streamed bytes, all from b, which can only have sent them before
-        # it died; nginx did not retry it (it never does once bytes went to the client).
-        assert s.chunks > 0, f"a request failed before its first byte: {s}"
-        assert log[s.rid] == [addr_b], (s, log[s.rid])
+        # Only a request b had started: b had answered it with its status line (200), which
+        # it sends only with the first event ready (api._SSEResponse), and nginx did not
+        # retry it (it never does once it has passed a status line on to the client). The
+        # client has that first event, except where b died between the two writes of the
+        # status line and the event, back to back: a window of microseconds, so the test
+        # allows at most one such request.
+        assert tries[s.rid] == [(addr_b, "200")], (s, tries[s.rid])
+    assert sum(s.chunks == 0 for s in failed) <= 1, failed
     assert len(failed) <= MAX_NUM_SEQS, failed  # at most b's running requests
     for s in streams:
         if not s.error:

@@ -237,6 +237,10 @@ struct Q4K {
             lo[m][h] = _mm256_add_epi16(lo[m][h], _mm256_maddubs_epi16(wl[h], xl));
             hi[m][h] = _mm256_add_epi16(hi[m][h], _mm256_maddubs_epi16(wh[h], xh));
           }
+          // Pinned (as in Q4KRows): unpinned, GCC computed a sub-block pair's 32 products
+          // first, each spilled to the stack, then added them up (1 row: 80 stack moves per
+          // 16 chunks; the loop ran 8% faster in cache pinned).
+          asm("" : "+x"(lo[m][0]), "+x"(lo[m][1]), "+x"(hi[m][0]), "+x"(hi[m][1]));
         }
       }
       for (int h = 0; h < 2; ++h) {

@@ -20,14 +20,13 @@ from pathlib import Path
 
 import torch
 from gguf import GGUFReader
+from models import MODELS  # benchmarks/models.py
 
-from kvserve.ops.cpu import CpuOps
-from kvserve.quant.ggml_kquants import Q4_K, Q5_K, Q6_K
+from kvserve.ops.cpu import KQUANT_KERNEL_WTYPES, CpuOps
+from kvserve.quant.ggml_kquants import KQUANT_NAMES as NAMES
 from kvserve.quant.kquant_pack import pack_kquant
 
-DEFAULT = (Path(__file__).parent / ".cache" / "models"
-           / "qwen2.5-coder-1.5b-instruct-q4_k_m.gguf")
-NAMES = {Q4_K: "Q4_K", Q5_K: "Q5_K", Q6_K: "Q6_K"}
+DEFAULT = MODELS / "qwen2.5-coder-1.5b-instruct-q4_k_m.gguf"
 
 
 def load(path: Path) -> list[tuple[int, torch.Tensor, int, int]]:
@@ -35,7 +34,7 @@ def load(path: Path) -> list[tuple[int, torch.Tensor, int, int]]:
     out = []
     for t in GGUFReader(path).tensors:
         qt = int(t.tensor_type)
-        if qt not in NAMES or t.name == "token_embd.weight":
+        if qt not in KQUANT_KERNEL_WTYPES or t.name == "token_embd.weight":
             continue
         k, n = (int(d) for d in t.shape)
         raw = torch.from_numpy(t.data.reshape(n, -1).copy())
@@ -56,7 +55,9 @@ def main() -> None:
     mats = load(a.model)
     xs = {k: torch.randn(1, k) for k in {k for _, _, _, k in mats}}
     flat = torch.cat([w.view(torch.int64).flatten() for _, w, _, _ in mats])
-    fmt_bytes = {qt: sum(w.numel() for q, w, _, _ in mats if q == qt) for qt, *_ in mats}
+    fmt_bytes: dict[int, int] = {}
+    for qt, w, _, _ in mats:
+        fmt_bytes[qt] = fmt_bytes.get(qt, 0) + w.numel()
     total = flat.numel() * 8
 
     def kernels() -> dict[int, float]:
@@ -76,9 +77,8 @@ def main() -> None:
           f"({', '.join(f'{NAMES[q]} {b / 1e6:.0f} MB' for q, b in fmt_bytes.items())}); "
           f"kernels {ops.isa}, {a.threads} threads")
     kernels(), read()  # warm-up: the extension, page faults
-    rows: dict[str, list[float]] = {"read": [], "kernels": [], "ratio": []}
-    for q in fmt_bytes:
-        rows[NAMES[q]] = []
+    rows: dict[str, list[float]] = {k: [] for k in ["read", "kernels", "ratio",
+                                                    *(NAMES[q] for q in fmt_bytes)]}
     for r in range(a.rounds):
         secs = kernels()
         rd = total / read() / 1e9

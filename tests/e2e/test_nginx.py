@@ -95,7 +95,7 @@ class Nginx:
 
     def upstreams(self, rids: list[str]) -> dict[str, list[str]]:
         """X-Request-Id -> the upstreams nginx tried for it, in order."""
-        return {rid: [a for a, _ in tried] for rid, tried in self.tries(rids).items()}
+        return addresses(self.tries(rids))
 
     def tries(self, rids: list[str]) -> dict[str, list[tuple[str, str]]]:
         """X-Request-Id -> (upstream, the status it answered) for each upstream nginx tried
@@ -124,6 +124,11 @@ class Nginx:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait(10)
+
+
+def addresses(tries: dict[str, list[tuple[str, str]]]) -> dict[str, list[str]]:
+    """Nginx.tries without the statuses: the upstreams tried for each request, in order."""
+    return {rid: [addr for addr, _ in t] for rid, t in tries.items()}
 
 
 @dataclass
@@ -293,7 +298,7 @@ def test_a_killed_replica_loses_no_request_that_had_not_started(replicas: Replic
     assert not any(t.is_alive() for t in threads)
 
     tries = replicas.nginx.tries([s.rid for s in streams])
-    log = {rid: [addr for addr, _ in t] for rid, t in tries.items()}
+    log = addresses(tries)
     addr_a, addr_b = replicas.addr(a), replicas.addr(b)
     assert len(log) == len(streams), [s for s in streams if s.rid not in log]
     failed = [s for s in streams if s.error]

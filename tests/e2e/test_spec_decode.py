@@ -259,6 +259,36 @@ def test_seeded_sampling_n_and_json_schema(make_engine: Any, smollm2: Any) -> No
     assert isinstance(obj["name"], str) and isinstance(obj["age"], int)
 
 
+def test_the_warm_up_drafts_once_and_leaves_no_time_in_the_policy(make_engine: Any) -> None:
+    # The warm-up's steps, the draft model's first forward among them, are the engine's
+    # first, cold ones; kept, they priced every later draft (a 940 ms step at one row
+    # against 60).
+    spec = dict(_spec("draft_model"), adaptive=True)
+    engine = make_engine(speculative_config=spec)
+    policy = engine.runner.spec_policy
+    steps: list[int] = []
+    drafts: list[Any] = []
+    observe_step, observe_draft = policy.observe_step, policy.observe_draft
+
+    def step(rows: int, seconds: float) -> None:
+        steps.append(rows)
+        observe_step(rows, seconds)
+
+    def draft(timing: Any) -> None:
+        drafts.append(timing)
+        observe_draft(timing)
+
+    policy.observe_step, policy.observe_draft = step, draft
+    engine.warm_up()
+    # Its steps and the draft's forwards were measured (a verify step of 1 + drafts rows) ...
+    assert max(steps) > 1 and len(drafts) == 1
+    assert policy.cost.table == {} and policy.draft_cost.table == {}  # ... and forgotten
+    assert policy.catch_up_cost == 0.0 and policy.adaptive
+    assert engine.runner.spec_stats.num_drafts == 0
+    _outputs(engine, [[1, 2, 3]], [SamplingParams(temperature=0, max_tokens=4)])
+    assert policy.cost.table  # a request's steps are kept
+
+
 def test_bad_speculative_configs_are_clear_errors(make_engine: Any) -> None:
     with pytest.raises(ValueError, match="method must be one of ngram, draft_model"):
         make_engine(speculative_config={"method": "eagle", "num_speculative_tokens": 2})

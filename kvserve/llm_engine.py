@@ -388,7 +388,8 @@ class LLMEngine:
         if reqs:
             drafts = self.runner.propose(
                 reqs, [sched.max_drafts(r) for r in reqs],
-                [sched.kv_cache_manager.get_block_ids(r.request_id) for r in reqs])
+                [sched.kv_cache_manager.get_block_ids(r.request_id) for r in reqs],
+                min(len(sched.running) + len(sched.waiting), sched.config.max_num_seqs))
             for req, d in zip(reqs, drafts, strict=True):
                 req.spec_token_ids = d
 

@@ -130,12 +130,13 @@ class ModelRunner:
 
     @torch.inference_mode()
     def propose(self, requests: list[Request], max_drafts: list[int],
-                block_tables: list[list[int]]) -> list[list[int]]:
+                block_tables: list[list[int]], load: int = 0) -> list[list[int]]:
         """Draft tokens for the requests' next steps: the policy's count each, the
-        proposer's guesses (a draft model writes its KV through the block tables)."""
+        proposer's guesses (a draft model writes its KV through the block tables). load:
+        the requests the engine holds (SpecPolicy.num_drafts)."""
         assert self.proposer is not None and self.spec_policy is not None
         ks = self.spec_policy.num_drafts(requests, max_drafts,
-                                         self.proposer.catch_up_tokens(requests))
+                                         self.proposer.catch_up_tokens(requests), load)
         if not any(ks):
             return [[] for _ in requests]
         drafts = self.proposer.propose(requests, ks, block_tables)

@@ -173,10 +173,29 @@ class SpecPolicy:
 
     # -- the decision -------------------------------------------------------------------
 
+    def _catch_up_pays(self, alpha: float, cap: int, tokens: int, req: Request, load: int,
+                       draft_prior: float) -> bool:
+        """Whether req drafting at `load` rows saves more over the steps it has left than
+        the proposer's catch-up over `tokens` costs. A step at depth k there gains
+        sum_{j<=k} alpha^j tokens at c_tok and pays k rows and k draft forwards' share
+        (1 / load of each); the request has left / (1 + gain) such steps."""
+        base = self.cost(load)
+        c_tok = base / load
+        per_depth = self.cost(load + 1) - base + self.draft_cost(load, draft_prior) / load
+        left = max(1, req.max_tokens - req.num_output_tokens)
+        per_token = self.catch_up_cost or self._catch_up_prior()
+        gain = best = 0.0
+        for k in range(1, cap + 1):
+            gain += alpha ** k
+            best = max(best, (gain * c_tok - k * per_depth) * left / (1 + gain))
+        return best > tokens * per_token
+
     def num_drafts(self, requests: list[Request], max_drafts: list[int],
-                   catch_up: list[int] | None = None) -> list[int]:
+                   catch_up: list[int] | None = None, load: int = 0) -> list[int]:
         """Drafts per request for the next step (each <= its max_drafts and K); catch_up:
-        the tokens the proposer would read first for each (None: none)."""
+        the tokens the proposer would read first for each (None: none); load: the requests
+        the engine holds (running and waiting, up to its max_num_seqs), which this step's
+        rows are only while no request is being prefilled."""
         caps = [min(self.k_max, m) for m in max_drafts]
         if not self.adaptive:
             return caps
@@ -194,6 +213,14 @@ class SpecPolicy:
             own.append(j)
         # What a proposer forward costs until one is measured (a lookup runs none).
         draft_prior = _PRIOR_DRAFT_SHARE * self.cost(1)
+        # A catch-up (a draft model reading a new prompt) is paid once, for all the steps
+        # the request drafts after it, and those run at the engine's load, not at this
+        # step's rows: a burst of requests decodes at first beside few others while the
+        # rest are prefilled, where any draft pays, then at 8 rows, where few do.
+        if catch_up:
+            heavy = max(rows, load)
+            own = [k if not (k and n) or self._catch_up_pays(a, k, n, r, heavy, draft_prior)
+                   else 0 for r, k, n, a in zip(requests, own, catch_up, alphas, strict=True)]
         best_d, best_value = 0, 0.0
         for d in range(1, max(own, default=0) + 1):
             ks = [min(d, k) for k in own]

@@ -161,3 +161,22 @@ def test_a_fresh_row_count_keeps_its_own_time() -> None:
     for _ in range(50):
         c.observe(8, 0.200)
     assert c(8) == 0.200
+
+
+def test_a_catch_up_is_priced_at_the_load_the_request_will_decode_under() -> None:
+    # A draft model must read a new request's 250-token prompt first (3 ms a token). Alone,
+    # its drafts repay that within the steps it has left; with 7 more requests on their way
+    # (prefilled in the next steps: this step has one row) they never do, and a burst of 8
+    # requests that each caught up while few rows ran lost 6-19% (Qwen2.5-Coder 1.5B).
+    def policy() -> SpecPolicy:
+        p = SpecPolicy(4, draft_forwards="per_depth")
+        _cpu_like(p, 0.005)
+        p.observe_draft([(n, 0.020 + 0.001 * n) for n in range(1, 17)])
+        p.observe_catch_up(250, 0.750)
+        return p
+
+    new = [Request("0", list(range(250)), SamplingParams(max_tokens=256), max_tokens=256)]
+    assert policy().num_drafts(new, [16], [250], load=1) != [0]
+    assert policy().num_drafts(new, [16], [250], load=8) == [0]
+    # Once caught up, only this step's rows price its drafts.
+    assert policy().num_drafts(new, [16], [0], load=8) != [0]

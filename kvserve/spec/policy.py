@@ -215,11 +215,13 @@ class SpecPolicy:
         draft_prior = _PRIOR_DRAFT_SHARE * self.cost(1)
         # A catch-up (a draft model reading a new prompt) is paid once, for all the steps
         # the request drafts after it, and those run at the engine's load, not at this
-        # step's rows: a burst of requests decodes at first beside few others while the
-        # rest are prefilled, where any draft pays, then at 8 rows, where few do.
-        if catch_up:
-            heavy = max(rows, load)
-            own = [k if not (k and n) or self._catch_up_pays(a, k, n, r, heavy, draft_prior)
+        # step's rows where requests are still waiting: a burst of requests decodes at
+        # first beside few others while the rest are prefilled, where any draft pays, then
+        # at 8 rows, where few do. (Where the rows are the load, the loop below prices the
+        # catch-up itself; gated there too, a request alone on Qwen2.5-Coder 1.5B, priced
+        # with the priors of its first step, never drafted.)
+        if catch_up and load > rows:
+            own = [k if not (k and n) or self._catch_up_pays(a, k, n, r, load, draft_prior)
                    else 0 for r, k, n, a in zip(requests, own, catch_up, alphas, strict=True)]
         best_d, best_value = 0, 0.0
         for d in range(1, max(own, default=0) + 1):

@@ -844,6 +844,9 @@ class Report:
                    if cfg.get("rss_mib")]
             if rss:
                 lines += ["Resident memory after start-up (MiB): " + "; ".join(rss) + ".", ""]
+        notes_md = self.results / "spec_notes.md"  # cells re-measured since (spec_cell.py)
+        if notes_md.exists():
+            lines += ["### Since this run", "", notes_md.read_text().strip(), ""]
         return lines
 
     def howto(self) -> list[str]:

@@ -166,11 +166,10 @@ class LLMEngine:
         """One short greedy generation through the whole path (kernels built and run, the
         first step's allocations, tensor-parallel ranks answering), run by the server before
         /health says ready, so a load balancer never hands a user the first, slow request.
-        With speculation it drafts once (up to K tokens, within the first block). It
-        leaves no trace: no cached block (it computes fewer positions than a block of 4+ holds),
-        the counters at 0,
-        no draw from the engine's generator (greedy), no step time in the speculative
-        policy's tables. Returns its seconds."""
+        With speculation it drafts once (up to K tokens, within the first block). It leaves
+        no trace: no cached block (it computes fewer positions than a block of 4+ holds), the
+        counters at 0, no draw from the engine's generator (greedy), no step time in the
+        speculative policy's tables. Returns its seconds."""
         t0 = time.perf_counter()
         ids = self.tokenizer.encode("Hello", add_special_tokens=False)[:1] or [0]
         policy, k = self.runner.spec_policy, 0
@@ -192,8 +191,8 @@ class LLMEngine:
         kv = self.scheduler.kv_cache_manager
         kv.prefix_cache_queries = kv.prefix_cache_hits = 0
         self.runner.spec_stats = SpecStats()
-        if self.runner.spec_policy is not None:
-            self.runner.spec_policy.forget_costs()
+        if policy is not None:
+            policy.forget_costs()
         return time.perf_counter() - t0
 
     def bind_thread(self) -> None:

@@ -165,9 +165,12 @@ class SpecPolicy:
         r = self._rejected.get(request_id, _PRIOR_REJECTED)
         return a / (a + r)
 
-    def _catch_up_prior(self) -> float:
-        """Until measured: a draft model reads a prompt at about 0.6x the target's cost per
-        prefill token (Qwen2.5-Coder 0.5B against 1.5B here: 0.57x), or cost(1) / 20."""
+    def _catch_up_per_token(self) -> float:
+        """Seconds per token the proposer catches up on: measured, or until measured, about
+        0.6x the target's cost per prefill token (Qwen2.5-Coder 0.5B against 1.5B here:
+        0.57x), or cost(1) / 20."""
+        if self.catch_up_cost:
+            return self.catch_up_cost
         big = [n for n in self.cost.table if n >= 64]
         return 0.6 * self.cost(max(big)) / max(big) if big else self.cost(1) / 20
 
@@ -183,7 +186,7 @@ class SpecPolicy:
         c_tok = base / load
         per_depth = self.cost(load + 1) - base + self.draft_cost(load, draft_prior) / load
         left = max(1, req.max_tokens - req.num_output_tokens)
-        per_token = self.catch_up_cost or self._catch_up_prior()
+        per_token = self._catch_up_per_token()
         gain = best = 0.0
         for k in range(1, cap + 1):
             gain += alpha ** k
@@ -235,7 +238,7 @@ class SpecPolicy:
                 price += sum(self.draft_cost(sum(1 for k in ks if k > j), draft_prior)
                              for j in range(d))
                 if catch_up:
-                    per_token = self.catch_up_cost or self._catch_up_prior()
+                    per_token = self._catch_up_per_token()
                     for r, k, n, a in zip(requests, ks, catch_up, alphas, strict=True):
                         if k and n:
                             left = max(1, r.max_tokens - r.num_output_tokens)

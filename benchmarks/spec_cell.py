@@ -7,7 +7,7 @@ of them back to back with `kvserve bench serve`, the order rotated every round. 
 round: output tok/s, the spec counters' deltas, and each configuration's ratio over the
 first one's in the same round (the machine drifts between rounds; a ratio within a round
 holds still); then the median ratio. Same prompts, server flags and API keys per run as the
-spec step (benchmarks/spec_rows.py, compare's spec_server_cmd).
+spec step (benchmarks/spec_rows.py).
 
     python benchmarks/spec_cell.py grounded 8 --rounds 3 none= \\
         'dm={"method": "draft_model", "model": "$DRAFT", "num_speculative_tokens": 4}'
@@ -37,8 +37,6 @@ ROOT = Path(__file__).resolve().parent.parent
 KVSERVE = str(ROOT / ".venv" / "bin" / "kvserve")
 WORK = ROOT / "benchmarks" / ".cache" / "spec_cell"
 TEXT = ROOT.parent / "shared" / "reference" / "GPL-3.txt"
-PROMPTS = {1: 4, 8: 8}  # compare's SPEC_PROMPTS
-MAX_TOKENS = 256  # compare's SPEC_MAX_TOKENS
 
 
 def _free_port() -> int:
@@ -71,7 +69,7 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("task", choices=list(sr.TASKS))
-    p.add_argument("concurrency", type=int, choices=list(PROMPTS))
+    p.add_argument("concurrency", type=int, choices=list(sr.PROMPTS))
     p.add_argument("configs", nargs="+", metavar="NAME[@TREE]=JSON")
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--model", default=str(MODELS / "qwen2.5-coder-1.5b-instruct-q4_k_m.gguf"))
@@ -80,12 +78,12 @@ def main() -> int:
     from kvserve.loader import load_checkpoint
 
     WORK.mkdir(parents=True, exist_ok=True)
-    n = PROMPTS[ns.concurrency]
+    n = sr.PROMPTS[ns.concurrency]
     tok = load_checkpoint(ns.model).tokenizer
-    lines = sr.prompt_lines(tok, ns.task, n, MAX_TOKENS, TEXT)
-    prompts = sr.write_jsonl(WORK / f"{ns.task}_{n}x{MAX_TOKENS}.jsonl", lines)
+    lines = sr.prompt_lines(tok, ns.task, n, sr.MAX_TOKENS, TEXT)
+    prompts = sr.write_jsonl(WORK / f"{ns.task}_{n}x{sr.MAX_TOKENS}.jsonl", lines)
     keys = WORK / "api_keys.txt"
-    keys.write_text(sr.api_key_file(list(sr.TASKS), list(PROMPTS), ns.rounds))
+    keys.write_text(sr.api_key_file(list(sr.TASKS), list(sr.PROMPTS), ns.rounds))
     servers: dict[str, tuple[subprocess.Popen, int]] = {}
     try:
         for cfg in ns.configs:
@@ -93,8 +91,7 @@ def main() -> int:
             name, _, tree = name.partition("@")
             port = _free_port()
             cmd = [KVSERVE, "serve", ns.model, "--host", "127.0.0.1", "--port", str(port),
-                   "--kv-cache-memory", "512MiB", "--no-enable-prefix-caching",
-                   "--api-key-file", str(keys)]
+                   *sr.kvserve_serve_flags(keys)]
             if spec:
                 cmd += ["--speculative-config", spec.replace("$DRAFT", ns.draft)]
             env = dict(os.environ)

@@ -289,6 +289,24 @@ def prompt_lines(tokenizer: Any, task: str, n: int, max_tokens: int, gpl: str | 
     return out
 
 
+# The workload: new tokens per request at most (a rewrite ends where the text does) and
+# prompts per concurrency level. Each kvserve server's KV budget is bounded: a model's
+# servers are up at once.
+MAX_TOKENS = 256
+PROMPTS = {1: 4, 8: 8}
+KV_MEMORY = "512MiB"
+
+
+def kvserve_serve_flags(api_key_file: Path) -> list[str]:
+    """`kvserve serve MODEL --host H --port P`'s other flags in a spec run. Prefix caching
+    is off, so every round prefills its prompts again and the rounds are the same work.
+    Every (task, streams, round) sends its own API key (run_key), and each key is a
+    tenant: the suffix proposer indexes only its tenant's past outputs, so a round cannot
+    draft from an earlier round's answers to the same prompts."""
+    return ["--kv-cache-memory", KV_MEMORY, "--no-enable-prefix-caching",
+            "--api-key-file", str(api_key_file)]
+
+
 # kvserve's servers take one API key per (task, streams, round), and one for the warm-up
 # request: each key is a tenant, and the suffix proposer drafts only from its tenant's past
 # outputs. With one tenant for the whole run, round 2 would draft round 1's answers to the

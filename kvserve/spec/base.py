@@ -15,6 +15,29 @@ if TYPE_CHECKING:
 DRAFT_FORWARDS = ("none", "per_depth", "per_step")
 
 
+@dataclass(frozen=True)
+class DraftStops:
+    """Where a proposer that knows how sure it is of each draft (a draft model: the
+    probability it gave the token) stops, priced by the policy for this step
+    (SpecPolicy.draft_stops). P is the product of a request's draft confidences so far, the
+    chance all its drafts are accepted (a draft model's is well calibrated: Qwen2.5-Coder
+    0.5B drafting for 1.5B, open generation, greedy: 98% of its drafts at 0.9+ accepted,
+    30% at 0.2-0.4). Prices are in tokens (seconds / the cost of a token without drafts):
+
+        keep[j]   draft j (0-based) is verified iff P after it >= keep[j]: the price of its
+                  verify row; one not kept ends the request's drafting
+        more[j]   the forward for draft j >= 1 runs iff P so far * alpha >= more[j]: its
+                  row's price plus the request's share of the forward (more[0] is unused:
+                  the policy chose to start)
+        alphas    per request, its measured per-draft acceptance: the chance the next
+                  draft is accepted, before it is drawn
+    """
+
+    keep: list[float]
+    more: list[float]
+    alphas: list[float]
+
+
 class Proposer(Protocol):
     """Guesses the tokens that follow each request's tokens.
 
@@ -44,6 +67,8 @@ class Proposer(Protocol):
     # The last propose()'s model forwards, (requests drafting, seconds) each, which the
     # policy prices drafting by; None for a proposer that runs no model.
     last_timing: list[tuple[int, float]] | None
+    # Whether propose() reads DraftStops: its drafts come with their probabilities.
+    stops_on_confidence: bool
     # (tokens, seconds) of the last propose()'s catch-up over tokens it had not read (a new
     # prompt), None if there was none.
     last_catch_up: tuple[int, float] | None
@@ -53,7 +78,10 @@ class Proposer(Protocol):
         target_kv: the target's own cache, which a self-draft shares."""
 
     def propose(self, requests: list[Request], num_drafts: list[int],
-                block_tables: list[list[int]]) -> list[list[int]]: ...
+                block_tables: list[list[int]], stops: DraftStops | None = None
+                ) -> list[list[int]]:
+        """stops: where to stop short of num_drafts on low confidence (a proposer with
+        stops_on_confidence; others get None)."""
 
     def observe_hidden(self, requests: list[Request], hidden: torch.Tensor,
                        emitted: list[list[int]]) -> None:
@@ -77,6 +105,7 @@ class KVFreeProposer:
     propose(), and what it keeps past a request."""
 
     draft_forwards = "none"
+    stops_on_confidence = False
     num_lookahead_tokens = 0
     kv_bytes_per_block = 0
     last_timing: list[tuple[int, float]] | None = None

@@ -52,6 +52,7 @@ from kvserve.quant.gguf import GGUFWeight
 from kvserve.request import Request
 from kvserve.sample.metadata import SamplingMetadata
 from kvserve.sample.sampler import Sampler
+from kvserve.spec.base import DraftStops
 
 if TYPE_CHECKING:
     from kvserve.config import EngineConfig
@@ -125,6 +126,7 @@ class DraftModelProposer:
         self._read: dict[str, tuple[int, list[int]]] = {}
         self._q: dict[str, torch.Tensor] = {}  # request -> q [k, V] of its pending drafts
         self.draft_forwards = "per_depth"
+        self.stops_on_confidence = False
         self.last_timing: list[tuple[int, float]] | None = None
         self.last_catch_up: tuple[int, float] | None = None
         self.needs_hidden_states = False
@@ -209,15 +211,18 @@ class DraftModelProposer:
         self.runner = ModelRunner(self.config, self.model, num_blocks, kv_cache=own)
 
     def propose(self, requests: list[Request], num_drafts: list[int],
-                block_tables: list[list[int]]) -> list[list[int]]:
+                block_tables: list[list[int]], stops: DraftStops | None = None
+                ) -> list[list[int]]:
         drafts: list[list[int]] = [[] for _ in requests]
         fed_drafts: list[list[int]] = [[] for _ in requests]
         qs: list[list[torch.Tensor]] = [[] for _ in requests]
+        sure = [1.0] * len(requests)  # the product of each request's draft confidences
         active = [b for b, k in enumerate(num_drafts) if k > 0]
         self.last_timing, self.last_catch_up = [], None
         for j in range(max(num_drafts, default=0)):
             t0 = time.perf_counter()
-            active = [b for b in active if num_drafts[b] > j]
+            active = [b for b in active if num_drafts[b] > j and (
+                j == 0 or stops is None or sure[b] * stops.alphas[b] >= stops.more[j])]
             if not active:
                 break
             scheduled = []
@@ -242,6 +247,9 @@ class DraftModelProposer:
             for i, b in enumerate(active):
                 if conf[i] < self.p_min:
                     continue  # a draft this unsure is likelier rejected than not: stop here
+                sure[b] *= conf[i]
+                if stops is not None and sure[b] < stops.keep[j]:
+                    continue  # its verify row would cost more than it is likely to add
                 confident.append(b)
                 drafts[b].append(tokens_j[i])
                 if q_j is not None and q_j[i] is not None:

@@ -46,7 +46,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from kvserve.request import Request
-from kvserve.spec.base import KVFreeProposer
+from kvserve.spec.base import DraftStops, KVFreeProposer
 
 if TYPE_CHECKING:
     from kvserve.config import EngineConfig
@@ -269,7 +269,8 @@ class MedusaProposer(KVFreeProposer):
             self._hidden[req.request_id] = (req.num_tokens + len(emitted[b]), hidden[b])
 
     def propose(self, requests: list[Request], num_drafts: list[int],
-                block_tables: list[list[int]]) -> list[list[int]]:
+                block_tables: list[list[int]], stops: DraftStops | None = None
+                ) -> list[list[int]]:
         drafts: list[list[int]] = [[] for _ in requests]
         self.last_timing = None
         # A request gets drafts where its hidden state is for its current last token (a

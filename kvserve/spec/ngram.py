@@ -17,7 +17,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from kvserve.request import Request
-from kvserve.spec.base import KVFreeProposer
+from kvserve.spec.base import DraftStops, KVFreeProposer
 
 
 class NgramIndex:
@@ -71,7 +71,8 @@ class NgramProposer(KVFreeProposer):
         return t.index
 
     def propose(self, requests: list[Request], num_drafts: list[int],
-                block_tables: list[list[int]]) -> list[list[int]]:
+                block_tables: list[list[int]], stops: DraftStops | None = None
+                ) -> list[list[int]]:
         return [self._index(r).lookup(r.all_token_ids, k) if k else []
                 for r, k in zip(requests, num_drafts, strict=True)]
 

@@ -39,7 +39,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from kvserve.request import Request
-from kvserve.spec.base import KVFreeProposer
+from kvserve.spec.base import DraftStops, KVFreeProposer
 
 _SEP = -1  # between documents, before the first: never a token, never matched
 _NO_TOKEN = -2  # the query's missing positions (a short request): never in a buffer
@@ -187,7 +187,8 @@ class SuffixProposer(KVFreeProposer):
     # -- the protocol --------------------------------------------------------------------
 
     def propose(self, requests: list[Request], num_drafts: list[int],
-                block_tables: list[list[int]]) -> list[list[int]]:
+                block_tables: list[list[int]], stops: DraftStops | None = None
+                ) -> list[list[int]]:
         out = []
         for req, k in zip(requests, num_drafts, strict=True):
             own = self._sync(req)  # every request seen, so its tokens reach the cache

@@ -192,7 +192,7 @@ class LLMEngine:
         kv.prefix_cache_queries = kv.prefix_cache_hits = 0
         self.runner.spec_stats = SpecStats()
         if policy is not None:
-            policy.forget_costs()
+            policy.forget()
         return time.perf_counter() - t0
 
     def bind_thread(self) -> None:

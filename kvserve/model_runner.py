@@ -139,7 +139,10 @@ class ModelRunner:
                                          self.proposer.catch_up_tokens(requests), load)
         if not any(ks):
             return [[] for _ in requests]
-        drafts = self.proposer.propose(requests, ks, block_tables)
+        stops = None
+        if self.proposer.stops_on_confidence:
+            ks, stops = self.spec_policy.draft_stops(requests, ks, max_drafts)
+        drafts = self.proposer.propose(requests, ks, block_tables, stops)
         if self.proposer.last_timing:
             self.spec_policy.observe_draft(self.proposer.last_timing)
         if self.proposer.last_catch_up:

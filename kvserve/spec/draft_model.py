@@ -126,7 +126,7 @@ class DraftModelProposer:
         self._read: dict[str, tuple[int, list[int]]] = {}
         self._q: dict[str, torch.Tensor] = {}  # request -> q [k, V] of its pending drafts
         self.draft_forwards = "per_depth"
-        self.stops_on_confidence = False
+        self.stops_on_confidence = True
         self.last_timing: list[tuple[int, float]] | None = None
         self.last_catch_up: tuple[int, float] | None = None
         self.needs_hidden_states = False

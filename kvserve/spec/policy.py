@@ -30,6 +30,11 @@ most PROBE_SHARE of its share of the steps: a probe pays for one more row (and i
 a draft forward), which on a CPU at 8 rows can cost a fifth of the step (Qwen2.5-Coder 1.5B
 here: 8 rows 207 ms, 9 rows 247 ms). Probing every 8 steps there made 8 streams that never
 drafted otherwise run at 0.87-0.94x of no speculation.
+
+A draft model knows how sure it is of each draft, and its confidence is well calibrated
+(base.py's DraftStops), so for it (stops_on_confidence) the depth is not chosen ahead:
+num_drafts decides which requests start, and draft_stops prices where each stops as it
+drafts.
 """
 
 from __future__ import annotations
@@ -37,18 +42,22 @@ from __future__ import annotations
 import math
 
 from kvserve.request import Request
-from kvserve.spec.base import DRAFT_FORWARDS
+from kvserve.spec.base import DRAFT_FORWARDS, DraftStops
 
 PROBE_EVERY = 8
 PROBE_SHARE = 0.03
-# A request's acceptance counts start at this prior and decay with its verify steps, prior
-# included: what a proposer never gets accepted falls to ~0, not to a floor the prior holds
-# up (a constant prior of weight 2 against counts decayed to ~5 kept alpha >= 0.2, and
-# Medusa heads accepted 5% of the time drafted at every step of the default model).
-_PRIOR_ALPHA, _PRIOR_WEIGHT = 0.7, 2.0
+# A request's acceptance: its own counts (decayed per verify step, ~5 steps' worth at most)
+# beside a prior of weight _PRIOR_WEIGHT whose mean is the proposer's acceptance over the
+# server's recent drafts (every request's, decayed per request verified; _PRIOR_ALPHA at
+# start). A prior of fixed mean 0.7 had to decay with the counts, or a proposer never
+# accepted kept drafting above a floor it held up (Medusa heads accepted 5% of the time, at
+# every step of the default model); light and decayed, two rejections at a request's start
+# (0.7 -> 0.43 -> 0.29) stopped a draft model the server's other requests accepted 77% of,
+# and it never drafted again (a probe would first read every token since). The server's
+# mean is what the proposer does, so the prior can be heavy and stay.
+_PRIOR_ALPHA, _PRIOR_WEIGHT = 0.7, 4.0
 _DECAY = 0.8  # per verify step, of a request's acceptance counts
-_PRIOR_ACCEPTED = _PRIOR_ALPHA * _PRIOR_WEIGHT
-_PRIOR_REJECTED = (1 - _PRIOR_ALPHA) * _PRIOR_WEIGHT
+_SERVER_DECAY = 0.98
 _EMA = 0.2  # of the step-time tables
 _STALE = 32  # observations since a row count's last, past which StepCosts caps it
 # Until a row count is measured, one more row costs this share of a one-row step.
@@ -125,14 +134,17 @@ class SpecPolicy:
         self._accepted: dict[str, float] = {}  # decayed accepted drafts
         self._rejected: dict[str, float] = {}  # decayed first rejections
         self._idle: dict[str, int] = {}  # steps since the request last drafted
-        self.forget_costs()
+        self.forget()
 
-    def forget_costs(self) -> None:
-        """Drops every measured time: after the engine's warm-up, whose steps are its
-        first (cold). Kept, they priced the rest of a server's life: a warm-up step of 940
-        ms at one row against 60 made every token look dear, so the first requests paid a
-        draft model's catch-up over their prompts at 8 streams too (Qwen2.5-Coder 1.5B,
+    def forget(self) -> None:
+        """Drops every measured time and the server's acceptance: after the engine's
+        warm-up, whose steps are its first (cold) and whose drafts continue a one-token
+        prompt. Kept, they priced the rest of a server's life: a warm-up step of 940 ms at
+        one row against 60 made every token look dear, so the first requests paid a draft
+        model's catch-up over their prompts at 8 streams too (Qwen2.5-Coder 1.5B,
         input-grounded, 0.81-0.94x)."""
+        # Every request's verify steps, decayed (the prior's mean): one draft's weight.
+        self._server = [_PRIOR_ALPHA, 1 - _PRIOR_ALPHA]
         self.cost = StepCosts()  # the target's steps, by rows
         self.draft_cost = StepCosts()  # the proposer's forwards, by rows
         self.catch_up_cost = 0.0  # seconds per token the proposer catches up on (EMA)
@@ -154,15 +166,18 @@ class SpecPolicy:
                        emitted: list[list[int]]) -> None:
         for rid, d, e in zip(request_ids, drafts, emitted, strict=True):
             if d:
-                a = len(e) - 1
-                self._accepted[rid] = self._accepted.get(rid, _PRIOR_ACCEPTED) * _DECAY + a
-                self._rejected[rid] = (self._rejected.get(rid, _PRIOR_REJECTED) * _DECAY
-                                       + (a < len(d)))
+                a, r = len(e) - 1, int(len(e) - 1 < len(d))
+                self._accepted[rid] = self._accepted.get(rid, 0.0) * _DECAY + a
+                self._rejected[rid] = self._rejected.get(rid, 0.0) * _DECAY + r
+                s = self._server
+                s[0], s[1] = s[0] * _SERVER_DECAY + a, s[1] * _SERVER_DECAY + r
 
     def alpha(self, request_id: str) -> float:
-        """Per-draft acceptance: accepted drafts / (accepted + first rejections), decayed."""
-        a = self._accepted.get(request_id, _PRIOR_ACCEPTED)
-        r = self._rejected.get(request_id, _PRIOR_REJECTED)
+        """Per-draft acceptance: accepted drafts / (accepted + first rejections), the
+        request's decayed counts beside the server's prior."""
+        sa, sr = self._server
+        a = self._accepted.get(request_id, 0.0) + _PRIOR_WEIGHT * sa / (sa + sr)
+        r = self._rejected.get(request_id, 0.0) + _PRIOR_WEIGHT * sr / (sa + sr)
         return a / (a + r)
 
     def _catch_up_per_token(self) -> float:
@@ -270,6 +285,34 @@ class SpecPolicy:
                 ks[i] = 1
                 self._idle[requests[i].request_id] = 0
         return ks
+
+    def draft_stops(self, requests: list[Request], ks: list[int], max_drafts: list[int]
+                    ) -> tuple[list[int], DraftStops | None]:
+        """For a proposer that knows its confidence (stops_on_confidence), after
+        num_drafts: every request num_drafts starts may draft up to its cap, and stops
+        where the prices returned say (base.py's DraftStops). num_drafts' depths price the
+        j-th draft at alpha^j, the acceptance of an average draft; a draft model knows
+        better for each of its own, so its depth is decided as it drafts: on Qwen2.5-Coder
+        1.5B (0.5B drafting, open generation, greedy, 1 stream) depths chosen by alpha
+        drafted at 67 of 222 steps, 1.07x; replayed with the confidences K = 4 drafting
+        recorded, stopping as the prices say came to 1.28x, a fixed K = 1 to 1.23x.
+        Not adaptive: ks as they are, no stops."""
+        if not self.adaptive:
+            return ks, None
+        caps = [min(self.k_max, m) for m in max_drafts]
+        ks = [cap if k else 0 for k, cap in zip(ks, caps, strict=True)]
+        n = sum(1 for k in ks if k)
+        if not n:
+            return ks, None
+        rows = len(requests)
+        c_tok = self.cost(rows) / max(rows, 1)
+        draft_prior = _PRIOR_DRAFT_SHARE * self.cost(1)
+        share = self.draft_cost(n, draft_prior) / n / c_tok
+        # Draft j's verify row: the (j + 1)-th of each of the n drafting requests.
+        keep = [(self.cost(rows + n * (j + 1)) - self.cost(rows + n * j)) / n / c_tok
+                for j in range(max(ks))]
+        more = [row + share for row in keep]
+        return ks, DraftStops(keep, more, [self.alpha(r.request_id) for r in requests])
 
     def remove(self, request_ids: list[str]) -> None:
         for rid in request_ids:

@@ -7,6 +7,7 @@ without speculation."""
 from __future__ import annotations
 
 import json
+import math
 from typing import Any
 
 import pytest
@@ -14,6 +15,8 @@ import torch
 
 from kvserve.loader import resolve_model
 from kvserve.sampling_params import SamplingParams, StructuredOutputsParams
+from kvserve.spec.base import DraftStops
+from kvserve.spec.policy import _PRIOR_ALPHA
 from tests.conftest import run_all
 
 # adaptive False: draft K whenever the proposer has drafts, so every test exercises them.
@@ -109,6 +112,47 @@ def test_greedy_identity_alone(make_engine: Any, smollm2: Any, gpl_text: str) ->
     assert out.token_ids == plain.token_ids and out.text == plain.text
     # A copy task: a verify step adds well over one token on average.
     assert engine.runner.spec_stats.mean_accepted_length > 1.5
+
+
+def test_a_draft_model_stops_where_the_policy_prices_say(make_engine: Any, smollm2: Any,
+                                                         gpl_text: str) -> None:
+    # DraftStops: a draft is kept while the product of the draft's confidences covers its
+    # row's price (keep), and another forward runs while that times alpha covers more.
+    tok = smollm2[1].tokenizer
+    engine = make_engine(speculative_config=_spec("draft_model"))
+    engine.add_request("0", {"prompt_token_ids": _chat(tok, "Summarize: " + gpl_text[:300])},
+                       SamplingParams(temperature=0, max_tokens=32, ignore_eos=True))
+    for _ in range(4):
+        engine.step()
+    req = engine.scheduler.running[0]
+    proposer = engine.runner.proposer
+    blocks = [engine.scheduler.kv_cache_manager.get_block_ids("0")]
+    confs: list[float] = []
+    sample = proposer._sample
+
+    def recorded(logits: Any, meta: Any) -> Any:
+        out = sample(logits, meta)
+        confs.extend(out[2])
+        return out
+
+    proposer._sample = recorded
+
+    def propose(keep: list[float], more: list[float]) -> list[int]:
+        confs.clear()
+        return proposer.propose([req], [3], blocks, DraftStops(keep, more, [1.0]))[0]
+
+    full = propose([0.0] * 3, [0.0] * 3)
+    assert len(full) == 3 and proposer.propose([req], [3], blocks)[0] == full
+    # Each draft kept iff the product of the confidences so far reaches keep[j].
+    sure = [math.prod(confs[:j + 1]) for j in range(3)]
+    assert propose([0.0, sure[1] + 1e-6, 0.0], [0.0] * 3) == full[:1]
+    assert propose([0.0, sure[1] - 1e-6, sure[2] + 1e-6], [0.0] * 3) == full[:2]
+    assert propose([1.01] * 3, [0.0] * 3) == []  # none is sure enough: no forward wasted on
+    assert len(confs) == 1  # ... a second
+    # Another forward runs iff the product so far reaches more[j] (alpha 1 here).
+    assert propose([0.0] * 3, [0.0, sure[0] + 1e-6, 0.0]) == full[:1] and len(confs) == 1
+    assert propose([0.0] * 3, [0.0, sure[0] - 1e-6, sure[1] + 1e-6]) == full[:2]
+    run_all(engine)
 
 
 def test_a_draft_model_reads_every_position_once_but_rejected_drafts(
@@ -259,7 +303,7 @@ def test_seeded_sampling_n_and_json_schema(make_engine: Any, smollm2: Any) -> No
     assert isinstance(obj["name"], str) and isinstance(obj["age"], int)
 
 
-def test_the_warm_up_drafts_once_and_leaves_no_time_in_the_policy(make_engine: Any) -> None:
+def test_the_warm_up_drafts_once_and_leaves_nothing_in_the_policy(make_engine: Any) -> None:
     # The warm-up's steps, the draft model's first forward among them, are the engine's
     # first, cold ones; kept, they priced every later draft (a 940 ms step at one row
     # against 60).
@@ -284,6 +328,8 @@ def test_the_warm_up_drafts_once_and_leaves_no_time_in_the_policy(make_engine: A
     assert max(steps) > 1 and len(drafts) == 1
     assert policy.cost.table == {} and policy.draft_cost.table == {}  # ... and forgotten
     assert policy.catch_up_cost == 0.0 and policy.adaptive
+    # Its drafts (a one-token prompt's) set no request's prior either.
+    assert policy.alpha("a request") == pytest.approx(_PRIOR_ALPHA)
     assert engine.runner.spec_stats.num_drafts == 0
     _outputs(engine, [[1, 2, 3]], [SamplingParams(temperature=0, max_tokens=4)])
     assert policy.cost.table  # a request's steps are kept

@@ -180,3 +180,45 @@ def test_a_catch_up_is_priced_at_the_load_the_request_will_decode_under() -> Non
     assert policy().num_drafts(new, [16], [250], load=8) == [0]
     # Once caught up, only this step's rows price its drafts.
     assert policy().num_drafts(new, [16], [0], load=8) != [0]
+
+
+def test_draft_stops_price_each_depth_in_tokens() -> None:
+    # A 50 ms step at one row, 10 ms per row more, a 20 ms draft forward at one row: a
+    # draft's row costs 0.2 of a token, another forward 0.4 more.
+    policy = SpecPolicy(4, draft_forwards="per_depth")
+    _cpu_like(policy, 0.010)
+    policy.observe_draft([(1, 0.020)])
+    reqs = _reqs(1)
+    ks, stops = policy.draft_stops(reqs, [1], [3])
+    assert ks == [3]  # started: up to its cap, where the confidences allow
+    assert stops is not None
+    assert stops.keep == pytest.approx([0.2] * 3)
+    assert stops.more == pytest.approx([0.6] * 3)
+    assert stops.alphas == [policy.alpha("0")]
+    # Two requests drafting: the j-th draft of each is row 2 + 2j + 1, 2 + 2j + 2 (a token
+    # costs 60 ms / 2 rows), and each pays half a forward of two rows.
+    policy.observe_draft([(2, 0.030)])
+    ks, stops = policy.draft_stops(_reqs(2), [2, 2], [4, 4])
+    assert ks == [4, 4] and stops is not None
+    assert stops.keep == pytest.approx([0.010 / 0.030] * 4)
+    assert stops.more == pytest.approx([(0.010 + 0.015) / 0.030] * 4)
+    # One request not started stays at 0; not adaptive: no stops.
+    assert policy.draft_stops(_reqs(2), [0, 2], [4, 4])[0] == [0, 4]
+    assert policy.draft_stops(_reqs(1), [0], [4]) == ([0], None)
+    policy.adaptive = False
+    assert policy.draft_stops(reqs, [2], [4]) == ([2], None)
+
+
+def test_a_request_starts_from_the_servers_acceptance() -> None:
+    # A request's prior is what the proposer does on the server's other requests: two
+    # rejections at its start do not stop a proposer accepted 80% of the time elsewhere,
+    # and a proposer never accepted anywhere starts new requests near 0.
+    policy = SpecPolicy(4)
+    _accept(policy, _reqs(3), 5, 4, times=20)  # requests 0..2: 4 of 5 per step
+    new = [Request("new", [1, 2, 3], SamplingParams(max_tokens=64), max_tokens=64)]
+    assert policy.alpha("new") == pytest.approx(0.8, abs=0.02)
+    _accept(policy, new, 1, 0, times=2)
+    assert policy.alpha("new") > 0.5
+    bad = SpecPolicy(4)
+    _accept(bad, _reqs(3), 5, 0, times=20)
+    assert bad.alpha("new") < 0.05

@@ -148,6 +148,12 @@ class Sampler:
         return VerifyOutput(tokens, logprobs)
 
     @staticmethod
+    def changes_logits(meta: SamplingMetadata) -> bool:
+        """Whether process_logits would change any row (else it returns logits as given)."""
+        return (meta.token_bitmask is not None or meta.logit_bias is not None
+                or meta.min_tokens_mask is not None or not meta.no_penalties)
+
+    @staticmethod
     def process_logits(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
         """The processors that apply to greedy and random rows alike."""
         if meta.token_bitmask is not None:

@@ -291,23 +291,31 @@ class DraftModelProposer:
         return [max(0, r.num_tokens - self._start(r) - k1) for r in requests]
 
     def _forward(self, scheduled: list[ScheduledRequest]) -> torch.Tensor:
-        """The draft's logits [B, V] at each scheduled request's last token."""
+        """The draft's logits [B, V'] at each scheduled request's last token, over its
+        lm_head's tokens (vocab_ids' order; all V when None)."""
         assert self.runner is not None, "allocate_kv first"
         so = SchedulerOutput(scheduled, sum(s.num_tokens for s in scheduled))
         inp, _, _ = self.runner.prepare_inputs(so)
         hidden = self.model(inp, self.runner.kv_cache)
         # The sampling rows come first (prompt-logprob rows, which the draft needs not, after).
-        logits = self.model.compute_logits(hidden[inp.logits_indices[:len(scheduled)]]).float()
-        if self.vocab_ids is None:
-            return logits
-        full = logits.new_full((logits.shape[0], self.vocab_size), float("-inf"))
-        full[:, self.vocab_ids.to(logits.device)] = logits
-        return full
+        return self.model.compute_logits(hidden[inp.logits_indices[:len(scheduled)]]).float()
 
     def _sample(self, logits: torch.Tensor, meta: SamplingMetadata
                 ) -> tuple[list[int], list[torch.Tensor | None] | None, list[float]]:
         """A token per row, q per row (None for greedy rows; None when all are), and the
         draft's probability of each token (greedy rows: of its processed distribution)."""
+        if self.vocab_ids is not None:
+            ids = self.vocab_ids.to(logits.device)
+            if meta.all_greedy and not Sampler.changes_logits(meta):
+                # The argmax and its probability need not the other V - V' tokens (-inf):
+                # vocab_ids ascend, so the first maximum is the full row's first too.
+                best = logits.argmax(dim=1)
+                rows = torch.arange(len(best), device=logits.device)
+                conf = (logits[rows, best] - logits.logsumexp(dim=1)).exp()
+                return ids[best].tolist(), None, conf.tolist()
+            full = logits.new_full((logits.shape[0], self.vocab_size), float("-inf"))
+            full[:, ids] = logits
+            logits = full
         meta.seeds = [_draft_seed(s) for s in meta.seeds]
         logits = Sampler.process_logits(logits, meta)
         tokens, probs = self.sampler.sample_rows(logits, meta)

@@ -14,6 +14,9 @@ import pytest
 import torch
 
 from kvserve.loader import resolve_model
+from kvserve.request import Request
+from kvserve.sample.metadata import SamplingMetadata
+from kvserve.sample.sampler import Sampler
 from kvserve.sampling_params import SamplingParams, StructuredOutputsParams
 from kvserve.spec.base import DraftStops
 from kvserve.spec.policy import _PRIOR_ALPHA
@@ -153,6 +156,42 @@ def test_a_draft_model_stops_where_the_policy_prices_say(make_engine: Any, smoll
     assert propose([0.0] * 3, [0.0, sure[0] + 1e-6, 0.0]) == full[:1] and len(confs) == 1
     assert propose([0.0] * 3, [0.0, sure[0] - 1e-6, sure[1] + 1e-6]) == full[:2]
     run_all(engine)
+
+
+def test_a_draft_lm_head_over_part_of_the_vocabulary_drafts_as_the_whole_row_would(
+        make_engine: Any, smollm2: Any, gpl_text: str) -> None:
+    # draft_vocab_size: the draft's lm_head computes the first n token ids only. Greedy rows
+    # without processors take the argmax of those (no scatter into V); any other row, and
+    # the reference here, scatters them into a row of V with -inf elsewhere.
+    tok = smollm2[1].tokenizer
+    spec = dict(_spec("draft_model"), draft_vocab_size=20000)
+    engine = make_engine(speculative_config=spec)
+    proposer = engine.runner.proposer
+    assert proposer.vocab_ids is not None and len(proposer.vocab_ids) >= 20000
+    V = proposer.vocab_size
+    logits = torch.randn(3, len(proposer.vocab_ids), generator=torch.Generator().manual_seed(0))
+    logits[2, 7] = logits[2, 9] = logits[2].max() + 1  # a tie: the lower token id wins
+    full = torch.full((3, V), float("-inf"))
+    full[:, proposer.vocab_ids] = logits
+    reqs = [Request(str(i), [1, 2], SamplingParams(temperature=0, max_tokens=4), max_tokens=4)
+            for i in range(3)]
+    meta = SamplingMetadata.from_requests(reqs, V, last_row_only=True)
+    tokens, q, conf = proposer._sample(logits.clone(), meta)
+    assert tokens == full.argmax(dim=1).tolist() and q is None and tokens[2] == 7
+    assert conf == pytest.approx(full.softmax(dim=1).max(dim=1).values.tolist(), rel=1e-5)
+    # A penalty changes the row: the scatter path, whose argmax may differ.
+    pen = [Request(str(i), [1, 2, tokens[i]], SamplingParams(
+        temperature=0, max_tokens=4, repetition_penalty=2.0), max_tokens=4) for i in range(3)]
+    meta = SamplingMetadata.from_requests(pen, V, last_row_only=True)
+    assert not meta.no_penalties
+    penalized = Sampler.process_logits(full.clone(), meta)
+    assert proposer._sample(logits.clone(), meta)[0] == penalized.argmax(dim=1).tolist()
+    # And through the engine: the target's own output, drafts accepted.
+    prompt = _chat(tok, "Repeat this text exactly:\n" + gpl_text[3000:3300])
+    sp = [SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)]
+    plain = _outputs(make_engine(), [prompt], sp)["0"].outputs[0].token_ids
+    assert _outputs(engine, [prompt], sp)["0"].outputs[0].token_ids == plain
+    assert engine.runner.spec_stats.num_accepted_tokens > 0
 
 
 def test_a_draft_model_reads_every_position_once_but_rejected_drafts(

@@ -30,10 +30,18 @@ def _cpu_like(policy: SpecPolicy, per_row: float) -> None:
 def test_step_costs_interpolate_and_extend() -> None:
     c = StepCosts(row_share=0.1)
     assert c(3, default_base=2.0) == 2.0 * 1.2  # nothing measured: the prior
-    c.observe(1, 1.0)
     c.observe(5, 3.0)
+    assert c(7) == 3.0 + (3.0 / 1.4) * 0.1 * 2  # one count measured: the prior share per row
+    assert c(4) == 3.0 - (3.0 / 1.4) * 0.1
+    c.observe(1, 1.0)
     assert c(3) == 2.0  # between measured counts
-    assert c(7) == 3.0 + (3.0 / 1.4) * 0.1 * 2  # past them: the prior share per row
+    assert c(7) == 3.0 + 0.5 * 2  # past them: the slope of the two nearest
+    c.observe(6, 3.1)
+    assert c(8) == 3.1 + (3.1 / 1.5) * 0.1 * 2  # a slope under the prior share: the share
+    # A table with one count measured and a shape: it scales as the shape does.
+    d = StepCosts(row_share=0.1, shape=c)
+    d.observe(1, 0.5)
+    assert d(5) == 0.5 * 3.0 / 1.0
     c.observe(1, 2.0)
     assert c(1) == 1.0 + 0.2 * (2.0 - 1.0)  # an EMA
 

@@ -165,14 +165,20 @@ class SpecPolicy:
         input-grounded, 0.81-0.94x)."""
         # Every request's verify steps, decayed (the prior's mean): one draft's weight.
         self._server = [_PRIOR_ALPHA, 1 - _PRIOR_ALPHA]
-        self.cost = StepCosts()  # the target's steps, by rows
+        self.cost = StepCosts()  # the target's decode / verify steps, by rows
+        self.prefill_cost = StepCosts()  # the target's steps with prompt tokens, by rows
         self.draft_cost = StepCosts(shape=self.cost)  # the proposer's forwards, by rows
         self.catch_up_cost = 0.0  # seconds per token the proposer catches up on (EMA)
 
     # -- measurements -------------------------------------------------------------------
 
-    def observe_step(self, num_rows: int, seconds: float) -> None:
-        self.cost.observe(num_rows, seconds)
+    def observe_step(self, num_rows: int, seconds: float, prefill: bool = False) -> None:
+        """A target step of num_rows tokens; prefill: some were a prompt's (a prefill chunk
+        beside decodes), whose rows cost less than a verify row's (no logits, no sampling
+        over the vocabulary): those steps price catch-ups, not rows. In one table, the
+        steps that join a new request to a batch priced verify rows at 8+ rows as the
+        prefill's (Qwen2.5-Coder 1.5B, 8 streams arriving a step apart: drafting, 0.82x)."""
+        (self.prefill_cost if prefill else self.cost).observe(num_rows, seconds)
 
     def observe_draft(self, steps: list[tuple[int, float]]) -> None:
         """The proposer's forwards of one propose(): (rows, seconds) each."""
@@ -206,8 +212,8 @@ class SpecPolicy:
         0.57x), or cost(1) / 20."""
         if self.catch_up_cost:
             return self.catch_up_cost
-        big = [n for n in self.cost.table if n >= 64]
-        return 0.6 * self.cost(max(big)) / max(big) if big else self.cost(1) / 20
+        big = [n for n in self.prefill_cost.table if n >= 64]
+        return 0.6 * self.prefill_cost(max(big)) / max(big) if big else self.cost(1) / 20
 
     # -- the decision -------------------------------------------------------------------
 

@@ -353,9 +353,9 @@ def test_the_warm_up_drafts_once_and_leaves_nothing_in_the_policy(make_engine: A
     drafts: list[Any] = []
     observe_step, observe_draft = policy.observe_step, policy.observe_draft
 
-    def step(rows: int, seconds: float) -> None:
+    def step(rows: int, seconds: float, prefill: bool = False) -> None:
         steps.append(rows)
-        observe_step(rows, seconds)
+        observe_step(rows, seconds, prefill)
 
     def draft(timing: Any) -> None:
         drafts.append(timing)
@@ -365,7 +365,7 @@ def test_the_warm_up_drafts_once_and_leaves_nothing_in_the_policy(make_engine: A
     engine.warm_up()
     # Its steps and the draft's forwards were measured (a verify step of 1 + drafts rows) ...
     assert max(steps) > 1 and len(drafts) == 1
-    assert policy.cost.table == {} and policy.draft_cost.table == {}  # ... and forgotten
+    assert policy.cost.table == policy.prefill_cost.table == policy.draft_cost.table == {}  # gone
     assert policy.catch_up_cost == 0.0 and policy.adaptive
     # Its drafts (a one-token prompt's) set no request's prior either.
     assert policy.alpha("a request") == pytest.approx(_PRIOR_ALPHA)

@@ -230,3 +230,15 @@ def test_a_request_starts_from_the_servers_acceptance() -> None:
     bad = SpecPolicy(4)
     _accept(bad, _reqs(3), 5, 0, times=20)
     assert bad.alpha("new") < 0.05
+
+
+def test_steps_with_prompt_tokens_price_catch_ups_not_rows() -> None:
+    # A step that prefills a new request beside the decodes has cheap rows (no logits):
+    # kept apart, it neither lowers a verify row's price nor goes unused for catch-ups.
+    policy = SpecPolicy(4)
+    policy.observe_step(1, 0.070)
+    policy.observe_step(8, 0.200)
+    policy.observe_step(64, 0.640, prefill=True)
+    assert policy.cost.table == {1: 0.070, 8: 0.200}
+    assert policy.cost(16) == pytest.approx(0.200 + 8 * 0.130 / 7)  # the decodes' slope
+    assert policy._catch_up_per_token() == pytest.approx(0.6 * 0.640 / 64)

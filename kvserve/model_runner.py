@@ -125,7 +125,7 @@ class ModelRunner:
                 self.executor.check(wait_s=1.0)  # a collective failed: name the dead rank
             raise
         if self.spec_policy is not None:
-            prefill = any(s.num_tokens > 1 + len(s.spec_token_ids) for s in so.scheduled)
+            prefill = not all(s.is_decode for s in so.scheduled)
             self.spec_policy.observe_step(so.num_batched_tokens, time.perf_counter() - t0,
                                           prefill)
         return out

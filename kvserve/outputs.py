@@ -45,6 +45,12 @@ class ScheduledRequest:
     def num_tokens(self) -> int:
         return len(self.token_ids)
 
+    @property
+    def is_decode(self) -> bool:
+        """A decode (with its drafts): every token it feeds gets logits, none is a prompt
+        chunk's (whose rows, but the last, need none)."""
+        return self.sample and self.num_tokens == 1 + len(self.spec_token_ids)
+
 
 @dataclass
 class SchedulerOutput:

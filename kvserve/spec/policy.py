@@ -217,6 +217,10 @@ class SpecPolicy:
 
     # -- the decision -------------------------------------------------------------------
 
+    def _draft_prior(self) -> float:
+        """What a proposer forward costs until one is measured (a lookup runs none)."""
+        return _PRIOR_DRAFT_SHARE * self.cost(1)
+
     def _catch_up_pays(self, alpha: float, cap: int, tokens: int, req: Request, load: int,
                        draft_prior: float) -> bool:
         """Whether req drafting at `load` rows saves more over the steps it has left than
@@ -255,8 +259,7 @@ class SpecPolicy:
             while j < cap and a ** (j + 1) * c_tok > row_price:
                 j += 1
             own.append(j)
-        # What a proposer forward costs until one is measured (a lookup runs none).
-        draft_prior = _PRIOR_DRAFT_SHARE * self.cost(1)
+        draft_prior = self._draft_prior()
         # A catch-up (a draft model reading a new prompt) is paid once, for all the steps
         # the request drafts after it, and those run at the engine's load, not at this
         # step's rows where requests are still waiting: a burst of requests decodes at
@@ -334,7 +337,7 @@ class SpecPolicy:
             return ks, None
         rows = len(requests)
         c_tok = self.cost(rows) / max(rows, 1)
-        draft_prior = _PRIOR_DRAFT_SHARE * self.cost(1)
+        draft_prior = self._draft_prior()
         share = self.draft_cost(n, draft_prior) / n / c_tok
         # Draft j's verify row: the (j + 1)-th of each of the n drafting requests.
         keep = [(self.cost(rows + n * (j + 1)) - self.cost(rows + n * j)) / n / c_tok

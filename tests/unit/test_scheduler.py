@@ -12,7 +12,7 @@ import zlib
 import pytest
 
 from kvserve.config import CacheConfig, SchedulerConfig
-from kvserve.outputs import ModelOutput, SchedulerOutput
+from kvserve.outputs import ModelOutput, ScheduledRequest, SchedulerOutput
 from kvserve.request import Request, RequestStatus
 from kvserve.sampling_params import SamplingParams
 from kvserve.scheduler import QueueFullError, Scheduler
@@ -622,3 +622,11 @@ def test_the_children_of_one_request_count_once_against_the_waiting_bound() -> N
     sched.add_request(make_request("r", 4))
     step(sched)  # both admitted: the queue is empty again
     assert sched.num_waiting == sched.num_waiting_groups == 0
+
+
+def test_a_scheduled_decode_is_one_token_and_its_drafts_all_sampled() -> None:
+    req = Request("r", [1, 2, 3], SamplingParams(max_tokens=4), max_tokens=4)
+    assert ScheduledRequest(req, [3, 7, 8], 2, [0], True, [7, 8]).is_decode
+    assert ScheduledRequest(req, [3], 2, [0], True).is_decode
+    assert not ScheduledRequest(req, [2], 1, [0], False).is_decode  # a 1-token prompt chunk
+    assert not ScheduledRequest(req, [1, 2, 3], 0, [0], True).is_decode  # a whole prompt

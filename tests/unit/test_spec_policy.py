@@ -38,6 +38,14 @@ def test_step_costs_interpolate_and_extend() -> None:
     assert c(7) == 3.0 + 0.5 * 2  # past them: the slope of the two nearest
     c.observe(6, 3.1)
     assert c(8) == 3.1 + (3.1 / 1.5) * 0.1 * 2  # a slope under the prior share: the share
+    # Below the smallest count, the prior share alone, not the slope: a step is flat in its
+    # rows where the weights' streaming bounds it (Qwen2.5-Coder 1.5B: 3 rows 63 ms, 5 rows
+    # 95, 1 row ~60, where the slope said 31).
+    e = StepCosts(row_share=0.1)
+    e.observe(3, 0.063)
+    e.observe(5, 0.095)
+    assert e(1) == pytest.approx(0.063 - (0.063 / 1.2) * 0.1 * 2)
+    assert e(7) == pytest.approx(0.095 + 0.016 * 2)
     # A table with one count measured and a shape: it scales as the shape does.
     d = StepCosts(row_share=0.1, shape=c)
     d.observe(1, 0.5)

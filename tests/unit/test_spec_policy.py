@@ -6,7 +6,13 @@ import pytest
 
 from kvserve.request import Request
 from kvserve.sampling_params import SamplingParams
-from kvserve.spec.policy import PROBE_EVERY, PROBE_SHARE, SpecPolicy, StepCosts
+from kvserve.spec.policy import (
+    CATCH_UP_AFTER,
+    PROBE_EVERY,
+    PROBE_SHARE,
+    SpecPolicy,
+    StepCosts,
+)
 
 
 def _reqs(n: int) -> list[Request]:
@@ -192,10 +198,33 @@ def test_a_catch_up_is_priced_at_the_load_the_request_will_decode_under() -> Non
         return p
 
     new = [Request("0", list(range(250)), SamplingParams(max_tokens=256), max_tokens=256)]
-    assert policy().num_drafts(new, [16], [250], load=1) != [0]
-    assert policy().num_drafts(new, [16], [250], load=8) == [0]
+    for t in range(CATCH_UP_AFTER):  # past the tokens a catch-up waits for (the next test)
+        new[0].append_output_token(t)
+    assert policy().num_drafts(new, [16], [258], load=1) != [0]
+    assert policy().num_drafts(new, [16], [258], load=8) == [0]
     # Once caught up, only this step's rows price its drafts.
     assert policy().num_drafts(new, [16], [0], load=8) != [0]
+
+
+def test_a_new_requests_catch_up_waits_for_its_first_tokens() -> None:
+    # A burst reaches the engine over its next steps, so a request's first steps may see
+    # one row and a load of one; a catch-up (250 tokens, 0.75 s) costing more than
+    # CATCH_UP_AFTER tokens (0.4 s here) waits until they are decoded.
+    p = SpecPolicy(4, draft_forwards="per_depth")
+    _cpu_like(p, 0.005)
+    p.observe_draft([(n, 0.020 + 0.001 * n) for n in range(1, 17)])
+    p.observe_catch_up(250, 0.750)
+    req = Request("0", list(range(250)), SamplingParams(max_tokens=256), max_tokens=256)
+    for t in range(CATCH_UP_AFTER):
+        assert p.num_drafts([req], [16], [250 + t], load=1) == [0], t
+        req.append_output_token(t)
+    assert p.num_drafts([req], [16], [250 + CATCH_UP_AFTER], load=1) != [0]
+    # Nothing to read first (a lookup; a draft model already caught up): from the first.
+    fresh = Request("1", list(range(250)), SamplingParams(max_tokens=256), max_tokens=256)
+    assert p.num_drafts([fresh], [16], [0], load=1) != [0]
+    # A short prompt (40 tokens, 0.12 s) costs less than the wait (8 tokens of 50 ms): at once.
+    short = Request("2", list(range(40)), SamplingParams(max_tokens=256), max_tokens=256)
+    assert p.num_drafts([short], [16], [40], load=1) != [0]
 
 
 def test_draft_stops_price_each_depth_in_tokens() -> None:

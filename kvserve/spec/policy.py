@@ -16,9 +16,8 @@ interpolated between the row counts seen):
              lookup: nothing)
     catch-up a draft model that has not read a request's tokens yet (a new prompt) reads
              them first: catch_up_tokens x its measured cost per token, spread over the
-             steps the request has left (max_tokens), since it is paid once; where it
-             costs more than CATCH_UP_AFTER tokens, not before the request has decoded
-             them (a burst may still be arriving)
+             steps the request has left (max_tokens), since it is paid once; not before
+             the request has decoded CATCH_UP_AFTER tokens (a burst may still be arriving)
 
 A draft model's forward costs nearly as much for one row as for eight (it streams its weights
 either way), so the choice is made per depth: for d = 0..K, every request drafts
@@ -54,7 +53,10 @@ PROBE_SHARE = 0.03
 # others at first: there any catch-up paid, and the burst then decoded at 8 rows, where
 # drafting barely pays and the catch-ups (~250 prompt tokens each, the whole batch waiting)
 # never paid back (Qwen2.5-Coder 1.5B + 0.5B, input-grounded, 8 streams: 0.82x in a round
-# with 286 drafts). A short prompt's catch-up, cheaper than the wait, is not held back.
+# with 286 drafts). Waiting costs a request alone the speed-up of its first 8 tokens (under
+# 1% of a 256-token reply at 1.2x), and its first steps measure a one-row step, which a
+# drafting request never runs. Exempting a catch-up that looked cheaper than the wait put
+# the drafts back: the first step after the warm-up prices a token from an empty table.
 CATCH_UP_AFTER = 8
 # A request's acceptance: its own counts (decayed per verify step, ~5 steps' worth at most)
 # beside a prior of weight _PRIOR_WEIGHT whose mean is the proposer's acceptance over the
@@ -273,12 +275,10 @@ class SpecPolicy:
             while j < cap and a ** (j + 1) * c_tok > row_price:
                 j += 1
             own.append(j)
-        # A new request's catch-up waits until it has decoded CATCH_UP_AFTER tokens (a burst
-        # may still be arriving: the load it will decode under is unknown), unless it costs
-        # less than those tokens do: a catch-up wasted then costs less than the wait would.
+        # A new request's catch-up waits until it has decoded CATCH_UP_AFTER tokens: a burst
+        # may still be arriving, so the load it will decode under is unknown.
         if catch_up:
-            wait = CATCH_UP_AFTER * c_tok / max(self._catch_up_per_token(), 1e-12)  # tokens
-            own = [0 if n > wait and r.num_output_tokens < CATCH_UP_AFTER else k
+            own = [0 if n and r.num_output_tokens < CATCH_UP_AFTER else k
                    for r, k, n in zip(requests, own, catch_up, strict=True)]
         draft_prior = self._draft_prior()
         # A catch-up (a draft model reading a new prompt) is paid once, for all the steps

@@ -9,6 +9,7 @@ import fcntl
 import os
 import re
 import select
+import signal
 import subprocess
 import sys
 import termios
@@ -47,6 +48,17 @@ def reference(llm: LLM, messages: list[dict[str, str]], max_tokens: int,
     return llm.chat(messages, sp, use_tqdm=False)[0].outputs[0]
 
 
+def _foreground_job() -> None:
+    """In the child: the terminal becomes its controlling terminal, and SIGINT / SIGQUIT
+    are at their defaults, as a shell starts a foreground job. A test run started in the
+    background (`make test &` in a script) ignores them, the child inherited that, Python
+    then installs no KeyboardInterrupt handler, and a Ctrl-C at the prompt did nothing
+    (SigIgn 0x81001006 in the failure; the reply's own handler still stopped a reply)."""
+    fcntl.ioctl(0, termios.TIOCSCTTY, 0)
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+    signal.signal(signal.SIGQUIT, signal.SIG_DFL)
+
+
 class PtyChat:
     """`kvserve chat` on a pseudo-terminal that is its controlling terminal, so a \\x03
     written to it is the SIGINT a user's Ctrl-C sends. Output is read from a cursor on, with
@@ -57,7 +69,7 @@ class PtyChat:
         self.proc = subprocess.Popen(
             CHAT + list(flags), stdin=slave, stdout=slave, stderr=slave, cwd=ROOT,
             env=dict(os.environ, TERM="dumb"), start_new_session=True,
-            preexec_fn=lambda: fcntl.ioctl(0, termios.TIOCSCTTY, 0))
+            preexec_fn=_foreground_job)
         os.close(slave)
         self.fd = master
         self.out = ""
@@ -211,8 +223,10 @@ def test_ctrl_c_stops_a_reply_and_keeps_it(llm: LLM, spawn: Any) -> None:
     try:
         rc = chat.proc.wait(timeout=15)
     except subprocess.TimeoutExpired:
-        # Three times in the full suite (never alone) the process was still there after
-        # this Ctrl-C, and after a second one; what it was doing is in the failure message.
+        # Open: now and then (about one run in five here, under load or not) this first
+        # Ctrl-C is lost with SIGINT caught and the main thread in readline's select; a
+        # likely cause is the signal landing on one of the engine's waiting threads, which
+        # does not interrupt the select. A second one has ended the chat every time.
         before = chat.state()
         chat.send("\x03")
         try:

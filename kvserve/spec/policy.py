@@ -146,9 +146,9 @@ class StepCosts:
         # weights' streaming bounds it, steep once the compute does), so the slope of 3 and
         # 5 rows extended down priced a one-row step of Qwen2.5-Coder 1.5B at 31 ms against
         # ~60 (a drafting request never runs one), and a token looked half as dear as it is.
-        side = [n for n in table if n < known]
-        if below is not None and side:
-            slope = (table[known] - table[max(side)]) / (known - max(side))
+        other = max((n for n in table if n < known), default=None)
+        if below is not None and other is not None:
+            slope = (table[known] - table[other]) / (known - other)
             return table[known] + max(slope, base * self.row_share) * (rows - known)
         shape = self.shape
         if shape is not None and shape.table:

@@ -223,7 +223,7 @@ def test_ctrl_c_stops_a_reply_and_keeps_it(llm: LLM, spawn: Any) -> None:
     try:
         rc = chat.proc.wait(timeout=15)
     except subprocess.TimeoutExpired:
-        # Open: now and then (about one run in five here, under load or not) this first
+        # Open: now and then (once in the runs of 2026-12-03, the machine idle) this first
         # Ctrl-C is lost with SIGINT caught and the main thread in readline's select; a
         # likely cause is the signal landing on one of the engine's waiting threads, which
         # does not interrupt the select. A second one has ended the chat every time.

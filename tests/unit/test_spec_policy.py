@@ -60,6 +60,30 @@ def test_step_costs_interpolate_and_extend() -> None:
     assert c(1) == 1.0 + 0.2 * (2.0 - 1.0)  # an EMA
 
 
+# Qwen2.5-Coder 1.5B's decode / verify steps by rows (seconds; AVX2 EPYC, 2 cores). 16 rows
+# measured 0.248 in the same run.
+_QWEN_STEPS = {1: 0.045, 2: 0.062, 3: 0.063, 4: 0.083, 5: 0.093, 6: 0.109, 7: 0.130, 8: 0.151}
+
+
+def test_step_costs_extend_along_the_upper_half_not_two_noisy_neighbours() -> None:
+    """7 and 8 rows 8% off, in opposite directions (a few measurements each while a burst
+    fills): their own slope is negative, which priced 16 rows at the prior share (0.180)."""
+    c = StepCosts()
+    for rows, t in _QWEN_STEPS.items():
+        c.observe(rows, t * {7: 1.08, 8: 0.92}.get(rows, 1.0))
+    assert 0.22 < c(16) < 0.30
+    policy = SpecPolicy(4, draft_forwards="per_depth")
+    for rows, t in _QWEN_STEPS.items():
+        policy.observe_step(rows, t * {7: 1.08, 8: 0.92}.get(rows, 1.0))
+    policy.observe_draft([(1, 0.017)])
+    reqs = _reqs(8)
+    _accept(policy, reqs, 4, 3)
+    assert 0.7 < policy.alpha("0") < 0.9
+    # At 8 rows a draft token gains ~0.8 x 19 ms and costs a verify row (~12-16 ms) and its
+    # share of the draft's forward: no drafts (forced, one each: 0.74x of plain decoding).
+    assert policy.num_drafts(reqs, [4] * 8, [0] * 8, 8) == [0] * 8
+
+
 def test_a_predictable_request_drafts_deep_when_rows_are_cheap() -> None:
     policy = SpecPolicy(5)
     _cpu_like(policy, 0.004)

@@ -84,6 +84,24 @@ def test_step_costs_extend_along_the_upper_half_not_two_noisy_neighbours() -> No
     assert policy.num_drafts(reqs, [4] * 8, [0] * 8, 8) == [0] * 8
 
 
+def test_an_unmeasured_draft_forward_scales_as_the_targets_steps() -> None:
+    """A server's first drafting decision at 8 streams (its log): no draft forward measured
+    yet, priced at 8 rows as 0.4 of a one-row step plus 5% a row (35 ms), where it took
+    75-94 once it ran; requests at the server's prior acceptance (0.7) then drafted, and
+    the round ran at 0.90x of no speculation."""
+    policy = SpecPolicy(4, draft_forwards="per_depth")
+    for rows, t in {1: 0.064, 6: 0.158, 7: 0.161, 8: 0.173}.items():
+        policy.observe_step(rows, t)
+    prior = 0.4 * 0.064
+    assert policy.draft_cost(8, prior) == pytest.approx(prior * 0.173 / 0.064)
+    reqs = [Request(str(i), [1] * 60, SamplingParams(max_tokens=256), max_tokens=256)
+            for i in range(8)]
+    for r in reqs:
+        for _ in range(13):
+            r.append_output_token(5)
+    assert policy.num_drafts(reqs, [4] * 8, [60] * 8, 8) == [0] * 8
+
+
 def test_a_predictable_request_drafts_deep_when_rows_are_cheap() -> None:
     policy = SpecPolicy(5)
     _cpu_like(policy, 0.004)

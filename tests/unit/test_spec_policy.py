@@ -265,6 +265,35 @@ def test_a_new_requests_catch_up_waits_for_its_first_tokens() -> None:
     assert p.num_drafts([fresh], [16], [0], load=1) != [0]
 
 
+def test_a_request_stopped_by_early_rejections_restarts() -> None:
+    """Two rejections at its start stop a request; its draft model then falls behind, so it
+    cannot probe, and its counts fade toward the server's prior (0.9 here) until it drafts
+    again, its catch-up priced."""
+    p = SpecPolicy(4, draft_forwards="per_depth")
+    _cpu_like(p, 0.015)
+    p.observe_draft([(1, 0.017)])
+    p.observe_catch_up(50, 0.200)
+    others = _reqs(4)
+    _accept(p, others, 4, 4, times=3)
+    _accept(p, others, 4, 3, times=2)
+    req = Request("new", list(range(60)), SamplingParams(max_tokens=256), max_tokens=256)
+    for t in range(CATCH_UP_AFTER):
+        req.append_output_token(t)
+    p.observe_verify(["new"] * 2, [[7, 7]] * 2, [[8]] * 2)
+    alpha0 = p.alpha("new")
+    assert alpha0 < 0.75
+    assert p.num_drafts([req], [4], [0], load=1) == [0]
+    behind = 1
+    for _ in range(40):
+        if p.num_drafts([req], [4], [behind], load=1) != [0]:
+            break
+        req.append_output_token(5)
+        behind += 1
+    else:
+        raise AssertionError(f"never drafted again (alpha {p.alpha('new'):.2f})")
+    assert p.alpha("new") > alpha0 and behind > 1
+
+
 def test_draft_stops_price_each_depth_in_tokens() -> None:
     # A 50 ms step at one row, 10 ms per row more, a 20 ms draft forward at one row: a
     # draft's row costs 0.2 of a token, another forward 0.4 more.

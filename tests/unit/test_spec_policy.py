@@ -68,13 +68,14 @@ _QWEN_STEPS = {1: 0.045, 2: 0.062, 3: 0.063, 4: 0.083, 5: 0.093, 6: 0.109, 7: 0.
 def test_step_costs_extend_along_the_upper_half_not_two_noisy_neighbours() -> None:
     """7 and 8 rows 8% off, in opposite directions (a few measurements each while a burst
     fills): their own slope is negative, which priced 16 rows at the prior share (0.180)."""
+    noisy = {rows: t * {7: 1.08, 8: 0.92}.get(rows, 1.0) for rows, t in _QWEN_STEPS.items()}
     c = StepCosts()
-    for rows, t in _QWEN_STEPS.items():
-        c.observe(rows, t * {7: 1.08, 8: 0.92}.get(rows, 1.0))
+    for rows, t in noisy.items():
+        c.observe(rows, t)
     assert 0.22 < c(16) < 0.30
     policy = SpecPolicy(4, draft_forwards="per_depth")
-    for rows, t in _QWEN_STEPS.items():
-        policy.observe_step(rows, t * {7: 1.08, 8: 0.92}.get(rows, 1.0))
+    for rows, t in noisy.items():
+        policy.observe_step(rows, t)
     policy.observe_draft([(1, 0.017)])
     reqs = _reqs(8)
     _accept(policy, reqs, 4, 3)

@@ -151,11 +151,13 @@ def dequantize(data: torch.Tensor, qtype: int, k: int) -> torch.Tensor:
         return ggml_blocks.dequantize(data, qtype, k)
     rows = data.shape[0]
     blocks = data.reshape(rows, k // BLOCK, BLOCK_BYTES[qtype])
-    d = blocks[..., 0:2].contiguous().view(torch.float16).float()  # [rows, nb, 1]
+    # Views, no copies (a block's bytes are even, so its fp16 fields are aligned): a lookup
+    # of one embedding row is a handful of small ops, each mostly call overhead.
+    d = blocks[..., 0:2].view(torch.float16).float()  # [rows, nb, 1]
     if qtype == Q8_0:
-        q = blocks[..., 2:].contiguous().view(torch.int8).float()
+        q = blocks[..., 2:].view(torch.int8).float()
         return (q * d).reshape(rows, k)
-    m = blocks[..., 2:4].contiguous().view(torch.float16).float()
+    m = blocks[..., 2:4].view(torch.float16).float()
     qs = blocks[..., 4:]
     q = torch.cat([qs & 15, qs >> 4], dim=-1).float()  # weights j, then 16 + j
     return (d * q + m).reshape(rows, k)

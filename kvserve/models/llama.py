@@ -23,7 +23,6 @@ from kvserve.quant.base import (
     QuantMethod,
     dense,
     is_quantized,
-    tied_embedding_rows,
 )
 
 
@@ -244,10 +243,14 @@ class LlamaForCausalLM(nn.Module):
         self._check_all_loaded(params, linears, loaded)
         for module in linears.values():
             module.process_weights_after_loading()
-        if self.config.tie_word_embeddings and self.embed_stored is None:
-            # A tied lm_head that keeps the embedding's values in another exact form serves
-            # the lookup too, instead of the float copy (dropped below).
-            self.embed_stored = tied_embedding_rows(self.lm_head.weight, self.embed_tokens)
+        if self.config.tie_word_embeddings and self.tp.size == 1:
+            # A tied lm_head that keeps the embedding's values in a form read row by row (16-bit
+            # floats, GGUF blocks packed for its kernels) serves the lookup too: one copy, not
+            # a second one as stored or as float32 (dropped below), as llama.cpp looks tokens
+            # up in the one tensor.
+            shared = self.lm_head.quant_method.weight_rows(self.lm_head)
+            if shared is not None:
+                self.embed_stored = shared
         if self.embed_stored is not None and self.lm_head.weight is not self.embed_tokens:
             # Nothing reads the float table (a tied lm_head kept its own blocks): drop the
             # placeholder, so the model's parameters are what it holds.

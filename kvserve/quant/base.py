@@ -112,13 +112,10 @@ class FloatRows(NamedTuple):
         return FloatRows(self.weight.narrow(dim, start, length))
 
 
-def tied_embedding_rows(head: torch.Tensor, embedding: torch.Tensor) -> QuantizedTensor | None:
-    """The table a tied model's embedding lookup reads: the lm_head's weight, where the
-    lm_head keeps the embedding's values in another exact form (16-bit rows:
-    keep_exact_halves) rather than sharing the float tensor; None otherwise."""
-    if head is embedding or head.dtype not in _HALF_WTYPES or head.shape != embedding.shape:
-        return None
-    return FloatRows(head)
+def half_rows(weight: torch.Tensor) -> QuantizedTensor | None:
+    """A weight kept at 16 bits (keep_exact_halves) as rows to look up; None for float32 (a
+    tied float32 lm_head is the embedding's own tensor already)."""
+    return FloatRows(weight) if weight.dtype in _HALF_WTYPES and weight.dim() == 2 else None
 
 
 class KernelWeight(NamedTuple):
@@ -156,6 +153,14 @@ class LinearMethod(Protocol):
         unless a fused projection mixes formats, as a Q4_K_M file's qkv does), which the CPU
         backend's fused layer stack reads directly; None when apply does more than that (an
         input permutation) and the layer must run in Python."""
+        ...
+
+    def weight_rows(self, layer: Linear) -> QuantizedTensor | None:
+        """The loaded weight read row by row as floats, where the method keeps the
+        checkpoint's own values in a form that allows it (16-bit floats, GGUF blocks packed or
+        as stored): a tied embedding's lookup then shares the lm_head's weight instead of a
+        second copy. None where the method changed the values (quantized them at load) or
+        keeps no such form."""
         ...
 
 
@@ -220,6 +225,9 @@ class UnquantizedLinearMethod:
 
     def kernel_weights(self, layer: Linear) -> list[KernelWeight] | None:
         return [KernelWeight(layer.weight, float_wtype(layer.weight), 0, layer.out_features)]
+
+    def weight_rows(self, layer: Linear) -> QuantizedTensor | None:
+        return half_rows(layer.weight)
 
 
 class QuantMethod:

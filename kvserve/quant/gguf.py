@@ -30,6 +30,7 @@ Two ways to run the blocks (two registry entries, kvserve/quant/__init__.py):
 
 from __future__ import annotations
 
+import functools
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
@@ -48,6 +49,7 @@ from kvserve.quant.base import (
     dense,
     dense_names,
     float_wtype,
+    half_rows,
     keep_exact_halves,
     require_float32,
 )
@@ -141,6 +143,93 @@ class GGUFWeight(NamedTuple):
         cols = self.dequantize()[:, start:start + length].contiguous().numpy()
         q8 = gguf_quants.quantize(cols, GGMLQuantizationType.Q8_0)
         return GGUFWeight(torch.from_numpy(q8), Q8_0, length)
+
+
+class PackedRows(NamedTuple):
+    """A matrix the kernels hold in 16-row groups (`pack`, `pack_kquant`), read row by row as
+    QuantizedTensor is: a tied lm_head's packed blocks, which the embedding lookup shares
+    instead of a second copy of the same blocks as stored (the SmolLM2 Q4_1 file's Q8_0
+    embedding: 30 MB). Each row equals its row of GGUFWeight.dequantize() on the stored
+    blocks, bit for bit."""
+
+    packed: torch.Tensor  # uint8 [ceil(n / 16), K / block, packed record bytes]
+    qtype: int
+    k: int
+    n: int
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return (self.n, self.k)
+
+    def dequantize(self) -> torch.Tensor:
+        return self.rows(torch.arange(self.n))
+
+    def rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """Each id's stored blocks gathered from its group, then dequantize (Q5_0 / Q5_1,
+        whose bit-4 plane is no byte move, unpack their groups instead). About twice a lookup
+        in the stored blocks: ~65 against ~30 us for one row on the default model, torch's
+        per-call overhead on a few hundred bytes (~0.7% of its decode step)."""
+        flat = ids.to(self.packed.device, torch.long).reshape(-1)
+        if not len(flat):
+            return torch.empty(*ids.shape, self.k, device=ids.device)
+        gather = _row_gather(self.qtype, self.k)
+        if gather is not None:
+            at, flip = gather
+            if len(flat) == 1:  # one decoding request: views and one index
+                g, r = divmod(int(flat[0]), GROUP)
+                stored = self.packed[g].reshape(-1)[at[r]][None]
+            else:
+                r = flat % GROUP
+                stored = self.packed.reshape(len(self.packed), -1).index_select(
+                    0, flat // GROUP).gather(1, at[r])
+            if flip is not None:
+                stored ^= flip[r]
+            out = GGUFWeight(stored, self.qtype, self.k).dequantize()
+        else:
+            groups, which = torch.unique(flat // GROUP, return_inverse=True)
+            q, d, m = unpack(self.packed.index_select(0, groups), self.qtype)
+            pick = which * GROUP + flat % GROUP  # each id's row among those groups' rows
+            # dequantize's arithmetic on the same integers and scales: d * q (+ m)
+            out = d.index_select(0, pick)[..., None] * q.index_select(0, pick).float()
+            if m is not None:
+                out = out + m.index_select(0, pick)[..., None]
+        return out.reshape(*ids.shape, self.k).to(ids.device)
+
+    def narrow(self, dim: int, start: int, length: int) -> None:
+        return None  # the caller dequantizes (a tied embedding is never sharded: tp.size 1)
+
+
+@functools.cache
+def _row_gather(qtype: int, k: int) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+    """Where a 16-row group's packing put each stored byte, for a format whose packing only
+    moves bytes and flips fixed bits (Q8_0's + 128 is a flip of bit 7; the K-quants and the
+    4-bit types only move them): (at int64 [16, row bytes], flip uint8 [16, row bytes]) with
+    stored row r = packed group flattened [at[r]] ^ flip[r]. Found by packing each byte's
+    position (three byte planes of it), checked on random bytes; None for any other format."""
+    block, nbytes = GGML_QUANT_SIZES[qtype]
+    row = k // block * nbytes
+
+    def packed(data: torch.Tensor) -> torch.Tensor:
+        if qtype in KQUANT_TYPES:
+            from kvserve.quant.kquant_pack import pack_kquant
+
+            return pack_kquant(data, qtype, k).reshape(-1)
+        return pack(data, qtype, k).reshape(-1)
+
+    flip_at = packed(torch.zeros(GROUP, row, dtype=torch.uint8))  # what packing adds to zeros
+    pos = torch.arange(GROUP * row)
+    source = sum(((packed((pos >> 8 * i & 255).to(torch.uint8).reshape(GROUP, row)) ^ flip_at)
+                  .long() << 8 * i) for i in range(3))
+    if not torch.equal(source.sort().values, pos):
+        return None
+    at = torch.empty_like(pos)
+    at[source] = torch.arange(len(pos))  # stored byte p sits at packed index at[p]
+    probe = torch.randint(0, 256, (GROUP, row), dtype=torch.uint8,
+                          generator=torch.Generator().manual_seed(0))
+    if not torch.equal(packed(probe)[at] ^ flip_at[at], probe.reshape(-1)):
+        return None
+    flip = flip_at[at].reshape(GROUP, row)
+    return at.reshape(GROUP, row), flip if flip.any() else None
 
 
 def dequantize(data: torch.Tensor, qtype: int, k: int) -> torch.Tensor:
@@ -260,6 +349,16 @@ class GGUFLinearMethod:
 
     def kernel_weights(self, layer: Any) -> list[KernelWeight] | None:
         return self.parts
+
+    def weight_rows(self, layer: Any) -> QuantizedTensor | None:
+        if len(self.parts) != 1:
+            return None
+        w, qtype, k = self.parts[0].weight, self.parts[0].wtype, layer.in_features
+        if w.dtype != torch.uint8:
+            return half_rows(w)
+        if w.dim() == 3:  # 16-row groups
+            return PackedRows(w, qtype, k, layer.out_features)
+        return GGUFWeight(w, qtype, k)  # rows as stored (int8_activations False)
 
 
 def apply_kernel_weights(ops: Any, x: torch.Tensor, parts: list[KernelWeight],

@@ -194,6 +194,9 @@ class Int4CheckpointLinearMethod:
         return (None if self.perm is not None
                 else [KernelWeight(layer.weight, self.wtype, 0, layer.out_features)])
 
+    def weight_rows(self, layer: Any) -> None:
+        return None  # an int4 linear is never a tied embedding
+
 
 class _Int4CheckpointMethod(QuantMethod):
     """A checkpoint whose config.json names this method in quantization_config."""

@@ -148,6 +148,9 @@ class RTNLinearMethod:
     def kernel_weights(self, layer: Any) -> list[KernelWeight] | None:
         return [KernelWeight(layer.weight, self.wtype, 0, layer.out_features)]
 
+    def weight_rows(self, layer: Any) -> None:
+        return None  # quantized at load: its rows are not the checkpoint's values
+
 
 class _RTNQuantMethod(QuantMethod):
     bits: ClassVar[int]

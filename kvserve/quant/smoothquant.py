@@ -208,6 +208,9 @@ class W8A8LinearMethod:
     def kernel_weights(self, layer: Any) -> list[KernelWeight] | None:
         return [KernelWeight(layer.weight, W8A8, 0, layer.out_features)]
 
+    def weight_rows(self, layer: Any) -> None:
+        return None  # int8 per channel: its rows are not the checkpoint's values
+
 
 def checkpoint_settings(qc: dict[str, Any]) -> bool:
     """Checks a compressed-tensors quantization_config (flattened) is W8A8 as kvserve runs

@@ -27,15 +27,15 @@ def test_paired_protocol_times_one_run_per_command() -> None:
     assert ready["ready"] is True and ready["startup_s"] > 0 and ready["input_len"] == 24
     assert ready["output_len"] == 5 and ready["first_request_s"] > 0
     # The footprint, from gguf-py's reading of the file: the GGUF's blocks are kept as they are
-    # stored (repacked, same bytes), plus the float32 embedding table the lookup reads; the
-    # float16 KV cache holds layers x (K, V) x kv heads x head_dim x 2 bytes per token.
+    # stored (repacked, same bytes); the float16 KV cache holds layers x (K, V) x kv heads x
+    # head_dim x 2 bytes per token.
     r = gguf.GGUFReader(resolve_model(None))
     meta = {f.name: f.contents() for f in r.fields.values() if f.name.startswith("llama.")}
     hidden, heads = meta["llama.embedding_length"], meta["llama.attention.head_count"]
-    # The file's tensors, and the tied embedding twice: looked up from its stored blocks, and
-    # repacked into 16-row groups for the lm_head's kernels (no float table anywhere).
+    # The file's tensors, each once: the tied embedding is repacked into 16-row groups for
+    # the lm_head's kernels, and the lookup reads those (no float table, no second copy).
     embd = next(int(t.n_bytes) for t in r.tensors if t.name == "token_embd.weight")
-    assert ready["weight_bytes"] == sum(int(t.n_bytes) for t in r.tensors) + embd
+    assert ready["weight_bytes"] == sum(int(t.n_bytes) for t in r.tensors)
     assert ready["kv_dtype"] == "float16" and ready["kv_bytes_per_token"] == (
         meta["llama.block_count"] * 2 * meta["llama.attention.head_count_kv"]
         * (hidden // heads) * 2)

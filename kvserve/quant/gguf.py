@@ -162,7 +162,9 @@ class PackedRows(NamedTuple):
         return (self.n, self.k)
 
     def dequantize(self) -> torch.Tensor:
-        return self.rows(torch.arange(self.n))
+        # In slices: one gather index over a whole vocabulary would be ~16x its bytes.
+        return torch.cat([self.rows(torch.arange(s, min(s + 4096, self.n)))
+                          for s in range(0, self.n, 4096)])
 
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
         """Each id's stored blocks gathered from its group, then dequantize (Q5_0 / Q5_1,

@@ -26,6 +26,7 @@ from kvserve.platform import default_device
 from kvserve.quant import (
     check_engine_config,
     detect_quantization,
+    get_quant_method_class,
     quant_config,
     quant_method_names,
 )
@@ -97,8 +98,8 @@ class EngineArgs:
                               kv_cache_memory=parse_memory(self.kv_cache_memory),
                               num_blocks_override=self.num_gpu_blocks_override,
                               enable_prefix_caching=self.enable_prefix_caching,
-                              kv_cache_dtype=self.kv_cache_dtype or (
-                                  "float16" if quantization == "gguf" else "auto")),
+                              kv_cache_dtype=self.kv_cache_dtype or get_quant_method_class(
+                                  quantization).default_kv_cache_dtype),
             scheduler=SchedulerConfig(max_num_seqs=self.max_num_seqs,
                                       max_num_batched_tokens=budget, max_model_len=max_len,
                                       enable_chunked_prefill=self.enable_chunked_prefill,
@@ -151,8 +152,8 @@ class EngineArgs:
         p.add_argument("--kv-cache-dtype", default=None, choices=list(KV_CACHE_DTYPES),
                        help="auto: the model dtype; int8 / fp8_e4m3: quantized, one float32 "
                        "scale per token, K/V and kv head (about 2x float16's tokens in the "
-                       "same memory); default: float16 with --quantization gguf (as "
-                       "llama.cpp), else auto")
+                       "same memory); default: float16 for the quantizations the CPU kernels "
+                       "run (gguf, int8, int4, gptq, awq, w8a8: as llama.cpp), else auto")
         p.add_argument("--seed", type=int, default=d.seed,
                        help="seeds sampling for requests without their own seed: the same "
                        "requests in the same order give the same outputs run after run "

@@ -240,6 +240,10 @@ class QuantMethod:
     keeps_quantized: ClassVar[bool] = False
     # Only kvserve's CPU kernels run it; on another backend every forward would dequantize.
     needs_kernels: ClassVar[bool] = False
+    # kv_cache_dtype when the user names none. "auto" is the model's dtype (float32 on CPU);
+    # the methods run on the CPU kernels keep llama.cpp's default, a float16 cache: half the
+    # bytes a token, twice the tokens in the same memory, what their benchmark rows measure.
+    default_kv_cache_dtype: ClassVar[str] = "auto"
     # The group sizes it takes (QuantConfig.group_size), and the one it gets when unset;
     # () for a method without groups.
     group_sizes: ClassVar[tuple[int, ...]] = ()

@@ -385,6 +385,7 @@ class GGUFQuantMethod(QuantMethod):
     file in float32 on kvserve's CPU kernels."""
 
     name = "gguf"
+    default_kv_cache_dtype = "float16"
     keeps_quantized = True
     needs_kernels = True
     int8_activations = True
@@ -412,6 +413,7 @@ class GGUFExactQuantMethod(GGUFQuantMethod):
 
     name = "gguf_exact"
     int8_activations = False
+    default_kv_cache_dtype = "auto"  # float32's outputs bit for bit, its cache too
 
 
 # Where each stored block keeps its fields: (d, m or None, qh or None, qs), byte offsets.

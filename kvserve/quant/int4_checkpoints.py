@@ -203,6 +203,7 @@ class _Int4CheckpointMethod(QuantMethod):
 
     fmt: ClassVar[str]
     needs_kernels = True
+    default_kv_cache_dtype = "float16"
 
     @classmethod
     def detect(cls, model_path: str, device: str, dtype: str, ops_backend: str,

@@ -155,6 +155,7 @@ class RTNLinearMethod:
 class _RTNQuantMethod(QuantMethod):
     bits: ClassVar[int]
     needs_kernels = True
+    default_kv_cache_dtype = "float16"
 
     @classmethod
     def validate(cls, config: EngineConfig) -> None:

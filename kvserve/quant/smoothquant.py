@@ -240,6 +240,7 @@ class W8A8QuantMethod(QuantMethod):
 
     name = "w8a8"
     needs_kernels = True
+    default_kv_cache_dtype = "float16"
 
     @classmethod
     def detect(cls, model_path: str, device: str, dtype: str, ops_backend: str,

@@ -28,9 +28,13 @@ def test_gguf_on_cpu_runs_its_blocks_by_default() -> None:
 
 
 def test_kv_cache_dtype_follows_the_arithmetic() -> None:
-    """float16 KV with llama.cpp's arithmetic ("gguf"), as llama.cpp; the model dtype
-    otherwise (the float32-exact path stays exact); an explicit choice always wins."""
+    """float16 KV with llama.cpp's arithmetic ("gguf") and every quantization the CPU
+    kernels run, as llama.cpp; the model dtype otherwise (the float32-exact paths stay
+    exact); an explicit choice always wins."""
     assert config(device="cpu").cache.kv_cache_dtype == "float16"
+    for method in ("int8", "int4"):
+        assert config(device="cpu", quantization=method).cache.kv_cache_dtype == "float16"
+    assert config(device="cpu", quantization="none").cache.kv_cache_dtype == "auto"
     assert config(device="cpu", quantization="gguf_exact").cache.kv_cache_dtype == "auto"
     assert config("hf_dir", device="cpu").cache.kv_cache_dtype == "auto"
     assert config(device="cpu", kv_cache_dtype="float32").cache.kv_cache_dtype == "float32"

@@ -103,11 +103,15 @@ def dequantize(data: torch.Tensor, qtype: int, k: int) -> torch.Tensor:
     _check_qtype(qtype)
     if qtype in KQUANT_BYTES:
         return dequantize_kquant(data, qtype, k)
-    q, d, m = _unpack_legacy(data, qtype, k)
+    return scale_quants(*_unpack_legacy(data, qtype, k)).reshape(data.shape[0], k)
+
+
+def scale_quants(q: torch.Tensor, d: torch.Tensor, m: torch.Tensor | None) -> torch.Tensor:
+    """A 32-weight block format's weights from its integers q [..., 32] (offset already
+    taken off) and float32 scales d [...] (and mins m): d * q, then + m, one float32 rounding
+    each, gguf-py's order."""
     w = d[..., None] * q.float()
-    if m is not None:
-        w = w + m[..., None]
-    return w.reshape(data.shape[0], k)
+    return w if m is None else w + m[..., None]
 
 
 def quantize_activations_q8(x: torch.Tensor) -> Q8Blocks:

@@ -191,10 +191,8 @@ class PackedRows(NamedTuple):
             groups, which = torch.unique(flat // GROUP, return_inverse=True)
             q, d, m = unpack(self.packed.index_select(0, groups), self.qtype)
             pick = which * GROUP + flat % GROUP  # each id's row among those groups' rows
-            # dequantize's arithmetic on the same integers and scales: d * q (+ m)
-            out = d.index_select(0, pick)[..., None] * q.index_select(0, pick).float()
-            if m is not None:
-                out = out + m.index_select(0, pick)[..., None]
+            out = ggml_blocks.scale_quants(q.index_select(0, pick), d.index_select(0, pick),
+                                           None if m is None else m.index_select(0, pick))
         return out.reshape(*ids.shape, self.k).to(ids.device)
 
     def narrow(self, dim: int, start: int, length: int) -> None:

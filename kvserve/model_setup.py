@@ -79,17 +79,17 @@ def load_model(args: EngineArgs, ckpt: Any, config: EngineConfig, tp: TPGroup
     if quant.needs_kernels and not getattr(ops, "uses_kernels", False):
         # Only kvserve's CPU kernels read blocks as stored; anywhere else every forward
         # would dequantize every matrix again.
-        if args.quantization is None:
-            # Derived again from the args, so every default that follows the quantization
-            # (the KV cache dtype) follows it here too.
+        if args.quantization is None and quant.keeps_quantized:
+            # A GGUF file: the loader dequantizes its blocks. Derived again from the args, so
+            # every default that follows the quantization (the KV cache dtype) follows it.
             args = dataclasses.replace(args, quantization="none")
             config = args.create_engine_config(config.model, ckpt.model_config)
             quant = get_quant_method(config.quant)
         else:
-            logger.warning("quantization %r without kvserve's CPU kernels (ops=%s): "
-                           "every linear runs the pure-torch reference on its blocks; "
-                           "--quantization none is faster here", config.quantization,
-                           ops.name)
+            # A quantized checkpoint (GPTQ, AWQ, W8A8) or a method asked for by name.
+            logger.warning("quantization %r without kvserve's CPU kernels (ops=%s): %s",
+                           config.quantization, ops.name, quant.without_kernels_note)
+            quant = quant.without_kernels()
     model = build_model(ckpt, ops, torch_dtype(config.dtype), quant,
                         config.scheduler.max_model_len, tp=tp).to(config.device)
     return config, ops, model

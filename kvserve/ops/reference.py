@@ -76,6 +76,30 @@ class ReferenceOps:
         return qlinear_reference(x, weight, wtype, n, bias).to(x.dtype)
 
     @staticmethod
+    def int8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
+                    bias: torch.Tensor | None = None) -> torch.Tensor:
+        """W8A8 with the weight unpacked: int8 weight [N, K] with a scale per output row, x
+        quantized to int8 per token (the integers of quantize_activations_per_token, with no
+        per-block sums), exact int32 sums, then one scale per (token, output) and + bias[n].
+        torch._int_mm on CUDA (rows padded to its 17-row minimum); elsewhere float64
+        products, exact for any such sum."""
+        lead, k = x.shape[:-1], x.shape[-1]
+        xf = x.reshape(-1, k).float()
+        amax = xf.abs().amax(-1, keepdim=True)  # [M, 1]
+        inv = torch.where(amax > 0, torch.full_like(amax, 127) / torch.where(amax > 0, amax, 1),
+                          0)
+        qx = torch.round(xf * inv).to(torch.int8)
+        m, n = qx.shape[0], weight.shape[0]
+        if qx.is_cuda and k % 8 == 0 and n % 8 == 0:
+            acc = torch._int_mm(F.pad(qx, (0, 0, 0, max(0, 17 - m))), weight.t())[:m]
+        else:
+            acc = qx.double() @ weight.double().t()
+        out = acc.float() * ((amax / 127) * scale[None, :].float())
+        if bias is not None:
+            out = out + bias
+        return out.reshape(*lead, n).to(x.dtype)
+
+    @staticmethod
     def qlinear_kquant(x: torch.Tensor, weight: torch.Tensor, n: int,
                        bias: torch.Tensor | None = None, *, wtype: int) -> torch.Tensor:
         """weight: packed K-quant groups [ceil(n / 16), K / 256, record bytes] of the ggml type

@@ -163,6 +163,12 @@ class LinearMethod(Protocol):
         keeps no such form."""
         ...
 
+    def dense_weight(self, layer: Linear) -> torch.Tensor:
+        """The loaded weight as float32 [out, in], in the checkpoint's input order: the
+        values apply multiplies by, for a backend without kvserve's CPU kernels
+        (DequantizedLinearMethod)."""
+        ...
+
 
 def dense_names(layer: Linear) -> tuple[str, ...]:
     """checkpoint_names of a layer stored as a weight (and a bias)."""
@@ -229,6 +235,48 @@ class UnquantizedLinearMethod:
     def weight_rows(self, layer: Linear) -> QuantizedTensor | None:
         return half_rows(layer.weight)
 
+    def dense_weight(self, layer: Linear) -> torch.Tensor:
+        return layer.weight.float()
+
+
+class DequantizedLinearMethod:
+    """A quantized method's linear on a backend without kvserve's CPU kernels (CUDA, the torch
+    backend): loaded as the method loads it (a GPTQ checkpoint's qweight, int8 rounding at
+    load), then dequantized once into the model's dtype and multiplied as a float weight.
+    The method's values, the float model's memory and speed."""
+
+    def __init__(self, inner: LinearMethod) -> None:
+        self.inner = inner
+        self.dtype = torch.float32
+
+    def checkpoint_names(self, layer: Linear) -> tuple[str, ...]:
+        return self.inner.checkpoint_names(layer)
+
+    def create_weights(self, layer: Linear, dtype: torch.dtype) -> None:
+        self.dtype = dtype
+        self.inner.create_weights(layer, dtype)
+
+    def load_shard(self, layer: Linear, name: str, shard: int,
+                   tensor: torch.Tensor | QuantizedTensor) -> None:
+        self.inner.load_shard(layer, name, shard, tensor)
+
+    def process_weights_after_loading(self, layer: Linear) -> None:
+        self.inner.process_weights_after_loading(layer)
+        layer.weight = nn.Parameter(self.inner.dense_weight(layer).to(self.dtype),
+                                    requires_grad=False)
+
+    def apply(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
+        return layer.ops.linear(x, layer.weight, layer.bias, wtype=float_wtype(layer.weight))
+
+    def kernel_weights(self, layer: Linear) -> list[KernelWeight] | None:
+        return [KernelWeight(layer.weight, float_wtype(layer.weight), 0, layer.out_features)]
+
+    def weight_rows(self, layer: Linear) -> QuantizedTensor | None:
+        return None  # the method's values, not the checkpoint's: the embedding keeps its own
+
+    def dense_weight(self, layer: Linear) -> torch.Tensor:
+        return layer.weight.float()
+
 
 class QuantMethod:
     """One quantization method: a registry entry (kvserve.quant), built from a QuantConfig.
@@ -248,6 +296,8 @@ class QuantMethod:
     # () for a method without groups.
     group_sizes: ClassVar[tuple[int, ...]] = ()
     default_group_size: ClassVar[int | None] = None
+    # What without_kernels() runs, for the start-up log.
+    without_kernels_note: ClassVar[str] = "weights dequantized once loaded, into the model's dtype"
 
     def __init__(self, config: QuantConfig | None = None) -> None:
         self.config = config
@@ -278,10 +328,35 @@ class QuantMethod:
         "model.layers.0.self_attn.qkv_proj")."""
         return UnquantizedLinearMethod()
 
+    def without_kernels(self) -> QuantMethod:
+        """This method on a backend without kvserve's CPU kernels (needs_kernels): by default
+        every linear dequantized once loaded (DequantizedLinearMethod), since there every
+        forward would otherwise unpack the blocks again in Python."""
+        return DequantizedQuantMethod(self)
+
+
+class DequantizedQuantMethod(QuantMethod):
+    """QuantMethod.without_kernels' default: the method's loading, its linears dequantized."""
+
+    def __init__(self, inner: QuantMethod) -> None:
+        super().__init__(inner.config)
+        self.inner = inner
+        self.name = inner.name  # type: ignore[misc]
+        self.keeps_quantized = inner.keeps_quantized  # type: ignore[misc]
+
+    def linear_method(self, prefix: str) -> LinearMethod:
+        return DequantizedLinearMethod(self.inner.linear_method(prefix))
+
+
+def kernels_run(config: EngineConfig) -> bool:
+    """Whether the engine runs on kvserve's CPU kernels (the auto / cpu backend on a CPU)."""
+    return config.device == "cpu" and config.ops_backend in ("auto", "cpu")
+
 
 def require_float32(name: str, config: EngineConfig) -> None:
-    """The int8-activation kernels take float32 activations: ValueError naming dtype."""
-    if config.dtype != "float32":
+    """The int8-activation kernels take float32 activations: ValueError naming dtype. Without
+    them (CUDA) the method's weights are dequantized into the model's dtype, any dtype."""
+    if config.dtype != "float32" and kernels_run(config):
         raise ValueError(f"quantization {name!r} computes in float32; dtype must be float32, "
                          f"got {config.dtype!r}")
 

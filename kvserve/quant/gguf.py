@@ -360,6 +360,23 @@ class GGUFLinearMethod:
             return PackedRows(w, qtype, k, layer.out_features)
         return GGUFWeight(w, qtype, k)  # rows as stored (int8_activations False)
 
+    def dense_weight(self, layer: Any) -> torch.Tensor:
+        return dequantize_runs(self.parts, layer.in_features)
+
+
+def dequantize_runs(parts: list[KernelWeight], k: int) -> torch.Tensor:
+    """A weight held as KernelWeight runs, as float32 [N, K]: each run's floats, 16-row
+    groups (a packed legacy or K-quant format) or GGUF rows as stored, dequantized."""
+    out = []
+    for p in parts:
+        if p.weight.dtype != torch.uint8:
+            out.append(p.weight.float())
+        elif p.weight.dim() == 3:
+            out.append(PackedRows(p.weight, p.wtype, k, p.rows).dequantize())
+        else:
+            out.append(GGUFWeight(p.weight, p.wtype, k).dequantize())
+    return torch.cat(out)
+
 
 def apply_kernel_weights(ops: Any, x: torch.Tensor, parts: list[KernelWeight],
                          bias: torch.Tensor | None) -> torch.Tensor:
@@ -537,7 +554,7 @@ def qlinear_reference(x: torch.Tensor, packed: torch.Tensor, qtype: int, n: int,
     qx, dx, sx, _ = quantize(x.reshape(-1, k))
     qx = qx.reshape(qx.shape[0], -1, BLOCK).double()
     qw = qw[:n].double()
-    acc = torch.zeros(qx.shape[0], n)
+    acc = torch.zeros(qx.shape[0], n, device=x.device)
     for b in range(k // BLOCK):
         isum = (qx[:, b] @ qw[:, b].T).float()
         acc = acc + isum * (dw[None, :n, b] * dx[:, b, None])

@@ -42,7 +42,7 @@ from kvserve.quant.base import (
     dense,
     require_float32,
 )
-from kvserve.quant.gguf import BLOCK, F32, Q4_1, Q8_0, pack
+from kvserve.quant.gguf import BLOCK, F32, Q4_1, Q8_0, dequantize_runs, pack
 from kvserve.quant.rtn import int4_to_q4_1, int8_to_q8_0
 
 if TYPE_CHECKING:
@@ -196,6 +196,15 @@ class Int4CheckpointLinearMethod:
 
     def weight_rows(self, layer: Any) -> None:
         return None  # an int4 linear is never a tied embedding
+
+    def dense_weight(self, layer: Any) -> torch.Tensor:
+        kw = KernelWeight(layer.weight, self.wtype, 0, layer.out_features)
+        w = dequantize_runs([kw], layer.in_features)
+        if self.perm is None:
+            return w
+        out = torch.empty_like(w)  # act-order: column j of w is input perm[j]
+        out[:, self.perm] = w
+        return out
 
 
 class _Int4CheckpointMethod(QuantMethod):

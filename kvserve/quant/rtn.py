@@ -36,7 +36,7 @@ from kvserve.quant.base import (
     dense_names,
     require_float32,
 )
-from kvserve.quant.gguf import BLOCK, F32, Q4_1, Q8_0, pack
+from kvserve.quant.gguf import BLOCK, F32, Q4_1, Q8_0, dequantize_runs, pack
 
 if TYPE_CHECKING:
     from kvserve.config import EngineConfig
@@ -150,6 +150,9 @@ class RTNLinearMethod:
 
     def weight_rows(self, layer: Any) -> None:
         return None  # quantized at load: its rows are not the checkpoint's values
+
+    def dense_weight(self, layer: Any) -> torch.Tensor:
+        return dequantize_runs(self.kernel_weights(layer), layer.in_features)
 
 
 class _RTNQuantMethod(QuantMethod):

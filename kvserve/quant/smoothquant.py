@@ -58,11 +58,11 @@ from kvserve.quant.calibration import (
     layer_weights,
     rms_norm,
 )
-from kvserve.quant.gguf import BLOCK, Q8_0, W8A8, pack
+from kvserve.quant.gguf import BLOCK, Q8_0, W8A8, dequantize_runs, pack
 from kvserve.quant.rtn import int8_to_q8_0, quantize_int8
 
 if TYPE_CHECKING:
-    from kvserve.config import EngineConfig
+    from kvserve.config import EngineConfig, QuantConfig
 
 DEFAULT_ALPHA = 0.5
 # What a compressed-tensors checkpoint must say, flattened as kvserve keeps
@@ -144,9 +144,12 @@ class W8A8LinearMethod:
     read from a compressed-tensors checkpoint's weight / weight_scale), packed as Q8_0
     groups and run against per-token int8 activations (ops.qlinear, wtype W8A8)."""
 
-    def __init__(self, prefix: str, from_checkpoint: bool) -> None:
+    def __init__(self, prefix: str, from_checkpoint: bool, packed: bool = True) -> None:
+        """packed False: no CPU kernels (CUDA); the int8 weight stays [N, K] beside its
+        scales (layer.weight_scale) for ops.int8_linear (torch._int_mm on CUDA)."""
         self.prefix = prefix
         self.from_checkpoint = from_checkpoint
+        self.packed = packed
         self.shards: dict[int, dict[str, torch.Tensor]] = {}
 
     def checkpoint_names(self, layer: Any) -> tuple[str, ...]:
@@ -172,6 +175,10 @@ class W8A8LinearMethod:
             q, s = self._checkpoint_weights(layer)
         else:
             q, s = quantize_int8(layer.weight.data)
+        if not self.packed:
+            layer.weight = nn.Parameter(q, requires_grad=False)
+            layer.weight_scale = nn.Parameter(s, requires_grad=False)
+            return
         layer.weight = nn.Parameter(pack(int8_to_q8_0(q, s), Q8_0, layer.in_features),
                                     requires_grad=False)
 
@@ -203,13 +210,22 @@ class W8A8LinearMethod:
         return q, torch.cat(ss).to(torch.float16).float()
 
     def apply(self, layer: Any, x: torch.Tensor) -> torch.Tensor:
+        if not self.packed:
+            return layer.ops.int8_linear(x, layer.weight, layer.weight_scale, layer.bias)
         return layer.ops.qlinear(x, layer.weight, layer.out_features, layer.bias, wtype=W8A8)
 
     def kernel_weights(self, layer: Any) -> list[KernelWeight] | None:
-        return [KernelWeight(layer.weight, W8A8, 0, layer.out_features)]
+        return [KernelWeight(layer.weight, W8A8, 0, layer.out_features)] if self.packed else None
 
     def weight_rows(self, layer: Any) -> None:
         return None  # int8 per channel: its rows are not the checkpoint's values
+
+    def dense_weight(self, layer: Any) -> torch.Tensor:
+        if not self.packed:
+            return layer.weight.float() * layer.weight_scale[:, None]
+        # The blocks are Q8_0's, each carrying its row's scale.
+        kw = KernelWeight(layer.weight, Q8_0, 0, layer.out_features)
+        return dequantize_runs([kw], layer.in_features)
 
 
 def checkpoint_settings(qc: dict[str, Any]) -> bool:
@@ -258,12 +274,23 @@ class W8A8QuantMethod(QuantMethod):
                                  f"quant_method {qc.get('quant_method')!r}")
             checkpoint_settings(qc)
 
+    without_kernels_note = "int8 weights x per-token int8 activations through ops.int8_linear"
+
+    def __init__(self, config: QuantConfig | None = None, packed: bool = True) -> None:
+        super().__init__(config)
+        self.packed = packed
+
+    def without_kernels(self) -> QuantMethod:
+        """Still W8A8: an int8 GEMM exists without kvserve's kernels (torch._int_mm on
+        CUDA), so the weights stay int8 and the activations are quantized per token."""
+        return W8A8QuantMethod(self.config, packed=False)
+
     def linear_method(self, prefix: str) -> LinearMethod:
         qc = dict(self.config.checkpoint_config or ()) if self.config is not None else {}
         if not qc:
-            return W8A8LinearMethod(prefix, from_checkpoint=False)
+            return W8A8LinearMethod(prefix, from_checkpoint=False, packed=self.packed)
         if prefix == "lm_head" and not checkpoint_settings(qc):
             from kvserve.quant.base import UnquantizedLinearMethod
 
             return UnquantizedLinearMethod(half=True)
-        return W8A8LinearMethod(prefix, from_checkpoint=True)
+        return W8A8LinearMethod(prefix, from_checkpoint=True, packed=self.packed)

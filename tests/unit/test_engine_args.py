@@ -61,7 +61,8 @@ def test_impossible_quantizations_name_the_field() -> None:
 def test_auto_gguf_falls_back_without_the_kernels(monkeypatch: pytest.MonkeyPatch,
                                                   caplog: pytest.LogCaptureFixture) -> None:
     """No CPU kernels (no compiler, no AVX2): the blocks would be dequantized on every call,
-    so auto picks "none"; an explicit "gguf" is kept, with a warning."""
+    so auto picks "none"; an explicit "gguf" is kept (its linears dequantized once loaded),
+    with a warning."""
     import kvserve.llm_engine as le
     import kvserve.model_setup as setup
     from kvserve.ops.reference import ReferenceOps
@@ -76,3 +77,4 @@ def test_auto_gguf_falls_back_without_the_kernels(monkeypatch: pytest.MonkeyPatc
                                                                       quantization="gguf"))
     assert engine.config.quantization == "gguf"
     assert "without kvserve's CPU kernels" in caplog.text
+    assert "dequantized once loaded" in caplog.text

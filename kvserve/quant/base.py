@@ -11,6 +11,10 @@
                 apply                     y = x W^T + b in the method's arithmetic
                 kernel_weights            the weight as the CPU kernels read it (KernelWeight
                                           runs), for the fused layer stack; None if they cannot
+                weight_rows               the weight read row by row (a tied embedding shares it)
+                dense_weight              the loaded values as float32 [out, in]
+           -> without_kernels(): the method on a backend without the CPU kernels (CUDA); by
+              default its linears dequantized once loaded (DequantizedLinearMethod)
 
 The model file builds its Linear layers with `quant.linear_method(prefix)` and never names a
 format; a checkpoint tensor it cannot place as stored (an embedding, a norm) it turns into

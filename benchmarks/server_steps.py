@@ -6,7 +6,7 @@ the engine thread's time between steps, split into the AsyncEngine calls that fi
 (_dispatch and its _post, the call_soon_threadsafe that hands a step's outputs to the event
 loop; _drain_commands). In-process, LLMEngine.step is driven directly.
 
-    python benchmarks/server_steps.py MODEL in
+    python benchmarks/server_steps.py MODEL in [--engine-args '{"quantization": "gguf_exact"}']
     python benchmarks/server_steps.py MODEL serve [--uvicorn-loop uvloop --uvicorn-http httptools]
 
 A diagnostic: it wraps kvserve's methods from outside (in the server's own process, through
@@ -74,13 +74,14 @@ def instrument(out: Path | None) -> dict[str, float]:
     return tot
 
 
-def in_process(model: str, tokens: int) -> tuple[float, dict[str, float]]:
+def in_process(model: str, tokens: int, engine_args: dict[str, Any]
+               ) -> tuple[float, dict[str, float]]:
     from kvserve.engine_args import EngineArgs
     from kvserve.llm_engine import LLMEngine
     from kvserve.sampling_params import SamplingParams
 
     tot = instrument(None)
-    engine = LLMEngine.from_engine_args(EngineArgs.from_kwargs(model=model))
+    engine = LLMEngine.from_engine_args(EngineArgs.from_kwargs(model=model, **engine_args))
     sp = SamplingParams(temperature=0, max_tokens=tokens, ignore_eos=True)
     start, n = time.perf_counter(), 0
     for i, p in enumerate(PROMPTS):
@@ -150,6 +151,8 @@ def main() -> None:
     p.add_argument("model")
     p.add_argument("mode", choices=["in", "serve"])
     p.add_argument("--tokens", type=int, default=128)
+    p.add_argument("--engine-args", type=json.loads, default={},
+                   help='in-process only: EngineArgs as JSON')
     p.add_argument("--uvicorn-loop", default="asyncio")
     p.add_argument("--uvicorn-http", default="h11")
     p.add_argument("--child", type=int, help=argparse.SUPPRESS)
@@ -157,7 +160,7 @@ def main() -> None:
     ns = p.parse_args()
     if ns.child:
         return child(ns.model, ns.child, ns.totals, ns.uvicorn_loop, ns.uvicorn_http)
-    rate, t = (in_process(ns.model, ns.tokens) if ns.mode == "in"
+    rate, t = (in_process(ns.model, ns.tokens, ns.engine_args) if ns.mode == "in"
                else served(ns.model, ns.tokens, ns.uvicorn_loop, ns.uvicorn_http))
     per = {k: round(1000 * v / t["steps"], 3) for k, v in t.items() if k != "steps"}
     print(f"{ns.mode}: {rate:.2f} tok/s, {int(t['steps'])} steps; ms per step: {per}")

@@ -33,10 +33,7 @@
 namespace kvs {
 namespace {
 
-// Distance, in floats, that a quantized row's stream is prefetched ahead of the FMAs: 512
-// floats = 2 KB per row, enough to cover DRAM latency at ~10 GB/s per core without evicting
-// L1. Float rows prefetch whole tiles, kTilesAhead tiles ahead (tile()).
-constexpr int64_t kPrefetch = 512;
+// Weight tiles are prefetched whole, this many tiles ahead of the one being read (tile()).
 constexpr int64_t kTilesAhead = 2;
 
 #if KVS_AVX2
@@ -122,13 +119,26 @@ inline void tile(const float* x, int64_t ldx, const uint8_t* w, int64_t rb, int6
   for (int n = 0; n < NT; ++n)
     for (int m = 0; m < MT; ++m) acc[n][m] = _mm256_setzero_ps();
 
+  // The tile's NT rows are one run of NT * rb bytes, and the next tiles' runs follow it.
+  // Each step (8 float weights, or a 32-weight block) prefetches its share of the run
+  // kTilesAhead tiles on, so a thread's weights are one sequential stream. (Prefetching each
+  // row ahead of itself left NT short streams, a 576-wide F16 row being 18 lines, which the
+  // hardware prefetcher did not follow: F16 rows streamed at 15 GB/s against 21-27 so, on an
+  // AVX2 EPYC; benchmarks/linear_prefetch.cpp.) Prefetching never changes the arithmetic.
+  const int64_t lines = NT * rb / 64;
+  const int64_t steps = std::max<int64_t>(Fmt::kQuant ? K / 32 : K / 8, 1);
+  const char* ahead = reinterpret_cast<const char*>(w) + kTilesAhead * NT * rb;
+  auto prefetch_share = [&](int64_t s) {
+    if constexpr (kPrefetchW)
+      for (int64_t l = s * lines / steps; l < (s + 1) * lines / steps; ++l)
+        _mm_prefetch(ahead + 64 * l, _MM_HINT_T0);
+  };
+
   int64_t k = 0;
   if constexpr (Fmt::kQuant) {  // a block (32 weights) per step; the same FMA order
-    for (; k < K; k += 32) {
+    for (int64_t s = 0; k < K; k += 32, ++s) {
+      prefetch_share(s);
       for (int n = 0; n < NT; ++n) {
-        if constexpr (kPrefetchW)  // the line 2 KB ahead of this block in the stream
-          _mm_prefetch(reinterpret_cast<const char*>(w + n * rb) + 4 * kPrefetch +
-                           (k >> 5) * Fmt::kBlockBytes, _MM_HINT_T0);
         __m256 wv[4];
         Fmt::load4(w + n * rb, k, wv);
         for (int m = 0; m < MT; ++m)
@@ -138,19 +148,8 @@ inline void tile(const float* x, int64_t ldx, const uint8_t* w, int64_t rb, int6
       }
     }
   }
-  // Float rows: the tile's NT rows are one run of NT * rb bytes, and the next tiles' runs
-  // follow it. Each step of 8 weights prefetches its share of the run kTilesAhead tiles on,
-  // so a thread's weights are one sequential stream. (Prefetching each row kPrefetch
-  // weights ahead of itself left NT short streams, a 576-wide F16 row being 18 lines, which
-  // the hardware prefetcher did not follow: F16 rows streamed at 15 GB/s against 21-27 so,
-  // on an AVX2 EPYC; benchmarks/linear_prefetch.cpp.) The arithmetic is unchanged.
-  const int64_t lines = NT * rb / 64, steps = std::max<int64_t>(K / 8, 1);
-  const char* ahead = reinterpret_cast<const char*>(w) + kTilesAhead * NT * rb;
   for (int64_t s = 0; k + 8 <= K; k += 8, ++s) {  // float32
-    if constexpr (!Fmt::kQuant)
-      if (kPrefetchW)
-        for (int64_t l = s * lines / steps; l < (s + 1) * lines / steps; ++l)
-          _mm_prefetch(ahead + 64 * l, _MM_HINT_T0);
+    if constexpr (!Fmt::kQuant) prefetch_share(s);
     __m256 xv[MT];
     for (int m = 0; m < MT; ++m) xv[m] = _mm256_loadu_ps(x + m * ldx + k);
     for (int n = 0; n < NT; ++n) {

@@ -17,42 +17,22 @@
 #include <algorithm>
 #include <chrono>
 static inline float hsum(__m256 v){__m128 a=_mm_add_ps(_mm256_castps256_ps128(v),_mm256_extractf128_ps(v,1));a=_mm_hadd_ps(a,a);a=_mm_hadd_ps(a,a);return _mm_cvtss_f32(a);}
-template<int NT, int D>
-void runtile(const uint16_t* w, const float* x, float* out, int N, int K) {
+// 8 weights of a row as floats: F16 widened (F16C), F32 as they are.
+static inline __m256 load8(const uint16_t* p) { return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)p)); }
+static inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+// NT-row tiles, one accumulator per row: D > 0 prefetches the tile D tiles ahead, a share per
+// step of 8 weights (the kernel since 2026-12-04); PF prefetches each row 512 weights ahead
+// of itself (before).
+template<int NT, int D, bool PF, class T>
+void runtile(const T* w, const float* x, float* out, int N, int K) {
   #pragma omp parallel
   {
     int t = omp_get_thread_num(), nt = omp_get_num_threads();
     int tiles = N / NT, per = (tiles + nt - 1) / nt;
     int a = t * per, b = std::min(tiles, a + per);
-    const int64_t tile_bytes = (int64_t)NT * K * 2, lines = tile_bytes / 64, steps = K / 8;
+    const int64_t tile_bytes = (int64_t)NT * K * sizeof(T), lines = tile_bytes / 64, steps = K / 8;
     for (int ti = a; ti < b; ++ti) {
-      const uint16_t* wr = w + (int64_t)ti * NT * K;
-      const char* nxt = (const char*)wr + D * tile_bytes;
-      __m256 acc[NT];
-      for (int n = 0; n < NT; ++n) acc[n] = _mm256_setzero_ps();
-      for (int k = 0, s = 0; k < K; k += 8, ++s) {
-        for (int64_t l = s * lines / steps; l < (s + 1) * lines / steps; ++l)
-          _mm_prefetch(nxt + 64 * l, _MM_HINT_T0);
-        __m256 xv = _mm256_loadu_ps(x + k);
-        for (int n = 0; n < NT; ++n) {
-          __m256 wv = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(wr + n * K + k)));
-          acc[n] = _mm256_fmadd_ps(wv, xv, acc[n]);
-        }
-      }
-      for (int n = 0; n < NT; ++n) out[ti * NT + n] = hsum(acc[n]);
-    }
-  }
-}
-template<int NT, int D, bool PF>
-void runf32(const float* w, const float* x, float* out, int N, int K) {
-  #pragma omp parallel
-  {
-    int t = omp_get_thread_num(), nt = omp_get_num_threads();
-    int tiles = N / NT, per = (tiles + nt - 1) / nt;
-    int a = t * per, b = std::min(tiles, a + per);
-    const int64_t tile_bytes = (int64_t)NT * K * 4, lines = tile_bytes / 64, steps = K / 8;
-    for (int ti = a; ti < b; ++ti) {
-      const float* wr = w + (int64_t)ti * NT * K;
+      const T* wr = w + (int64_t)ti * NT * K;
       const char* nxt = (const char*)wr + D * tile_bytes;
       __m256 acc[NT];
       for (int n = 0; n < NT; ++n) acc[n] = _mm256_setzero_ps();
@@ -61,8 +41,8 @@ void runf32(const float* w, const float* x, float* out, int N, int K) {
           _mm_prefetch(nxt + 64 * l, _MM_HINT_T0);
         __m256 xv = _mm256_loadu_ps(x + k);
         for (int n = 0; n < NT; ++n) {
-          if (PF && (k & 15) == 0) _mm_prefetch((const char*)(wr + n * K + k + 512), _MM_HINT_T0);
-          acc[n] = _mm256_fmadd_ps(_mm256_loadu_ps(wr + n * K + k), xv, acc[n]);
+          if (PF && (k * (int)sizeof(T)) % 64 == 0) _mm_prefetch((const char*)(wr + n * K + k + 512), _MM_HINT_T0);
+          acc[n] = _mm256_fmadd_ps(load8(wr + n * K + k), xv, acc[n]);
         }
       }
       for (int n = 0; n < NT; ++n) out[ti * NT + n] = hsum(acc[n]);
@@ -119,17 +99,17 @@ int main(int argc, char** argv) {
   };
   for (int rep = 0; rep < 2; ++rep) {
     bench("read only", [&](const uint16_t* w) { readonly(w, out.data(), N, K); });
-    bench("NT8 U1 pf512 (current)", [&](const uint16_t* w) { run<8, 1, true, 512>(w, x.data(), out.data(), N, K); });
+    bench("NT8 U1 pf512 (before)", [&](const uint16_t* w) { run<8, 1, true, 512>(w, x.data(), out.data(), N, K); });
     bench("NT8 U1 nopf", [&](const uint16_t* w) { run<8, 1, false, 0>(w, x.data(), out.data(), N, K); });
     bench("NT4 U2 pf512", [&](const uint16_t* w) { run<4, 2, true, 512>(w, x.data(), out.data(), N, K); });
     bench("NT4 U2 nopf", [&](const uint16_t* w) { run<4, 2, false, 0>(w, x.data(), out.data(), N, K); });
     bench("NT2 U4 nopf", [&](const uint16_t* w) { run<2, 4, false, 0>(w, x.data(), out.data(), N, K); });
     bench("NT1 U4 nopf", [&](const uint16_t* w) { run<1, 4, false, 0>(w, x.data(), out.data(), N, K); });
-    bench("NT8 next-tile pf D=1", [&](const uint16_t* w) { runtile<8, 1>(w, x.data(), out.data(), N, K); });
-    bench("NT8 next-tile pf D=2", [&](const uint16_t* w) { runtile<8, 2>(w, x.data(), out.data(), N, K); });
-    bench("NT8 next-tile pf D=4", [&](const uint16_t* w) { runtile<8, 4>(w, x.data(), out.data(), N, K); });
-    bench("F32 (rows N/2) current pf", [&](const uint16_t* w) { runf32<8, 0, true>((const float*)w, x.data(), out.data(), N / 2, K); });
-    bench("F32 (rows N/2) next-tile D=2", [&](const uint16_t* w) { runf32<8, 2, false>((const float*)w, x.data(), out.data(), N / 2, K); });
+    bench("NT8 next-tile pf D=1", [&](const uint16_t* w) { runtile<8, 1, false>(w, x.data(), out.data(), N, K); });
+    bench("NT8 next-tile pf D=2 (now)", [&](const uint16_t* w) { runtile<8, 2, false>(w, x.data(), out.data(), N, K); });
+    bench("NT8 next-tile pf D=4", [&](const uint16_t* w) { runtile<8, 4, false>(w, x.data(), out.data(), N, K); });
+    bench("F32 (rows N/2) per-row pf (before)", [&](const uint16_t* w) { runtile<8, 0, true>((const float*)w, x.data(), out.data(), N / 2, K); });
+    bench("F32 (rows N/2) next-tile D=2", [&](const uint16_t* w) { runtile<8, 2, false>((const float*)w, x.data(), out.data(), N / 2, K); });
     bench("NT8 U1 pf1024", [&](const uint16_t* w) { run<8, 1, true, 1024>(w, x.data(), out.data(), N, K); });
   }
 }

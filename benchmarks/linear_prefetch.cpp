@@ -2,7 +2,7 @@
 // csrc/linear.cpp) against a plain read of the same bytes, two OpenMP threads, each a
 // contiguous slab of 8-row tiles, over 6 copies of the matrix (past any L3).
 //
-//   g++ -O3 -mavx2 -mfma -mf16c -fopenmp benchmarks/linear_prefetch.cpp -o /tmp/lp
+//   g++ -std=c++17 -O3 -mavx2 -mfma -mf16c -fopenmp benchmarks/linear_prefetch.cpp -o /tmp/lp
 //   OMP_NUM_THREADS=2 /tmp/lp [K=576] [N=49152]
 //
 // Variants: NT rows per tile x U accumulators per row, each row prefetched 512 / 1024
@@ -16,7 +16,13 @@
 #include <vector>
 #include <algorithm>
 #include <chrono>
+#include <utility>
 static inline float hsum(__m256 v){__m128 a=_mm_add_ps(_mm256_castps256_ps128(v),_mm256_extractf128_ps(v,1));a=_mm_hadd_ps(a,a);a=_mm_hadd_ps(a,a);return _mm_cvtss_f32(a);}
+// This thread's contiguous range [a, b) of the tiles.
+static inline std::pair<int, int> slab(int tiles) {
+  int t = omp_get_thread_num(), per = (tiles + omp_get_num_threads() - 1) / omp_get_num_threads();
+  return {t * per, std::min(tiles, (t + 1) * per)};
+}
 // 8 weights of a row as floats: F16 widened (F16C), F32 as they are.
 static inline __m256 load8(const uint16_t* p) { return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)p)); }
 static inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
@@ -27,9 +33,7 @@ template<int NT, int D, bool PF, class T>
 void runtile(const T* w, const float* x, float* out, int N, int K) {
   #pragma omp parallel
   {
-    int t = omp_get_thread_num(), nt = omp_get_num_threads();
-    int tiles = N / NT, per = (tiles + nt - 1) / nt;
-    int a = t * per, b = std::min(tiles, a + per);
+    const auto [a, b] = slab(N / NT);
     const int64_t tile_bytes = (int64_t)NT * K * sizeof(T), lines = tile_bytes / 64, steps = K / 8;
     for (int ti = a; ti < b; ++ti) {
       const T* wr = w + (int64_t)ti * NT * K;
@@ -53,9 +57,7 @@ template<int NT, int U, bool PF, int PFD>
 void run(const uint16_t* w, const float* x, float* out, int N, int K) {
   #pragma omp parallel
   {
-    int t = omp_get_thread_num(), nt = omp_get_num_threads();
-    int tiles = N / NT, per = (tiles + nt - 1) / nt;
-    int a = t * per, b = std::min(tiles, a + per);
+    const auto [a, b] = slab(N / NT);
     for (int ti = a; ti < b; ++ti) {
       const uint16_t* wr = w + (int64_t)ti * NT * K;
       __m256 acc[NT][U];

@@ -81,6 +81,9 @@ def test_greedy_speculation_on_cuda_is_plain_decoding(models: dict[str, str],
     assert _generate(llm, params) == plain
     engine = llm.llm_engine
     assert engine.runner.kv_cache.device.type == "cuda"
+    proposer_runner = getattr(engine.runner.proposer, "runner", None)
+    if method in ("draft_model", "self_draft"):  # the draft's own cache (self_draft: a view)
+        assert proposer_runner.kv_cache.device.type == "cuda"
     assert engine.scheduler.num_preemptions > 0
     st = engine.runner.spec_stats
     assert st.num_drafts > 0 and st.num_accepted_tokens > 0, "no draft was accepted"

@@ -7,6 +7,8 @@ import pytest
 
 from kvserve.config import ModelConfig
 from kvserve.engine_args import EngineArgs
+from kvserve.sampling_params import SamplingParams
+from tests.conftest import run_all
 
 MC = ModelConfig(architecture="LlamaForCausalLM", vocab_size=64, hidden_size=32,
                  intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
@@ -69,12 +71,21 @@ def test_auto_gguf_falls_back_without_the_kernels(monkeypatch: pytest.MonkeyPatc
 
     monkeypatch.setattr(setup, "get_ops", lambda *a: ReferenceOps())
     args = dict(model=None, device="cpu", kv_cache_memory="16MiB")
-    engine = le.LLMEngine.from_engine_args(EngineArgs.from_kwargs(**args))
-    assert engine.config.quantization == "none"
-    assert engine.config.cache.kv_cache_dtype == "auto"  # float16 came with "gguf"
+    none = le.LLMEngine.from_engine_args(EngineArgs.from_kwargs(**args))
+    assert none.config.quantization == "none"
+    assert none.config.cache.kv_cache_dtype == "auto"  # float16 came with "gguf"
     with caplog.at_level("WARNING", logger="kvserve"):
-        engine = le.LLMEngine.from_engine_args(EngineArgs.from_kwargs(**args,
-                                                                      quantization="gguf"))
+        engine = le.LLMEngine.from_engine_args(EngineArgs.from_kwargs(
+            **args, quantization="gguf", kv_cache_dtype="auto"))
     assert engine.config.quantization == "gguf"
     assert "without kvserve's CPU kernels" in caplog.text
     assert "dequantized once loaded" in caplog.text
+    # The packed blocks dequantized once are the loader's dequantized blocks: the same
+    # weights as "none", so the same logprobs, bit for bit.
+    sp = SamplingParams(max_tokens=1, prompt_logprobs=0, temperature=0)
+    outs = []
+    for e in (none, engine):
+        e.add_request("0", "The capital of France is Paris.", sp)
+        (out,) = run_all(e).values()
+        outs.append([next(iter(d.values())).logprob for d in out.prompt_logprobs[1:]])
+    assert outs[0] == outs[1]

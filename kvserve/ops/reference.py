@@ -79,16 +79,14 @@ class ReferenceOps:
     def int8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
                     bias: torch.Tensor | None = None) -> torch.Tensor:
         """W8A8 with the weight unpacked: int8 weight [N, K] with a scale per output row, x
-        quantized to int8 per token (the integers of quantize_activations_per_token, with no
-        per-block sums), exact int32 sums, then one scale per (token, output) and + bias[n].
-        torch._int_mm on CUDA (rows padded to its 17-row minimum); elsewhere float64
+        quantized to int8 per token (quantize_per_token: the W8A8 kernels' integers, without
+        their per-block sums), exact int32 sums, then one scale per (token, output) and +
+        bias[n]. torch._int_mm on CUDA (rows padded to its 17-row minimum); elsewhere float64
         products, exact for any such sum."""
+        from kvserve.quant.gguf import quantize_per_token
+
         lead, k = x.shape[:-1], x.shape[-1]
-        xf = x.reshape(-1, k).float()
-        amax = xf.abs().amax(-1, keepdim=True)  # [M, 1]
-        inv = torch.where(amax > 0, torch.full_like(amax, 127) / torch.where(amax > 0, amax, 1),
-                          0)
-        qx = torch.round(xf * inv).to(torch.int8)
+        qx, amax = quantize_per_token(x.reshape(-1, k))
         m, n = qx.shape[0], weight.shape[0]
         if qx.is_cuda and k % 8 == 0 and n % 8 == 0:
             acc = torch._int_mm(F.pad(qx, (0, 0, 0, max(0, 17 - m))), weight.t())[:m]

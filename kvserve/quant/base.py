@@ -352,15 +352,16 @@ class DequantizedQuantMethod(QuantMethod):
         return DequantizedLinearMethod(self.inner.linear_method(prefix))
 
 
-def kernels_run(config: EngineConfig) -> bool:
-    """Whether the engine runs on kvserve's CPU kernels (the auto / cpu backend on a CPU)."""
-    return config.device == "cpu" and config.ops_backend in ("auto", "cpu")
+def kernels_run(device: str, ops_backend: str) -> bool:
+    """Whether an engine on this device and ops backend runs kvserve's CPU kernels (the auto
+    / cpu backend on a CPU)."""
+    return device == "cpu" and ops_backend in ("auto", "cpu")
 
 
 def require_float32(name: str, config: EngineConfig) -> None:
     """The int8-activation kernels take float32 activations: ValueError naming dtype. Without
     them (CUDA) the method's weights are dequantized into the model's dtype, any dtype."""
-    if config.dtype != "float32" and kernels_run(config):
+    if config.dtype != "float32" and kernels_run(config.device, config.ops_backend):
         raise ValueError(f"quantization {name!r} computes in float32; dtype must be float32, "
                          f"got {config.dtype!r}")
 

@@ -51,6 +51,7 @@ from kvserve.quant.base import (
     float_wtype,
     half_rows,
     keep_exact_halves,
+    kernels_run,
     require_float32,
 )
 
@@ -408,8 +409,8 @@ class GGUFQuantMethod(QuantMethod):
     @classmethod
     def detect(cls, model_path: str, device: str, dtype: str, ops_backend: str,
                quantization_config: dict[str, Any] | None = None) -> bool:
-        return (cls.name == "gguf" and model_path.lower().endswith(".gguf") and device == "cpu"
-                and dtype == "float32" and ops_backend in ("auto", "cpu"))
+        return (cls.name == "gguf" and model_path.lower().endswith(".gguf")
+                and dtype == "float32" and kernels_run(device, ops_backend))
 
     @classmethod
     def validate(cls, config: EngineConfig) -> None:
@@ -525,18 +526,24 @@ def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, ...]:
     return q.reshape(m, k), d, d * total.float(), total
 
 
+def quantize_per_token(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """float [M, K] -> (q int8 [M, K], amax float32 [M, 1]): q = round-half-even(x * (127 /
+    amax)) with amax over the whole row (q = 0 when amax = 0), the row's scale amax / 127."""
+    xf = x.float()
+    amax = xf.abs().amax(-1, keepdim=True)
+    inv = torch.where(amax > 0, torch.full_like(amax, 127) / torch.where(amax > 0, amax, 1), 0)
+    return torch.round(xf * inv).to(torch.int8), amax
+
+
 def quantize_activations_per_token(x: torch.Tensor) -> tuple[torch.Tensor, ...]:
     """quantize_activations' outputs with one scale per row (W8A8's dynamic per-token int8):
-    amax over the whole row, d = amax / 127 for each of its blocks, q = round-half-even(x *
-    (127 / amax)); sum and s = d * sum per block of 32 as before."""
+    quantize_per_token's q, d = amax / 127 for each of the row's blocks; sum and s = d * sum
+    per block of 32 as before."""
     m, k = x.shape
-    xb = x.float().reshape(m, k // BLOCK, BLOCK)
-    amax = x.float().abs().amax(-1, keepdim=True)  # [M, 1]
-    inv = torch.where(amax > 0, torch.full_like(amax, 127) / torch.where(amax > 0, amax, 1), 0)
-    q = torch.round(xb * inv[..., None]).to(torch.int8)
-    total = q.to(torch.int32).sum(-1, dtype=torch.int32)
+    q, amax = quantize_per_token(x)
+    total = q.reshape(m, k // BLOCK, BLOCK).to(torch.int32).sum(-1, dtype=torch.int32)
     d = (amax / 127).expand(m, k // BLOCK)
-    return q.reshape(m, k), d, d * total.float(), total
+    return q, d, d * total.float(), total
 
 
 def qlinear_reference(x: torch.Tensor, packed: torch.Tensor, qtype: int, n: int,

@@ -257,6 +257,7 @@ class W8A8QuantMethod(QuantMethod):
     name = "w8a8"
     needs_kernels = True
     default_kv_cache_dtype = "float16"
+    without_kernels_note = "int8 weights x per-token int8 activations through ops.int8_linear"
 
     @classmethod
     def detect(cls, model_path: str, device: str, dtype: str, ops_backend: str,
@@ -273,8 +274,6 @@ class W8A8QuantMethod(QuantMethod):
                                  f"compressed-tensors one; this one's quantization_config has "
                                  f"quant_method {qc.get('quant_method')!r}")
             checkpoint_settings(qc)
-
-    without_kernels_note = "int8 weights x per-token int8 activations through ops.int8_linear"
 
     def __init__(self, config: QuantConfig | None = None, packed: bool = True) -> None:
         super().__init__(config)

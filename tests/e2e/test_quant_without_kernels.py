@@ -77,16 +77,27 @@ def _reference(path: Path, name: str) -> Any:
     return hf
 
 
-def _prompt_logprobs(path: Path, target: tuple[str, str], dtype: str) -> torch.Tensor:
+def _prompt_logprobs(path: Path, target: tuple[str, str], dtype: str, **kw: Any
+                     ) -> torch.Tensor:
+    """PROMPT's logprobs from the engine on target (float64)."""
     device, ops = target
     # float32: a float32 KV cache too (these methods default to float16 there), so that
     # the weights alone are compared.
     kv = {"kv_cache_dtype": "auto"} if dtype == "float32" else {}
     llm = LLM(model=str(path), device=device, ops_backend=ops, dtype=dtype,
-              kv_cache_memory="16MiB", **kv)
+              kv_cache_memory="16MiB", **kv, **kw)
     sp = SamplingParams(max_tokens=1, prompt_logprobs=0, temperature=0)
     out = llm.generate([{"prompt_token_ids": PROMPT}], sp, use_tqdm=False)[0]
-    return torch.tensor([d[PROMPT[i + 1]].logprob for i, d in enumerate(out.prompt_logprobs[1:])])
+    return torch.tensor([d[PROMPT[i + 1]].logprob
+                         for i, d in enumerate(out.prompt_logprobs[1:])]).double()
+
+
+def _reference_logprobs(hf: Any) -> torch.Tensor:
+    """PROMPT's logprobs from an HF model (float64)."""
+    with torch.no_grad():
+        logits = hf(torch.tensor([PROMPT])).logits[0]
+    return torch.log_softmax(logits.double(), -1)[torch.arange(len(PROMPT) - 1),
+                                                  torch.tensor(PROMPT[1:])]
 
 
 @pytest.mark.parametrize("name", ["gptq", "gptq-act-order-sym", "gptq-8bit", "awq", "w8a8"])
@@ -94,11 +105,7 @@ def _prompt_logprobs(path: Path, target: tuple[str, str], dtype: str) -> torch.T
 def test_a_quantized_checkpoint_runs_without_the_cpu_kernels(
         checkpoints: dict[str, Path], target: tuple[str, str], name: str, dtype: str) -> None:
     ours = _prompt_logprobs(checkpoints[name], target, dtype)
-    with torch.no_grad():
-        logits = _reference(checkpoints[name], name)(torch.tensor([PROMPT])).logits[0]
-    ref = torch.log_softmax(logits.double(), -1)[torch.arange(len(PROMPT) - 1),
-                                                 torch.tensor(PROMPT[1:])]
-    err = (ours.double() - ref).abs().max()
+    err = (ours - _reference_logprobs(_reference(checkpoints[name], name))).abs().max()
     # float32, measured: 4e-7 for the symmetric formats; ~3e-4 for the asymmetric ones, whose
     # Q4_1 repacking rounds each group's minimum -s * z to float16 (the CPU kernels' values
     # too); ~3e-3 for W8A8's int8 activations. bfloat16 (its cache too): ~2-4e-3.
@@ -126,19 +133,9 @@ def test_round_to_nearest_at_load_runs_without_the_cpu_kernels(
             sd[name] = torch.from_numpy(np.ascontiguousarray(out, np.float32)).reshape(w.shape)
     ref_model = tiny_hf_model("llama", seed=3)
     ref_model.load_state_dict(sd)
-    device, ops = target
-    llm = LLM(model=str(src), device=device, ops_backend=ops, dtype="float32",
-              quantization=f"int{bits}", kv_cache_dtype="auto", kv_cache_memory="16MiB",
-              **({"quant_group_size": 32} if bits == 4 else {}))
-    sp = SamplingParams(max_tokens=1, prompt_logprobs=0, temperature=0)
-    out = llm.generate([{"prompt_token_ids": PROMPT}], sp, use_tqdm=False)[0]
-    ours = torch.tensor([d[PROMPT[i + 1]].logprob
-                         for i, d in enumerate(out.prompt_logprobs[1:])]).double()
-    with torch.no_grad():
-        logits = ref_model(torch.tensor([PROMPT])).logits[0]
-    ref = torch.log_softmax(logits.double(), -1)[torch.arange(len(PROMPT) - 1),
-                                                 torch.tensor(PROMPT[1:])]
-    assert (ours - ref).abs().max() < 1e-5
+    ours = _prompt_logprobs(src, target, "float32", quantization=f"int{bits}",
+                            **({"quant_group_size": 32} if bits == 4 else {}))
+    assert (ours - _reference_logprobs(ref_model)).abs().max() < 1e-5
 
 
 @pytest.mark.parametrize("m", [1, 5, 16, 17, 40])

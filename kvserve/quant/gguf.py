@@ -54,6 +54,7 @@ from kvserve.quant.base import (
     kernels_run,
     require_float32,
 )
+from kvserve.quant.int4mm import Int4Groups
 
 if TYPE_CHECKING:
     from kvserve.config import EngineConfig
@@ -363,6 +364,28 @@ class GGUFLinearMethod:
 
     def dense_weight(self, layer: Any) -> torch.Tensor:
         return dequantize_runs(self.parts, layer.in_features)
+
+
+def int4_runs(parts: list[KernelWeight], k: int, perm: torch.Tensor | None = None
+              ) -> Int4Groups | None:
+    """A weight held as packed Q4_0 / Q4_1 runs as 4-bit groups of 32 in torch's int4
+    convention, w = (q - 8) * scale + zero: Q4_1's d q + m is scale d, zero m + 8 d; Q4_0's
+    d (q - 8) is scale d, zero 0. None if any run is another format. perm: act-order's input
+    order, which the runs' columns follow."""
+    qs, scales, zeros = [], [], []
+    for p in parts:
+        if p.weight.dim() != 3 or p.wtype not in (Q4_0, Q4_1):
+            return None
+        q, d, m = unpack(p.weight, p.wtype)
+        q, d = q[:p.rows].reshape(p.rows, k), d[:p.rows]
+        if m is None:  # Q4_0: unpack gave q - 8
+            q, zero = q + 8, torch.zeros_like(d)
+        else:
+            zero = m[:p.rows] + 8 * d
+        qs.append(q.to(torch.uint8))
+        scales.append(d)
+        zeros.append(zero)
+    return Int4Groups(torch.cat(qs), torch.cat(scales), torch.cat(zeros), BLOCK, perm)
 
 
 def dequantize_runs(parts: list[KernelWeight], k: int) -> torch.Tensor:

@@ -1,0 +1,153 @@
+"""4-bit weights on torch's own int4 matmul, for a backend without kvserve's CPU kernels.
+
+torch has one int4-weight GEMM per device: tinygemm on CUDA (aten._weight_int4pack_mm, sm80+,
+bfloat16 activations) and its CPU twin (aten._weight_int4pack_mm_for_cpu, float32 or 16-bit
+activations). Both take N outputs x K inputs as 4-bit integers q in [0, 15], packed in the
+device's own tile layout, and per group of G inputs (G in 32, 64, 128, 256) a scale and a zero:
+
+    w[n, k] = (q[n, k] - 8) * scale[n, k / G] + zero[n, k / G]
+
+A method whose weights are 4-bit with an affine pair per group hands them over as Int4Groups
+(LinearMethod.int4_groups): GPTQ-4, AWQ and int4, which kvserve holds as Q4_1 blocks
+(w = d q + m: scale d, zero m + 8 d), and GGUF Q4_0 (w = d (q - 8): zero 0). The layer then
+keeps ~4.5-5 bits a weight on the device (Int4Linear), where DequantizedLinearMethod would
+otherwise hold the model's dtype. Values: the scale and zero are rounded to the activations'
+dtype (bfloat16 on CUDA: up to 1/32 of a quantization step), and the sum runs in the kernel's
+order, so a result is within float rounding of the dequantized weight's, not bit for bit.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+
+GROUP_SIZES = (32, 64, 128, 256)  # what both kernels take
+N_ALIGN = 16  # the CPU packing needs N % 16 == 0 (CUDA's, N % 8): the rows are padded to it
+# Above this many rows, tinygemm (built for decode: 0.5x bfloat16's time at 1 row) is slower
+# than dequantizing the weight (dequantize_cuda) and running cuBLAS. Measured on an H200,
+# Llama-8B shapes (benchmarks/cuda_int4_linear.py): tinygemm's time grows with the rows
+# (1.0 ms at 256 rows of a 14336 x 4096 weight, 4.1 ms at 1024), the dequantized path's
+# barely (0.97, 1.07 ms); they cross between 128 and 256 rows.
+DENSE_ABOVE_M = 192
+
+
+class Int4Groups(NamedTuple):
+    """A linear's weight as 4-bit integers and an affine pair per group of inputs, in torch's
+    int4 convention: w[n, k] = (q[n, k] - 8) * scale[n, k / G] + zero[n, k / G]."""
+
+    q: torch.Tensor  # uint8 [N, K] in [0, 15]; column j is input perm[j] (input j if no perm)
+    scale: torch.Tensor  # float32 [N, K / G]
+    zero: torch.Tensor  # float32 [N, K / G]
+    group_size: int
+    perm: torch.Tensor | None  # act-order GPTQ: x's inputs in q's column order
+
+    def dequantize(self) -> torch.Tensor:
+        """float32 [N, K] in the inputs' own order."""
+        g = self.group_size
+        w = ((self.q.float() - 8) * self.scale.repeat_interleave(g, dim=1)
+             + self.zero.repeat_interleave(g, dim=1))
+        if self.perm is None:
+            return w
+        out = torch.empty_like(w)
+        out[:, self.perm] = w
+        return out
+
+    def coarsest(self) -> Int4Groups:
+        """The same weight with the largest group size whose groups each repeat one pair (a
+        GPTQ group of 128 arrives as four Q4_1 blocks of 32): fewer pairs to store and read."""
+        g, k = self.group_size, self.q.shape[1]
+        for size in sorted(GROUP_SIZES, reverse=True):
+            if size <= g or k % size:
+                continue
+            per = size // g
+            s = self.scale.reshape(self.scale.shape[0], -1, per)
+            z = self.zero.reshape(self.zero.shape[0], -1, per)
+            if torch.equal(s, s[..., :1].expand_as(s)) and torch.equal(z, z[..., :1].expand_as(z)):
+                return self._replace(scale=s[..., 0].contiguous(), zero=z[..., 0].contiguous(),
+                                     group_size=size)
+        return self
+
+
+def unsupported(device: torch.device, dtype: torch.dtype, groups: Int4Groups) -> str | None:
+    """Why torch's int4 matmul cannot run these groups on device in dtype; None when it can."""
+    k = groups.q.shape[1]
+    if device.type == "cuda":
+        if dtype != torch.bfloat16:
+            return f"CUDA's int4 matmul takes bfloat16 activations, not {dtype}"
+        if torch.cuda.get_device_capability(device) < (8, 0):
+            return "CUDA's int4 matmul needs compute capability 8.0 or newer"
+    elif device.type != "cpu":
+        return f"torch has no int4 matmul on {device.type}"
+    if groups.group_size not in GROUP_SIZES:
+        return f"group size {groups.group_size} is not one of {GROUP_SIZES}"
+    if _inner_k_tiles(k) is None:
+        return f"{k} inputs do not divide by 32"
+    return None
+
+
+def _inner_k_tiles(k: int) -> int | None:
+    """The widest packing (k-tiles of 16 side by side) that divides K: 8, 4 or 2."""
+    return next((t for t in (8, 4, 2) if k % (16 * t) == 0), None)
+
+
+def pack(groups: Int4Groups, device: torch.device, dtype: torch.dtype
+         ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(the device's tile layout of q, its rows padded to N_ALIGN; the pairs [K / G, padded
+    N, 2] in the activations' dtype), on device, for matmul. unsupported(device, dtype,
+    groups) must be None."""
+    n, k = groups.q.shape
+    pad = -n % N_ALIGN
+    q = torch.nn.functional.pad(groups.q, (0, 0, 0, pad)).to(device)
+    tiles = _inner_k_tiles(k)
+    if device.type == "cuda":
+        # Two inputs a byte, the first in the high nibble (tinygemm's order).
+        packed = torch.ops.aten._convert_weight_to_int4pack(
+            (q[:, 0::2] << 4 | q[:, 1::2]).contiguous(), tiles)
+    else:
+        packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.to(torch.int32), tiles)
+    pairs = torch.stack([groups.scale, groups.zero], dim=-1)  # [N, K / G, 2]
+    pairs = torch.nn.functional.pad(pairs, (0, 0, 0, 0, 0, pad))  # padded rows compute 0
+    return packed, pairs.transpose(0, 1).to(device=device, dtype=dtype).contiguous()
+
+
+def matmul(x: torch.Tensor, packed: torch.Tensor, pairs: torch.Tensor, group_size: int,
+           out_features: int, perm: torch.Tensor | None = None) -> torch.Tensor:
+    """x [..., K] times pack()'s weight (x's inputs gathered by perm first): [..., N], in
+    the pairs' dtype."""
+    shape = x.shape
+    x = x.reshape(-1, shape[-1])
+    if perm is not None:
+        x = x.index_select(-1, perm)
+    x = x.to(pairs.dtype).contiguous()
+    if x.device.type == "cuda" and x.shape[0] > DENSE_ABOVE_M:
+        y = torch.nn.functional.linear(x, dequantize_cuda(packed, pairs, group_size))
+    elif x.device.type == "cuda":
+        y = torch.ops.aten._weight_int4pack_mm(x, packed, group_size, pairs)
+    else:
+        y = torch.ops.aten._weight_int4pack_mm_for_cpu(x, packed, group_size, pairs)
+    return y[:, :out_features].reshape(*shape[:-1], out_features)
+
+
+def unpack_cuda(packed: torch.Tensor) -> torch.Tensor:
+    """tinygemm's tile layout (int32 [N / 8, K / (16 T), 32, T / 2], T inner k-tiles) back to
+    q uint8 [N, K]. aten's _convert_weight_to_int4pack writes, for lane t of n-tile a and
+    outer k-tile b, word [a, b, t, i] from the bytes v0..v3 = row 8a + t / 4, bytes
+    B + t % 4 + (0, 4, 8, 12) with B = 8 (b T + 2 i); its nibble j < 4 is v_j's high nibble
+    and nibble 4 + j v_j's low one. A byte's high nibble is the even input (pack), so nibble
+    (h, c, d) of the word (j = 4 h + 2 c + d) is input k = 16 T b + 32 i + 16 c + 8 d
+    + 2 (t % 4) + h of row n = 8 a + t / 4: a fixed permutation of the nibbles."""
+    nt, ko, _, half = packed.shape
+    b = packed.contiguous().view(torch.uint8).reshape(nt, ko, 32, half, 4)  # little endian
+    nib = torch.stack([b & 15, b >> 4], dim=-1)  # nibble j = 2 * byte + (0 low, 1 high)
+    nib = nib.reshape(nt, ko, 8, 4, half, 2, 2, 2)  # (a, b, t / 4, t % 4, i, h, c, d)
+    return nib.permute(0, 2, 1, 4, 6, 7, 3, 5).reshape(nt * 8, -1)
+
+
+def dequantize_cuda(packed: torch.Tensor, pairs: torch.Tensor, group_size: int) -> torch.Tensor:
+    """pack()'s CUDA weight as [padded N, K] in the pairs' dtype."""
+    q = unpack_cuda(packed)
+    n, k = q.shape
+    scale, zero = pairs[..., 0].t().unsqueeze(-1), pairs[..., 1].t().unsqueeze(-1)  # [N, K/G, 1]
+    w = torch.addcmul(zero, q.reshape(n, k // group_size, group_size).to(pairs.dtype) - 8, scale)
+    return w.reshape(n, k)

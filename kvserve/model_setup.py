@@ -89,7 +89,7 @@ def load_model(args: EngineArgs, ckpt: Any, config: EngineConfig, tp: TPGroup
             # A quantized checkpoint (GPTQ, AWQ, W8A8) or a method asked for by name.
             logger.warning("quantization %r without kvserve's CPU kernels (ops=%s): %s",
                            config.quantization, ops.name, quant.without_kernels_note)
-            quant = quant.without_kernels()
+            quant = quant.without_kernels(config.device)
     model = build_model(ckpt, ops, torch_dtype(config.dtype), quant,
                         config.scheduler.max_model_len, tp=tp).to(config.device)
     return config, ops, model

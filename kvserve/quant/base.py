@@ -13,8 +13,12 @@
                                           runs), for the fused layer stack; None if they cannot
                 weight_rows               the weight read row by row (a tied embedding shares it)
                 dense_weight              the loaded values as float32 [out, in]
-           -> without_kernels(): the method on a backend without the CPU kernels (CUDA); by
-              default its linears dequantized once loaded (DequantizedLinearMethod)
+                int4_groups               4-bit integers and a scale / zero per group, where
+                                          the method's weights are that (GPTQ-4, AWQ, int4)
+           -> without_kernels(device): the method on a backend without the CPU kernels (CUDA);
+              by default its linears as torch's int4 matmul where int4_groups gives them and
+              the device runs it (kvserve/quant/int4mm.py), else dequantized once loaded
+              (DequantizedLinearMethod)
 
 The model file builds its Linear layers with `quant.linear_method(prefix)` and never names a
 format; a checkpoint tensor it cannot place as stored (an embedding, a norm) it turns into
@@ -27,6 +31,9 @@ from typing import TYPE_CHECKING, Any, ClassVar, NamedTuple, Protocol
 
 import torch
 from torch import nn
+
+from kvserve.quant import int4mm
+from kvserve.quant.int4mm import Int4Groups
 
 if TYPE_CHECKING:
     from kvserve.config import EngineConfig, QuantConfig
@@ -173,6 +180,13 @@ class LinearMethod(Protocol):
         (DequantizedLinearMethod)."""
         ...
 
+    def int4_groups(self, layer: Linear) -> Int4Groups | None:
+        """The loaded weight as 4-bit integers with a scale and a zero per group of inputs
+        (and act-order's input permutation), where the method holds it so (4-bit groups of
+        GPTQ, AWQ, int4, GGUF Q4_0 / Q4_1): what torch's int4 matmul runs on a backend without
+        kvserve's CPU kernels (DequantizedLinearMethod). None for any other weight."""
+        ...
+
 
 def dense_names(layer: Linear) -> tuple[str, ...]:
     """checkpoint_names of a layer stored as a weight (and a bias)."""
@@ -242,16 +256,23 @@ class UnquantizedLinearMethod:
     def dense_weight(self, layer: Linear) -> torch.Tensor:
         return layer.weight.float()
 
+    def int4_groups(self, layer: Linear) -> None:
+        return None
+
 
 class DequantizedLinearMethod:
     """A quantized method's linear on a backend without kvserve's CPU kernels (CUDA, the torch
-    backend): loaded as the method loads it (a GPTQ checkpoint's qweight, int8 rounding at
-    load), then dequantized once into the model's dtype and multiplied as a float weight.
-    The method's values, the float model's memory and speed."""
+    backend), loaded as the method loads it (a GPTQ checkpoint's qweight, int4 rounding at
+    load). Then 4-bit groups (int4_groups) stay 4-bit on torch's int4 matmul where the device
+    runs it (int4mm: CUDA in bfloat16, the CPU); any other weight is dequantized once into the
+    model's dtype and multiplied as a float weight (the method's values, the float model's
+    memory and speed)."""
 
-    def __init__(self, inner: LinearMethod) -> None:
+    def __init__(self, inner: LinearMethod, device: str = "cpu") -> None:
         self.inner = inner
+        self.device = torch.device(device)
         self.dtype = torch.float32
+        self.int4: tuple[int, torch.Tensor | None] | None = None  # (group size, perm) on int4mm
 
     def checkpoint_names(self, layer: Linear) -> tuple[str, ...]:
         return self.inner.checkpoint_names(layer)
@@ -266,20 +287,45 @@ class DequantizedLinearMethod:
 
     def process_weights_after_loading(self, layer: Linear) -> None:
         self.inner.process_weights_after_loading(layer)
+        groups = self.inner.int4_groups(layer)
+        if groups is not None:
+            groups = groups.coarsest()
+            if int4mm.unsupported(self.device, self.dtype, groups) is None:
+                # Packed on the device itself: the tile layout is the device's own.
+                packed, pairs = int4mm.pack(groups, self.device, self.dtype)
+                layer.weight = nn.Parameter(packed, requires_grad=False)
+                layer.int4_pairs = nn.Parameter(pairs, requires_grad=False)
+                self.int4 = (groups.group_size,
+                             None if groups.perm is None else groups.perm.to(self.device))
+                return
         layer.weight = nn.Parameter(self.inner.dense_weight(layer).to(self.dtype),
                                     requires_grad=False)
 
     def apply(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
-        return layer.ops.linear(x, layer.weight, layer.bias, wtype=float_wtype(layer.weight))
+        if self.int4 is None:
+            return layer.ops.linear(x, layer.weight, layer.bias, wtype=float_wtype(layer.weight))
+        y = int4mm.matmul(x, layer.weight, layer.int4_pairs, self.int4[0], layer.out_features,
+                          self.int4[1]).to(x.dtype)
+        return y if layer.bias is None else y + layer.bias
 
     def kernel_weights(self, layer: Linear) -> list[KernelWeight] | None:
+        if self.int4 is not None:
+            return None  # not a format the CPU kernels read (which never run here)
         return [KernelWeight(layer.weight, float_wtype(layer.weight), 0, layer.out_features)]
 
     def weight_rows(self, layer: Linear) -> QuantizedTensor | None:
         return None  # the method's values, not the checkpoint's: the embedding keeps its own
 
     def dense_weight(self, layer: Linear) -> torch.Tensor:
-        return layer.weight.float()
+        if self.int4 is None:
+            return layer.weight.float()
+        # The int4 matmul of the identity: the weight as the kernel itself reads it.
+        eye = torch.eye(layer.in_features, device=layer.int4_pairs.device, dtype=self.dtype)
+        return int4mm.matmul(eye, layer.weight, layer.int4_pairs, self.int4[0],
+                             layer.out_features, self.int4[1]).float().T.contiguous()
+
+    def int4_groups(self, layer: Linear) -> None:
+        return None  # already placed: nothing wraps this method again
 
 
 class QuantMethod:
@@ -301,7 +347,9 @@ class QuantMethod:
     group_sizes: ClassVar[tuple[int, ...]] = ()
     default_group_size: ClassVar[int | None] = None
     # What without_kernels() runs, for the start-up log.
-    without_kernels_note: ClassVar[str] = "weights dequantized once loaded, into the model's dtype"
+    without_kernels_note: ClassVar[str] = ("4-bit groups on torch's int4 matmul where the device "
+                                           "runs it, other weights dequantized once loaded into "
+                                           "the model's dtype")
 
     def __init__(self, config: QuantConfig | None = None) -> None:
         self.config = config
@@ -332,24 +380,26 @@ class QuantMethod:
         "model.layers.0.self_attn.qkv_proj")."""
         return UnquantizedLinearMethod()
 
-    def without_kernels(self) -> QuantMethod:
-        """This method on a backend without kvserve's CPU kernels (needs_kernels): by default
-        every linear dequantized once loaded (DequantizedLinearMethod), since there every
-        forward would otherwise unpack the blocks again in Python."""
-        return DequantizedQuantMethod(self)
+    def without_kernels(self, device: str) -> QuantMethod:
+        """This method on a backend without kvserve's CPU kernels (needs_kernels), on device:
+        by default every linear through DequantizedLinearMethod (4-bit groups on torch's int4
+        matmul, anything else dequantized once loaded), since there every forward would
+        otherwise unpack the blocks again in Python."""
+        return DequantizedQuantMethod(self, device)
 
 
 class DequantizedQuantMethod(QuantMethod):
     """QuantMethod.without_kernels' default: the method's loading, its linears dequantized."""
 
-    def __init__(self, inner: QuantMethod) -> None:
+    def __init__(self, inner: QuantMethod, device: str = "cpu") -> None:
         super().__init__(inner.config)
         self.inner = inner
+        self.device = device
         self.name = inner.name  # type: ignore[misc]
         self.keeps_quantized = inner.keeps_quantized  # type: ignore[misc]
 
     def linear_method(self, prefix: str) -> LinearMethod:
-        return DequantizedLinearMethod(self.inner.linear_method(prefix))
+        return DequantizedLinearMethod(self.inner.linear_method(prefix), self.device)
 
 
 def kernels_run(device: str, ops_backend: str) -> bool:

@@ -365,6 +365,9 @@ class GGUFLinearMethod:
     def dense_weight(self, layer: Any) -> torch.Tensor:
         return dequantize_runs(self.parts, layer.in_features)
 
+    def int4_groups(self, layer: Any) -> Int4Groups | None:
+        return int4_runs(self.parts, layer.in_features)
+
 
 def int4_runs(parts: list[KernelWeight], k: int, perm: torch.Tensor | None = None
               ) -> Int4Groups | None:

@@ -42,7 +42,8 @@ from kvserve.quant.base import (
     dense,
     require_float32,
 )
-from kvserve.quant.gguf import BLOCK, F32, Q4_1, Q8_0, dequantize_runs, pack
+from kvserve.quant.gguf import BLOCK, F32, Q4_1, Q8_0, dequantize_runs, int4_runs, pack
+from kvserve.quant.int4mm import Int4Groups
 from kvserve.quant.rtn import int4_to_q4_1, int8_to_q8_0
 
 if TYPE_CHECKING:
@@ -205,6 +206,10 @@ class Int4CheckpointLinearMethod:
         out = torch.empty_like(w)  # act-order: column j of w is input perm[j]
         out[:, self.perm] = w
         return out
+
+    def int4_groups(self, layer: Any) -> Int4Groups | None:
+        kw = KernelWeight(layer.weight, self.wtype, 0, layer.out_features)
+        return int4_runs([kw], layer.in_features, self.perm)  # None at 8 bits
 
 
 class _Int4CheckpointMethod(QuantMethod):

@@ -115,18 +115,25 @@ def matmul(x: torch.Tensor, packed: torch.Tensor, pairs: torch.Tensor, group_siz
            out_features: int, perm: torch.Tensor | None = None) -> torch.Tensor:
     """x [..., K] times pack()'s weight (x's inputs gathered by perm first): [..., N], in
     the pairs' dtype."""
+    # Each torch call costs a launch on CUDA, where a decode step is launch-bound: none that
+    # would be a no-op (a 2-D contiguous x in the pairs' dtype, rows not padded).
     shape = x.shape
-    x = x.reshape(-1, shape[-1])
+    if x.dim() != 2:
+        x = x.reshape(-1, shape[-1])
     if perm is not None:
         x = x.index_select(-1, perm)
-    x = x.to(pairs.dtype).contiguous()
+    if x.dtype != pairs.dtype:
+        x = x.to(pairs.dtype)
+    x = x.contiguous()
     if x.device.type == "cuda" and x.shape[0] > DENSE_ABOVE_M:
         y = torch.nn.functional.linear(x, dequantize_cuda(packed, pairs, group_size))
     elif x.device.type == "cuda":
         y = torch.ops.aten._weight_int4pack_mm(x, packed, group_size, pairs)
     else:
         y = torch.ops.aten._weight_int4pack_mm_for_cpu(x, packed, group_size, pairs)
-    return y[:, :out_features].reshape(*shape[:-1], out_features)
+    if y.shape[1] != out_features:
+        y = y[:, :out_features]
+    return y if len(shape) == 2 else y.reshape(*shape[:-1], out_features)
 
 
 def unpack_cuda(packed: torch.Tensor) -> torch.Tensor:

@@ -36,7 +36,8 @@ from kvserve.quant.base import (
     dense_names,
     require_float32,
 )
-from kvserve.quant.gguf import BLOCK, F32, Q4_1, Q8_0, dequantize_runs, pack
+from kvserve.quant.gguf import BLOCK, F32, Q4_1, Q8_0, dequantize_runs, int4_runs, pack
+from kvserve.quant.int4mm import Int4Groups
 
 if TYPE_CHECKING:
     from kvserve.config import EngineConfig
@@ -153,6 +154,9 @@ class RTNLinearMethod:
 
     def dense_weight(self, layer: Any) -> torch.Tensor:
         return dequantize_runs(self.kernel_weights(layer), layer.in_features)
+
+    def int4_groups(self, layer: Any) -> Int4Groups | None:
+        return int4_runs(self.kernel_weights(layer), layer.in_features)  # None for int8
 
 
 class _RTNQuantMethod(QuantMethod):

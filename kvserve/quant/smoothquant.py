@@ -227,6 +227,9 @@ class W8A8LinearMethod:
         kw = KernelWeight(layer.weight, Q8_0, 0, layer.out_features)
         return dequantize_runs([kw], layer.in_features)
 
+    def int4_groups(self, layer: Any) -> None:
+        return None  # int8
+
 
 def checkpoint_settings(qc: dict[str, Any]) -> bool:
     """Checks a compressed-tensors quantization_config (flattened) is W8A8 as kvserve runs
@@ -279,7 +282,7 @@ class W8A8QuantMethod(QuantMethod):
         super().__init__(config)
         self.packed = packed
 
-    def without_kernels(self) -> QuantMethod:
+    def without_kernels(self, device: str) -> QuantMethod:
         """Still W8A8: an int8 GEMM exists without kvserve's kernels (torch._int_mm on
         CUDA), so the weights stay int8 and the activations are quantized per token."""
         return W8A8QuantMethod(self.config, packed=False)

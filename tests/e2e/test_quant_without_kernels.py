@@ -115,6 +115,40 @@ def test_a_quantized_checkpoint_runs_without_the_cpu_kernels(
     assert err < limit, err
 
 
+@pytest.mark.parametrize("name", ["gptq", "gptq-act-order-sym", "gptq-8bit", "awq"])
+def test_4_bit_checkpoints_stay_4_bit(checkpoints: dict[str, Path], target: tuple[str, str],
+                                      name: str) -> None:
+    """In bfloat16, the 4-bit checkpoints' linears hold torch's int4 matmul weights (half a
+    byte a weight, and a scale / zero pair per group of 32), not the model's dtype; 8-bit
+    GPTQ is dequantized. What a layer computes is its checkpoint's weight (dense_weight: the
+    int4 matmul of the identity)."""
+    device, ops = target
+    llm = LLM(model=str(checkpoints[name]), device=device, ops_backend=ops, dtype="bfloat16",
+              kv_cache_memory="16MiB")
+    model = llm.llm_engine.model
+    ref = _reference(checkpoints[name], name)
+    ref_weights = dict(ref.named_parameters())
+    linears = [(n, m) for n, m in model.named_modules() if hasattr(m, "quant_method")
+               and n != "lm_head"]
+    assert len(linears) == 2 * 4  # qkv, o, gate_up, down per layer
+    for n, layer in linears:
+        held = sum(p.numel() * p.element_size() for p in layer.parameters())
+        weights = layer.in_features * layer.out_features
+        if name == "gptq-8bit":
+            assert layer.weight.dtype == torch.bfloat16, n
+            continue
+        assert layer.weight.dtype in (torch.uint8, torch.int32), n  # the device's tile layout
+        assert held <= weights * (0.5 + 4 / 32) + 256, (n, held, weights)
+        got = layer.quant_method.dense_weight(layer).cpu()
+        parts = {"qkv_proj": ["q_proj", "k_proj", "v_proj"],
+                 "gate_up_proj": ["gate_proj", "up_proj"]}.get(n.rsplit(".", 1)[1])
+        prefix = "model." + n.rsplit(".", 1)[0]
+        want = torch.cat([ref_weights[f"{prefix}.{p}.weight"] for p in parts] if parts
+                         else [ref_weights[f"model.{n}.weight"]])
+        # The pairs as bfloat16: within 1/32 of a step of the checkpoint's values.
+        torch.testing.assert_close(got, want, rtol=2e-2, atol=2e-3)
+
+
 @pytest.mark.parametrize("bits", [8, 4])
 def test_round_to_nearest_at_load_runs_without_the_cpu_kernels(
         tiny_dir: tuple[Path, Any], target: tuple[str, str], bits: int) -> None:  # noqa: F811

@@ -218,6 +218,23 @@ def test_a_stale_dear_row_count_does_not_lock_drafting_in() -> None:
     assert policy.num_drafts(reqs, [16]) == [0]
 
 
+def test_a_stall_does_not_price_a_row_count_out() -> None:
+    # One 3-row step stalled (46 ms against 8 at 1 and 2 rows). Kept, a second draft would
+    # cost 38 ms, the policy would draft one token a step and never measure 3 rows again.
+    policy = SpecPolicy(8)
+    for _ in range(5):
+        policy.observe_step(1, 0.0080)
+        policy.observe_step(2, 0.0083)
+    policy.observe_step(3, 0.0465)
+    assert policy.cost(3) < 3 * policy.cost(1)
+    reqs = _reqs(1)
+    _accept(policy, reqs, 4, 3)
+    assert policy.num_drafts(reqs, [200])[0] > 1
+    # A step no longer than n one-row steps is a measurement like any other.
+    policy.observe_step(3, 0.0200)
+    assert policy.cost(3) == 0.0200
+
+
 def test_a_fresh_row_count_keeps_its_own_time() -> None:
     # Under load the step of 8 rows is measured all the time; a larger count measured once
     # at a quiet moment must not make it (and so the rows past it) look cheaper.

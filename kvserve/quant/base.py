@@ -183,8 +183,8 @@ class LinearMethod(Protocol):
     def int4_groups(self, layer: Linear) -> Int4Groups | None:
         """The loaded weight as 4-bit integers with a scale and a zero per group of inputs
         (and act-order's input permutation), where the method holds it so (4-bit groups of
-        GPTQ, AWQ, int4, GGUF Q4_0 / Q4_1): what torch's int4 matmul runs on a backend without
-        kvserve's CPU kernels (DequantizedLinearMethod). None for any other weight."""
+        GPTQ, AWQ, int4, GGUF Q4_0 / Q4_1 / Q4_K): what torch's int4 matmul runs on a backend
+        without kvserve's CPU kernels (DequantizedLinearMethod). None for any other weight."""
         ...
 
 

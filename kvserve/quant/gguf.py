@@ -38,7 +38,7 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from gguf import quants as gguf_quants
 from torch import nn
 
-from kvserve.quant import ggml_blocks
+from kvserve.quant import ggml_blocks, ggml_kquants
 from kvserve.quant.base import (
     KernelWeight,
     LinearMethod,
@@ -371,20 +371,30 @@ class GGUFLinearMethod:
 
 def int4_runs(parts: list[KernelWeight], k: int, perm: torch.Tensor | None = None
               ) -> Int4Groups | None:
-    """A weight held as packed Q4_0 / Q4_1 runs as 4-bit groups of 32 in torch's int4
+    """A weight held as packed Q4_0 / Q4_1 / Q4_K runs as 4-bit groups of 32 in torch's int4
     convention, w = (q - 8) * scale + zero: Q4_1's d q + m is scale d, zero m + 8 d; Q4_0's
-    d (q - 8) is scale d, zero 0. None if any run is another format. perm: act-order's input
-    order, which the runs' columns follow."""
+    d (q - 8) is scale d, zero 0; a Q4_K sub-block's dl q - dm (dl = d * scale, dm = dmin *
+    min) is scale dl, zero 8 dl - dm. None if any run is another format. perm: act-order's
+    input order, which the runs' columns follow."""
     qs, scales, zeros = [], [], []
     for p in parts:
-        if p.weight.dim() != 3 or p.wtype not in (Q4_0, Q4_1):
+        if p.weight.dim() != 3 or p.wtype not in (Q4_0, Q4_1, Q4_K):
             return None
-        q, d, m = unpack(p.weight, p.wtype)
-        q, d = q[:p.rows].reshape(p.rows, k), d[:p.rows]
-        if m is None:  # Q4_0: unpack gave q - 8
-            q, zero = q + 8, torch.zeros_like(d)
+        if p.wtype == Q4_K:
+            from kvserve.quant.kquant_pack import unpack as unpack_kquant_rows
+
+            kp = ggml_kquants.unpack_kquant(unpack_kquant_rows(p.weight, Q4_K, p.rows), Q4_K, k)
+            q = kp.q.reshape(p.rows, k)
+            d = (kp.d[..., None] * kp.scale.float()).reshape(p.rows, -1)
+            assert kp.dmin is not None and kp.min is not None
+            zero = 8 * d - (kp.dmin[..., None] * kp.min.float()).reshape(p.rows, -1)
         else:
-            zero = m[:p.rows] + 8 * d
+            q, d, m = unpack(p.weight, p.wtype)
+            q, d = q[:p.rows].reshape(p.rows, k), d[:p.rows]
+            if m is None:  # Q4_0: unpack gave q - 8
+                q, zero = q + 8, torch.zeros_like(d)
+            else:
+                zero = m[:p.rows] + 8 * d
         qs.append(q.to(torch.uint8))
         scales.append(d)
         zeros.append(zero)

@@ -9,11 +9,13 @@ device's own tile layout, and per group of G inputs (G in 32, 64, 128, 256) a sc
 
 A method whose weights are 4-bit with an affine pair per group hands them over as Int4Groups
 (LinearMethod.int4_groups): GPTQ-4, AWQ and int4, which kvserve holds as Q4_1 blocks
-(w = d q + m: scale d, zero m + 8 d), and GGUF Q4_0 (w = d (q - 8): zero 0). The layer then
-keeps ~4.5-5 bits a weight on the device (Int4Linear), where DequantizedLinearMethod would
-otherwise hold the model's dtype. Values: the scale and zero are rounded to the activations'
-dtype (bfloat16 on CUDA: up to 1/32 of a quantization step), and the sum runs in the kernel's
-order, so a result is within float rounding of the dequantized weight's, not bit for bit.
+(w = d q + m: scale d, zero m + 8 d), and under an explicit "gguf" a file's Q4_0
+(w = d (q - 8): zero 0), Q4_1 and Q4_K matrices (a sub-block of 32, dl q - dm: scale dl,
+zero 8 dl - dm). The layer then keeps ~4.5-5 bits a weight on the device (pack), where
+DequantizedLinearMethod would otherwise hold the model's dtype. Values: the scale and zero
+are rounded to the activations' dtype (bfloat16 on CUDA: up to 1/32 of a quantization step),
+and the sum runs in the kernel's order, so a result is within float rounding of the
+dequantized weight's, not bit for bit.
 """
 
 from __future__ import annotations

@@ -16,6 +16,7 @@ from kvserve.models import build_model
 from kvserve.ops import get_ops
 from kvserve.ops.cpu import CpuOps
 from kvserve.ops.reference import ReferenceOps
+from kvserve.quant import get_quant_method, quant_config
 from kvserve.quant.gguf import GGUFLinearMethod
 from tests.helpers import PagedSequence
 from tests.unit.test_loader import write_gguf
@@ -154,3 +155,29 @@ def test_fused_stack_runs_mixed_k_quant_layers_as_the_python_layers_do(
         for a, b in zip(*outs):
             assert torch.equal(a, b)
     assert fused_ops._stacks and None not in fused_ops._stacks.values()  # it did fuse
+
+
+def test_q4_k_layers_stay_4_bit_without_the_kernels(tmp_path: Path) -> None:
+    """A Q4_K_M file under "gguf" on a backend without kvserve's kernels (the torch one here,
+    CUDA in practice): its all-Q4_K layers (gate_up, o_proj) run on torch's int4 matmul at
+    half a byte a weight, the rest (Q6_K down_proj, qkv with its Q6_K v, lm_head) are
+    dequantized, and the logits are the float model's on the same blocks to float rounding."""
+    path, _types = _write(tmp_path, "Q4_K_M")
+    ck = load_checkpoint(str(path))
+    ops = get_ops("torch")
+    quant = get_quant_method(quant_config("gguf")).without_kernels("cpu")
+    model = build_model(ck, ops, torch.float32, quant)
+    floats = build_model(ck, ops, torch.float32, "none")
+    for layer in model.layers:
+        for lin in (layer.mlp.gate_up_proj, layer.self_attn.o_proj):
+            assert lin.weight.dtype == torch.uint8  # the CPU int4 matmul's packing
+            assert lin.weight.numel() == lin.in_features * lin.out_features // 2
+        for lin in (layer.mlp.down_proj, layer.self_attn.qkv_proj):
+            assert lin.weight.dtype == torch.float32
+    prompt = [5, 9, 2, 7, 1, 3, 200, 11]
+    logits = []
+    for m in (model, floats):
+        runner = PagedSequence(m, block_size=4)
+        logits.append(runner.forward({runner.new_seq(): prompt})[0])
+    err = (logits[0] - logits[1]).abs().max() / logits[1].abs().max()
+    assert err < 1e-5, err

@@ -2,7 +2,7 @@
 tinygemm in tests/cuda/test_cuda_quant.py, which runs these tests on the GPU in bfloat16).
 
 The reference is independent of torch's kernels: the groups' own dequantization in float64,
-and gguf-py's decode of the same Q4_0 / Q4_1 blocks.
+and gguf-py's decode of the same Q4_0 / Q4_1 / Q4_K blocks.
 """
 
 from __future__ import annotations
@@ -16,8 +16,9 @@ import torch
 
 from kvserve.quant import int4mm
 from kvserve.quant.base import KernelWeight
-from kvserve.quant.gguf import Q4_0, Q4_1, int4_runs, pack
+from kvserve.quant.gguf import Q4_0, Q4_1, Q4_K, Q6_K, int4_runs, pack
 from kvserve.quant.int4mm import Int4Groups
+from kvserve.quant.kquant_pack import pack_kquant
 from kvserve.quant.rtn import int4_to_q4_1, quantize_int4
 
 
@@ -111,6 +112,22 @@ def test_int4_runs_are_the_blocks_gguf_py_decodes(qtype: int) -> None:
     torch.testing.assert_close(groups.dequantize(), torch.from_numpy(want), rtol=1e-6,
                                atol=1e-7)
     assert int4_runs([KernelWeight(torch.zeros(4, k), 0, 0, 4)], k) is None  # float rows
+
+
+def test_q4_k_runs_are_the_blocks_gguf_py_decodes() -> None:
+    """Packed Q4_K rows (a Q4_K_M file's commonest type) as groups of 32, one per sub-block:
+    scale d * scale_s, zero 8 d scale_s - dmin min_s; a Q6_K run has no such form."""
+    from tests.unit.test_kquant_kernels import random_blocks as kquant_blocks
+
+    k, n = 512, 40
+    blocks = kquant_blocks(Q4_K, n, k, seed=4)
+    groups = int4_runs([KernelWeight(pack_kquant(blocks, Q4_K, k), Q4_K, 0, n)], k)
+    assert groups is not None and groups.group_size == 32
+    want = gguf.quants.dequantize(blocks.numpy(), gguf.GGMLQuantizationType(Q4_K))
+    torch.testing.assert_close(groups.dequantize(), torch.from_numpy(want.reshape(n, k)),
+                               rtol=1e-5, atol=1e-6)
+    q6 = kquant_blocks(Q6_K, 16, 256, seed=5)
+    assert int4_runs([KernelWeight(pack_kquant(q6, Q6_K, 256), Q6_K, 0, 16)], 256) is None
 
 
 def _tinygemm_layout(q: torch.Tensor, tiles: int) -> torch.Tensor:

@@ -23,22 +23,10 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from cuda_int8_linear import cuda_us  # benchmarks/, beside this file
 
 from kvserve.quant import int4mm
 from kvserve.quant.int4mm import Int4Groups
-
-
-def _us(fn, *args, n: int = 50) -> float:
-    for _ in range(5):
-        fn(*args)
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(True), torch.cuda.Event(True)
-    start.record()
-    for _ in range(n):
-        fn(*args)
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) / n * 1000
 
 
 def _dequantized_linear(x, packed, pairs, g):
@@ -54,9 +42,9 @@ def per_linear() -> None:
         packed, pairs = int4mm.pack(groups, dev, torch.bfloat16)
         for m in (1, 16, 32, 64, 128, 256, 1024):
             x = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
-            bf16 = _us(F.linear, x, wb)
-            tiny = _us(torch.ops.aten._weight_int4pack_mm, x, packed, g, pairs)
-            deq = _us(_dequantized_linear, x, packed, pairs, g)
+            bf16 = cuda_us(F.linear, x, wb)
+            tiny = cuda_us(torch.ops.aten._weight_int4pack_mm, x, packed, g, pairs)
+            deq = cuda_us(_dequantized_linear, x, packed, pairs, g)
             print(f"N={n} K={k} M={m}: bf16 {bf16:.1f} us, tinygemm {tiny:.1f} us, "
                   f"dequantized + cuBLAS {deq:.1f} us", flush=True)
 

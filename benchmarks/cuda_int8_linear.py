@@ -12,7 +12,8 @@ from kvserve.ops.torch_ops import TorchOps
 from kvserve.quant.rtn import quantize_int8
 
 
-def _us(fn, *args, n: int = 50) -> float:
+def cuda_us(fn, *args, n: int = 50) -> float:
+    """fn(*args)'s mean CUDA time in microseconds over n calls, after 5 warm-ups."""
     for _ in range(5):
         fn(*args)
     torch.cuda.synchronize()
@@ -34,9 +35,9 @@ def main() -> None:
         for m in (1, 16, 128, 1024, 4096):
             x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
             qx = torch.randint(-127, 127, (max(m, 17), k), dtype=torch.int8, device="cuda")
-            print(f"N={n} K={k} M={m}: bf16 {_us(F.linear, x, wb):.1f} us, "
-                  f"int8_linear {_us(ops.int8_linear, x, q, s):.1f} us, "
-                  f"_int_mm alone {_us(torch._int_mm, qx, q.t()):.1f} us")
+            print(f"N={n} K={k} M={m}: bf16 {cuda_us(F.linear, x, wb):.1f} us, "
+                  f"int8_linear {cuda_us(ops.int8_linear, x, q, s):.1f} us, "
+                  f"_int_mm alone {cuda_us(torch._int_mm, qx, q.t()):.1f} us")
 
 
 if __name__ == "__main__":

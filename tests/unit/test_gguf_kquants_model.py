@@ -75,6 +75,17 @@ def _runs(types: list[Q], rows: list[int]) -> list[tuple[int, int, int]]:
     return runs
 
 
+def _logits_error(model: torch.nn.Module, floats: torch.nn.Module) -> float:
+    """The largest difference of a prompt's logits from the float model's, relative to the
+    float model's largest logit."""
+    prompt = [5, 9, 2, 7, 1, 3, 200, 11]
+    logits = []
+    for m in (model, floats):
+        runner = PagedSequence(m, block_size=4)
+        logits.append(runner.forward({runner.new_seq(): prompt})[0])
+    return float((logits[0] - logits[1]).abs().max() / logits[1].abs().max())
+
+
 def _wtypes(lin: torch.nn.Module) -> list[int]:
     return [p.wtype for p in lin.quant_method.kernel_weights(lin)]
 
@@ -116,12 +127,7 @@ def test_k_m_file_runs_packed_and_near_the_float_model(tmp_path: Path, kind: str
         assert torch.equal(y, oracle), name
     # The whole (random-weight) model: errors add up over the layers (measured 0.068 Q4_K_M,
     # 0.094 Q5_K_M, 0.067 Q3_K_M, 0.026 Q2_K).
-    prompt = [5, 9, 2, 7, 1, 3, 200, 11]
-    logits = []
-    for m in (packed, floats):
-        runner = PagedSequence(m, block_size=4)
-        logits.append(runner.forward({runner.new_seq(): prompt})[0])
-    err = (logits[0] - logits[1]).abs().max() / logits[1].abs().max()
+    err = _logits_error(packed, floats)
     assert 0 < err < 0.12, err
 
 
@@ -174,10 +180,5 @@ def test_q4_k_layers_stay_4_bit_without_the_kernels(tmp_path: Path) -> None:
             assert lin.weight.numel() == lin.in_features * lin.out_features // 2
         for lin in (layer.mlp.down_proj, layer.self_attn.qkv_proj):
             assert lin.weight.dtype == torch.float32
-    prompt = [5, 9, 2, 7, 1, 3, 200, 11]
-    logits = []
-    for m in (model, floats):
-        runner = PagedSequence(m, block_size=4)
-        logits.append(runner.forward({runner.new_seq(): prompt})[0])
-    err = (logits[0] - logits[1]).abs().max() / logits[1].abs().max()
+    err = _logits_error(model, floats)
     assert err < 1e-5, err

@@ -1,4 +1,4 @@
-"""4-bit weights on CUDA (kvserve/quant/int4mm.py: torch's tinygemm) against bfloat16.
+"""4-bit weights on CUDA (kvserve/ops/int4mm.py: torch's tinygemm) against bfloat16.
 
 Per linear, on Llama-8B-sized shapes: bfloat16 F.linear against tinygemm and against
 int4mm.dequantize_cuda + F.linear (int4mm.matmul's two paths) at group size 128, CUDA events,
@@ -25,8 +25,8 @@ import torch
 import torch.nn.functional as F
 from cuda_int8_linear import cuda_us  # benchmarks/, beside this file
 
-from kvserve.quant import int4mm
-from kvserve.quant.int4mm import Int4Groups
+from kvserve.ops import int4mm
+from kvserve.quant.int4_groups import Int4Groups
 
 
 def _dequantized_linear(x, packed, pairs, g):

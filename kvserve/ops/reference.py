@@ -8,12 +8,16 @@ Clarity over speed here; per-request loops are fine.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
 
 from kvserve.kv.layout import QuantizedKVCache
+from kvserve.ops import int4mm
+
+if TYPE_CHECKING:
+    from kvserve.quant.int4_groups import Int4Groups
 
 # The largest magnitude each quantized KV type stores: int8 is symmetric (-127..127, never
 # -128), e4m3fn's largest finite value is 448.
@@ -96,6 +100,30 @@ class ReferenceOps:
         if bias is not None:
             out = out + bias
         return out.reshape(*lead, n).to(x.dtype)
+
+    @staticmethod
+    def int4_unsupported(groups: Int4Groups, device: torch.device, dtype: torch.dtype
+                         ) -> str | None:
+        """Why torch's int4 matmul (kvserve/ops/int4mm.py) cannot hold these 4-bit groups on
+        device for activations of dtype; None when it can."""
+        return int4mm.unsupported(device, dtype, groups)
+
+    @staticmethod
+    def int4_pack(groups: Int4Groups, device: torch.device, dtype: torch.dtype
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+        """4-bit groups as torch's int4 matmul holds them on device: (the weight in the
+        device's tile layout, the (scale, zero) pairs in dtype). int4_unsupported must be
+        None."""
+        return int4mm.pack(groups, device, dtype)
+
+    @staticmethod
+    def int4_linear(x: torch.Tensor, packed: torch.Tensor, pairs: torch.Tensor,
+                    group_size: int, n: int, perm: torch.Tensor | None = None,
+                    bias: torch.Tensor | None = None) -> torch.Tensor:
+        """x times int4_pack's weight of n outputs (x's inputs gathered by perm first, as an
+        act-order checkpoint's groups hold them), + bias[n], in x's dtype."""
+        y = int4mm.matmul(x, packed, pairs, group_size, n, perm).to(x.dtype)
+        return y if bias is None else y + bias
 
     @staticmethod
     def qlinear_kquant(x: torch.Tensor, weight: torch.Tensor, n: int,

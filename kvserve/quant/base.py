@@ -17,7 +17,7 @@
                                           the method's weights are that (GPTQ-4, AWQ, int4)
            -> without_kernels(device): the method on a backend without the CPU kernels (CUDA);
               by default its linears as torch's int4 matmul where int4_groups gives them and
-              the device runs it (kvserve/quant/int4mm.py), else dequantized once loaded
+              the device runs it (layer.ops.int4_linear), else dequantized once loaded
               (DequantizedLinearMethod)
 
 The model file builds its Linear layers with `quant.linear_method(prefix)` and never names a
@@ -32,8 +32,7 @@ from typing import TYPE_CHECKING, Any, ClassVar, NamedTuple, Protocol
 import torch
 from torch import nn
 
-from kvserve.quant import int4mm
-from kvserve.quant.int4mm import Int4Groups
+from kvserve.quant.int4_groups import Int4Groups
 
 if TYPE_CHECKING:
     from kvserve.config import EngineConfig, QuantConfig
@@ -264,15 +263,16 @@ class DequantizedLinearMethod:
     """A quantized method's linear on a backend without kvserve's CPU kernels (CUDA, the torch
     backend), loaded as the method loads it (a GPTQ checkpoint's qweight, int4 rounding at
     load). Then 4-bit groups (int4_groups) stay 4-bit on torch's int4 matmul where the device
-    runs it (int4mm: CUDA in bfloat16, the CPU); any other weight is dequantized once into the
-    model's dtype and multiplied as a float weight (the method's values, the float model's
-    memory and speed)."""
+    runs it (ops.int4_linear: CUDA in bfloat16, the CPU); any other weight is dequantized once
+    into the model's dtype and multiplied as a float weight (the method's values, the float
+    model's memory and speed)."""
 
     def __init__(self, inner: LinearMethod, device: str = "cpu") -> None:
         self.inner = inner
         self.device = torch.device(device)
         self.dtype = torch.float32
-        self.int4: tuple[int, torch.Tensor | None] | None = None  # (group size, perm) on int4mm
+        # On ops.int4_linear: (group size, act-order's perm on the device).
+        self.int4: tuple[int, torch.Tensor | None] | None = None
 
     def checkpoint_names(self, layer: Linear) -> tuple[str, ...]:
         return self.inner.checkpoint_names(layer)
@@ -290,9 +290,9 @@ class DequantizedLinearMethod:
         groups = self.inner.int4_groups(layer)
         if groups is not None:
             groups = groups.coarsest()
-            if int4mm.unsupported(self.device, self.dtype, groups) is None:
+            if layer.ops.int4_unsupported(groups, self.device, self.dtype) is None:
                 # Packed on the device itself: the tile layout is the device's own.
-                packed, pairs = int4mm.pack(groups, self.device, self.dtype)
+                packed, pairs = layer.ops.int4_pack(groups, self.device, self.dtype)
                 layer.weight = nn.Parameter(packed, requires_grad=False)
                 layer.int4_pairs = nn.Parameter(pairs, requires_grad=False)
                 self.int4 = (groups.group_size,
@@ -304,9 +304,8 @@ class DequantizedLinearMethod:
     def apply(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
         if self.int4 is None:
             return layer.ops.linear(x, layer.weight, layer.bias, wtype=float_wtype(layer.weight))
-        y = int4mm.matmul(x, layer.weight, layer.int4_pairs, self.int4[0], layer.out_features,
-                          self.int4[1]).to(x.dtype)
-        return y if layer.bias is None else y + layer.bias
+        return layer.ops.int4_linear(x, layer.weight, layer.int4_pairs, self.int4[0],
+                                     layer.out_features, self.int4[1], layer.bias)
 
     def kernel_weights(self, layer: Linear) -> list[KernelWeight] | None:
         if self.int4 is not None:
@@ -321,8 +320,8 @@ class DequantizedLinearMethod:
             return layer.weight.float()
         # The int4 matmul of the identity: the weight as the kernel itself reads it.
         eye = torch.eye(layer.in_features, device=layer.int4_pairs.device, dtype=self.dtype)
-        return int4mm.matmul(eye, layer.weight, layer.int4_pairs, self.int4[0],
-                             layer.out_features, self.int4[1]).float().T.contiguous()
+        return layer.ops.int4_linear(eye, layer.weight, layer.int4_pairs, self.int4[0],
+                                     layer.out_features, self.int4[1]).float().T.contiguous()
 
     def int4_groups(self, layer: Linear) -> None:
         return None  # already placed: nothing wraps this method again

@@ -54,7 +54,7 @@ from kvserve.quant.base import (
     kernels_run,
     require_float32,
 )
-from kvserve.quant.int4mm import Int4Groups
+from kvserve.quant.int4_groups import Int4Groups
 
 if TYPE_CHECKING:
     from kvserve.config import EngineConfig

@@ -43,7 +43,7 @@ from kvserve.quant.base import (
     require_float32,
 )
 from kvserve.quant.gguf import BLOCK, F32, Q4_1, Q8_0, dequantize_runs, int4_runs, pack
-from kvserve.quant.int4mm import Int4Groups
+from kvserve.quant.int4_groups import Int4Groups
 from kvserve.quant.rtn import int4_to_q4_1, int8_to_q8_0
 
 if TYPE_CHECKING:

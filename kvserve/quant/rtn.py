@@ -37,7 +37,7 @@ from kvserve.quant.base import (
     require_float32,
 )
 from kvserve.quant.gguf import BLOCK, F32, Q4_1, Q8_0, dequantize_runs, int4_runs, pack
-from kvserve.quant.int4mm import Int4Groups
+from kvserve.quant.int4_groups import Int4Groups
 
 if TYPE_CHECKING:
     from kvserve.config import EngineConfig

@@ -1,5 +1,6 @@
-"""kvserve/quant/int4mm.py: 4-bit groups on torch's int4 matmul (its CPU kernel here; CUDA's
-tinygemm in tests/cuda/test_cuda_quant.py, which runs these tests on the GPU in bfloat16).
+"""kvserve/ops/int4mm.py: 4-bit groups (kvserve/quant/int4_groups.py) on torch's int4
+matmul (its CPU kernel here; CUDA's tinygemm in tests/cuda/test_cuda_int4mm.py, which runs
+these tests on the GPU in bfloat16).
 
 The reference is independent of torch's kernels: the groups' own dequantization in float64,
 and gguf-py's decode of the same Q4_0 / Q4_1 / Q4_K blocks.
@@ -14,10 +15,10 @@ import numpy as np
 import pytest
 import torch
 
-from kvserve.quant import int4mm
+from kvserve.ops import int4mm
 from kvserve.quant.base import KernelWeight
 from kvserve.quant.gguf import Q4_0, Q4_1, Q4_K, Q6_K, int4_runs, pack
-from kvserve.quant.int4mm import Int4Groups
+from kvserve.quant.int4_groups import Int4Groups
 from kvserve.quant.kquant_pack import pack_kquant
 from kvserve.quant.rtn import int4_to_q4_1, quantize_int4
 

@@ -7,24 +7,20 @@ device's own tile layout, and per group of G inputs (G in 32, 64, 128, 256) a sc
 
     w[n, k] = (q[n, k] - 8) * scale[n, k / G] + zero[n, k / G]
 
-A method whose weights are 4-bit with an affine pair per group hands them over as Int4Groups
-(LinearMethod.int4_groups): GPTQ-4, AWQ and int4, which kvserve holds as Q4_1 blocks
-(w = d q + m: scale d, zero m + 8 d), and under an explicit "gguf" a file's Q4_0
-(w = d (q - 8): zero 0), Q4_1 and Q4_K matrices (a sub-block of 32, dl q - dm: scale dl,
-zero 8 dl - dm). The layer then keeps ~4.5-5 bits a weight on the device (pack), where
-DequantizedLinearMethod would otherwise hold the model's dtype. Values: the scale and zero
-are rounded to the activations' dtype (bfloat16 on CUDA: up to 1/32 of a quantization step),
-and the sum runs in the kernel's order, so a result is within float rounding of the
-dequantized weight's, not bit for bit.
+The groups come from a quantization method (kvserve/quant/int4_groups.py's Int4Groups);
+packed, a layer keeps ~4.5-5 bits a weight on the device, where DequantizedLinearMethod would
+otherwise hold the model's dtype. ReferenceOps.int4_pack / int4_linear are this module to the
+quantization seam. Values: the scale and zero are rounded to the activations' dtype (bfloat16
+on CUDA: up to 1/32 of a quantization step), and the sum runs in the kernel's order, so a
+result is within float rounding of the dequantized weight's, not bit for bit.
 """
 
 from __future__ import annotations
 
-from typing import NamedTuple
-
 import torch
 
-GROUP_SIZES = (32, 64, 128, 256)  # what both kernels take
+from kvserve.quant.int4_groups import GROUP_SIZES, Int4Groups
+
 N_ALIGN = 16  # the CPU packing needs N % 16 == 0 (CUDA's, N % 8): the rows are padded to it
 # Above this many rows, tinygemm (built for decode: 0.5x bfloat16's time at 1 row) is slower
 # than dequantizing the weight (dequantize_cuda) and running cuBLAS. Measured on an H200,
@@ -32,43 +28,6 @@ N_ALIGN = 16  # the CPU packing needs N % 16 == 0 (CUDA's, N % 8): the rows are 
 # (1.0 ms at 256 rows of a 14336 x 4096 weight, 4.1 ms at 1024), the dequantized path's
 # barely (0.97, 1.07 ms); they cross between 128 and 256 rows.
 DENSE_ABOVE_M = 192
-
-
-class Int4Groups(NamedTuple):
-    """A linear's weight as 4-bit integers and an affine pair per group of inputs, in torch's
-    int4 convention: w[n, k] = (q[n, k] - 8) * scale[n, k / G] + zero[n, k / G]."""
-
-    q: torch.Tensor  # uint8 [N, K] in [0, 15]; column j is input perm[j] (input j if no perm)
-    scale: torch.Tensor  # float32 [N, K / G]
-    zero: torch.Tensor  # float32 [N, K / G]
-    group_size: int
-    perm: torch.Tensor | None  # act-order GPTQ: x's inputs in q's column order
-
-    def dequantize(self) -> torch.Tensor:
-        """float32 [N, K] in the inputs' own order."""
-        g = self.group_size
-        w = ((self.q.float() - 8) * self.scale.repeat_interleave(g, dim=1)
-             + self.zero.repeat_interleave(g, dim=1))
-        if self.perm is None:
-            return w
-        out = torch.empty_like(w)
-        out[:, self.perm] = w
-        return out
-
-    def coarsest(self) -> Int4Groups:
-        """The same weight with the largest group size whose groups each repeat one pair (a
-        GPTQ group of 128 arrives as four Q4_1 blocks of 32): fewer pairs to store and read."""
-        g, k = self.group_size, self.q.shape[1]
-        for size in sorted(GROUP_SIZES, reverse=True):
-            if size <= g or k % size:
-                continue
-            per = size // g
-            s = self.scale.reshape(self.scale.shape[0], -1, per)
-            z = self.zero.reshape(self.zero.shape[0], -1, per)
-            if torch.equal(s, s[..., :1].expand_as(s)) and torch.equal(z, z[..., :1].expand_as(z)):
-                return self._replace(scale=s[..., 0].contiguous(), zero=z[..., 0].contiguous(),
-                                     group_size=size)
-        return self
 
 
 def unsupported(device: torch.device, dtype: torch.dtype, groups: Int4Groups) -> str | None:

@@ -263,7 +263,7 @@ class DequantizedLinearMethod:
     """A quantized method's linear on a backend without kvserve's CPU kernels (CUDA, the torch
     backend), loaded as the method loads it (a GPTQ checkpoint's qweight, int4 rounding at
     load). Then 4-bit groups (int4_groups) stay 4-bit on torch's int4 matmul where the device
-    runs it (ops.int4_linear: CUDA in bfloat16, the CPU); any other weight is dequantized once
+    runs it (ops.int4_linear: bfloat16, on CUDA or the CPU); any other weight is dequantized once
     into the model's dtype and multiplied as a float weight (the method's values, the float
     model's memory and speed)."""
 

@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from tests.unit.test_int4mm import (  # noqa: F401  (tests)
-    test_a_group_size_the_kernel_lacks_is_refused,
     test_matmul_is_the_groups_dequantized,
+    test_what_the_kernel_lacks_is_refused_by_name,
 )
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")

@@ -164,21 +164,27 @@ def test_fused_stack_runs_mixed_k_quant_layers_as_the_python_layers_do(
 
 
 def test_q4_k_layers_stay_4_bit_without_the_kernels(tmp_path: Path) -> None:
-    """A Q4_K_M file under "gguf" on a backend without kvserve's kernels (the torch one here,
-    CUDA in practice): its all-Q4_K layers (gate_up, o_proj) run on torch's int4 matmul at
-    half a byte a weight, the rest (Q6_K down_proj, qkv with its Q6_K v, lm_head) are
-    dequantized, and the logits are the float model's on the same blocks to float rounding."""
+    """A Q4_K_M file under "gguf" in bfloat16 on a backend without kvserve's kernels (the
+    torch one here, CUDA in practice): its all-Q4_K layers (gate_up, o_proj) run on torch's
+    int4 matmul at half a byte a weight, the rest (Q6_K down_proj, qkv with its Q6_K v,
+    lm_head) are dequantized, and the logits are the bfloat16 model's on the same blocks
+    dequantized, to bfloat16's rounding. (In float32 every layer is dequantized: the CPU's
+    int4 matmul is slow there.)"""
     path, _types = _write(tmp_path, "Q4_K_M")
     ck = load_checkpoint(str(path))
     ops = get_ops("torch")
     quant = get_quant_method(quant_config("gguf")).without_kernels("cpu")
-    model = build_model(ck, ops, torch.float32, quant)
-    floats = build_model(ck, ops, torch.float32, "none")
+    model = build_model(ck, ops, torch.bfloat16, quant)
+    floats = build_model(ck, ops, torch.bfloat16, "none")
     for layer in model.layers:
         for lin in (layer.mlp.gate_up_proj, layer.self_attn.o_proj):
             assert lin.weight.dtype == torch.uint8  # the CPU int4 matmul's packing
             assert lin.weight.numel() == lin.in_features * lin.out_features // 2
         for lin in (layer.mlp.down_proj, layer.self_attn.qkv_proj):
-            assert lin.weight.dtype == torch.float32
+            assert lin.weight.dtype == torch.bfloat16
+    # Measured 0.015: bfloat16's own rounding (the dense bfloat16 model is 0.018 from the
+    # float32 one); a wrong scale or zero in one layer is off by far more.
     err = _logits_error(model, floats)
-    assert err < 1e-5, err
+    assert err < 4e-2, err
+    f32 = build_model(ck, ops, torch.float32, quant)
+    assert f32.layers[0].mlp.gate_up_proj.weight.dtype == torch.float32

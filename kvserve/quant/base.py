@@ -16,9 +16,9 @@
                 int4_groups               4-bit integers and a scale / zero per group, where
                                           the method's weights are that (GPTQ-4, AWQ, int4)
            -> without_kernels(device): the method on a backend without the CPU kernels (CUDA);
-              by default its linears as torch's int4 matmul where int4_groups gives them and
-              the device runs it (layer.ops.int4_linear), else dequantized once loaded
-              (DequantizedLinearMethod)
+              by default its linears on torch's int4 matmul where int4_groups gives them and
+              the device runs it (bfloat16: layer.ops.int4_linear), else dequantized once
+              loaded (DequantizedLinearMethod)
 
 The model file builds its Linear layers with `quant.linear_method(prefix)` and never names a
 format; a checkpoint tensor it cannot place as stored (an embedding, a norm) it turns into

@@ -346,9 +346,10 @@ class QuantMethod:
     group_sizes: ClassVar[tuple[int, ...]] = ()
     default_group_size: ClassVar[int | None] = None
     # What without_kernels() runs, for the start-up log.
-    without_kernels_note: ClassVar[str] = ("4-bit groups on torch's int4 matmul where the device "
-                                           "runs it, other weights dequantized once loaded into "
-                                           "the model's dtype")
+    without_kernels_note: ClassVar[str] = ("4-bit groups on torch's int4 matmul in bfloat16 "
+                                           "(--dtype bfloat16); other weights, and any weight "
+                                           "in another dtype, dequantized once loaded into the "
+                                           "model's dtype")
 
     def __init__(self, config: QuantConfig | None = None) -> None:
         self.config = config

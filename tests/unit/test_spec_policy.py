@@ -235,6 +235,32 @@ def test_a_stall_does_not_price_a_row_count_out() -> None:
     assert policy.cost(3) == 0.0200
 
 
+def test_a_stale_dear_row_count_is_tried_again() -> None:
+    # The Qwen2.5-Coder 1.5B target with its 0.5B draft, as one engine measured it: 3-5 rows
+    # once early at 110 / 103 / 123 ms (66 / 82 / 100 timed directly), then one draft a step
+    # at 1 and 2 rows (44 and 49 ms). The stale 3 rows, one past the fresh counts, gives way
+    # to their estimate: a second draft is tried, and 3 rows measured again.
+    policy = SpecPolicy(4, draft_forwards="per_depth")
+    for rows, t in ((3, 0.1098), (4, 0.1027), (5, 0.1232)):
+        policy.observe_step(rows, t)
+    policy.observe_draft([(1, 0.0138)])
+    reqs = _reqs(1)
+    _accept(policy, reqs, 2, 2, times=3)
+    _accept(policy, reqs, 1, 1, times=7)  # alpha ~0.85
+    for _ in range(20):
+        policy.observe_step(1, 0.0443)
+        policy.observe_step(2, 0.0490)
+    assert policy.cost(3) < 0.070
+    assert policy.cost(5) == pytest.approx(0.1232)  # two past the fresh counts: as it was
+    assert policy.num_drafts(reqs, [200]) == [2]
+    # Measured again, 3 rows is fresh, its average started anew; then 4 rows is one past,
+    # priced from 1-3 rows (84 ms; 82 timed) instead of its stale 103, and tried next.
+    policy.observe_step(3, 0.0663)
+    assert policy.cost(3) == 0.0663
+    assert 0.080 < policy.cost(4) < 0.090
+    assert policy.num_drafts(reqs, [200]) == [3]
+
+
 def test_a_fresh_row_count_keeps_its_own_time() -> None:
     # Under load the step of 8 rows is measured all the time; a larger count measured once
     # at a quiet moment must not make it (and so the rows past it) look cheaper.

@@ -131,7 +131,7 @@ class StepCosts:
             # 1.26x of no speculation against 1.46x for the n-gram one beside it.
             return
         old = self.table.get(rows)
-        if old is not None and self._observations - self._seen[rows] > _STALE:
+        if old is not None and self._stale(rows):
             old = None  # a stale average starts again: what it averaged is long past
         self.table[rows] = _ema(old, seconds)
         self._observations += 1
@@ -149,7 +149,7 @@ class StepCosts:
             return default_base * (1 + self.row_share * (rows - 1))
         cost = self._estimate(rows, table)
         seen = self._seen.get(rows)
-        if seen is not None and self._observations - seen > _STALE:
+        if seen is not None and self._stale(rows):
             cost = min([cost] + [v for n, v in table.items()
                                  if n > rows and self._seen[n] > seen])
             # A stale entry no further than one row past the fresh ones also gives way to
@@ -160,11 +160,15 @@ class StepCosts:
             # Qwen2.5-Coder 1.5B target's 3 rows (109.8 ms, measured once early, against
             # 66 timed directly and 49 at 2 rows) priced a second draft out for good: one
             # token a step, 227 drafts of 314 tokens on two open prompts.
-            fresh = {n: v for n, v in table.items()
-                     if self._observations - self._seen[n] <= _STALE}
+            fresh = {n: v for n, v in table.items() if not self._stale(n)}
             if fresh and rows <= max(fresh) + 1:
                 cost = min(cost, self._estimate(rows, fresh))
         return cost
+
+    def _stale(self, rows: int) -> bool:
+        """Whether the measured row count rows was last measured over _STALE observations
+        ago."""
+        return self._observations - self._seen[rows] > _STALE
 
     def _estimate(self, rows: int, table: dict[int, float]) -> float:
         if rows in table:

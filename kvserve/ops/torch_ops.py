@@ -1,7 +1,12 @@
 """Torch ops backend for devices without kvserve kernels (CUDA, and CPUs without AVX2/FMA).
 
-Everything is ReferenceOps' except paged attention, which here runs the whole varlen batch in
-one `scaled_dot_product_attention` call with no per-request Python loop and no device sync:
+Everything is ReferenceOps' except two ops that here never wait for the device, so that a
+decode step can be captured in a CUDA graph (kvserve/graphs.py):
+- write_kv: the reference drops slot -1 rows by a boolean mask (a device sync, and a shape
+  known only on the host); here every row writes, a -1 row its slot's own old value back into
+  the null block, which leaves the cache's bytes as the reference leaves them.
+- paged attention runs the whole varlen batch in one `scaled_dot_product_attention` call with
+  no per-request Python loop:
 each request's blocks are gathered into a padded [B, K, Hkv, D] context, its queries into a
 padded [B, Q, H, D] block, and a boolean mask carries both causality and the padding. The
 reference stays the oracle; tests/unit/test_ops_torch.py holds the parity test.
@@ -17,11 +22,32 @@ import torch
 import torch.nn.functional as F
 
 from kvserve.kv.layout import QuantizedKVCache
-from kvserve.ops.reference import ReferenceOps, dequantize_kv
+from kvserve.ops.reference import ReferenceOps, dequantize_kv, quantize_kv
 
 
 class TorchOps(ReferenceOps):
     name = "torch"
+
+    @staticmethod
+    def write_kv(key: torch.Tensor, value: torch.Tensor,
+                 kv_cache: torch.Tensor | QuantizedKVCache, slot_mapping: torch.Tensor) -> None:
+        """Same contract as ReferenceOps.write_kv: slot -1 changes nothing. Such a row is
+        aimed at slot 0 (in null block 0, which no request holds) and writes back what is
+        there, so no row is dropped on the host."""
+        keep = (slot_mapping >= 0).unsqueeze(-1).unsqueeze(-1)  # [T, 1, 1]
+        slots = slot_mapping.clamp(min=0).long()
+        quant = isinstance(kv_cache, QuantizedKVCache)
+        data = kv_cache.data if quant else kv_cache
+        nb, bs, hkv, d = data.shape[1:]
+        for i, x in enumerate((key, value)):
+            rows = data[i].view(nb * bs, hkv, d)
+            if quant:
+                q, s = quantize_kv(x, kv_cache.kv_dtype)
+                scales = kv_cache.scales[i].view(nb * bs, hkv)
+                scales[slots] = torch.where(keep[..., 0], s, scales[slots])
+                rows[slots] = torch.where(keep, q, rows[slots])
+            else:
+                rows[slots] = torch.where(keep, x.to(data.dtype), rows[slots])
 
     @staticmethod
     def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor | QuantizedKVCache,

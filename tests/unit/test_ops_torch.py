@@ -55,6 +55,38 @@ def test_paged_attention_bfloat16_tracks_float32() -> None:
     torch.testing.assert_close(out.float(), REF.paged_attention(*args32), atol=3e-2, rtol=3e-2)
 
 
+@pytest.mark.parametrize("kv", ["float32", "bfloat16", "int8", "fp8_e4m3"])
+def test_write_kv_matches_reference_bit_for_bit(kv: str) -> None:
+    """The torch backend writes every row (no host-side mask, so a CUDA graph can hold it);
+    a slot -1 row must still change nothing, the null block included."""
+    from kvserve.kv.layout import QuantizedKVCache
+
+    g = torch.Generator().manual_seed(5)
+    nb, bs, hkv, d = 6, 4, 2, 8
+    data = torch.randn(2, nb, bs, hkv, d, generator=g)
+    if kv == "int8":
+        init = [data.mul(40).round().clamp(-127, 127).to(torch.int8), torch.rand(2, nb, bs, hkv)]
+    elif kv == "fp8_e4m3":
+        init = [data.to(torch.float8_e4m3fn).view(torch.uint8), torch.rand(2, nb, bs, hkv)]
+    else:
+        init = [data.to(getattr(torch, kv)).view(torch.uint8 if kv == "bfloat16" else data.dtype)]
+
+    def cache(bufs: list[torch.Tensor]) -> torch.Tensor | QuantizedKVCache:
+        if len(bufs) == 2:
+            return QuantizedKVCache(*bufs)
+        return bufs[0].view(torch.bfloat16) if kv == "bfloat16" else bufs[0]
+
+    ref, ours = [t.clone() for t in init], [t.clone() for t in init]
+    key, value = torch.randn(2, 7, hkv, d, generator=g)
+    slots = torch.tensor([-1, 5, 9, -1, 23, 4, -1])  # none in null block 0 (slots 0..3)
+    REF.write_kv(key, value, cache(ref), slots)
+    OPS.write_kv(key, value, cache(ours), slots)
+    for r, o, i in zip(ref, ours, init, strict=True):
+        assert torch.equal(r, o)
+        assert not torch.equal(r, i)  # the four real rows did land
+        assert torch.equal(r[:, 0], i[:, 0])  # the null block is as it was
+
+
 def test_auto_picks_torch_off_the_cpu() -> None:
     assert get_ops("auto", device="cuda").name == "torch"
     assert get_ops("torch").name == "torch"

@@ -393,6 +393,8 @@ class EngineConfig:
     device: str = "cpu"
     seed: int = 0
     ops_backend: str = "auto"  # "auto" | "reference" | "cpu" | "torch" (kvserve.ops registry)
+    # True: no CUDA graphs (kvserve/graphs.py), every step launched op by op (vLLM's name).
+    enforce_eager: bool = False
     quant: QuantConfig = field(default_factory=QuantConfig)
     # Bound of the compiled-grammar cache (response_format schemas), in bytes; 0: no cache.
     grammar_cache_bytes: int = 256 << 20

@@ -53,6 +53,8 @@ class EngineArgs:
     # vLLM V1: the same requests in the same order sample the same tokens run after run.
     seed: int = 0
     ops_backend: str = "auto"
+    # CUDA only: True runs every step op by op; False captures decode steps as CUDA graphs.
+    enforce_eager: bool = False
     # None (auto): "gguf" for a .gguf file in float32 on the CPU (the kernels read its Q4_1 /
     # Q8_0 blocks as stored, like llama.cpp), else "none" (dequantize at load).
     quantization: str | None = None
@@ -106,6 +108,7 @@ class EngineArgs:
                                       max_waiting_requests=self.max_waiting_requests,
                                       tiers=parse_tiers(self.tiers)),
             dtype=dtype, device=device, seed=self.seed, ops_backend=self.ops_backend,
+            enforce_eager=self.enforce_eager,
             quant=quant_config(quantization, self.quant_group_size, mc.quantization_config),
             grammar_cache_bytes=parse_memory(self.grammar_cache_memory,
                                              "grammar_cache_memory") or 0,
@@ -207,6 +210,8 @@ class EngineArgs:
         p.add_argument("--ops-backend", default=d.ops_backend,
                        help="auto (cpu kernels on CPU, torch elsewhere), cpu, torch or "
                        "reference (the pure-torch oracle)")
+        p.add_argument("--enforce-eager", action="store_true",
+                       help="CUDA: run decode steps op by op, not as captured CUDA graphs")
 
     @classmethod
     def from_cli(cls, ns: argparse.Namespace) -> EngineArgs:

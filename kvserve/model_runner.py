@@ -14,6 +14,7 @@ import torch
 
 from kvserve.config import EngineConfig
 from kvserve.executor.tp import TPExecutor
+from kvserve.graphs import DecodeGraphs
 from kvserve.model_setup import allocate_kv_cache
 from kvserve.outputs import ModelInput, ModelOutput, PositionLogprobs, SchedulerOutput
 from kvserve.request import Request
@@ -53,6 +54,13 @@ class ModelRunner:
         # state of the row whose logits produced its last emitted token (observe_hidden).
         self._proposer_reads_hidden = proposer is not None and proposer.needs_hidden_states
         self.spec_stats = SpecStats()
+        # CUDA graphs for one-token decode steps (kvserve/graphs.py); None: every step eager.
+        self.graphs = None
+        if self.device.type == "cuda" and not config.enforce_eager:
+            sched = config.scheduler
+            self.graphs = DecodeGraphs(self._forward_all, self.kv_cache, self.device,
+                                       self.block_size, sched.max_num_seqs,
+                                       -(-sched.max_model_len // self.block_size))
         spec = config.speculative
         self.spec_policy = None if spec is None else SpecPolicy(
             spec.num_speculative_tokens, spec.adaptive,
@@ -151,13 +159,31 @@ class ModelRunner:
             self.spec_policy.observe_catch_up(*self.proposer.last_catch_up)
         return drafts
 
+    def forward(self, inp: ModelInput, every_row_samples: bool
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(hidden states of every token, logits of inp.logits_indices' rows). Where each
+        request feeds one token and samples it (every_row_samples: logits_indices is every
+        row), a CUDA graph's replay when one fits; its tensors last until the next step."""
+        if self.graphs is not None and every_row_samples and self.executor is None:
+            ran = self.graphs.run(inp)
+            if ran is not None:
+                return ran
+        hidden = self.model(inp, self.kv_cache)
+        # Logits only for the rows that sample or need prompt logprobs.
+        return hidden, self.model.compute_logits(hidden[inp.logits_indices])
+
+    def _forward_all(self, inp: ModelInput, kv_cache: Any
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
+        """What a decode graph holds: the model and the logits of every row."""
+        hidden = self.model(inp, kv_cache)
+        return hidden, self.model.compute_logits(hidden)
+
     def _execute(self, so: SchedulerOutput) -> ModelOutput:
         inp, sample_idx, prompt_lp = self.prepare_inputs(so)
         if self.executor is not None:
             self.executor.send_step(inp)  # the other ranks run the same forward with us
-        hidden = self.model(inp, self.kv_cache)
-        # Logits only for the rows that sample or need prompt logprobs.
-        logits = self.model.compute_logits(hidden[inp.logits_indices])
+        every_row_samples = not prompt_lp and len(sample_idx) == len(so.scheduled)
+        hidden, logits = self.forward(inp, every_row_samples)
         requests = [so.scheduled[b].request for b in sample_idx]
         out = ModelOutput(req_ids=[r.request_id for r in requests], sampled_token_ids=[],
                           logprobs=[])

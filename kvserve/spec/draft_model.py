@@ -295,10 +295,10 @@ class DraftModelProposer:
         lm_head's tokens (vocab_ids' order; all V when None)."""
         assert self.runner is not None, "allocate_kv first"
         so = SchedulerOutput(scheduled, sum(s.num_tokens for s in scheduled))
-        inp, _, _ = self.runner.prepare_inputs(so)
-        hidden = self.model(inp, self.runner.kv_cache)
+        inp, sample_idx, prompt_lp = self.runner.prepare_inputs(so)
+        _, logits = self.runner.forward(inp, not prompt_lp and len(sample_idx) == len(scheduled))
         # The sampling rows come first (prompt-logprob rows, which the draft needs not, after).
-        return self.model.compute_logits(hidden[inp.logits_indices[:len(scheduled)]]).float()
+        return logits[:len(scheduled)].float()
 
     def _sample(self, logits: torch.Tensor, meta: SamplingMetadata
                 ) -> tuple[list[int], list[torch.Tensor | None] | None, list[float]]:

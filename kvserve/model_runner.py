@@ -54,13 +54,15 @@ class ModelRunner:
         # state of the row whose logits produced its last emitted token (observe_hidden).
         self._proposer_reads_hidden = proposer is not None and proposer.needs_hidden_states
         self.spec_stats = SpecStats()
-        # CUDA graphs for one-token decode steps (kvserve/graphs.py); None: every step eager.
+        # CUDA graphs for decode steps (kvserve/graphs.py); None: every step eager.
         self.graphs = None
         if self.device.type == "cuda" and not config.enforce_eager:
-            sched = config.scheduler
-            self.graphs = DecodeGraphs(self._forward_all, self.kv_cache, self.device,
-                                       self.block_size, sched.max_num_seqs,
-                                       -(-sched.max_model_len // self.block_size))
+            sched, spec = config.scheduler, config.speculative
+            self.graphs = DecodeGraphs(
+                self._forward_all, self.kv_cache, self.device, self.block_size,
+                sched.max_num_seqs, -(-sched.max_model_len // self.block_size),
+                max_query_len=1 + (spec.num_speculative_tokens if spec is not None else 0),
+                max_position=sched.max_model_len - 1)
         spec = config.speculative
         self.spec_policy = None if spec is None else SpecPolicy(
             spec.num_speculative_tokens, spec.adaptive,
@@ -159,12 +161,13 @@ class ModelRunner:
             self.spec_policy.observe_catch_up(*self.proposer.last_catch_up)
         return drafts
 
-    def forward(self, inp: ModelInput, every_row_samples: bool
+    def forward(self, inp: ModelInput, all_decode: bool
                 ) -> tuple[torch.Tensor, torch.Tensor]:
-        """(hidden states of every token, logits of inp.logits_indices' rows). Where each
-        request feeds one token and samples it (every_row_samples: logits_indices is every
-        row), a CUDA graph's replay when one fits; its tensors last until the next step."""
-        if self.graphs is not None and every_row_samples and self.executor is None:
+        """(hidden states of every token, logits of inp.logits_indices' rows). Where every
+        request decodes (all_decode: its token and drafts, each sampled, so logits_indices
+        is every row in order), a CUDA graph's replay when one fits; its tensors last until
+        the next step."""
+        if self.graphs is not None and all_decode and self.executor is None:
             ran = self.graphs.run(inp)
             if ran is not None:
                 return ran
@@ -182,8 +185,8 @@ class ModelRunner:
         inp, sample_idx, prompt_lp = self.prepare_inputs(so)
         if self.executor is not None:
             self.executor.send_step(inp)  # the other ranks run the same forward with us
-        every_row_samples = not prompt_lp and len(sample_idx) == len(so.scheduled)
-        hidden, logits = self.forward(inp, every_row_samples)
+        all_decode = not prompt_lp and all(s.is_decode for s in so.scheduled)
+        hidden, logits = self.forward(inp, all_decode)
         requests = [so.scheduled[b].request for b in sample_idx]
         out = ModelOutput(req_ids=[r.request_id for r in requests], sampled_token_ids=[],
                           logprobs=[])

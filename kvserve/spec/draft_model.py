@@ -295,8 +295,9 @@ class DraftModelProposer:
         lm_head's tokens (vocab_ids' order; all V when None)."""
         assert self.runner is not None, "allocate_kv first"
         so = SchedulerOutput(scheduled, sum(s.num_tokens for s in scheduled))
-        inp, sample_idx, prompt_lp = self.runner.prepare_inputs(so)
-        _, logits = self.runner.forward(inp, not prompt_lp and len(sample_idx) == len(scheduled))
+        inp, _, prompt_lp = self.runner.prepare_inputs(so)
+        _, logits = self.runner.forward(inp, not prompt_lp
+                                        and all(s.is_decode for s in scheduled))
         # The sampling rows come first (prompt-logprob rows, which the draft needs not, after).
         return logits[:len(scheduled)].float()
 

@@ -93,7 +93,9 @@ class DecodeGraphs:
             self.block_tables = torch.zeros(bmax, cmax, dtype=torch.int32)
             self.seq_lens = torch.ones(bmax, dtype=torch.int32)
             self.logits_indices = torch.arange(rows, dtype=torch.long)
-            self._steps = torch.arange(bmax + 1, dtype=torch.int32)
+            # Each Q's query_start_loc, kept: a graph reads its inputs where it was captured.
+            self._starts = [torch.arange(bmax + 1, dtype=torch.int32) * q
+                            for q in range(max_query_len + 1)]
             self._offsets = torch.arange(max_query_len, dtype=torch.long)
         self._graphs: dict[tuple[int, int, int], tuple[Any, torch.Tensor, torch.Tensor]] = {}
         self._failed: set[tuple[int, int, int]] = set()
@@ -136,7 +138,7 @@ class DecodeGraphs:
         return ModelInput(
             input_ids=self.input_ids[:b * q], positions=self.positions[:b * q],
             slot_mapping=self.slot_mapping[:b * q], block_tables=self.block_tables[:b, :c],
-            seq_lens=self.seq_lens[:b], query_start_loc=self._steps[:b + 1] * q,
+            seq_lens=self.seq_lens[:b], query_start_loc=self._starts[q][:b + 1],
             logits_indices=self.logits_indices[:b * q], max_query_len=q,
             max_seq_len=c * self.block_size)
 

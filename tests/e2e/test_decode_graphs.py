@@ -49,6 +49,15 @@ def test_shapes_round_up_and_stay_bounded() -> None:
     assert 48 * 300 * 16 <= MAX_GATHER_TOKENS < 60 * 300 * 16
     assert g.shape_for(48, 1, 300 * 16) == (48, 1, 300)
     assert g.shape_for(49, 1, 300 * 16) is None
+    # A graph reads its inputs where they were at its capture: every tensor of a graph's
+    # ModelInput must live in a buffer the DecodeGraphs keeps, none in a temporary.
+    kept = {t.untyped_storage().data_ptr() for v in vars(g).values()
+            for t in (v if isinstance(v, list) else [v]) if isinstance(t, torch.Tensor)}
+    for shape in ((1, 1, 16), (4, 3, 32), (60, 4, 300)):
+        inp = g._static_input(*shape)
+        for name, t in vars(inp).items():
+            if isinstance(t, torch.Tensor):
+                assert t.untyped_storage().data_ptr() in kept, (shape, name)
 
 
 @torch.inference_mode()

@@ -24,6 +24,11 @@ MAX_GATHER_TOKENS: the torch backend's attention gathers the whole padded contex
 graph keeps the memory of its largest shapes. Anything else (prefill chunks, prompt
 logprobs, tensor parallelism, larger shapes) runs eagerly, as does everything with
 `enforce_eager`.
+
+Memory: the graphs share one pool for their intermediates, but each keeps its own outputs,
+the hidden states and logits of its B x Q rows (a 64-row graph of a 151936-token vocabulary:
+39 MB of logits). Many shapes of a large vocabulary add up; one output buffer that every
+graph writes into (as vLLM's graphs share theirs) is the next step.
 """
 
 from __future__ import annotations

@@ -161,19 +161,19 @@ class ModelRunner:
             self.spec_policy.observe_catch_up(*self.proposer.last_catch_up)
         return drafts
 
-    def forward(self, inp: ModelInput, all_decode: bool
+    def forward(self, inp: ModelInput, all_decode: bool, logits_rows: int | None = None
                 ) -> tuple[torch.Tensor, torch.Tensor]:
-        """(hidden states of every token, logits of inp.logits_indices' rows). Where every
-        request decodes (all_decode: its token and drafts, each sampled, so logits_indices
-        is every row in order), a CUDA graph's replay when one fits; its tensors last until
-        the next step."""
+        """(hidden states of every token, logits of inp.logits_indices' rows: the first
+        logits_rows of them, or all). Where every request decodes (all_decode: its token
+        and drafts, each sampled, so logits_indices is every row in order), a CUDA graph's
+        replay when one fits; its tensors last until the next step."""
         if self.graphs is not None and all_decode and self.executor is None:
             ran = self.graphs.run(inp)
             if ran is not None:
                 return ran
         hidden = self.model(inp, self.kv_cache)
         # Logits only for the rows that sample or need prompt logprobs.
-        return hidden, self.model.compute_logits(hidden[inp.logits_indices])
+        return hidden, self.model.compute_logits(hidden[inp.logits_indices[:logits_rows]])
 
     def _forward_all(self, inp: ModelInput, kv_cache: Any
                      ) -> tuple[torch.Tensor, torch.Tensor]:

@@ -296,10 +296,10 @@ class DraftModelProposer:
         assert self.runner is not None, "allocate_kv first"
         so = SchedulerOutput(scheduled, sum(s.num_tokens for s in scheduled))
         inp, _, prompt_lp = self.runner.prepare_inputs(so)
-        _, logits = self.runner.forward(inp, not prompt_lp
-                                        and all(s.is_decode for s in scheduled))
         # The sampling rows come first (prompt-logprob rows, which the draft needs not, after).
-        return logits[:len(scheduled)].float()
+        _, logits = self.runner.forward(inp, not prompt_lp and all(s.is_decode for s in scheduled),
+                                        logits_rows=len(scheduled))
+        return logits.float()
 
     def _sample(self, logits: torch.Tensor, meta: SamplingMetadata
                 ) -> tuple[list[int], list[torch.Tensor | None] | None, list[float]]:

@@ -63,6 +63,9 @@ class ModelRunner:
                 sched.max_num_seqs, -(-sched.max_model_len // self.block_size),
                 max_query_len=1 + (spec.num_speculative_tokens if spec is not None else 0),
                 max_position=sched.max_model_len - 1)
+            logger.info("CUDA graphs: decode steps of up to %d requests x %d queries, each shape "
+                        "captured when first run (--enforce-eager: none)",
+                        self.graphs.batch_sizes[-1], self.graphs.max_query_len)
         spec = config.speculative
         self.spec_policy = None if spec is None else SpecPolicy(
             spec.num_speculative_tokens, spec.adaptive,

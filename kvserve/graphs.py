@@ -25,10 +25,10 @@ graph keeps the memory of its largest shapes. Anything else (prefill chunks, pro
 logprobs, tensor parallelism, larger shapes) runs eagerly, as does everything with
 `enforce_eager`.
 
-Memory: the graphs share one pool for their intermediates, but each keeps its own outputs,
-the hidden states and logits of its B x Q rows (a 64-row graph of a 151936-token vocabulary:
-39 MB of logits). Many shapes of a large vocabulary add up; one output buffer that every
-graph writes into (as vLLM's graphs share theirs) is the next step.
+Memory: the graphs share one pool for what they compute, and every graph copies its hidden
+states and logits into one pair of output buffers (max_num_seqs x max queries rows), so no
+graph keeps memory of its own past its replay: however many shapes a server meets, the
+graphs hold about what their largest step needs, plus the buffers.
 """
 
 from __future__ import annotations
@@ -102,7 +102,10 @@ class DecodeGraphs:
             self._starts = [torch.arange(bmax + 1, dtype=torch.int32) * q
                             for q in range(max_query_len + 1)]
             self._offsets = torch.arange(max_query_len, dtype=torch.long)
-        self._graphs: dict[tuple[int, int, int], tuple[Any, torch.Tensor, torch.Tensor]] = {}
+        self._graphs: dict[tuple[int, int, int], Any] = {}
+        # Every graph's outputs, written into at the end of its replay: (hidden, logits) of
+        # up to `rows` rows, made at the first step (when their widths and dtypes are known).
+        self._out: tuple[torch.Tensor, torch.Tensor] | None = None
         self._failed: set[tuple[int, int, int]] = set()
         self._pool = torch.cuda.graph_pool_handle() if capture else None
         self.replays: Counter[int] = Counter()  # steps run from a graph, by Q (tests, logs)
@@ -127,17 +130,29 @@ class DecodeGraphs:
             return None
         rows = self._load(inp, n, t, shape)
         if not self.capture:
-            hidden, logits = self._forward(self._static_input(*shape), self._kv_cache)
+            self._step(self._static_input(*shape))
         else:
-            entry = self._graphs.get(shape) or self._capture(shape)
-            if entry is None:
+            graph = self._graphs.get(shape) or self._capture(shape)
+            if graph is None:
                 return None
-            graph, hidden, logits = entry
             graph.replay()
         self.replays[shape[1]] += 1
+        assert self._out is not None
+        hidden, logits = self._out
         if rows is None:
             return hidden[:t], logits[:t]
         return hidden[rows], logits[rows]
+
+    def _step(self, inp: ModelInput) -> None:
+        """The forward, its outputs copied into the shared buffers (what a graph holds)."""
+        hidden, logits = self._forward(inp, self._kv_cache)
+        if self._out is None:  # the first step: outside any capture, so not in the pool
+            rows = self.input_ids.shape[0]
+            self._out = (hidden.new_empty(rows, *hidden.shape[1:]),
+                         logits.new_empty(rows, *logits.shape[1:]))
+        m = hidden.shape[0]
+        self._out[0][:m].copy_(hidden)
+        self._out[1][:m].copy_(logits)
 
     def _static_input(self, b: int, q: int, c: int) -> ModelInput:
         return ModelInput(
@@ -184,29 +199,28 @@ class DecodeGraphs:
         self.positions[:b * q].copy_(pos.clamp(max=self.max_position).view(-1))
         return rows
 
-    def _capture(self, shape: tuple[int, int, int]
-                 ) -> tuple[Any, torch.Tensor, torch.Tensor] | None:
+    def _capture(self, shape: tuple[int, int, int]) -> Any:
         b, q, c = shape
         inp = self._static_input(b, q, c)
         try:
-            # Warm-up on a side stream, as torch.cuda.graphs asks (lazy inits, autotuning),
-            # then the capture. The padded rows write nowhere, the real rows what they will.
+            # Warm-up on a side stream, as torch.cuda.graphs asks (lazy inits, autotuning;
+            # the output buffers the first time), then the capture. The padded rows write
+            # nowhere, the real rows what they will.
             stream = torch.cuda.Stream()
             stream.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(stream):
-                self._forward(inp, self._kv_cache)
+                self._step(inp)
             torch.cuda.current_stream().wait_stream(stream)
             graph = torch.cuda.CUDAGraph()
             # thread_local: CUDA calls of the server's other threads do not void the capture.
             with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
-                hidden, logits = self._forward(inp, self._kv_cache)
+                self._step(inp)
         except RuntimeError as e:  # an op that cannot be captured: this shape runs eagerly
             logger.warning("decode step (batch %d, %d queries, %d blocks) not captured, "
                            "runs eagerly: %s", b, q, c, e)
             self._failed.add(shape)
             return None
-        entry = (graph, hidden, logits)
-        self._graphs[shape] = entry
+        self._graphs[shape] = graph
         logger.info("captured a CUDA graph for decode steps of batch %d, %d queries, %d "
                     "blocks", b, q, c)
-        return entry
+        return graph

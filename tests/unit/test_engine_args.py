@@ -89,3 +89,16 @@ def test_auto_gguf_falls_back_without_the_kernels(monkeypatch: pytest.MonkeyPatc
         (out,) = run_all(e).values()
         outs.append([next(iter(d.values())).logprob for d in out.prompt_logprobs[1:]])
     assert outs[0] == outs[1]
+
+
+def test_enforce_eager_from_kwargs_and_the_cli() -> None:
+    """vLLM's switch for CUDA graphs (kvserve/graphs.py): off by default, on by keyword or
+    by --enforce-eager."""
+    import argparse
+
+    assert config(device="cuda").enforce_eager is False
+    assert config(device="cuda", enforce_eager=True).enforce_eager is True
+    p = argparse.ArgumentParser()
+    EngineArgs.add_cli_args(p)
+    assert EngineArgs.from_cli(p.parse_args(["--enforce-eager"])).enforce_eager is True
+    assert EngineArgs.from_cli(p.parse_args([])).enforce_eager is False

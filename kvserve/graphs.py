@@ -20,8 +20,8 @@ So a real row's arithmetic is the eager path's at the padded shapes.
 
 Graphs are captured when first needed (B rounded up to BATCH_SIZES, Q as it is, C to a
 power of two of at least MIN_BLOCKS), and only while B * C * block_size stays within
-MAX_GATHER_TOKENS: the torch backend's attention gathers the whole padded context, and a
-graph keeps the memory of its largest shapes. Anything else (prefill chunks, prompt
+MAX_GATHER_TOKENS: the torch backend's attention gathers the whole padded context, and the
+graphs' pool keeps what their largest step needed. Anything else (prefill chunks, prompt
 logprobs, tensor parallelism, larger shapes) runs eagerly, as does everything with
 `enforce_eager`.
 

@@ -16,7 +16,13 @@ from kvserve.config import EngineConfig
 from kvserve.executor.tp import TPExecutor
 from kvserve.graphs import DecodeGraphs
 from kvserve.model_setup import allocate_kv_cache
-from kvserve.outputs import ModelInput, ModelOutput, PositionLogprobs, SchedulerOutput
+from kvserve.outputs import (
+    ModelInput,
+    ModelOutput,
+    PositionLogprobs,
+    ScheduledRequest,
+    SchedulerOutput,
+)
 from kvserve.request import Request
 from kvserve.sample.logprobs import compute_prompt_logprobs
 from kvserve.sample.metadata import SamplingMetadata
@@ -54,19 +60,19 @@ class ModelRunner:
         # state of the row whose logits produced its last emitted token (observe_hidden).
         self._proposer_reads_hidden = proposer is not None and proposer.needs_hidden_states
         self.spec_stats = SpecStats()
+        spec = config.speculative
         # CUDA graphs for decode steps (kvserve/graphs.py); None: every step eager.
         self.graphs = None
         if self.device.type == "cuda" and not config.enforce_eager:
-            sched, spec = config.scheduler, config.speculative
+            sched = config.scheduler
             self.graphs = DecodeGraphs(
-                self._forward_all, self.kv_cache, self.device, self.block_size,
+                self._model_logits, self.kv_cache, self.device, self.block_size,
                 sched.max_num_seqs, -(-sched.max_model_len // self.block_size),
                 max_query_len=1 + (spec.num_speculative_tokens if spec is not None else 0),
                 max_position=sched.max_model_len - 1)
             logger.info("CUDA graphs: decode steps of up to %d requests x %d queries, each shape "
                         "captured when first run (--enforce-eager: none)",
                         self.graphs.batch_sizes[-1], self.graphs.max_query_len)
-        spec = config.speculative
         self.spec_policy = None if spec is None else SpecPolicy(
             spec.num_speculative_tokens, spec.adaptive,
             draft_forwards=proposer.draft_forwards if proposer is not None else "none")
@@ -164,32 +170,34 @@ class ModelRunner:
             self.spec_policy.observe_catch_up(*self.proposer.last_catch_up)
         return drafts
 
-    def forward(self, inp: ModelInput, all_decode: bool, logits_rows: int | None = None
+    def forward(self, inp: ModelInput, scheduled: list[ScheduledRequest],
+                prompt_lp: dict[str, Any], logits_rows: int | None = None
                 ) -> tuple[torch.Tensor, torch.Tensor]:
         """(hidden states of every token, logits of inp.logits_indices' rows: the first
-        logits_rows of them, or all). Where every request decodes (all_decode: its token
-        and drafts, each sampled, so logits_indices is every row in order), a CUDA graph's
-        replay when one fits; its tensors last until the next step."""
-        if self.graphs is not None and all_decode and self.executor is None:
+        logits_rows of them, or all), for prepare_inputs' inp and prompt_lp of `scheduled`.
+        Where every request decodes (its token and drafts, each sampled, so logits_indices
+        is every row in order), a CUDA graph's replay when one fits; its tensors last until
+        the next step."""
+        if (self.graphs is not None and self.executor is None and not prompt_lp
+                and all(s.is_decode for s in scheduled)):
             ran = self.graphs.run(inp)
             if ran is not None:
                 return ran
-        hidden = self.model(inp, self.kv_cache)
         # Logits only for the rows that sample or need prompt logprobs.
-        return hidden, self.model.compute_logits(hidden[inp.logits_indices[:logits_rows]])
+        return self._model_logits(inp, self.kv_cache, inp.logits_indices[:logits_rows])
 
-    def _forward_all(self, inp: ModelInput, kv_cache: Any
-                     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """What a decode graph holds: the model and the logits of every row."""
+    def _model_logits(self, inp: ModelInput, kv_cache: Any, rows: torch.Tensor | None = None
+                      ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The model's hidden states of every token and the logits of `rows` of them (None:
+        every row, what a decode graph holds)."""
         hidden = self.model(inp, kv_cache)
-        return hidden, self.model.compute_logits(hidden)
+        return hidden, self.model.compute_logits(hidden if rows is None else hidden[rows])
 
     def _execute(self, so: SchedulerOutput) -> ModelOutput:
         inp, sample_idx, prompt_lp = self.prepare_inputs(so)
         if self.executor is not None:
             self.executor.send_step(inp)  # the other ranks run the same forward with us
-        all_decode = not prompt_lp and all(s.is_decode for s in so.scheduled)
-        hidden, logits = self.forward(inp, all_decode)
+        hidden, logits = self.forward(inp, so.scheduled, prompt_lp)
         requests = [so.scheduled[b].request for b in sample_idx]
         out = ModelOutput(req_ids=[r.request_id for r in requests], sampled_token_ids=[],
                           logprobs=[])

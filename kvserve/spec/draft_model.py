@@ -297,8 +297,7 @@ class DraftModelProposer:
         so = SchedulerOutput(scheduled, sum(s.num_tokens for s in scheduled))
         inp, _, prompt_lp = self.runner.prepare_inputs(so)
         # The sampling rows come first (prompt-logprob rows, which the draft needs not, after).
-        _, logits = self.runner.forward(inp, not prompt_lp and all(s.is_decode for s in scheduled),
-                                        logits_rows=len(scheduled))
+        _, logits = self.runner.forward(inp, scheduled, prompt_lp, logits_rows=len(scheduled))
         return logits.float()
 
     def _sample(self, logits: torch.Tensor, meta: SamplingMetadata

@@ -167,7 +167,7 @@ def test_an_engine_with_graphs_gives_the_eager_engines_tokens(
     runner = llm.llm_engine.runner
     if not capture:  # the CPU builds none; the same path without a capture
         sched = llm.llm_engine.config.scheduler
-        runner.graphs = DecodeGraphs(runner._forward_all, runner.kv_cache, runner.device,
+        runner.graphs = DecodeGraphs(runner._model_logits, runner.kv_cache, runner.device,
                                      runner.block_size, sched.max_num_seqs,
                                      -(-sched.max_model_len // runner.block_size),
                                      max_query_len=4 if spec else 1,

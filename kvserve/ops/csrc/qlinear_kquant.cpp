@@ -31,8 +31,8 @@
 // front to back; activation rows go in passes of ~256 KB of int8 (kept in L2), and a group's
 // records are re-read from cache for every MT rows after the first tile. Q4_K at 2..8 rows
 // (a speculative step's K + 1, small batches) runs Q4KRows' 8-row tiles over the packed
-// records; from 3 rows (Q4_K: 9, Q6_K: 4) on, Q4_K, Q5_K and Q6_K groups are read as wide
-// records instead, unpacked once per pass ("Wide records" below): prefill and batches.
+// records; from 3 rows (Q4_K: 9, Q6_K: 6) on, every format's groups are read as wide records
+// instead, unpacked once per pass ("Wide records" below): prefill and batches.
 #include <omp.h>
 
 #include <type_traits>
@@ -484,7 +484,7 @@ inline void tile(const Q8KActs& a, int64_t m0, const uint8_t* gw, const float* b
   }
 }
 
-// --- Wide records: Q4_K at 9+ rows (Q4KRows below that), Q5_K at 3+, Q6_K at 4+ ---
+// --- Wide records: Q4_K at 9+ rows (Q4KRows below that), Q2_K, Q3_K, Q5_K at 3+, Q6_K at 6+ ---
 //
 // A pass of many activation rows reads its group's records unpacked once (unpack_group) into
 // "wide" records, which tile<> reads as it reads packed ones: each chunk's quants already a
@@ -619,8 +619,11 @@ struct WideQ6K : WideLayout<16, 4, 2, 8> {
   static constexpr bool kMin = false;
   // Q6_K's packed tiles at 2 and 3 rows beat the wide records' unpacking (one call from
   // DRAM, 1536 x 8960, 2 threads, Zen 3: 1.09-1.12x against 1.55-1.77x a 1-row call at 2
-  // rows, 1.38-1.45x against 1.63-1.87x at 3); even at 4, wide ahead from 5.
-  static constexpr int64_t kMinRows = 4;
+  // rows, 1.38-1.45x against 1.63-1.87x at 3). At 4 and 5 rows (a verify step's 1 + K) the
+  // 3-row tile and the rest from cache beat them too, over every Q6_K linear of the Qwen
+  // 1.5B Q4_K_M file (its 151936 x 1536 lm_head the most), 3 alternating pairs: 4 rows
+  // 27.0-29.7 ms against 30.7-35.2, 5 rows 31.1-34.3 against 33.7-44.4; level at 6.
+  static constexpr int64_t kMinRows = 6;
 
   static inline void unpack(const uint8_t* rec, uint8_t* dst) {
     std::memcpy(dst, rec + kq::kQ6KD, 32);
@@ -662,7 +665,71 @@ struct WideQ6K : WideLayout<16, 4, 2, 8> {
   }
 };
 
+// Q2_K / Q3_K wide: sub-block s (16 weights) = 4 chunks of Bits::get's quants (Q2_K q, 0..3;
+// Q3_K q + 4, 0..7), summed in int16 over the whole sub-block (|sum| <= 4 * 2 * 7 * 127 =
+// 7112) and madd by its scale (Q2_K 0..15, Q3_K -32..31); pair factors t < 8: Q2_K (min_2t,
+// min_2t+1), the msum; Q3_K (scale_2t, scale_2t+1), for the - 4 * sum_s scale_s * bsum_s.
+// Both against the bsum pairs (2t, 2t + 1) as stored. Against the 2-row packed tiles, whose
+// bit decoding every 2 rows repeat, over every Q2_K / Q3_K linear of the Qwen 1.5B file
+// requantized to Q2_K (2 threads, Zen 3, 2 alternating pairs): 3 rows 1.3x, 8 rows 1.8x,
+// 64 rows 2.2-2.5x (Q2_K 296-298 ms against 657-750, Q3_K 173-186 against 397-467).
+template <class Fmt>
+struct WideQ23K : WideLayout<16, 4, 4, 8> {
+  static constexpr bool kQ2 = std::is_same_v<Fmt, Q2K>;
+  static constexpr bool kMin = kQ2, kJoint = kQ2;
+  static constexpr int64_t kMinRows = 3;
+
+  static inline void unpack(const uint8_t* rec, uint8_t* dst) {
+    std::memcpy(dst, rec + Fmt::kD, 32);
+    if constexpr (kQ2) std::memcpy(dst + 32, rec + Fmt::kDmin, 32);
+    else std::memset(dst + 32, 0, 32);
+    __m128i sc[16], pf[16];  // scales, pair factors' values
+    if constexpr (kQ2) {
+      const __m128i m15 = _mm_set1_epi8(15);
+      for (int s = 0; s < 16; ++s) {
+        const __m128i p = _mm_loadu_si128(reinterpret_cast<const __m128i*>(rec + 16 * s));
+        sc[s] = _mm_and_si128(p, m15);
+        pf[s] = _mm_and_si128(_mm_srli_epi16(p, 4), m15);
+      }
+    } else {
+      kq::q3k_scales(rec + kq::kQ3KScales, sc);
+      for (int s = 0; s < 16; ++s) pf[s] = sc[s];
+    }
+    for (int r = 0; r < 2; ++r) {
+      for (int t = 0; t < 8; ++t)
+        store(dst + kPairsAt + 64 * t + 32 * r,
+              pair16(widen_i8(pf[2 * t], r), widen_i8(pf[2 * t + 1], r)));
+      for (int s = 0; s < 16; ++s)
+        store(dst + kScales + 64 * s + 32 * r, dup16(widen_i8(sc[s], r)));
+    }
+    for (int s = 0; s < 16; ++s) {  // s = 8h + 2c + half, chunk k: l4 = 4 half + k
+      const int h = s / 8, c = s % 8 / 2, half = s % 2;
+      for (int k = 0; k < 4; ++k)
+        for (int r = 0; r < 2; ++r)
+          store(dst + kQuants + 64 * (4 * s + k) + 32 * r,
+                Fmt::Bits::get(rec, h, c, 4 * half + k, r));
+    }
+  }
+
+  template <int MT>
+  static inline void dot(const uint8_t* rec, const int8_t* const* x, const int16_t* const* bs,
+                         __m256i (*isum)[2], __m256i (*msum)[2]) {
+    sums<MT>(rec, x, isum);
+    for (int m = 0; m < MT; ++m) {
+      int32_t v[8];  // the bsum pairs (2t, 2t + 1) as stored: |bsum| <= 16 * 127
+      std::memcpy(v, bs[m], sizeof v);
+      for (int r = 0; r < 2; ++r) {
+        const __m256i pd = pair_dot<8>(rec, r, v);
+        if constexpr (kQ2) msum[m][r] = pd;
+        else isum[m][r] = _mm256_sub_epi32(isum[m][r], _mm256_slli_epi32(pd, 2));
+      }
+    }
+  }
+};
+
 template <class Fmt> struct Wide { using type = void; };
+template <> struct Wide<Q2K> { using type = WideQ23K<Q2K>; };
+template <> struct Wide<Q3K> { using type = WideQ23K<Q3K>; };
 template <> struct Wide<Q4K> { using type = WideQ45K<false>; };
 template <> struct Wide<Q5K> { using type = WideQ45K<true>; };
 template <> struct Wide<Q6K> { using type = WideQ6K; };
@@ -700,8 +767,8 @@ void run_fmt(const Q8KActs& a, const uint8_t* w, const float* bias, float* out, 
       return;
     }
   }
-  // MT = 1 at decode: one stream, the accumulators in registers. Otherwise (Q2_K and Q3_K;
-  // Q5_K at 2 rows; Q6_K at 2 and 3) 2 rows (Q6_K: 3, its int16 sums are 2 a row) share each
+  // MT = 1 at decode: one stream, the accumulators in registers. Otherwise (Q2_K, Q3_K and
+  // Q5_K at 2 rows; Q6_K at 2 to 5) 2 rows (Q6_K: 3, its int16 sums are 2 a row) share each
   // chunk's load and split (16 ymm cannot hold more rows' accumulators).
   if (a.M == 1) run<Fmt, 1>(a, w, bias, out, N, nthreads);
   else if constexpr (std::is_same_v<Fmt, Q6K>) run<Fmt, 3>(a, w, bias, out, N, nthreads);

@@ -552,6 +552,32 @@ struct WideLayout {
     return acc;
   }
 
+  // pair_dot against each row's bsum pairs (2t, 2t + 1) as stored, rows m < MT: the
+  // layouts of 16-weight sub-blocks (kPairs = 8; |bsum| <= 16 * 127).
+  template <int MT>
+  static inline void stored_pair_dots(const uint8_t* rec, const int16_t* const* bs,
+                                      __m256i (*pd)[2]) {
+    static_assert(kPairs == 8, "the 16 bsums of a super-block as 8 int32 pairs");
+    for (int m = 0; m < MT; ++m) {
+      int32_t v[kPairs];
+      std::memcpy(v, bs[m], sizeof v);
+      for (int r = 0; r < 2; ++r) pd[m][r] = pair_dot<kPairs>(rec, r, v);
+    }
+  }
+
+  // A record of 16-weight sub-blocks' factors from 16 signed int8 planes (rows 0..15 each):
+  // pair factors (pf_2t, pf_2t+1), t < 8, and each sub-block's scale as its madd factor.
+  static inline void store_factors(uint8_t* dst, const __m128i* pf, const __m128i* sc) {
+    static_assert(kPairs == 8 && kSub == 16, "16-weight sub-blocks");
+    for (int r = 0; r < 2; ++r) {
+      for (int t = 0; t < 8; ++t)
+        store(dst + kPairsAt + 64 * t + 32 * r,
+              pair16(widen_i8(pf[2 * t], r), widen_i8(pf[2 * t + 1], r)));
+      for (int s = 0; s < 16; ++s)
+        store(dst + kScales + 64 * s + 32 * r, dup16(widen_i8(sc[s], r)));
+    }
+  }
+
   static inline void store(uint8_t* dst, __m256i v) {
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst), v);
   }
@@ -631,13 +657,7 @@ struct WideQ6K : WideLayout<16, 4, 2, 8> {
     __m128i sc[16];
     for (int s = 0; s < 16; ++s)
       sc[s] = _mm_loadu_si128(reinterpret_cast<const __m128i*>(rec + kq::kQ6KScales + 16 * s));
-    for (int r = 0; r < 2; ++r) {
-      for (int t = 0; t < 8; ++t)
-        store(dst + kPairsAt + 64 * t + 32 * r,
-              pair16(widen_i8(sc[2 * t], r), widen_i8(sc[2 * t + 1], r)));
-      for (int s = 0; s < 16; ++s)
-        store(dst + kScales + 64 * s + 32 * r, dup16(widen_i8(sc[s], r)));
-    }
+    store_factors(dst, sc, sc);
     // Sub-block s = 8h + 2c + half, chunk k: weight 128h + 32c + 4l4 + j for l4 = 4 half + k,
     // assembled as Q6K::dot does.
     for (int s = 0; s < 16; ++s) {
@@ -656,12 +676,11 @@ struct WideQ6K : WideLayout<16, 4, 2, 8> {
   static inline void dot(const uint8_t* rec, const int8_t* const* x, const int16_t* const* bs,
                          __m256i (*isum)[2], __m256i (*)[2]) {
     sums<MT>(rec, x, isum);
-    for (int m = 0; m < MT; ++m) {
-      int32_t v[8];  // the bsum pairs (2t, 2t + 1) as stored: |bsum| <= 16 * 127
-      std::memcpy(v, bs[m], sizeof v);
+    __m256i pd[MT][2];
+    stored_pair_dots<MT>(rec, bs, pd);
+    for (int m = 0; m < MT; ++m)
       for (int r = 0; r < 2; ++r)
-        isum[m][r] = _mm256_sub_epi32(isum[m][r], _mm256_slli_epi32(pair_dot<8>(rec, r, v), 5));
-    }
+        isum[m][r] = _mm256_sub_epi32(isum[m][r], _mm256_slli_epi32(pd[m][r], 5));
   }
 };
 
@@ -695,13 +714,7 @@ struct WideQ23K : WideLayout<16, 4, 4, 8> {
       kq::q3k_scales(rec + kq::kQ3KScales, sc);
       for (int s = 0; s < 16; ++s) pf[s] = sc[s];
     }
-    for (int r = 0; r < 2; ++r) {
-      for (int t = 0; t < 8; ++t)
-        store(dst + kPairsAt + 64 * t + 32 * r,
-              pair16(widen_i8(pf[2 * t], r), widen_i8(pf[2 * t + 1], r)));
-      for (int s = 0; s < 16; ++s)
-        store(dst + kScales + 64 * s + 32 * r, dup16(widen_i8(sc[s], r)));
-    }
+    store_factors(dst, pf, sc);
     for (int s = 0; s < 16; ++s) {  // s = 8h + 2c + half, chunk k: l4 = 4 half + k
       const int h = s / 8, c = s % 8 / 2, half = s % 2;
       for (int k = 0; k < 4; ++k)
@@ -715,14 +728,14 @@ struct WideQ23K : WideLayout<16, 4, 4, 8> {
   static inline void dot(const uint8_t* rec, const int8_t* const* x, const int16_t* const* bs,
                          __m256i (*isum)[2], __m256i (*msum)[2]) {
     sums<MT>(rec, x, isum);
-    for (int m = 0; m < MT; ++m) {
-      int32_t v[8];  // the bsum pairs (2t, 2t + 1) as stored: |bsum| <= 16 * 127
-      std::memcpy(v, bs[m], sizeof v);
-      for (int r = 0; r < 2; ++r) {
-        const __m256i pd = pair_dot<8>(rec, r, v);
-        if constexpr (kQ2) msum[m][r] = pd;
-        else isum[m][r] = _mm256_sub_epi32(isum[m][r], _mm256_slli_epi32(pd, 2));
-      }
+    if constexpr (kQ2) {
+      stored_pair_dots<MT>(rec, bs, msum);
+    } else {
+      __m256i pd[MT][2];
+      stored_pair_dots<MT>(rec, bs, pd);
+      for (int m = 0; m < MT; ++m)
+        for (int r = 0; r < 2; ++r)
+          isum[m][r] = _mm256_sub_epi32(isum[m][r], _mm256_slli_epi32(pd[m][r], 2));
     }
   }
 };

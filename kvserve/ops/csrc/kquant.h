@@ -71,6 +71,17 @@ inline void q4k_scales(const uint8_t* planes, __m128i* sc, __m128i* mn) {
   }
 }
 
+// Q2_K's 16 planes (plane s = scale_s | min_s << 4) -> its 16 scales and 16 mins (0..15) of
+// rows 0..15, an int8 each. The 16-bit shift keeps only bits of the byte itself once masked.
+inline void q2k_scales(const uint8_t* planes, __m128i* sc, __m128i* mn) {
+  const __m128i m15 = _mm_set1_epi8(15);
+  for (int s = 0; s < 16; ++s) {
+    const __m128i p = _mm_loadu_si128(reinterpret_cast<const __m128i*>(planes + 16 * s));
+    sc[s] = _mm_and_si128(p, m15);
+    mn[s] = _mm_and_si128(_mm_srli_epi16(p, 4), m15);
+  }
+}
+
 // Q3_K's 12 scale planes -> its 16 scales (6 bits stored + 32, so -32..31) of rows 0..15, an
 // int8 each:
 //   low 4 bits:  p[s] & 15 (s < 8), p[s - 8] >> 4 (s >= 8)

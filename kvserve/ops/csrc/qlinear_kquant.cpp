@@ -156,13 +156,8 @@ struct Q2K {
   template <int MT>
   static inline void dot(const uint8_t* rec, const int8_t* const* x, const int16_t* const* bs,
                          __m256i (*isum)[2], __m256i (*msum)[2]) {
-    __m128i sc[16], mn[16];  // plane s = scale_s | min_s << 4 (4 bits each)
-    const __m128i m15 = _mm_set1_epi8(15);
-    for (int s = 0; s < 16; ++s) {
-      const __m128i p = _mm_loadu_si128(reinterpret_cast<const __m128i*>(rec + 16 * s));
-      sc[s] = _mm_and_si128(p, m15);
-      mn[s] = _mm_and_si128(_mm_srli_epi16(p, 4), m15);
-    }
+    __m128i sc[16], mn[16];
+    kq::q2k_scales(rec, sc, mn);
     sub_block_sums<MT, Bits>(rec, sc, x, isum);  // scales 0..15: as int8, the same
     for (int m = 0; m < MT; ++m)
       for (int r = 0; r < 2; ++r) msum[m][r] = bsum_dot<false>(mn, bs[m], r);
@@ -704,12 +699,7 @@ struct WideQ23K : WideLayout<16, 4, 4, 8> {
     else std::memset(dst + 32, 0, 32);
     __m128i sc[16], pf[16];  // scales, pair factors' values
     if constexpr (kQ2) {
-      const __m128i m15 = _mm_set1_epi8(15);
-      for (int s = 0; s < 16; ++s) {
-        const __m128i p = _mm_loadu_si128(reinterpret_cast<const __m128i*>(rec + 16 * s));
-        sc[s] = _mm_and_si128(p, m15);
-        pf[s] = _mm_and_si128(_mm_srli_epi16(p, 4), m15);
-      }
+      kq::q2k_scales(rec, sc, pf);
     } else {
       kq::q3k_scales(rec + kq::kQ3KScales, sc);
       for (int s = 0; s < 16; ++s) pf[s] = sc[s];

@@ -142,13 +142,8 @@ struct Q2K {
   template <int MT>
   static inline void dot(const uint8_t* rec, const int8_t* const* x, const int16_t* const* bs,
                          __m512i* isum, __m512i* msum) {
-    __m128i sc[16], mn[16];  // plane s = scale_s | min_s << 4 (4 bits each)
-    const __m128i m15 = _mm_set1_epi8(15);
-    for (int s = 0; s < 16; ++s) {
-      const __m128i p = load128(rec + 16 * s);
-      sc[s] = _mm_and_si128(p, m15);
-      mn[s] = _mm_and_si128(_mm_srli_epi16(p, 4), m15);
-    }
+    __m128i sc[16], mn[16];
+    kq::q2k_scales(rec, sc, mn);
     sub_block_sums<MT, Bits>(rec, sc, x, [](int, int) { return _mm512_setzero_si512(); },
                              isum);
     for (int m = 0; m < MT; ++m) {

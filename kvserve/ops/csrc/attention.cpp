@@ -77,8 +77,8 @@ inline __m256 load8(const int8_t* p) {
   return _mm256_cvtepi32_ps(
       _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
 }
-// e4m3fn bits in arithmetic, not through the table (a gather of 8 lookups cost an fp8 cache's
-// prefill ~2x an int8 one's on Zen 3): the 7 magnitude bits shifted to a float's exponent and
+// e4m3fn bits in arithmetic, not through the table (a gather of 8 lookups made an fp8 cache's
+// attention ~5x an int8 one's on Zen 3, its model prefill ~2x): the 7 magnitude bits shifted to a float's exponent and
 // mantissa (bit 20 on) and rebiased by 127 - 7 give the normals (exponent 1..15) exactly;
 // exponent 0 is subnormal, m * 2^-9 (an exact conversion times a power of two); 0x7f is NaN;
 // the sign bit goes to bit 31. The table's bits for every code (tests/unit/test_kv_quant.py).

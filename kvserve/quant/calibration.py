@@ -23,24 +23,34 @@ from kvserve.loader.tokenizer import Tokenizer
 LayerWeights = dict[str, torch.Tensor]
 
 
-def calibration_batch(tokenizer: Tokenizer, text: str, num_tokens: int, seq_len: int
+DEFAULT_TOKENS = 8192  # calibration tokens when the user names none (or the text's all)
+
+
+def calibration_batch(tokenizer: Tokenizer, text: str, num_tokens: int | None, seq_len: int
                       ) -> torch.Tensor:
-    """The text's first tokens as int64 [S, T] windows: T = seq_len, S = num_tokens // T
-    (at least one window; the text must hold S * T tokens, a BOS counted where the model
-    adds one to each window)."""
-    if seq_len < 2 or num_tokens < seq_len:
+    """Token windows of the text, int64 [S, T]: T = seq_len, S = num_tokens // T (at least
+    one window; a BOS counted where the model adds one to each window), spread evenly from
+    the text's start to its end, so they sample all of it rather than its first pages (a
+    text's opening is rarely like the rest). num_tokens None: DEFAULT_TOKENS, or as many
+    whole windows as the text holds where that is fewer. ValueError when the text is too
+    short for the windows asked (or for one)."""
+    if seq_len < 2 or num_tokens is not None and num_tokens < seq_len:
         raise ValueError(f"calibration needs seq_len >= 2 and num_tokens >= seq_len, got "
                          f"seq_len {seq_len}, num_tokens {num_tokens}")
     ids = tokenizer.encode(text, add_special_tokens=False)
     bos = [tokenizer.bos_token_id] if (tokenizer.add_bos_token
                                        and tokenizer.bos_token_id is not None) else []
     body = seq_len - len(bos)
-    n = num_tokens // seq_len
+    n = (num_tokens or DEFAULT_TOKENS) // seq_len
+    if num_tokens is None:
+        n = max(1, min(n, len(ids) // body))
     if len(ids) < n * body:
         raise ValueError(f"the calibration text has {len(ids)} tokens; {n} windows of "
                          f"{seq_len} need {n * body}: give a longer text or fewer tokens")
-    rows = [bos + ids[i * body:(i + 1) * body] for i in range(n)]
-    return torch.tensor(rows, dtype=torch.long)
+    # Window i starts at round(i * (len - body) / (n - 1)): the first at 0, the last ending
+    # at the text's end, consecutive starts >= body apart (len >= n * body): no overlap.
+    starts = [0] if n == 1 else [round(i * (len(ids) - body) / (n - 1)) for i in range(n)]
+    return torch.tensor([bos + ids[s:s + body] for s in starts], dtype=torch.long)
 
 
 def rope_tables(cfg: ModelConfig, seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -21,6 +21,7 @@ from kvserve.models import build_model
 from kvserve.ops import get_ops
 from kvserve.quant.awq import awq_group_quantize, awq_scale_layer
 from kvserve.quant.calibration import (
+    DEFAULT_TOKENS,
     attention,
     calibration_batch,
     layer_forward,
@@ -143,7 +144,8 @@ def _inputs(smol: dict[str, Any], lw: dict[str, torch.Tensor], x: torch.Tensor, 
     if name == "self_attn.q_proj":
         return h
     x2 = x + attention(h, lw, mc, smol["rope"])
-    return mlp_core(rms_norm(x2, lw["post_attention_layernorm.weight"], mc.rms_norm_eps), lw)
+    h2 = rms_norm(x2, lw["post_attention_layernorm.weight"], mc.rms_norm_eps)
+    return h2 if name in ("mlp.gate_proj", "mlp.up_proj") else mlp_core(h2, lw)
 
 
 # --- the calibration model is the serving model ------------------------------------------------
@@ -310,3 +312,26 @@ def test_awq_beats_round_to_nearest_on_smollm2(smol: dict[str, Any]) -> None:
             x_in, xq_in = _inputs(smol, lw, xs, name), _inputs(smol, scaled, xs, name)
             awq, rtn = out_err(x_in, w, wq, xq_in), out_err(x_in, w, rtn_awq_grid(w, group))
             assert awq < factor * rtn, (name, awq, rtn)
+
+
+def test_calibration_windows_spread_over_the_text(smol: dict[str, Any]) -> None:
+    """Windows sample the whole text, first page to last, without overlap; no count asked:
+    DEFAULT_TOKENS, or every whole window a shorter text holds; too short: a clear error."""
+    tok = smol["ckpt"].tokenizer
+    text = CALIB.read_text(encoding="utf-8")
+    ids = tok.encode(text, add_special_tokens=False)
+    bos = [tok.bos_token_id] if tok.add_bos_token and tok.bos_token_id is not None else []
+    body = 128 - len(bos)
+    got = calibration_batch(tok, text, 5 * 128, 128)
+    assert got.shape == (5, 128)
+    rows = [r[len(bos):].tolist() for r in got]
+    assert rows[0] == ids[:body] and rows[-1] == ids[-body:]
+    starts = [next(s for s in range(len(ids)) if ids[s:s + body] == r) for r in rows]
+    assert all(b - a >= body for a, b in zip(starts, starts[1:]))
+    assert starts[2] == round(2 * (len(ids) - body) / 4)
+    # No count: DEFAULT_TOKENS where the text holds them, else all its whole windows.
+    assert calibration_batch(tok, text, None, 128).shape[0] == min(
+        DEFAULT_TOKENS // 128, len(ids) // body)
+    assert calibration_batch(tok, text, None, 4096).shape[0] == len(ids) // (4096 - len(bos))
+    with pytest.raises(ValueError, match=r"the calibration text has \d+ tokens; 3 windows"):
+        calibration_batch(tok, text[:2000], 3 * 512, 512)

@@ -3,7 +3,8 @@ GGUF) checkpoint written as a quantized safetensors checkpoint in a standard lay
 (kvserve/quant/export.py):
 
     gptq        GPTQ (kvserve/quant/gptq.py), AutoGPTQ "gptq" v1 layout, bits 4 or 8
-    awq         AWQ (kvserve/quant/awq.py), AutoAWQ GEMM layout, bits 4
+    awq         AWQ (kvserve/quant/awq.py: scale search, then clip search), AutoAWQ GEMM
+                layout, bits 4
     smoothquant SmoothQuant W8A8 (kvserve/quant/smoothquant.py, --alpha): norms smoothed
                 into q/k/v and gate/up, int8 weights per channel, compressed-tensors
                 "int-quantized" layout (activations int8 per token at run time)
@@ -205,7 +206,7 @@ def quantize_checkpoint(model: str, out_dir: str, a: QuantizeArgs) -> None:
     as `a` says and writes out_dir (which must not exist or be empty)."""
     from kvserve.loader import load_checkpoint, resolve_model
     from kvserve.quant import export
-    from kvserve.quant.awq import awq_group_quantize, awq_scale_layer
+    from kvserve.quant.awq import awq_clip_layer, awq_group_quantize, awq_scale_layer
     from kvserve.quant.calibration import (
         calibration_batch,
         layer_forward,
@@ -264,6 +265,7 @@ def quantize_checkpoint(model: str, out_dir: str, a: QuantizeArgs) -> None:
         elif a.method == "awq":
             assert x is not None and rope is not None
             scaled = awq_scale_layer(lw, x, mc, rope, a.bits, a.group_size)
+            scaled = awq_clip_layer(scaled, x, mc, rope, a.bits, a.group_size)
             x = layer_forward(x, lw, mc, rope)  # AWQ: the next layer sees float inputs
             lw = scaled
             qls = {n: awq_group_quantize(lw[f"{n}.weight"], a.bits, a.group_size)

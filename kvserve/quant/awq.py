@@ -17,9 +17,15 @@ extra tensor:
     post_attn norm   -> gate, up       (error of the MLP's output)
     up_proj rows     -> down_proj      (error of down_proj's output)
 
-as AutoAWQ's apply_scale (scale_ln_fcs / scale_fc_fc) does. Its optional clipping search
-(auto_clip) is not done here. Like AutoAWQ, every layer's calibration inputs come from the
-float model (a layer's search does not see the earlier layers' quantization).
+as AutoAWQ's apply_scale (scale_ln_fcs / scale_fc_fc) does. Then, as AutoAWQ's auto_clip,
+each group of each linear but q_proj and k_proj is clipped to [-c, c] with
+    c = (1 - i / 20) max |w_group|,   i in {0, ..., 9}
+(i = 0: no clipping), the c whose quantized group output sum_k x_k w_k (over a sample of the
+scaled inputs) is closest to the float one. A smaller range rounds the bulk of a group more
+finely at the cost of its few largest weights; q and k are skipped (AutoAWQ: their errors
+pass through the softmax, which a per-group output error does not see). Like AutoAWQ, every
+layer's calibration inputs come from the float model (a layer's search does not see the
+earlier layers' quantization).
 
 The integer grid is AutoAWQ's pseudo_quantize_tensor with zero point, per output row and
 group of G inputs:
@@ -45,6 +51,10 @@ from kvserve.quant.calibration import (
 from kvserve.quant.gptq import QuantizedLinear
 
 N_GRID = 20
+CLIP_STEPS = 10  # shrink factors 1, 0.95, ..., 0.55: AutoAWQ's max_shrink 0.5 of N_GRID
+CLIP_TOKENS = 512  # the clip search reads every (T / 512)-th token, as AutoAWQ's
+CLIPPED = ("self_attn.v_proj", "self_attn.o_proj", "mlp.gate_proj", "mlp.up_proj",
+           "mlp.down_proj")
 
 
 def awq_group_quantize(w: torch.Tensor, bits: int, group_size: int) -> QuantizedLinear:
@@ -148,4 +158,54 @@ def awq_scale_layer(w: LayerWeights, x: torch.Tensor, cfg: ModelConfig,
     s = search_scale(d_in, [w[dn]], lambda ws: d_in @ ws[0].T, bits, group_size)
     w["mlp.up_proj.weight"] = w["mlp.up_proj.weight"] / s[:, None]
     w[dn] = w[dn] * s
+    return w
+
+
+def search_clip(x: torch.Tensor, w: torch.Tensor, bits: int, group_size: int,
+                steps: int = CLIP_STEPS, n_grid: int = N_GRID,
+                tokens: int = CLIP_TOKENS) -> torch.Tensor:
+    """The clip bound c [N, K / G] of each (output row, input group) of w [N, K] read by
+    inputs x [..., K]: the shrink of max |w| over the group that minimises the mean over
+    tokens of (sum_k x_k Q(clip(w))_k - sum_k x_k w_k)^2, the group's own share of the output
+    (AutoAWQ's _compute_best_clip). Ties keep the smaller shrink (i = 0 first: no clip)."""
+    n, k = w.shape
+    ng = k // group_size
+    x2 = x.reshape(-1, k)
+    x2 = x2[::max(1, x2.shape[0] // tokens)]
+    xg = x2.reshape(-1, ng, group_size).transpose(0, 1)  # [G, T, group]
+    wg = w.float().reshape(n, ng, group_size)
+    ref = torch.bmm(xg, wg.permute(1, 2, 0))  # [G, T, N]: each group's share of each output
+    amax = wg.abs().amax(dim=-1)  # [N, G]
+    best, best_err = amax.clone(), torch.full_like(amax, float("inf"))
+    for i in range(steps):
+        c = amax * (1 - i / n_grid)
+        cw = torch.maximum(torch.minimum(wg, c[..., None]), -c[..., None])
+        qw = fake_quantize(cw.reshape(n, k), bits, group_size).reshape(n, ng, group_size)
+        err = (torch.bmm(xg, qw.permute(1, 2, 0)) - ref).pow(2).mean(dim=1).T  # [N, G]
+        better = err < best_err
+        best = torch.where(better, c, best)
+        best_err = torch.where(better, err, best_err)
+    return best
+
+
+def awq_clip_layer(w: LayerWeights, x: torch.Tensor, cfg: ModelConfig,
+                   rope: tuple[torch.Tensor, torch.Tensor], bits: int, group_size: int
+                   ) -> LayerWeights:
+    """One decoder layer's weights (its AWQ scales already folded in) with every CLIPPED
+    linear's groups clipped as search_clip finds, judged on the inputs each reads from the
+    float residual stream x [S, T, H] through these weights. Returns a new dict."""
+    w = dict(w)
+    eps = cfg.rms_norm_eps
+    h = rms_norm(x, w["input_layernorm.weight"], eps)
+    x2 = x + attention(h, w, cfg, rope)
+    h2 = rms_norm(x2, w["post_attention_layernorm.weight"], eps)
+    inputs = {"self_attn.v_proj": h, "self_attn.o_proj": attention_core(h, w, cfg, rope),
+              "mlp.gate_proj": h2, "mlp.up_proj": h2, "mlp.down_proj": mlp_core(h2, w)}
+    for name in CLIPPED:
+        key = f"{name}.weight"
+        wt = w[key]
+        c = search_clip(inputs[name], wt, bits, group_size)[..., None]
+        n, k = wt.shape
+        g = wt.reshape(n, k // group_size, group_size)
+        w[key] = torch.maximum(torch.minimum(g, c), -c).reshape(n, k)
     return w

@@ -9,6 +9,7 @@ kvserve's alone. Rows of one model (family) are compared with that model's float
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 import re
 from dataclasses import dataclass
@@ -16,7 +17,29 @@ from pathlib import Path
 from typing import Any
 
 DEFAULT_FAMILY = "smollm2-135m"
+QWEN05_FAMILY = "qwen2.5-coder-0.5b"
 F32_KEY = "f32"  # the float32 row: the reference of every "PPL vs float32" of its family
+# (the default model's; another family's float32 row is keyed "<prefix>_f32")
+# The default calibration text of GPTQ / AWQ / SmoothQuant: license texts Debian's base-files
+# ships in /usr/share/common-licenses, none of them a GNU one, so none shares GPL-3's wording
+# (the perplexity text). The domain of the text they are judged on, as a WikiText-2 train
+# split is for its test split: calibrated on code and markdown instead (llama-cpp-python's
+# README), GPTQ fits that text and loses to round to nearest on GPL-3 (BENCHMARKS.md).
+CALIB_LICENSES = ("Apache-2.0", "MPL-2.0", "MPL-1.1", "Artistic", "BSD", "CC0-1.0")
+
+
+def is_float32_row(key: str) -> bool:
+    """A family's float32 row (an --isa twin's key too: f32@avx2)."""
+    base = key.split("@")[0]
+    return base == F32_KEY or base.endswith(f"_{F32_KEY}")
+
+
+def license_calibration(licenses_dir: Path) -> str | None:
+    """CALIB_LICENSES' texts joined by blank lines, or None unless every one is there."""
+    paths = [licenses_dir / n for n in CALIB_LICENSES]
+    if not all(p.is_file() for p in paths):
+        return None
+    return "\n\n".join(p.read_text(encoding="utf-8") for p in paths)
 # llama.cpp's KV types: bytes per element (q8_0: 32 int8 + one float16 scale per 32).
 LLAMA_KV_BYTES = {"f32": 4.0, "f16": 2.0, "bf16": 2.0, "q8_0": 34 / 32}
 # kvserve's int8 KV beside llama.cpp's q8_0 KV (its V cache needs flash attention on).
@@ -56,10 +79,16 @@ def quant_rows(default_gguf: str, f32_gguf: str, models: Path, quantized: Path,
     def gguf_row(key: str, label: str, file: str, family: str = DEFAULT_FAMILY) -> QuantRow:
         return QuantRow(key, label, family, file, peer_gguf=file)
 
-    def quantized_row(key: str, label: str, method: str, args: tuple[str, ...]) -> QuantRow:
-        out = quantized / f"smollm2-135m-{key}{tag}"
-        row = QuantRow(key, label, DEFAULT_FAMILY, str(out), f16kv,
-                       quantize=(float_source, "--method", method, *args))
+    qwen05 = str(models / "qwen2.5-coder-0.5b-instruct-q4_k_m.gguf")
+
+    def quantized_row(key: str, label: str, method: str, args: tuple[str, ...],
+                      source: str = float_source, family: str = DEFAULT_FAMILY) -> QuantRow:
+        cmd = (source, "--method", method, *args)
+        # Named by its command too: a checkpoint is made once and reused while the command
+        # (source, method, calibration text, flags) stays the same.
+        digest = hashlib.sha1("\0".join(cmd).encode()).hexdigest()[:8]
+        out = quantized / f"{family}-{key}{tag}-{digest}"
+        row = QuantRow(key, label, family, str(out), f16kv, quantize=cmd)
         if method not in quantize_methods:
             row = dataclasses.replace(row, unavailable=(
                 f"not available: `kvserve quantize` has no --method {method} (it has "
@@ -87,7 +116,22 @@ def quant_rows(default_gguf: str, f32_gguf: str, models: Path, quantized: Path,
                    "qwen2.5-coder-1.5b")
           for t in ("Q2_K", "Q3_K_M", "Q5_K_M", "Q6_K")),
         gguf_row("qwen0.5b_q4_k_m", "Qwen2.5-Coder-0.5B-Instruct Q4_K_M",
-                 str(models / "qwen2.5-coder-0.5b-instruct-q4_k_m.gguf"), "qwen2.5-coder-0.5b"),
+                 qwen05, QWEN05_FAMILY),
+        # The 0.5B's weights dequantized: mostly Q5_0 (5 bits, no minimum), so unlike the
+        # default model's Q4_1 weights they lie on no 4-bit grid, and the 4-bit methods
+        # below differ by how they round, not by which grid can hold the weights again.
+        QuantRow("qwen0.5b_f32", "Qwen2.5-Coder-0.5B float32 (its Q4_K_M file dequantized, "
+                 "`--quantization none`)", QWEN05_FAMILY, qwen05,
+                 ("--quantization", "none", *f16kv)),
+        quantized_row("qwen0.5b_int4", "Qwen2.5-Coder-0.5B int4 RTN g128 (`kvserve quantize "
+                      "--method int4`)", "int4", ("--group-size", "128"), qwen05,
+                      QWEN05_FAMILY),
+        quantized_row("qwen0.5b_gptq4", "Qwen2.5-Coder-0.5B GPTQ 4-bit g128 (`kvserve "
+                      "quantize`)", "gptq", ("--group-size", "128", *calib_args), qwen05,
+                      QWEN05_FAMILY),
+        quantized_row("qwen0.5b_awq4", "Qwen2.5-Coder-0.5B AWQ 4-bit g128 (`kvserve "
+                      "quantize`)", "awq", ("--group-size", "128", *calib_args), qwen05,
+                      QWEN05_FAMILY),
         QuantRow(F32_KEY, "SmolLM2-135M float32 (`--quantization none`)", DEFAULT_FAMILY,
                  default_gguf, ("--quantization", "none", *f16kv), peer_gguf=f32_gguf),
         QuantRow("int8", "SmolLM2-135M int8 RTN at load (`--quantization int8`)",

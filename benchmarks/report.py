@@ -16,6 +16,7 @@ ROOT = BENCH.parent
 sys.path.insert(0, str(BENCH))
 
 from machine import describe as _machine  # noqa: E402
+from quant_rows import is_float32_row  # noqa: E402
 from report_router import router_section  # noqa: E402
 from report_tp import tp_section  # noqa: E402
 
@@ -456,9 +457,9 @@ class Report:
     def quant_float32(self, row: dict[str, Any]) -> dict[str, Any] | None:
         """The float32 row of row's model (of its ISA when --isa rows ran), or None."""
         isa = row.get("kvserve_cpu_isa")
-        key = "f32" + (f"@{isa}" if isa else "")
-        return next((r for r in self.quant_rows() if r["key"] == key
-                     and r["family"] == row["family"]), None)
+        return next((r for r in self.quant_rows() if is_float32_row(r["key"])
+                     and r.get("kvserve_cpu_isa") == isa and r["family"] == row["family"]),
+                    None)
 
     def quant_section(self) -> list[str]:
         q = self.quant
@@ -495,7 +496,9 @@ class Report:
              f"measured in the same round (`benchmarks/machine.py --only-bandwidth`), the "
              f"median over rounds. "
              f"KV: bytes per token over all layers. GPTQ / AWQ rows are made by `kvserve "
-             f"quantize` from {src}, calibrated on `{q.get('calib')}`."),
+             f"quantize` from {src} (the Qwen2.5-Coder-0.5B rows: from its Q4_K_M file "
+             f"dequantized, mostly Q5_0 weights, on no 4-bit grid), calibrated on "
+             f"`{q.get('calib')}`."),
             ""]
         if q.get("quick"):
             lines += ["> **`--quick` run: a smoke test of the runner, not figures to "

@@ -145,6 +145,9 @@ def test_quant_table_compares_each_row_with_its_peer_and_its_float32_row(
             row("int4", "smollm2-135m", 21.0, None, 380.0, None),
             row("qwen", "qwen", 9.0, 9.0, 20.0, 25.0),
             row("qwen_bw", "qwen", 9.0, 9.0, 20.0, 25.0),
+            # another family's float32 row, keyed by its prefix
+            row("q05_f32", "q05", 5.0, None, 15.0, None),
+            row("q05_gptq4", "q05", 6.0, None, 50.0, None),
             {"key": "w8a8", "label": "w8a8", "family": "smollm2-135m", "errors": {},
              "unavailable": "not available: no --method smoothquant"}]})
     q = json.loads((tmp_path / "quant.json").read_text())
@@ -175,6 +178,7 @@ def test_quant_table_compares_each_row_with_its_peer_and_its_float32_row(
     assert quality["f32"][3] == "+0.000 (+0.0%)"
     assert quality["int4"][1:4] == ["n/a", "n/a", "+3.000 (+16.7%)"]  # no same-format peer
     assert quality["qwen"][3] == "n/a"  # no float32 row of its model
+    assert quality["q05_gptq4"][3] == "+1.000 (+20.0%)"  # against q05_f32, not f32
     assert quality["q4_1"][4:] == ["200.0", "96.6", "23,040 (float16)", "23,040 (f16/f16)"]
     assert speed["q4_1"][:8] == ["avx512", "1,000.0", "500.0", "2.00x", "400.0", "200.0",
                                  "2.00x", "n/a"]

@@ -25,7 +25,7 @@ linear but q_proj and k_proj is clipped to [-c, c] with
 scaled inputs) is closest to the float one. A smaller range rounds the bulk of a group more
 finely at the cost of its few largest weights; q and k are skipped (AutoAWQ: their errors
 pass through the softmax, which a per-group output error does not see). Off by default: on
-Qwen2.5-Coder-0.5B (g128) it lowered every block's output error on held-out text by 10-20%
+Qwen2.5-Coder-0.5B (g128) it lowered every block's output error on held-out text by 3-21%
 yet raised the model's perplexity (6.32 -> 6.76 on 4 GPL-3 windows; RTN 6.50): a smaller
 per-group error is not a smaller loss there. Like AutoAWQ, every layer's calibration inputs
 come from the float model (a layer's search does not see the earlier layers'

@@ -42,6 +42,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import torch
+import torch.nn.functional as F
 
 from kvserve.config import ModelConfig
 from kvserve.quant.calibration import (
@@ -165,6 +166,13 @@ def awq_scale_layer(w: LayerWeights, x: torch.Tensor, cfg: ModelConfig,
     return w
 
 
+def clip_groups(w: torch.Tensor, c: torch.Tensor, group_size: int) -> torch.Tensor:
+    """w [N, K] with each (row, group of group_size inputs) clamped to [-c, c], c [N, K / G]."""
+    n, k = w.shape
+    g = w.reshape(n, k // group_size, group_size)
+    return torch.maximum(torch.minimum(g, c[..., None]), -c[..., None]).reshape(n, k)
+
+
 def search_clip(x: torch.Tensor, w: torch.Tensor, bits: int, group_size: int,
                 steps: int = CLIP_STEPS, n_grid: int = N_GRID,
                 tokens: int = CLIP_TOKENS) -> torch.Tensor:
@@ -177,14 +185,15 @@ def search_clip(x: torch.Tensor, w: torch.Tensor, bits: int, group_size: int,
     x2 = x.reshape(-1, k)
     x2 = x2[::max(1, x2.shape[0] // tokens)]
     xg = x2.reshape(-1, ng, group_size).transpose(0, 1)  # [G, T, group]
-    wg = w.float().reshape(n, ng, group_size)
+    w = w.float()
+    wg = w.reshape(n, ng, group_size)
     ref = torch.bmm(xg, wg.permute(1, 2, 0))  # [G, T, N]: each group's share of each output
     amax = wg.abs().amax(dim=-1)  # [N, G]
     best, best_err = amax.clone(), torch.full_like(amax, float("inf"))
     for i in range(steps):
         c = amax * (1 - i / n_grid)
-        cw = torch.maximum(torch.minimum(wg, c[..., None]), -c[..., None])
-        qw = fake_quantize(cw.reshape(n, k), bits, group_size).reshape(n, ng, group_size)
+        qw = fake_quantize(clip_groups(w, c, group_size), bits, group_size)
+        qw = qw.reshape(n, ng, group_size)
         err = (torch.bmm(xg, qw.permute(1, 2, 0)) - ref).pow(2).mean(dim=1).T  # [N, G]
         better = err < best_err
         best = torch.where(better, c, best)
@@ -201,15 +210,13 @@ def awq_clip_layer(w: LayerWeights, x: torch.Tensor, cfg: ModelConfig,
     w = dict(w)
     eps = cfg.rms_norm_eps
     h = rms_norm(x, w["input_layernorm.weight"], eps)
-    x2 = x + attention(h, w, cfg, rope)
+    o_in = attention_core(h, w, cfg, rope)  # once: attention(h) is o_proj of it
+    x2 = x + F.linear(o_in, w["self_attn.o_proj.weight"], w.get("self_attn.o_proj.bias"))
     h2 = rms_norm(x2, w["post_attention_layernorm.weight"], eps)
-    inputs = {"self_attn.v_proj": h, "self_attn.o_proj": attention_core(h, w, cfg, rope),
+    inputs = {"self_attn.v_proj": h, "self_attn.o_proj": o_in,
               "mlp.gate_proj": h2, "mlp.up_proj": h2, "mlp.down_proj": mlp_core(h2, w)}
     for name in CLIPPED:
         key = f"{name}.weight"
-        wt = w[key]
-        c = search_clip(inputs[name], wt, bits, group_size)[..., None]
-        n, k = wt.shape
-        g = wt.reshape(n, k // group_size, group_size)
-        w[key] = torch.maximum(torch.minimum(g, c), -c).reshape(n, k)
+        w[key] = clip_groups(w[key], search_clip(inputs[name], w[key], bits, group_size),
+                             group_size)
     return w

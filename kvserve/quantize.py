@@ -3,8 +3,9 @@ GGUF) checkpoint written as a quantized safetensors checkpoint in a standard lay
 (kvserve/quant/export.py):
 
     gptq        GPTQ (kvserve/quant/gptq.py), AutoGPTQ "gptq" v1 layout, bits 4 or 8
-    awq         AWQ (kvserve/quant/awq.py: scale search; --awq-clip adds AutoAWQ's clip
-                search), AutoAWQ GEMM layout, bits 4
+    awq         AWQ (kvserve/quant/awq.py: AutoAWQ's scale search, duo_scaling unless
+                --no-awq-duo-scaling; --awq-clip adds its clip search), AutoAWQ GEMM
+                layout, bits 4
     smoothquant SmoothQuant W8A8 (kvserve/quant/smoothquant.py, --alpha): norms smoothed
                 into q/k/v and gate/up, int8 weights per channel, compressed-tensors
                 "int-quantized" layout (activations int8 per token at run time)
@@ -65,6 +66,7 @@ class QuantizeArgs:
     seq_len: int = 512
     alpha: float = 0.5  # smoothquant's migration strength
     awq_clip: bool = False  # awq: AutoAWQ's clip search after the scale search
+    awq_duo_scaling: bool = True  # awq: AutoAWQ's scale candidates (else the paper's)
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:
@@ -87,6 +89,9 @@ class QuantizeArgs:
             raise ValueError(f"--group-size must be >= 1, got {self.group_size}")
         if self.awq_clip and self.method != "awq":
             raise ValueError(f"--awq-clip is an AWQ option; --method is {self.method}")
+        if not self.awq_duo_scaling and self.method != "awq":
+            raise ValueError("--no-awq-duo-scaling is an AWQ option; --method is "
+                             f"{self.method}")
         if self.act_order and self.method != "gptq":
             raise ValueError("--act-order (desc_act) is a GPTQ option; --method is "
                              f"{self.method}")
@@ -267,7 +272,8 @@ def quantize_checkpoint(model: str, out_dir: str, a: QuantizeArgs) -> None:
             qls, x = _gptq_layer(lw, x, mc, rope, a)
         elif a.method == "awq":
             assert x is not None and rope is not None
-            scaled = awq_scale_layer(lw, x, mc, rope, a.bits, a.group_size)
+            scaled = awq_scale_layer(lw, x, mc, rope, a.bits, a.group_size,
+                                     duo_scaling=a.awq_duo_scaling)
             if a.awq_clip:
                 scaled = awq_clip_layer(scaled, x, mc, rope, a.bits, a.group_size)
             x = layer_forward(x, lw, mc, rope)  # AWQ: the next layer sees float inputs
@@ -308,7 +314,8 @@ def _run(ns: argparse.Namespace) -> int:
     sym = ns.sym or bits == 8
     a = QuantizeArgs(method=ns.method, bits=bits, group_size=ns.group_size, sym=sym,
                      act_order=ns.act_order, calib=ns.calib, calib_tokens=ns.calib_tokens,
-                     seq_len=ns.seq_len, alpha=ns.alpha, awq_clip=ns.awq_clip)
+                     seq_len=ns.seq_len, alpha=ns.alpha, awq_clip=ns.awq_clip,
+                     awq_duo_scaling=ns.awq_duo_scaling)
     with torch.inference_mode():
         quantize_checkpoint(ns.model, ns.output, a)
     return 0
@@ -333,6 +340,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="awq: after the scale search, AutoAWQ's per-group clip search (off by "
                    "default: on Qwen2.5-Coder-0.5B it lowered each block's error yet raised "
                    "the model's perplexity; BENCHMARKS.md)")
+    p.add_argument("--awq-duo-scaling", action=argparse.BooleanOptionalAction, default=True,
+                   help="awq: scale candidates from the activations' and the weights' "
+                   "magnitudes (AutoAWQ's duo_scaling, the default); --no-awq-duo-scaling: "
+                   "from the activations' alone (the paper's)")
     p.add_argument("--calib", default=None,
                    help="calibration text file (gptq, awq, smoothquant)")
     p.add_argument("--alpha", type=float, default=0.5,

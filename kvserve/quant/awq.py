@@ -4,12 +4,16 @@ A weight column that meets large activations matters more. Scaling input channel
 s_k > 1 (and dividing the activation by s_k, which is exact) shrinks its relative rounding
 error: with group scale Delta mostly set by other columns,
     Q(w s) / s - w = Delta' * round_err / s_k,
-so the salient channels lose error at little cost to the others. The paper searches
-    s = s_x^alpha,   s_x[k] = mean_t |x[t, k]|,   alpha in {0, 1/20, ..., 19/20}
-(20 points, AutoAWQ's grid; alpha = 0 is plain round-to-nearest), normalised by
-sqrt(max s * min s), keeping the alpha whose quantized block output is closest (MSE) to the
-float one. 1/s is then folded into the op before the linears, so the checkpoint needs no
-extra tensor:
+so the salient channels lose error at little cost to the others. AutoAWQ searches
+    s = s_x^alpha / (s_w^(1 - alpha) + 1e-4),   alpha in {0, 1/20, ..., 19/20}
+    s_x[k] = mean_t |x[t, k]|,   s_w[k] = mean_n |w[n, k]| / max |w| of its group
+(its default, duo_scaling: a column whose weights are small in their groups, which rounding
+hurts most, is scaled up too), or the paper's s = s_x^alpha (`kvserve quantize
+--no-awq-duo-scaling`); alpha = 0 of the paper's is plain round-to-nearest. s is normalised
+by sqrt(max s * min s), and the alpha whose quantized block output is closest (MSE) to the
+float one is kept. On Qwen2.5-Coder-0.5B (g128, 2048 calibration tokens of license text,
+GPL-3 at ctx 512) duo scaling gave 6.46 against the paper's 6.70 (float 5.31, RTN 6.99).
+1/s is then folded into the op before the linears, so the checkpoint needs no extra tensor:
 
     input_layernorm  -> q, k, v        (error of the attention block's output)
     v_proj rows      -> o_proj         (error of o_proj's output; with GQA one scale per v
@@ -26,10 +30,10 @@ scaled inputs) is closest to the float one. A smaller range rounds the bulk of a
 finely at the cost of its few largest weights; q and k are skipped (AutoAWQ: their errors
 pass through the softmax, which a per-group output error does not see). Off by default: on
 Qwen2.5-Coder-0.5B (g128) it lowered every block's output error on held-out text by 3-21%
-yet raised the model's perplexity (6.32 -> 6.76 on 4 GPL-3 windows; RTN 6.50): a smaller
-per-group error is not a smaller loss there. Like AutoAWQ, every layer's calibration inputs
-come from the float model (a layer's search does not see the earlier layers'
-quantization).
+yet raised the model's perplexity (6.32 -> 6.76 on 4 GPL-3 windows, after the paper's scale
+search; RTN 6.50): a smaller per-group error is not a smaller loss there. Like AutoAWQ,
+every layer's calibration inputs come from the float model (a layer's search does not see the
+earlier layers' quantization).
 
 The integer grid is AutoAWQ's pseudo_quantize_tensor with zero point, per output row and
 group of G inputs:
@@ -81,25 +85,40 @@ def fake_quantize(w: torch.Tensor, bits: int, group_size: int) -> torch.Tensor:
     return awq_group_quantize(w, bits, group_size).dequantize()
 
 
+def weight_means(weights: list[torch.Tensor], group_size: int) -> torch.Tensor:
+    """s_w [K]: per input channel, the mean over every row of `weights` (each [N_i, K]) of
+    |w| over the max |w| of its group of group_size inputs (AutoAWQ's w_mean)."""
+    w = torch.cat([x.float() for x in weights], dim=0)
+    g = w.abs().reshape(w.shape[0], -1, group_size)
+    return (g / (g.amax(dim=-1, keepdim=True) + 1e-6)).reshape(w.shape).mean(0)
+
+
 def search_scale(x: torch.Tensor, weights: list[torch.Tensor],
                  block: Callable[[list[torch.Tensor]], torch.Tensor], bits: int,
                  group_size: int, expand: torch.Tensor | None = None,
-                 n_grid: int = N_GRID) -> torch.Tensor:
+                 n_grid: int = N_GRID, duo_scaling: bool = True) -> torch.Tensor:
     """The AWQ scale s [C] for linears `weights` (each [N_i, K]) that all read x [..., K].
 
     block(ws) is the inspected output computed with weights ws in place of `weights`; the
-    search minimises mean (block(Q(W s) / s) - block(W))^2. expand: int64 [K] mapping each
-    input channel to one of C < K scale channels (v_proj -> o_proj under GQA), else C = K."""
+    search minimises mean (block(Q(W s) / s) - block(W))^2 over the candidates of the module
+    docstring (duo_scaling: AutoAWQ's, else the paper's). expand: int64 [K] mapping each
+    input channel to one of C < K scale channels (v_proj -> o_proj under GQA; a scale
+    channel's s_x and s_w are the means over the channels it covers), else C = K."""
     k = x.shape[-1]
     x_mean = x.reshape(-1, k).abs().mean(0)
+    w_mean = weight_means(weights, group_size) if duo_scaling else None
     if expand is not None:
         c = int(expand.max()) + 1
         counts = torch.bincount(expand, minlength=c).float()
         x_mean = torch.zeros(c).index_add_(0, expand, x_mean) / counts
+        if w_mean is not None:
+            w_mean = torch.zeros(c).index_add_(0, expand, w_mean) / counts
     ref = block(weights)
     best, best_err = torch.ones_like(x_mean), float("inf")
     for r in range(n_grid):
-        s = x_mean.pow(r / n_grid).clamp(min=1e-4)
+        a = r / n_grid
+        s = x_mean.pow(a) if w_mean is None else x_mean.pow(a) / (w_mean.pow(1 - a) + 1e-4)
+        s = s.clamp(min=1e-4)
         s = s / (s.max() * s.min()).sqrt()
         s_in = s[expand] if expand is not None else s
         trial = [fake_quantize(w * s_in, bits, group_size) / s_in for w in weights]
@@ -119,8 +138,8 @@ def _v_to_o_channels(cfg: ModelConfig) -> torch.Tensor:
 
 
 def awq_scale_layer(w: LayerWeights, x: torch.Tensor, cfg: ModelConfig,
-                    rope: tuple[torch.Tensor, torch.Tensor], bits: int, group_size: int
-                    ) -> LayerWeights:
+                    rope: tuple[torch.Tensor, torch.Tensor], bits: int, group_size: int,
+                    duo_scaling: bool = True) -> LayerWeights:
     """One decoder layer's weights with the four AWQ scales searched and folded in (the
     float function of the layer is unchanged up to rounding); x [S, T, H] is the layer's
     input residual stream. Returns a new dict; w is not modified."""
@@ -135,7 +154,8 @@ def awq_scale_layer(w: LayerWeights, x: torch.Tensor, cfg: ModelConfig,
     # 1. input_layernorm -> q, k, v; judged on the attention output.
     h = rms_norm(x, w["input_layernorm.weight"], eps)
     s = search_scale(h, [w[n] for n in qkv],
-                     lambda ws: attention(h, with_(qkv, ws), cfg, rope), bits, group_size)
+                     lambda ws: attention(h, with_(qkv, ws), cfg, rope), bits, group_size,
+                     duo_scaling=duo_scaling)
     w["input_layernorm.weight"] = w["input_layernorm.weight"] / s
     for n in qkv:
         w[n] = w[n] * s
@@ -144,7 +164,8 @@ def awq_scale_layer(w: LayerWeights, x: torch.Tensor, cfg: ModelConfig,
     o_in = attention_core(rms_norm(x, w["input_layernorm.weight"], eps), w, cfg, rope)
     expand = _v_to_o_channels(cfg)
     o = "self_attn.o_proj.weight"
-    s = search_scale(o_in, [w[o]], lambda ws: o_in @ ws[0].T, bits, group_size, expand)
+    s = search_scale(o_in, [w[o]], lambda ws: o_in @ ws[0].T, bits, group_size, expand,
+                     duo_scaling=duo_scaling)
     w["self_attn.v_proj.weight"] = w["self_attn.v_proj.weight"] / s[:, None]
     if "self_attn.v_proj.bias" in w:
         w["self_attn.v_proj.bias"] = w["self_attn.v_proj.bias"] / s
@@ -153,14 +174,16 @@ def awq_scale_layer(w: LayerWeights, x: torch.Tensor, cfg: ModelConfig,
     x2 = x + attention(rms_norm(x, w["input_layernorm.weight"], eps), w, cfg, rope)
     h2 = rms_norm(x2, w["post_attention_layernorm.weight"], eps)
     s = search_scale(h2, [w[n] for n in gate_up],
-                     lambda ws: mlp(h2, with_(gate_up, ws)), bits, group_size)
+                     lambda ws: mlp(h2, with_(gate_up, ws)), bits, group_size,
+                     duo_scaling=duo_scaling)
     w["post_attention_layernorm.weight"] = w["post_attention_layernorm.weight"] / s
     for n in gate_up:
         w[n] = w[n] * s
     # 4. up_proj rows -> down_proj columns; judged on down_proj's output.
     d_in = mlp_core(rms_norm(x2, w["post_attention_layernorm.weight"], eps), w)
     dn = "mlp.down_proj.weight"
-    s = search_scale(d_in, [w[dn]], lambda ws: d_in @ ws[0].T, bits, group_size)
+    s = search_scale(d_in, [w[dn]], lambda ws: d_in @ ws[0].T, bits, group_size,
+                     duo_scaling=duo_scaling)
     w["mlp.up_proj.weight"] = w["mlp.up_proj.weight"] / s[:, None]
     w[dn] = w[dn] * s
     return w

@@ -105,6 +105,7 @@ def _logits(model: Any, prompt: list[int]) -> torch.Tensor:
 @pytest.mark.parametrize("method, extra", [
     ("int4", []), ("int8", []), ("gptq", []), ("gptq", ["--act-order", "--sym"]),
     ("gptq", ["--bits", "8"]), ("awq", []), ("awq", ["--awq-clip"]),
+    ("awq", ["--no-awq-duo-scaling"]),
 ])
 def test_quantize_writes_a_complete_checkpoint(tiny_dir: tuple[Path, Any], tmp_path: Path,
                                                method: str, extra: list[str]) -> None:
@@ -285,6 +286,8 @@ def test_smoothquant_writes_compressed_tensors_w8a8(tiny_dir: tuple[Path, Any],
     (["--method", "awq"], "--method awq needs calibration text: --calib FILE"),
     (["--method", "int8", "--act-order"], "--act-order (desc_act) is a GPTQ option"),
     (["--method", "gptq", "--awq-clip"], "--awq-clip is an AWQ option; --method is gptq"),
+    (["--method", "int4", "--no-awq-duo-scaling"],
+     "--no-awq-duo-scaling is an AWQ option; --method is int4"),
 ])
 def test_bad_flags_are_refused_by_name(tiny_dir: tuple[Path, Any], tmp_path: Path,
                                        args: list[str], message: str) -> None:

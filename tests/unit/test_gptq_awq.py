@@ -19,7 +19,13 @@ import torch
 from kvserve.loader import load_checkpoint, resolve_model
 from kvserve.models import build_model
 from kvserve.ops import get_ops
-from kvserve.quant.awq import awq_clip_layer, awq_group_quantize, awq_scale_layer, search_clip
+from kvserve.quant.awq import (
+    awq_clip_layer,
+    awq_group_quantize,
+    awq_scale_layer,
+    search_clip,
+    search_scale,
+)
 from kvserve.quant.calibration import (
     DEFAULT_TOKENS,
     attention,
@@ -312,6 +318,42 @@ def test_awq_beats_round_to_nearest_on_smollm2(smol: dict[str, Any]) -> None:
             x_in, xq_in = _inputs(smol, lw, xs, name), _inputs(smol, scaled, xs, name)
             awq, rtn = out_err(x_in, w, wq, xq_in), out_err(x_in, w, rtn_awq_grid(w, group))
             assert awq < factor * rtn, (name, awq, rtn)
+
+
+@pytest.mark.parametrize("duo", [True, False])
+def test_awq_scale_search_is_the_argmin_over_autoawqs_candidates(duo: bool) -> None:
+    """search_scale against the 20 candidates written out here (AutoAWQ's _compute_best_scale:
+    s = x_mean^a / (w_mean^(1 - a) + 1e-4) with duo scaling, x_mean^a without, normalised by
+    sqrt(max s * min s)), each judged on its own by the block's output error after rounding
+    W s on AutoAWQ's grid. Two linears read one input, as q/k/v or gate/up do."""
+    gen = torch.Generator().manual_seed(11)
+    k, g, t = 64, 16, 48
+    ws = [torch.randn(8, k, generator=gen), torch.randn(4, k, generator=gen)]
+    ws[0][:, 5] *= 0.05  # a column small in every group: w_mean tells it apart
+    x = torch.randn(t, k, generator=gen) * torch.linspace(0.1, 4, k)
+
+    def block(w: list[torch.Tensor]) -> torch.Tensor:
+        return torch.cat([x @ w[0].T, torch.tanh(x @ w[1].T)], dim=1)
+
+    got = search_scale(x, ws, block, 4, g, duo_scaling=duo)
+    x_mean = x.abs().mean(0)
+    wa = torch.cat(ws).abs()
+    w_mean = torch.stack([wa[:, c] / wa[:, c // g * g:(c // g + 1) * g].amax(dim=1)
+                          for c in range(k)], dim=1).mean(0)
+    ref = block(ws)
+    cands, errs = [], []
+    for r in range(20):
+        a = r / 20
+        s = x_mean ** a / (w_mean ** (1 - a) + 1e-4) if duo else x_mean ** a
+        s = s.clamp(min=1e-4)
+        s = s / (s.max() * s.min()).sqrt()
+        trial = [rtn_awq_grid(w * s, g) / s for w in ws]
+        cands.append(s)
+        errs.append(((block(trial) - ref) ** 2).mean().item())
+    best = min(range(20), key=lambda r: (errs[r], r))
+    torch.testing.assert_close(got, cands[best], rtol=1e-5, atol=0)
+    if not duo:  # the search beat its a = 0, s = 1: round-to-nearest itself
+        assert best > 0 and errs[best] < errs[0]
 
 
 def test_awq_clip_search_is_the_group_by_group_argmin() -> None:

@@ -28,6 +28,16 @@ F32_KEY = "f32"  # the float32 row: the reference of every "PPL vs float32" of i
 CALIB_LICENSES = ("Apache-2.0", "MPL-2.0", "MPL-1.1", "Artistic", "BSD", "CC0-1.0")
 
 
+def quantizer_digest(root: Path) -> str:
+    """sha1 of `kvserve quantize`'s sources (kvserve/quantize.py, kvserve/quant/*.py): a
+    quantized checkpoint's name holds it, so code that writes other weights is not served
+    a checkpoint an older version made."""
+    h = hashlib.sha1()
+    for p in [root / "kvserve" / "quantize.py", *sorted((root / "kvserve" / "quant").glob("*.py"))]:
+        h.update(p.name.encode() + b"\0" + p.read_bytes())
+    return h.hexdigest()
+
+
 def is_float32_row(key: str) -> bool:
     """A family's float32 row (an --isa twin's key too: f32@avx2)."""
     base = key.split("@")[0]
@@ -65,10 +75,11 @@ class QuantRow:
 
 
 def quant_rows(default_gguf: str, f32_gguf: str, models: Path, quantized: Path,
-               float_source: str, calib: str, quick: bool, quantize_methods: list[str]
-               ) -> list[QuantRow]:
+               float_source: str, calib: str, quick: bool, quantize_methods: list[str],
+               quantizer: str = "") -> list[QuantRow]:
     """Every row, in table order. float_source: the float weights `kvserve quantize` reads
-    (an HF checkpoint when one is given, else the F32 GGUF); quantized: where its outputs go.
+    (an HF checkpoint when one is given, else the F32 GGUF); quantized: where its outputs go;
+    quantizer: a digest of `kvserve quantize`'s code (quantizer_digest).
     Every kvserve row but the KV-cache ones keeps a float16 KV cache, llama.cpp's default,
     so that a row differs from its peer and from float32 in its weights alone."""
     f16kv = ("--kv-cache-dtype", "float16")
@@ -84,9 +95,10 @@ def quant_rows(default_gguf: str, f32_gguf: str, models: Path, quantized: Path,
     def quantized_row(key: str, label: str, method: str, args: tuple[str, ...],
                       source: str = float_source, family: str = DEFAULT_FAMILY) -> QuantRow:
         cmd = (source, "--method", method, *args)
-        # Named by its command too: a checkpoint is made once and reused while the command
-        # (source, method, calibration text, flags) stays the same.
-        digest = hashlib.sha1("\0".join(cmd).encode()).hexdigest()[:8]
+        # Named by its command and the quantizer's code too: a checkpoint is made once and
+        # reused while the command (source, method, calibration text, flags) and the code
+        # that made it stay the same (AWQ's default search changed under the same command).
+        digest = hashlib.sha1("\0".join((*cmd, quantizer)).encode()).hexdigest()[:8]
         out = quantized / f"{family}-{key}{tag}-{digest}"
         row = QuantRow(key, label, family, str(out), f16kv, quantize=cmd)
         if method not in quantize_methods:

@@ -341,3 +341,30 @@ def test_spec_configs_fill_in_each_models_draft_and_heads(report: Any) -> None:
     got = {c.method for c in spec_rows.spec_configs(bare, configs, True, True)
            if c.engine == "kvserve"}
     assert got == {"none", "ngram"}
+
+
+def test_quantized_checkpoints_are_named_by_the_quantizers_code(tmp_path: Path,
+                                                                  report: Any) -> None:
+    """A quantized row's directory changes with `kvserve quantize`'s code, not only with its
+    command: AWQ's default search changed once under the same command, and the step would
+    have served the old checkpoint."""
+    import quant_rows  # benchmarks/, on the path once report.py is loaded
+
+    for rel in ("kvserve/quantize.py", "kvserve/quant/awq.py", "kvserve/quant/gptq.py"):
+        (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / rel).write_text(f"# {rel}\n")
+    before = quant_rows.quantizer_digest(tmp_path)
+    assert quant_rows.quantizer_digest(tmp_path) == before
+
+    def dirs(code: str) -> dict[str, str]:
+        rows = quant_rows.quant_rows("d.gguf", "f32.gguf", tmp_path, tmp_path / "q", "f32.gguf",
+                                     "calib.txt", False, ["gptq", "awq"], code)
+        return {r.key: r.model for r in rows if r.quantize}
+
+    (tmp_path / "kvserve/quant/awq.py").write_text("# awq, another search\n")
+    after = quant_rows.quantizer_digest(tmp_path)
+    assert after != before
+    old, new = dirs(before), dirs(after)
+    assert {"gptq4", "awq4"} <= old.keys() and old.keys() == new.keys()
+    assert all(old[k] != new[k] for k in old)
+    assert dirs(before) == old  # the same code and command: the same checkpoint

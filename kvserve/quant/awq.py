@@ -110,9 +110,12 @@ def search_scale(x: torch.Tensor, weights: list[torch.Tensor],
     if expand is not None:
         c = int(expand.max()) + 1
         counts = torch.bincount(expand, minlength=c).float()
-        x_mean = torch.zeros(c).index_add_(0, expand, x_mean) / counts
-        if w_mean is not None:
-            w_mean = torch.zeros(c).index_add_(0, expand, w_mean) / counts
+
+        def per_scale_channel(v: torch.Tensor) -> torch.Tensor:
+            return torch.zeros(c).index_add_(0, expand, v) / counts
+
+        x_mean = per_scale_channel(x_mean)
+        w_mean = None if w_mean is None else per_scale_channel(w_mean)
     ref = block(weights)
     best, best_err = torch.ones_like(x_mean), float("inf")
     for r in range(n_grid):

@@ -76,7 +76,7 @@ class QuantRow:
 
 def quant_rows(default_gguf: str, f32_gguf: str, models: Path, quantized: Path,
                float_source: str, calib: str, quick: bool, quantize_methods: list[str],
-               quantizer: str = "") -> list[QuantRow]:
+               quantizer: str) -> list[QuantRow]:
     """Every row, in table order. float_source: the float weights `kvserve quantize` reads
     (an HF checkpoint when one is given, else the F32 GGUF); quantized: where its outputs go;
     quantizer: a digest of `kvserve quantize`'s code (quantizer_digest).

@@ -2,7 +2,8 @@
 GGUF) checkpoint written as a quantized safetensors checkpoint in a standard layout
 (kvserve/quant/export.py):
 
-    gptq        GPTQ (kvserve/quant/gptq.py), AutoGPTQ "gptq" v1 layout, bits 4 or 8
+    gptq        GPTQ (kvserve/quant/gptq.py; --act-order, --static-groups as AutoGPTQ's),
+                AutoGPTQ "gptq" v1 layout, bits 4 or 8
     awq         AWQ (kvserve/quant/awq.py: AutoAWQ's scale search, duo_scaling unless
                 --no-awq-duo-scaling; --awq-clip adds its clip search), AutoAWQ GEMM
                 layout, bits 4
@@ -61,6 +62,7 @@ class QuantizeArgs:
     group_size: int | None = None  # None: the largest of 128, 64, 32 the model allows
     sym: bool = False
     act_order: bool = False
+    static_groups: bool = False  # gptq: every group's grid fixed before any update
     calib: str | None = None
     calib_tokens: int | None = None  # None: calibration.DEFAULT_TOKENS, or the text's all
     seq_len: int = 512
@@ -87,14 +89,12 @@ class QuantizeArgs:
                              f"got {self.bits}")
         if self.group_size is not None and self.group_size < 1:
             raise ValueError(f"--group-size must be >= 1, got {self.group_size}")
-        if self.awq_clip and self.method != "awq":
-            raise ValueError(f"--awq-clip is an AWQ option; --method is {self.method}")
-        if not self.awq_duo_scaling and self.method != "awq":
-            raise ValueError("--no-awq-duo-scaling is an AWQ option; --method is "
-                             f"{self.method}")
-        if self.act_order and self.method != "gptq":
-            raise ValueError("--act-order (desc_act) is a GPTQ option; --method is "
-                             f"{self.method}")
+        for flag, given, only in (("--act-order (desc_act)", self.act_order, "a GPTQ"),
+                                  ("--static-groups", self.static_groups, "a GPTQ"),
+                                  ("--awq-clip", self.awq_clip, "an AWQ"),
+                                  ("--no-awq-duo-scaling", not self.awq_duo_scaling, "an AWQ")):
+            if given and self.method != only.split()[1].lower():
+                raise ValueError(f"{flag} is {only} option; --method is {self.method}")
         if self.method in CALIBRATED:
             if self.calib is None:
                 raise ValueError(f"--method {self.method} needs calibration text: --calib FILE")
@@ -167,7 +167,7 @@ def _gptq_layer(lw: dict[str, torch.Tensor], x: torch.Tensor, mc: ModelConfig,
     def run(names: tuple[str, ...], inputs: torch.Tensor) -> None:
         ws = [lw[f"{n}.weight"] for n in names]
         ql = gptq_quantize(torch.cat(ws), hessian(inputs), a.bits, a.group_size, a.sym,
-                           a.act_order)
+                           a.act_order, static_groups=a.static_groups)
         for n, part in zip(names, _split_rows(ql, tuple(w.shape[0] for w in ws)), strict=True):
             result[n] = part
             lw[f"{n}.weight"] = part.dequantize()
@@ -300,7 +300,8 @@ def quantize_checkpoint(model: str, out_dir: str, a: QuantizeArgs) -> None:
     if a.method == "awq":
         qcfg = export.awq_quantization_config(a.group_size)
     else:
-        qcfg = export.gptq_quantization_config(a.bits, a.group_size, a.sym, a.act_order)
+        qcfg = export.gptq_quantization_config(a.bits, a.group_size, a.sym, a.act_order,
+                                               a.static_groups)
     export.write_checkpoint(out_dir, out, export.hf_config(mc, source_cfg), qcfg,
                             ckpt.tokenizer)
     log.info("wrote %s (%s, %d bits, group %d)", out_dir, a.method, a.bits, a.group_size)
@@ -313,9 +314,9 @@ def _run(ns: argparse.Namespace) -> int:
     # asymmetric 8-bit grid's q - zero spans up to [-255, 255]).
     sym = ns.sym or bits == 8
     a = QuantizeArgs(method=ns.method, bits=bits, group_size=ns.group_size, sym=sym,
-                     act_order=ns.act_order, calib=ns.calib, calib_tokens=ns.calib_tokens,
-                     seq_len=ns.seq_len, alpha=ns.alpha, awq_clip=ns.awq_clip,
-                     awq_duo_scaling=ns.awq_duo_scaling)
+                     act_order=ns.act_order, static_groups=ns.static_groups, calib=ns.calib,
+                     calib_tokens=ns.calib_tokens, seq_len=ns.seq_len, alpha=ns.alpha,
+                     awq_clip=ns.awq_clip, awq_duo_scaling=ns.awq_duo_scaling)
     with torch.inference_mode():
         quantize_checkpoint(ns.model, ns.output, a)
     return 0
@@ -336,6 +337,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="symmetric grid (zero point at the middle); default asymmetric")
     p.add_argument("--act-order", action="store_true",
                    help="gptq: quantize columns in descending Hessian diagonal (desc_act)")
+    p.add_argument("--static-groups", action="store_true",
+                   help="gptq: fix every group's grid from the weights before any update, "
+                   "groups being runs of --group-size input columns also with --act-order "
+                   "(AutoGPTQ's static_groups; the checkpoint's g_idx stays in order)")
     p.add_argument("--awq-clip", action="store_true",
                    help="awq: after the scale search, AutoAWQ's per-group clip search (off by "
                    "default: on Qwen2.5-Coder-0.5B it lowered each block's error yet raised "

@@ -115,13 +115,15 @@ def rtn_quantize(w: torch.Tensor, bits: int, group_size: int, sym: bool) -> Quan
 
 
 def gptq_quantize(w: torch.Tensor, h: torch.Tensor, bits: int, group_size: int, sym: bool,
-                  act_order: bool = False, block_size: int = 128, percdamp: float = 0.01
-                  ) -> QuantizedLinear:
+                  act_order: bool = False, block_size: int = 128, percdamp: float = 0.01,
+                  static_groups: bool = False) -> QuantizedLinear:
     """GPTQ of w float [N, K] given h [K, K] = hessian(inputs).
 
     act_order: columns in descending diag(H) (the inputs with the most energy first, while
     the most columns remain to absorb their error); groups are then runs of G columns in
-    that order and g_idx maps each original column to its group. percdamp: lambda =
+    that order and g_idx maps each original column to its group. static_groups (AutoGPTQ's):
+    every group's grid is fixed up front from the weights before any update, groups being
+    runs of G original columns, so g_idx stays k // G under act-order too. percdamp: lambda =
     percdamp * mean(diag H) added to the diagonal, so H stays positive definite with few
     tokens or dead inputs."""
     n, k = w.shape
@@ -130,6 +132,14 @@ def gptq_quantize(w: torch.Tensor, h: torch.Tensor, bits: int, group_size: int, 
     dead = torch.diag(h) == 0  # an input that is always 0: its column cannot matter
     h[dead, dead] = 1
     w[:, dead] = 0
+    if static_groups:
+        fixed = [group_params(w[:, g0:g0 + group_size], bits, sym)
+                 for g0 in range(0, k, group_size)]
+        scales = torch.stack([p[0] for p in fixed], 1)
+        zeros = torch.stack([p[1] for p in fixed], 1)
+    else:
+        scales = torch.zeros(n, k // group_size)
+        zeros = torch.zeros(n, k // group_size)
     perm = torch.argsort(torch.diag(h), descending=True) if act_order else torch.arange(k)
     w = w[:, perm]
     h = h[perm][:, perm]
@@ -139,8 +149,6 @@ def gptq_quantize(w: torch.Tensor, h: torch.Tensor, bits: int, group_size: int, 
     hinv = hinv.float()
 
     q = torch.zeros(n, k)
-    scales = torch.zeros(n, k // group_size)
-    zeros = torch.zeros(n, k // group_size)
     s = z = torch.zeros(n)
     for i1 in range(0, k, block_size):
         i2 = min(i1 + block_size, k)
@@ -149,7 +157,10 @@ def gptq_quantize(w: torch.Tensor, h: torch.Tensor, bits: int, group_size: int, 
         u = hinv[i1:i2, i1:i2]
         for i in range(i2 - i1):
             col = i1 + i
-            if col % group_size == 0:
+            if static_groups:
+                g = int(perm[col]) // group_size
+                s, z = scales[:, g], zeros[:, g]
+            elif col % group_size == 0:
                 # The group's grid from its weights as the feedback has left them so far
                 # (AutoGPTQ reads the copy from the block's start; the newer values are what
                 # will actually be rounded).
@@ -167,6 +178,8 @@ def gptq_quantize(w: torch.Tensor, h: torch.Tensor, bits: int, group_size: int, 
         w[:, i2:] -= err @ hinv[i1:i2, i2:]  # the block's errors onto every later column
 
     inv = torch.argsort(perm)
-    g_idx = (torch.arange(k, dtype=torch.int32) // group_size)[inv]
+    g_idx = torch.arange(k, dtype=torch.int32) // group_size
+    if not static_groups:
+        g_idx = g_idx[inv]
     return QuantizedLinear(q[:, inv].to(torch.int32), scales, zeros.to(torch.int32), g_idx,
                            bits, group_size)

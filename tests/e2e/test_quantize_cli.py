@@ -104,8 +104,8 @@ def _logits(model: Any, prompt: list[int]) -> torch.Tensor:
 
 @pytest.mark.parametrize("method, extra", [
     ("int4", []), ("int8", []), ("gptq", []), ("gptq", ["--act-order", "--sym"]),
-    ("gptq", ["--bits", "8"]), ("awq", []), ("awq", ["--awq-clip"]),
-    ("awq", ["--no-awq-duo-scaling"]),
+    ("gptq", ["--act-order", "--static-groups"]), ("gptq", ["--bits", "8"]), ("awq", []),
+    ("awq", ["--awq-clip"]), ("awq", ["--no-awq-duo-scaling"]),
 ])
 def test_quantize_writes_a_complete_checkpoint(tiny_dir: tuple[Path, Any], tmp_path: Path,
                                                method: str, extra: list[str]) -> None:
@@ -125,11 +125,11 @@ def test_quantize_writes_a_complete_checkpoint(tiny_dir: tuple[Path, Any], tmp_p
                       "version": "gemm", "modules_to_not_convert": None}
     else:
         assert {k: qc[k] for k in ("quant_method", "bits", "group_size", "desc_act", "sym",
-                                   "checkpoint_format")} == {
+                                   "static_groups", "checkpoint_format")} == {
             "quant_method": "gptq", "bits": bits, "group_size": 32,
             # 8 bits are always symmetric: q - zero must fit int8 blocks
             "desc_act": "--act-order" in extra, "sym": "--sym" in extra or bits == 8,
-            "checkpoint_format": "gptq"}
+            "static_groups": "--static-groups" in extra, "checkpoint_format": "gptq"}
         assert json.loads((out / "quantize_config.json").read_text()) == qc
 
     t = _tensors(out)
@@ -161,6 +161,11 @@ def test_quantize_writes_a_complete_checkpoint(tiny_dir: tuple[Path, Any], tmp_p
                 want[p + ".g_idx"] = torch.int32
     assert {k: v.dtype for k, v in t.items()} == want
     assert {k: tuple(t[k].shape) for k in shapes} == shapes
+    for p in shapes:
+        if p.endswith(".g_idx"):
+            # Act-order permutes the groups unless they are static (runs of 32 columns).
+            in_order = torch.equal(t[p], torch.arange(len(t[p]), dtype=torch.int32) // 32)
+            assert in_order == ("--act-order" not in extra or "--static-groups" in extra), p
 
     # The unpacked weights are the float ones to within the grid's half step (the scales).
     float_sd = hf.state_dict()
@@ -285,6 +290,7 @@ def test_smoothquant_writes_compressed_tensors_w8a8(tiny_dir: tuple[Path, Any],
      "--calib file '/nonexistent/calib.txt' does not exist"),
     (["--method", "awq"], "--method awq needs calibration text: --calib FILE"),
     (["--method", "int8", "--act-order"], "--act-order (desc_act) is a GPTQ option"),
+    (["--method", "awq", "--static-groups"], "--static-groups is a GPTQ option; --method is awq"),
     (["--method", "gptq", "--awq-clip"], "--awq-clip is an AWQ option; --method is gptq"),
     (["--method", "int4", "--no-awq-duo-scaling"],
      "--no-awq-duo-scaling is an AWQ option; --method is int4"),

@@ -195,45 +195,57 @@ def test_layer3_inputs_are_the_serving_models(smol: dict[str, Any]) -> None:
 
 # --- GPTQ ----------------------------------------------------------------------------------------
 
-def plain_obs_gptq(w: torch.Tensor, h: torch.Tensor, g: int, act_order: bool) -> torch.Tensor:
+def _grid(grp: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    lo, hi = grp.amin(1).clamp(max=0), grp.amax(1).clamp(min=0)
+    s = ((hi - lo) / 15).half().double()
+    z = torch.round(-lo / s)
+    low = z == 0
+    s = torch.where(low, (hi / 14).half().double(), s)
+    return s, torch.where(low, torch.ones_like(z), z)
+
+
+def plain_obs_gptq(w: torch.Tensor, h: torch.Tensor, g: int, act_order: bool,
+                   static_groups: bool = False) -> torch.Tensor:
     """The paper's update with nothing clever, float64: for each column j (in act-order
     if asked), round it on its group's grid (taken when the group starts, from the weights as
-    updated so far), then move the free columns F = j.. by
+    updated so far; static groups: the grid of the column's run of g original columns, taken
+    from w before any update), then move the free columns F = j.. by
         w_F -= (w_j - q_j) / [H_F^-1]_00 * [H_F^-1]_0,:
     with H_F^-1 inverted afresh. Returns the dequantized weight, original column order."""
     w = w.double().clone()
     h = h.double()
     k = w.shape[1]
+    fixed = [_grid(w[:, c:c + g]) for c in range(0, k, g)]
     perm = torch.argsort(torch.diag(h), descending=True) if act_order else torch.arange(k)
     w, h = w[:, perm], h[perm][:, perm]
     h = h + 0.01 * torch.diag(h).mean() * torch.eye(k, dtype=h.dtype)
     out = torch.empty_like(w)
     for j in range(k):
-        if j % g == 0:
-            grp = w[:, j:j + g]
-            lo, hi = grp.amin(1).clamp(max=0), grp.amax(1).clamp(min=0)
-            s = ((hi - lo) / 15).half().double()
-            z = torch.round(-lo / s)
-            low = z == 0
-            s = torch.where(low, (hi / 14).half().double(), s)
-            z = torch.where(low, torch.ones_like(z), z)
+        if static_groups:
+            s, z = fixed[int(perm[j]) // g]
+        elif j % g == 0:
+            s, z = _grid(w[:, j:j + g])
         out[:, j] = s * (torch.clamp(torch.round(w[:, j] / s) + z, 0, 15) - z)
         hf_inv = torch.linalg.inv(h[j:, j:])
         w[:, j:] -= ((w[:, j] - out[:, j]) / hf_inv[0, 0])[:, None] * hf_inv[0][None, :]
     return out[:, torch.argsort(perm)].float()
 
 
-@pytest.mark.parametrize("act_order", [False, True])
-def test_gptq_is_the_papers_update(act_order: bool) -> None:
+@pytest.mark.parametrize("act_order, static_groups", [(False, False), (True, False),
+                                                     (True, True), (False, True)])
+def test_gptq_is_the_papers_update(act_order: bool, static_groups: bool) -> None:
     gen = torch.Generator().manual_seed(0)
     n, k, g = 12, 48, 16
     # Inputs with unequal channel energies and correlations, as real activations have.
     x = torch.randn(400, k, generator=gen) @ torch.randn(k, k, generator=gen) * 0.3
     x *= torch.rand(k, generator=gen) * 3
     w = torch.randn(n, k, generator=gen)
-    ql = gptq_quantize(w, hessian(x), 4, g, sym=False, act_order=act_order, block_size=8)
-    ref = plain_obs_gptq(w, hessian(x), g, act_order)
+    ql = gptq_quantize(w, hessian(x), 4, g, sym=False, act_order=act_order, block_size=8,
+                       static_groups=static_groups)
+    ref = plain_obs_gptq(w, hessian(x), g, act_order, static_groups)
     torch.testing.assert_close(ql.dequantize(), ref, rtol=0, atol=1e-4)
+    if static_groups:  # groups are runs of original columns, whatever the order
+        assert torch.equal(ql.g_idx, torch.arange(k, dtype=torch.int32) // g)
 
 
 @pytest.mark.parametrize("name, group, act_order", [

@@ -23,6 +23,9 @@ from report_tp import tp_section  # noqa: E402
 NOISY_CORES = 0.25  # as in benchmarks/compare
 # Proposers that draft from the server's earlier outputs (suffix: its tenant's past requests).
 LEARNS_ACROSS_REQUESTS = frozenset({"suffix"})
+# Below this share of its drafts accepted, a cell is "text with poor acceptance" for its
+# proposer, and the 0.95x floor of issue 12 holds there at one stream too.
+POOR_ACCEPTANCE = 0.5
 
 SERVERS = [  # (results name, label in tables and charts)
     ("kvserve", "kvserve serve"),
@@ -674,11 +677,18 @@ class Report:
                    and drafted(c)]
             return max(got) if got else (None, "")
 
+        def poorly_predicted(c: dict[str, Any]) -> bool:
+            # The issue's floor holds "at 8 streams, and on text with poor acceptance": a
+            # proposer whose drafts on a task mostly fail (self_draft on the grounded one)
+            # is on such text whatever the task is called.
+            rate = (c.get("acceptance") or {}).get("acceptance_rate")
+            return rate is not None and rate < POOR_ACCEPTANCE
+
         def worst(model: dict[str, Any], engine: str) -> tuple[float | None, str]:
             got = [(c["speedup"], f"{c['method']} {c['task']} c={c['concurrency']}")
                    for c in quoted(model)
                    if c["engine"] == engine and c["kind"] != "none"
-                   and (c["concurrency"] == 8 or c["task"] == "open")
+                   and (c["concurrency"] == 8 or c["task"] == "open" or poorly_predicted(c))
                    and c.get("speedup") is not None]
             return min(got) if got else (None, "")
 
@@ -697,8 +707,9 @@ class Report:
                 rows.append((f"{name}: best model-based proposer, open generation, 1 stream "
                              ">= 1.3x", fig(k), fig(ll), None if k[0] is None else k[0] >= 1.3))
             k, ll = worst(m, "kvserve"), worst(m, "llama_server")
-            rows.append((f"{name}: every proposer at 8 streams and on open generation >= "
-                         "0.95x (the lowest)", fig(k), fig(ll),
+            rows.append((f"{name}: every proposer at 8 streams, on open generation and where "
+                         f"under {POOR_ACCEPTANCE:.0%} of its drafts are accepted >= 0.95x (the "
+                         "lowest)", fig(k), fig(ll),
                          None if k[0] is None else k[0] >= 0.95))
         return rows
 

@@ -53,6 +53,10 @@ MLP_IN = ("mlp.gate_proj", "mlp.up_proj")
 LINEARS = (*ATTN, "self_attn.o_proj", *MLP_IN, "mlp.down_proj")
 
 
+# The methods with options of their own, as their refusals name them.
+_OPTION_OF = {"gptq": "a GPTQ", "awq": "an AWQ"}
+
+
 @dataclass(frozen=True)
 class QuantizeArgs:
     """The knobs of one quantization run; ValueError naming the flag when out of range."""
@@ -89,12 +93,13 @@ class QuantizeArgs:
                              f"got {self.bits}")
         if self.group_size is not None and self.group_size < 1:
             raise ValueError(f"--group-size must be >= 1, got {self.group_size}")
-        for flag, given, only in (("--act-order (desc_act)", self.act_order, "a GPTQ"),
-                                  ("--static-groups", self.static_groups, "a GPTQ"),
-                                  ("--awq-clip", self.awq_clip, "an AWQ"),
-                                  ("--no-awq-duo-scaling", not self.awq_duo_scaling, "an AWQ")):
-            if given and self.method != only.split()[1].lower():
-                raise ValueError(f"{flag} is {only} option; --method is {self.method}")
+        for flag, given, only in (("--act-order (desc_act)", self.act_order, "gptq"),
+                                  ("--static-groups", self.static_groups, "gptq"),
+                                  ("--awq-clip", self.awq_clip, "awq"),
+                                  ("--no-awq-duo-scaling", not self.awq_duo_scaling, "awq")):
+            if given and self.method != only:
+                raise ValueError(f"{flag} is {_OPTION_OF[only]} option; --method is "
+                                 f"{self.method}")
         if self.method in CALIBRATED:
             if self.calib is None:
                 raise ValueError(f"--method {self.method} needs calibration text: --calib FILE")

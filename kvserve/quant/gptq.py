@@ -97,17 +97,21 @@ def hessian(x: torch.Tensor) -> torch.Tensor:
     return (2.0 / x.shape[0] * (x.T @ x)).float()
 
 
+def group_grids(w: torch.Tensor, bits: int, group_size: int, sym: bool
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+    """group_params of every run of group_size columns of w [N, K]: (scales, zeros) float32
+    [N, K / G]."""
+    grids = [group_params(w[:, g0:g0 + group_size], bits, sym)
+             for g0 in range(0, w.shape[1], group_size)]
+    return torch.stack([s for s, _ in grids], 1), torch.stack([z for _, z in grids], 1)
+
+
 def rtn_quantize(w: torch.Tensor, bits: int, group_size: int, sym: bool) -> QuantizedLinear:
     """Round to nearest on the same grid, no Hessian: the baseline GPTQ improves on, and
     `kvserve quantize --method int4 | int8`."""
-    n, k = w.shape
+    k = w.shape[1]
     w = w.float()
-    scales, zeros = [], []
-    for g0 in range(0, k, group_size):
-        s, z = group_params(w[:, g0:g0 + group_size], bits, sym)
-        scales.append(s)
-        zeros.append(z)
-    s_all, z_all = torch.stack(scales, 1), torch.stack(zeros, 1)
+    s_all, z_all = group_grids(w, bits, group_size, sym)
     g_idx = torch.arange(k, dtype=torch.int32) // group_size
     q = quantize_column(w, s_all[:, g_idx.long()], z_all[:, g_idx.long()], bits)
     return QuantizedLinear(q.to(torch.int32), s_all, z_all.to(torch.int32), g_idx, bits,
@@ -133,10 +137,7 @@ def gptq_quantize(w: torch.Tensor, h: torch.Tensor, bits: int, group_size: int, 
     h[dead, dead] = 1
     w[:, dead] = 0
     if static_groups:
-        fixed = [group_params(w[:, g0:g0 + group_size], bits, sym)
-                 for g0 in range(0, k, group_size)]
-        scales = torch.stack([p[0] for p in fixed], 1)
-        zeros = torch.stack([p[1] for p in fixed], 1)
+        scales, zeros = group_grids(w, bits, group_size, sym)
     else:
         scales = torch.zeros(n, k // group_size)
         zeros = torch.zeros(n, k // group_size)

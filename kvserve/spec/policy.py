@@ -82,6 +82,9 @@ _STALE = 32  # observations since a row count's last, past which StepCosts caps 
 _PRIOR_ROW_SHARE = 0.05
 # Until a draft forward is measured, it costs this share of a one-row target step.
 _PRIOR_DRAFT_SHARE = 0.4
+# A verify row never costs less than this share of the step it joins (SpecPolicy._added):
+# where the tables say less, or less than nothing, a stall timed the smaller step.
+_MIN_ROW_SHARE = 0.02
 
 
 def _ema(old: float | None, new: float) -> float:
@@ -288,6 +291,19 @@ class SpecPolicy:
 
     # -- the decision -------------------------------------------------------------------
 
+    def _base(self, rows: int) -> float:
+        """A plain step of `rows`: cost(rows), but no dearer than a step of one row more.
+        One stall timed at a row count that the policy then stops running is kept until
+        it goes stale (_STALE): a first one-row step of 11 ms against 6 at two rows (the
+        default model) made every draft look cheaper than none, and self_draft, accepted
+        5% of the time, drafted at each of 32 steps in a row."""
+        return min(self.cost(rows), self.cost(rows + 1))
+
+    def _added(self, rows: int, extra: int, base: float) -> float:
+        """Seconds `extra` verify rows add to a step of `rows` costing base (_base): the
+        tables' difference, and at least _MIN_ROW_SHARE of base a row."""
+        return max(self.cost(rows + extra) - base, extra * _MIN_ROW_SHARE * base)
+
     def _draft_prior(self) -> float:
         """What a proposer forward costs until one is measured (a lookup runs none)."""
         return _PRIOR_DRAFT_SHARE * self.cost(1)
@@ -298,9 +314,9 @@ class SpecPolicy:
         the proposer's catch-up over `tokens` costs. A step at depth k there gains
         sum_{j<=k} alpha^j tokens at c_tok and pays k rows and k draft forwards' share
         (1 / load of each); the request has left / (1 + gain) such steps."""
-        base = self.cost(load)
+        base = self._base(load)
         c_tok = base / load
-        per_depth = self.cost(load + 1) - base + self.draft_cost(load, draft_prior) / load
+        per_depth = self._added(load, 1, base) + self.draft_cost(load, draft_prior) / load
         left = max(1, req.max_tokens - req.num_output_tokens)
         per_token = self._catch_up_per_token()
         gain = best = 0.0
@@ -319,9 +335,9 @@ class SpecPolicy:
         if not self.adaptive:
             return caps
         rows = len(requests)
-        base = self.cost(rows)
+        base = self._base(rows)
         c_tok = base / max(rows, 1)
-        row_price = self.cost(rows + 1) - base
+        row_price = self._added(rows, 1, base)
         alphas = [self.alpha(r.request_id) for r in requests]
         # Each request's own best depth: the drafts whose gain beats one more target row.
         own = []
@@ -351,7 +367,7 @@ class SpecPolicy:
             ks = [min(d, k) for k in own]
             gain = sum(sum(a ** j for j in range(1, k + 1)) for a, k in zip(alphas, ks,
                                                                            strict=True))
-            price = self.cost(rows + sum(ks)) - base
+            price = self._added(rows, sum(ks), base)
             if self.draft_forwards == "per_step":
                 price += self.draft_cost(sum(1 for k in ks if k), draft_prior)
             elif self.draft_forwards == "per_depth":
@@ -371,7 +387,7 @@ class SpecPolicy:
         # Probes: a request at 0 for probe_every steps drafts one token. A proposer's probes
         # that need its forward (a draft model, Medusa) wait for a step that runs it anyway,
         # or go all at once.
-        probe_price = max(row_price, 0.0)
+        probe_price = row_price
         if self.draft_forwards != "none":
             probe_price += self.draft_cost(rows, draft_prior) / max(rows, 1)
         probe_every = PROBE_EVERY if c_tok <= 0 else max(
@@ -417,12 +433,13 @@ class SpecPolicy:
         if not n:
             return ks, None
         rows = len(requests)
-        c_tok = self.cost(rows) / max(rows, 1)
+        base = self._base(rows)
+        c_tok = base / max(rows, 1)
         draft_prior = self._draft_prior()
         share = self.draft_cost(n, draft_prior) / n / c_tok
         # Draft j's verify row: the (j + 1)-th of each of the n drafting requests.
-        keep = [(self.cost(rows + n * (j + 1)) - self.cost(rows + n * j)) / n / c_tok
-                for j in range(max(ks))]
+        keep = [max(self.cost(rows + n * (j + 1)) - self.cost(rows + n * j),
+                    n * _MIN_ROW_SHARE * base) / n / c_tok for j in range(max(ks))]
         more = [row + share for row in keep]
         return ks, DraftStops(keep, more, [self.alpha(r.request_id) for r in requests])
 

@@ -218,6 +218,33 @@ def test_a_stale_dear_row_count_does_not_lock_drafting_in() -> None:
     assert policy.num_drafts(reqs, [16]) == [0]
 
 
+def test_a_fresh_dear_row_count_does_not_make_drafts_look_free() -> None:
+    # The default model as self_draft's engine measured it: its first one-row step stalled
+    # (11 ms against 6 at two rows), then every step drafted, so one row was not measured
+    # again. Before that entry went stale, a draft looked cheaper than none: the step with
+    # its row cost less than the step without. Drafts accepted 5% of the time must stop,
+    # with or without a draft forward to pay.
+    for forwards in ("per_depth", "none"):
+        policy = SpecPolicy(4, draft_forwards=forwards)
+        policy.observe_step(1, 0.01107)
+        for _ in range(5):
+            policy.observe_step(2, 0.0062)
+            if forwards == "per_depth":
+                policy.observe_draft([(1, 0.0045)])
+        reqs = _reqs(1)
+        _accept(policy, reqs, 1, 0, times=20)
+        assert policy.alpha("0") < 0.05
+        assert policy.num_drafts(reqs, [16]) == [0], forwards
+        # A predictable request still drafts there, and stops where the price says.
+        good = _reqs(1)
+        policy2 = SpecPolicy(4, draft_forwards=forwards)
+        policy2.observe_step(1, 0.01107)
+        for _ in range(5):
+            policy2.observe_step(2, 0.0062)
+        _accept(policy2, good, 4, 4, times=20)
+        assert policy2.num_drafts(good, [16]) != [0], forwards
+
+
 def test_a_stall_does_not_price_a_row_count_out() -> None:
     # One 3-row step stalled (46 ms against 8 at 1 and 2 rows). Kept, a second draft would
     # cost 38 ms, the policy would draft one token a step and never measure 3 rows again.

@@ -30,7 +30,11 @@ text that turns predictable is noticed; under load less often, so that its probe
 most PROBE_SHARE of its share of the steps: a probe pays for one more row (and its share of
 a draft forward), which on a CPU at 8 rows can cost a fifth of the step (Qwen2.5-Coder 1.5B
 here: 8 rows 207 ms, 9 rows 247 ms). Probing every 8 steps there made 8 streams that never
-drafted otherwise run at 0.87-0.94x of no speculation.
+drafted otherwise run at 0.87-0.94x of no speculation. Each verify step in a row of which
+nothing is accepted doubles a request's wait for its next probe, up to 2^PROBE_BACKOFF
+times: a probe of the default model's first layers (self_draft) costs most of a step, and
+on text they predict 5% of the time its probes every ~28 steps cost ~3%, most of the 5%
+that the issue's floor (0.95x) leaves.
 
 A draft model knows how sure it is of each draft, and its confidence is well calibrated
 (base.py's DraftStops), so for it (stops_on_confidence) the depth is not chosen ahead:
@@ -47,6 +51,7 @@ from kvserve.spec.base import DRAFT_FORWARDS, DraftStops
 
 PROBE_EVERY = 8
 PROBE_SHARE = 0.03
+PROBE_BACKOFF = 2
 # Tokens a new request decodes before a draft model may catch up on it (read its prompt).
 # A server takes a burst's requests over its next steps, one or two a step (each joins a
 # step that prefills it beside the others' decodes), so the first ones decode beside few
@@ -228,6 +233,7 @@ class SpecPolicy:
         self._accepted: dict[str, float] = {}  # decayed accepted drafts
         self._rejected: dict[str, float] = {}  # decayed first rejections
         self._idle: dict[str, int] = {}  # steps since the request last drafted
+        self._misses: dict[str, int] = {}  # its verify steps in a row with none accepted
         self.forget()
 
     def forget(self) -> None:
@@ -267,6 +273,7 @@ class SpecPolicy:
         for rid, d, e in zip(request_ids, drafts, emitted, strict=True):
             if d:
                 a, r = len(e) - 1, int(len(e) - 1 < len(d))
+                self._misses[rid] = 0 if a else self._misses.get(rid, 0) + 1
                 self._accepted[rid] = self._accepted.get(rid, 0.0) * _DECAY + a
                 self._rejected[rid] = self._rejected.get(rid, 0.0) * _DECAY + r
                 s = self._server
@@ -384,9 +391,9 @@ class SpecPolicy:
             if value > best_value:
                 best_d, best_value = d, value
         ks = [min(best_d, k) for k in own]
-        # Probes: a request at 0 for probe_every steps drafts one token. A proposer's probes
-        # that need its forward (a draft model, Medusa) wait for a step that runs it anyway,
-        # or go all at once.
+        # Probes: a request at 0 for probe_every steps (longer after misses: PROBE_BACKOFF)
+        # drafts one token. A proposer's probes that need its forward (a draft model,
+        # Medusa) wait for a step that runs it anyway, or go all at once.
         probe_price = row_price
         if self.draft_forwards != "none":
             probe_price += self.draft_cost(rows, draft_prior) / max(rows, 1)
@@ -397,7 +404,8 @@ class SpecPolicy:
             rid = r.request_id
             self._idle[rid] = 0 if ks[i] else self._idle.get(rid, 0) + 1
             # (Never a probe that makes a draft model read a whole prompt first.)
-            if not ks[i] and caps[i] and self._idle[rid] >= probe_every \
+            wait = probe_every << min(self._misses.get(rid, 0), PROBE_BACKOFF)
+            if not ks[i] and caps[i] and self._idle[rid] >= wait \
                     and not (catch_up and catch_up[i]):
                 due.append(i)
             # A request a draft model is behind on never probes, so its counts would stay
@@ -448,3 +456,4 @@ class SpecPolicy:
             self._accepted.pop(rid, None)
             self._rejected.pop(rid, None)
             self._idle.pop(rid, None)
+            self._misses.pop(rid, None)

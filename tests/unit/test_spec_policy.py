@@ -8,6 +8,7 @@ from kvserve.request import Request
 from kvserve.sampling_params import SamplingParams
 from kvserve.spec.policy import (
     CATCH_UP_AFTER,
+    PROBE_BACKOFF,
     PROBE_EVERY,
     PROBE_SHARE,
     SpecPolicy,
@@ -118,8 +119,37 @@ def test_an_unpredictable_request_backs_off_then_probes() -> None:
     _cpu_like(policy, 0.012)
     reqs = _reqs(1)
     _accept(policy, reqs, 5, 0)
-    ks = [policy.num_drafts(reqs, [16])[0] for _ in range(PROBE_EVERY)]
-    assert ks == [0] * (PROBE_EVERY - 1) + [1]
+    _accept(policy, reqs, 5, 1, times=1)  # (no miss in a row: 0)
+    _accept(policy, reqs, 5, 0, times=1)
+    assert policy.alpha("0") < 0.2
+    # One miss in a row: the first probe waits twice PROBE_EVERY.
+    ks = [policy.num_drafts(reqs, [16])[0] for _ in range(2 * PROBE_EVERY)]
+    assert ks == [0] * (2 * PROBE_EVERY - 1) + [1]
+
+
+def test_probes_that_miss_wait_longer_up_to_a_bound() -> None:
+    # Every probe rejected: the wait doubles per miss, up to 2**PROBE_BACKOFF times; one
+    # accepted draft brings it back to PROBE_EVERY.
+    policy = SpecPolicy(5)
+    _cpu_like(policy, 0.012)
+    reqs = _reqs(1)
+    _accept(policy, reqs, 5, 0)
+    _accept(policy, reqs, 5, 1, times=1)
+    _accept(policy, reqs, 1, 0, times=1)
+
+    def wait() -> int:
+        for n in range(1, 100):
+            if policy.num_drafts(reqs, [16])[0]:
+                return n
+        raise AssertionError("no probe")
+
+    waits = []
+    for _ in range(PROBE_BACKOFF + 2):
+        waits.append(wait())
+        _accept(policy, reqs, 1, 0, times=1)  # the probe rejected
+    assert waits == [PROBE_EVERY << min(m, PROBE_BACKOFF) for m in range(1, PROBE_BACKOFF + 3)]
+    _accept(policy, reqs, 1, 1, times=1)  # a probe accepted
+    assert wait() == PROBE_EVERY
 
 
 def test_probes_under_load_cost_at_most_their_share() -> None:

@@ -173,6 +173,12 @@ class StepCosts:
                 cost = min(cost, self._estimate(rows, fresh))
         return cost
 
+    def estimate_without(self, rows: int) -> float:
+        """What the other measured row counts say a step of rows costs (its own entry set
+        aside as a stall); its own entry when it is the only one."""
+        others = {n: v for n, v in self.table.items() if n != rows}
+        return self._estimate(rows, others) if others else self(rows)
+
     def _stale(self, rows: int) -> bool:
         """Whether the measured row count rows was last measured over _STALE observations
         ago."""
@@ -299,12 +305,16 @@ class SpecPolicy:
     # -- the decision -------------------------------------------------------------------
 
     def _base(self, rows: int) -> float:
-        """A plain step of `rows`: cost(rows), but no dearer than a step of one row more.
+        """A plain step of `rows`: cost(rows), unless a step of one row more costs less;
+        then the table's estimate from its other row counts (no dearer than that step).
         One stall timed at a row count that the policy then stops running is kept until
         it goes stale (_STALE): a first one-row step of 11 ms against 6 at two rows (the
         default model) made every draft look cheaper than none, and self_draft, accepted
-        5% of the time, drafted at each of 32 steps in a row."""
-        return min(self.cost(rows), self.cost(rows + 1))
+        5% of the time, drafted at each of 32 steps in a row. Capped at the step of one
+        row more alone, the base is a row too dear, and so is a token (c_tok): on a
+        compute-bound CPU a fifth of a step at 8 rows (Qwen2.5-Coder 1.5B)."""
+        cost, above = self.cost(rows), self.cost(rows + 1)
+        return cost if cost <= above else min(self.cost.estimate_without(rows), above)
 
     def _added(self, rows: int, extra: int, base: float) -> float:
         """Seconds `extra` verify rows add to a step of `rows` costing base (_base): the

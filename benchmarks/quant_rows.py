@@ -16,6 +16,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from models import DEFAULT_QTYPES, QWEN_0_5B, QWEN_1_5B, QWEN_1_5B_QTYPES, requantized_file
+
 DEFAULT_FAMILY = "smollm2-135m"
 QWEN05_FAMILY = "qwen2.5-coder-0.5b"
 F32_KEY = "f32"  # the float32 row: the reference of every "PPL vs float32" of its family
@@ -90,7 +92,7 @@ def quant_rows(default_gguf: str, f32_gguf: str, models: Path, quantized: Path,
     def gguf_row(key: str, label: str, file: str, family: str = DEFAULT_FAMILY) -> QuantRow:
         return QuantRow(key, label, family, file, peer_gguf=file)
 
-    qwen05 = str(models / "qwen2.5-coder-0.5b-instruct-q4_k_m.gguf")
+    qwen05 = str(models / QWEN_0_5B)
 
     def quantized_row(key: str, label: str, method: str, args: tuple[str, ...],
                       source: str = float_source, family: str = DEFAULT_FAMILY) -> QuantRow:
@@ -109,24 +111,14 @@ def quant_rows(default_gguf: str, f32_gguf: str, models: Path, quantized: Path,
 
     return [
         gguf_row("q4_1", "SmolLM2-135M Q4_1 (the shipped file)", default_gguf),
-        gguf_row("q4_k_m", "SmolLM2-135M Q4_K_M (llama-quantize of the F32 GGUF)",
-                 str(models / "smollm2-135m-instruct-q4_k_m.gguf")),
-        gguf_row("q8_0", "SmolLM2-135M Q8_0 (llama-quantize of the F32 GGUF)",
-                 str(models / "smollm2-135m-instruct-q8_0.gguf")),
-        gguf_row("f16", "SmolLM2-135M F16 (llama-quantize of the F32 GGUF)",
-                 str(models / "smollm2-135m-instruct-f16.gguf")),
-        gguf_row("bf16", "SmolLM2-135M BF16 (llama-quantize of the F32 GGUF)",
-                 str(models / "smollm2-135m-instruct-bf16.gguf")),
         *(gguf_row(t.lower(), f"SmolLM2-135M {t} (llama-quantize of the F32 GGUF)",
-                   str(models / f"smollm2-135m-instruct-{t.lower()}.gguf"))
-          for t in ("Q4_0", "Q5_0", "Q5_1")),
+                   str(models / requantized_file(t))) for t in DEFAULT_QTYPES),
         gguf_row("qwen1.5b_q4_k_m", "Qwen2.5-Coder-1.5B-Instruct Q4_K_M",
-                 str(models / "qwen2.5-coder-1.5b-instruct-q4_k_m.gguf"), "qwen2.5-coder-1.5b"),
+                 str(models / QWEN_1_5B), "qwen2.5-coder-1.5b"),
         *(gguf_row(f"qwen1.5b_{t.lower()}", f"Qwen2.5-Coder-1.5B-Instruct {t} (llama-quantize "
                    "--allow-requantize of the Q4_K_M file)",
-                   str(models / f"qwen2.5-coder-1.5b-instruct-{t.lower()}.gguf"),
-                   "qwen2.5-coder-1.5b")
-          for t in ("Q2_K", "Q3_K_M", "Q5_K_M", "Q6_K")),
+                   str(models / requantized_file(t, QWEN_1_5B)), "qwen2.5-coder-1.5b")
+          for t in QWEN_1_5B_QTYPES),
         gguf_row("qwen0.5b_q4_k_m", "Qwen2.5-Coder-0.5B-Instruct Q4_K_M",
                  qwen05, QWEN05_FAMILY),
         # The 0.5B's weights dequantized: mostly Q5_0 (5 bits, no minimum), so unlike the

@@ -1,0 +1,112 @@
+"""Speculation configurations side by side in one process: paired rounds where a 3% change
+must show. A default-model run of the spec step is ~4 seconds, and servers a few seconds
+apart on this shared machine spread 0.8-1.15x of each other (benchmarks/spec_cell.py's
+rounds); engines in one process, run back to back, share the machine's state at the time.
+
+Each configuration is one LLM engine (kvserve's own code), all loaded at once; each round
+runs every engine over the same prompts of a task (spec_rows.py's, through the chat
+template), one request at a time, greedy, the order rotated every round. Printed per round:
+each engine's ratio of the first one's wall time over its own (> 1: faster), and its drafts
+and accepted draft tokens; then the median and mean ratio over rounds.
+
+    python benchmarks/spec_pair.py grounded --rounds 12 none= \\
+        'sd={"method": "self_draft", "num_speculative_tokens": 4}' \\
+        'sd_old@/tmp/wt_old={"method": "self_draft", "num_speculative_tokens": 4}'
+
+NAME@TREE=JSON swaps in the speculation policy (kvserve/spec/policy.py's SpecPolicy) of
+another checkout, loaded from its file; the rest of the engine is this tree's. "$DRAFT" in a
+JSON is --draft, "$MEDUSA" --medusa.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import spec_rows as sr
+from models import MODELS, QWEN_0_5B
+
+ROOT = Path(__file__).resolve().parent.parent
+TEXT = ROOT.parent / "shared" / "reference" / "GPL-3.txt"
+MEDUSA = ROOT / "benchmarks" / ".cache" / "spec" / "medusa" / "default"
+
+
+def _policy_class(tree: str) -> type:
+    path = Path(tree) / "kvserve" / "spec" / "policy.py"
+    spec = importlib.util.spec_from_file_location(f"policy_{abs(hash(tree))}", path)
+    assert spec is not None and spec.loader is not None, path
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.SpecPolicy
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("task", choices=list(sr.TASKS))
+    p.add_argument("configs", nargs="+", metavar="NAME[@TREE]=JSON")
+    p.add_argument("--rounds", type=int, default=10)
+    p.add_argument("--prompts", type=int, default=sr.PROMPTS[1])
+    p.add_argument("--model", default="smollm2-135m", help="the target (the default model)")
+    p.add_argument("--draft", default=str(MODELS / QWEN_0_5B))
+    p.add_argument("--medusa", default=str(MEDUSA))
+    ns = p.parse_args()
+    from kvserve import LLM, SamplingParams
+    from kvserve.spec.base import SpecStats
+
+    model = ns.model
+    engines = {}
+    for cfg in ns.configs:
+        name, _, spec = cfg.partition("=")
+        name, _, tree = name.partition("@")
+        kw = {}
+        if spec:
+            kw["speculative_config"] = json.loads(
+                spec.replace("$DRAFT", ns.draft).replace("$MEDUSA", ns.medusa))
+        llm = LLM(model, **kw)
+        runner = llm.llm_engine.runner
+        if tree:
+            if runner.spec_policy is None:
+                raise SystemExit(f"{name}: a policy from {tree} needs a speculative config")
+            old = runner.spec_policy
+            runner.spec_policy = _policy_class(tree)(old.k_max, old.adaptive,
+                                                     old.draft_forwards)
+        engines[name] = llm
+    first = next(iter(engines))
+    tok = engines[first].get_tokenizer()
+    prompts = [line["prompt"] for line in
+               sr.prompt_lines(tok, ns.task, ns.prompts, sr.MAX_TOKENS, TEXT)]
+    sp = SamplingParams(temperature=0, max_tokens=sr.MAX_TOKENS)
+    for llm in engines.values():  # warm-up: the first generation of each engine is cold
+        llm.generate(prompts[:1], sp, use_tqdm=False)
+    names = list(engines)
+    ratios: dict[str, list[float]] = {n: [] for n in names}
+    for r in range(ns.rounds):
+        order = names[r % len(names):] + names[:r % len(names)]
+        seconds, counts = {}, {}
+        for n in order:
+            runner = engines[n].llm_engine.runner
+            runner.spec_stats = SpecStats()
+            t0 = time.perf_counter()
+            for prompt in prompts:  # one stream: one request at a time
+                engines[n].generate([prompt], sp, use_tqdm=False)
+            seconds[n] = time.perf_counter() - t0
+            s = runner.spec_stats
+            counts[n] = f"{s.num_drafts} drafts, {s.num_accepted_tokens}/{s.num_draft_tokens}"
+        for n in names:
+            ratios[n].append(seconds[first] / seconds[n])
+        print(f"round {r}: " + ", ".join(f"{n} {ratios[n][-1]:.3f}x ({counts[n]})"
+                                         for n in names), flush=True)
+    for n, v in ratios.items():
+        print(f"{n}: median {statistics.median(v):.3f}x, mean {statistics.mean(v):.3f}x of "
+              f"{first} over {len(v)} rounds")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -5,7 +5,8 @@ rounds); engines in one process, run back to back, share the machine's state at 
 
 Each configuration is one LLM engine (kvserve's own code), all loaded at once; each round
 runs every engine over the same prompts of a task (spec_rows.py's, through the chat
-template), one request at a time, greedy, the order rotated every round. Printed per round:
+template), greedy, one request at a time (--streams 1) or all of them at once (--streams 8:
+8 prompts in one batch), the order rotated every round. Printed per round:
 each engine's ratio of the first one's wall time over its own (> 1: faster), and its drafts
 and accepted draft tokens; then the median and mean ratio over rounds.
 
@@ -51,7 +52,7 @@ def main() -> int:
     p.add_argument("task", choices=list(sr.TASKS))
     p.add_argument("configs", nargs="+", metavar="NAME[@TREE]=JSON")
     p.add_argument("--rounds", type=int, default=10)
-    p.add_argument("--prompts", type=int, default=sr.PROMPTS[1])
+    p.add_argument("--streams", type=int, default=1, choices=list(sr.PROMPTS))
     p.add_argument("--model", default="smollm2-135m", help="the target (the default model)")
     p.add_argument("--draft", default=str(MODELS / QWEN_0_5B))
     p.add_argument("--medusa", default=str(MEDUSA))
@@ -80,7 +81,7 @@ def main() -> int:
     first = next(iter(engines))
     tok = engines[first].get_tokenizer()
     prompts = [line["prompt"] for line in
-               sr.prompt_lines(tok, ns.task, ns.prompts, sr.MAX_TOKENS, TEXT)]
+               sr.prompt_lines(tok, ns.task, sr.PROMPTS[ns.streams], sr.MAX_TOKENS, TEXT)]
     sp = SamplingParams(temperature=0, max_tokens=sr.MAX_TOKENS)
     for llm in engines.values():  # warm-up: the first generation of each engine is cold
         llm.generate(prompts[:1], sp, use_tqdm=False)
@@ -93,8 +94,8 @@ def main() -> int:
             runner = engines[n].llm_engine.runner
             runner.spec_stats = SpecStats()
             t0 = time.perf_counter()
-            for prompt in prompts:  # one stream: one request at a time
-                engines[n].generate([prompt], sp, use_tqdm=False)
+            for batch in ([[p] for p in prompts] if ns.streams == 1 else [prompts]):
+                engines[n].generate(batch, sp, use_tqdm=False)
             seconds[n] = time.perf_counter() - t0
             s = runner.spec_stats
             counts[n] = f"{s.num_drafts} drafts, {s.num_accepted_tokens}/{s.num_draft_tokens}"

@@ -173,6 +173,10 @@ class StepCosts:
                 cost = min(cost, self._estimate(rows, fresh))
         return cost
 
+    def measured_after(self, a: int, b: int) -> bool:
+        """Whether row count a was last measured after row count b (or b never was)."""
+        return a in self._seen and self._seen[a] > self._seen.get(b, -1)
+
     def estimate_without(self, rows: int) -> float:
         """What the other measured row counts say a step of rows costs (its own entry set
         aside as a stall); its own entry when it is the only one."""
@@ -305,16 +309,21 @@ class SpecPolicy:
     # -- the decision -------------------------------------------------------------------
 
     def _base(self, rows: int) -> float:
-        """A plain step of `rows`: cost(rows), unless a step of one row more costs less;
-        then the table's estimate from its other row counts (no dearer than that step).
-        One stall timed at a row count that the policy then stops running is kept until
-        it goes stale (_STALE): a first one-row step of 11 ms against 6 at two rows (the
-        default model) made every draft look cheaper than none, and self_draft, accepted
-        5% of the time, drafted at each of 32 steps in a row. Capped at the step of one
-        row more alone, the base is a row too dear, and so is a token (c_tok): on a
-        compute-bound CPU a fifth of a step at 8 rows (Qwen2.5-Coder 1.5B)."""
+        """A plain step of `rows`: cost(rows), unless a step of one row more costs less
+        and was measured since; then the table's estimate from its other row counts (no
+        dearer than that step). One stall timed at a row count that the policy then stops
+        running is kept until it goes stale (_STALE): a first one-row step of 11 ms against
+        6 at two rows (the default model) made every draft look cheaper than none, and
+        self_draft, accepted 5% of the time, drafted at each of 32 steps in a row. Capped at
+        the step of one row more alone, the base is a row too dear, and so is a token
+        (c_tok): on a compute-bound CPU a fifth of a step at 8 rows (Qwen2.5-Coder 1.5B).
+        Only where the dearer count is the older: a count measured at every step is not a
+        stall (the default model, 8 streams: 8 rows at 18-20 ms each step, 9 at 16.5 once,
+        and re-estimated at 15.8 the suffix proposer, 97% accepted, stopped drafting)."""
         cost, above = self.cost(rows), self.cost(rows + 1)
-        return cost if cost <= above else min(self.cost.estimate_without(rows), above)
+        if cost <= above or not self.cost.measured_after(rows + 1, rows):
+            return cost
+        return min(self.cost.estimate_without(rows), above)
 
     def _added(self, rows: int, extra: int, base: float) -> float:
         """Seconds `extra` verify rows add to a step of `rows` costing base (_base): the

@@ -87,8 +87,7 @@ def main() -> int:
     servers: dict[str, tuple[subprocess.Popen, int]] = {}
     try:
         for cfg in ns.configs:
-            name, _, spec = cfg.partition("=")
-            name, _, tree = name.partition("@")
+            name, tree, spec = sr.side_by_side(cfg)
             port = _free_port()
             cmd = [KVSERVE, "serve", ns.model, "--host", "127.0.0.1", "--port", str(port),
                    *sr.kvserve_serve_flags(keys)]
@@ -109,8 +108,7 @@ def main() -> int:
         ratios: dict[str, list[float]] = {name: [] for name in servers}
         first = next(iter(servers))
         for r in range(ns.rounds):
-            names = list(servers)
-            names = names[r % len(names):] + names[:r % len(names)]
+            names = sr.rotated(list(servers), r)
             tps: dict[str, float] = {}
             for name in names:
                 port = servers[name][1]

@@ -60,16 +60,14 @@ def main() -> int:
     from kvserve import LLM, SamplingParams
     from kvserve.spec.base import SpecStats
 
-    model = ns.model
     engines = {}
     for cfg in ns.configs:
-        name, _, spec = cfg.partition("=")
-        name, _, tree = name.partition("@")
+        name, tree, spec = sr.side_by_side(cfg)
         kw = {}
         if spec:
             kw["speculative_config"] = json.loads(
                 spec.replace("$DRAFT", ns.draft).replace("$MEDUSA", ns.medusa))
-        llm = LLM(model, **kw)
+        llm = LLM(ns.model, **kw)
         runner = llm.llm_engine.runner
         if tree:
             if runner.spec_policy is None:
@@ -88,9 +86,8 @@ def main() -> int:
     names = list(engines)
     ratios: dict[str, list[float]] = {n: [] for n in names}
     for r in range(ns.rounds):
-        order = names[r % len(names):] + names[:r % len(names)]
         seconds, counts = {}, {}
-        for n in order:
+        for n in sr.rotated(names, r):
             runner = engines[n].llm_engine.runner
             runner.spec_stats = SpecStats()
             t0 = time.perf_counter()

@@ -91,6 +91,20 @@ class SpecConfig:
                 else "lookup")
 
 
+def side_by_side(cfg: str) -> tuple[str, str, str]:
+    """A configuration of spec_cell.py / spec_pair.py, NAME[@TREE]=JSON: (name, the other
+    checkout or "", the --speculative-config JSON or "" for none)."""
+    name, _, spec = cfg.partition("=")
+    name, _, tree = name.partition("@")
+    return name, tree, spec
+
+
+def rotated(names: list[str], round_: int) -> list[str]:
+    """The run order of a round of side-by-side configurations: rotated every round."""
+    k = round_ % len(names)
+    return names[k:] + names[:k]
+
+
 def spec_configs(model: SpecModel, method_configs: dict[str, dict[str, Any]],
                  kvserve_has_spec: bool, llama_server: bool) -> list[SpecConfig]:
     """Every configuration of one model, in run order: kvserve's none then its methods,

@@ -183,7 +183,7 @@ def test_kernel_equals_oracle_bit_for_bit(qlinear_ops: CpuOps, qtype: int, n: in
     g = torch.Generator().manual_seed(n * k)
     # every tile height of both kernels and their leftovers, and prefill-sized Ms: at k = 2048
     # 600 rows are two passes of the AVX2 wide records (~1 MB of activations each)
-    for m in (1, 2, 3, 4, 5, 7, 8, 9, 13, 16, 17, 33, 300, 600):
+    for m in (1, 2, 3, 4, 5, 6, 7, 8, 9, 13, 16, 17, 33, 300, 600):
         x = torch.randn(m, k, generator=g) * 2
         expect = dot_kquant(raw, qtype, quantize_activations_q8_k(x))
         assert torch.equal(qlinear_ops.qlinear_kquant(x, packed, n, wtype=qtype), expect), m

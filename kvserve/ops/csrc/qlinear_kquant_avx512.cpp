@@ -50,10 +50,14 @@ using kq::kQK;
 
 constexpr int64_t kPrefetchBytes = 8192;  // as qlinear_avx512.cpp
 
-inline __m512i bcast4(const int8_t* p) {  // 4 activation bytes to every 32-bit lane
-  int32_t v;
-  __builtin_memcpy(&v, p, 4);
-  return _mm512_set1_epi32(v);
+// acc + the dot products of u's unsigned bytes with the 4 signed activation bytes at p in
+// every 32-bit lane: vpdpbusd with the bytes as its broadcast memory operand ({1to16}), which
+// GCC does not fold from _mm512_set1_epi32, spending a broadcast per multiply.
+inline __m512i dpbusd_bcast(__m512i acc, __m512i u, const int8_t* p) {
+  asm("vpdpbusd %[x]%{1to16%}, %[u], %[acc]"
+      : [acc] "+v"(acc)
+      : [u] "v"(u), [x] "m"(*reinterpret_cast<const int32_t*>(p)));
+  return acc;
 }
 
 inline __m512i load512(const uint8_t* p) { return _mm512_loadu_si512(p); }
@@ -118,8 +122,7 @@ inline void sub_block_sums(const uint8_t* rec, const __m128i* sc, const int8_t* 
       for (int l4 = 0; l4 < 8; ++l4) {
         const __m512i u = Bits::get(rec, h, c, l4);
         for (int m = 0; m < MT; ++m)
-          acc[l4 / 4][m] = _mm512_dpbusd_epi32(acc[l4 / 4][m], u,
-                                               bcast4(x[m] + 128 * h + 32 * c + 4 * l4));
+          acc[l4 / 4][m] = dpbusd_bcast(acc[l4 / 4][m], u, x[m] + 128 * h + 32 * c + 4 * l4);
       }
       for (int half = 0; half < 2; ++half) {
         const __m512i s = _mm512_cvtepi8_epi32(sc[8 * h + 2 * c + half]);
@@ -213,8 +216,8 @@ struct Q45K {
         __m512i wl, wh;
         quants(rec, c, l4, &wl, &wh);
         for (int m = 0; m < MT; ++m) {
-          lo[m] = _mm512_dpbusd_epi32(lo[m], wl, bcast4(x[m] + 64 * c + 4 * l4));
-          hi[m] = _mm512_dpbusd_epi32(hi[m], wh, bcast4(x[m] + 64 * c + 32 + 4 * l4));
+          lo[m] = dpbusd_bcast(lo[m], wl, x[m] + 64 * c + 4 * l4);
+          hi[m] = dpbusd_bcast(hi[m], wh, x[m] + 64 * c + 32 + 4 * l4);
         }
       }
       const __m512i s0 = _mm512_cvtepu8_epi32(sc[2 * c]);
@@ -268,8 +271,7 @@ struct Q6K {
           quants(rec, h, l4, u);
           for (int c = 0; c < 4; ++c)
             for (int m = 0; m < MT; ++m)
-              acc[c][m] = _mm512_dpbusd_epi32(acc[c][m], u[c],
-                                              bcast4(x[m] + 128 * h + 32 * c + 4 * l4));
+              acc[c][m] = dpbusd_bcast(acc[c][m], u[c], x[m] + 128 * h + 32 * c + 4 * l4);
         }
         for (int c = 0; c < 4; ++c) {
           const __m512i s = _mm512_cvtepi8_epi32(
@@ -652,7 +654,16 @@ void run_fmt(const Q8KActs& a, const uint8_t* w, const float* bias, float* out, 
   // Registers (32 zmm): per activation row 2 float sums, one isum and the open sub-block
   // chains (2 for Q2_K..Q5_K, 4 for Q6_K). M == 1: one row, one stream per thread; otherwise
   // 4 rows per tile share each chunk's load and decode, and M == 5 (a speculative step's
-  // K + 1 rows at K = 4) is one tile of 5 rather than 4 and a second pass for one.
+  // K + 1 rows at K = 4) is one tile of 5 rather than 4 and a second pass for one. Q6_K's
+  // four chains a row do not fit 5 rows in registers: at 5 and 6 rows (K = 4, 5) its tiles
+  // of 3 (3 + 2, 3 + 3) run 0.85-0.9x the time of 5 or 4 + 2 (Zen 4, the Qwen2.5-Coder
+  // 1.5B file's Q6_K linears).
+  if constexpr (std::is_same_v<Fmt, Q6K>) {
+    if (a.M == 5 || a.M == 6) {
+      run<Fmt, 3>(a, w, bias, out, N, nthreads);
+      return;
+    }
+  }
   if (a.M == 1) run<Fmt, 1>(a, w, bias, out, N, nthreads);
   else if (a.M == 5) run<Fmt, 5>(a, w, bias, out, N, nthreads);
   else run<Fmt, 4>(a, w, bias, out, N, nthreads);

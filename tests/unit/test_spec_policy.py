@@ -462,6 +462,23 @@ def test_draft_stops_price_each_depth_in_tokens() -> None:
     assert policy.draft_stops(reqs, [2], [4]) == ([2], None)
 
 
+def test_draft_stops_price_the_first_draft_over_the_base() -> None:
+    # The stalled first one-row step of test_a_fresh_dear_row_count_...: 11 ms against 6.2
+    # at two rows, measured since. num_drafts prices a step of one row from two rows' time
+    # at the prior row share (6.2 / 1.05 ms); the first draft's row, 6.2 ms less that, is
+    # 5% of a token. Priced over the stalled 11 ms instead, it was the 2% floor: nearly
+    # free, and a draft model with middling confidence kept drafting.
+    policy = SpecPolicy(4, draft_forwards="per_depth")
+    policy.observe_step(1, 0.01107)
+    for _ in range(5):
+        policy.observe_step(2, 0.0062)
+        policy.observe_draft([(1, 0.0045)])
+    ks, stops = policy.draft_stops(_reqs(1), [1], [4])
+    assert ks == [4] and stops is not None
+    base = 0.0062 / 1.05
+    assert stops.keep[0] == pytest.approx((0.0062 - base) / base)
+
+
 def test_a_request_starts_from_the_servers_acceptance() -> None:
     # A request's prior is what the proposer does on the server's other requests: two
     # rejections at its start do not stop a proposer accepted 80% of the time elsewhere,

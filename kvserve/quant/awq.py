@@ -169,12 +169,14 @@ def awq_scale_layer(w: LayerWeights, x: torch.Tensor, cfg: ModelConfig,
     o = "self_attn.o_proj.weight"
     s = search_scale(o_in, [w[o]], lambda ws: o_in @ ws[0].T, bits, group_size, expand,
                      duo_scaling=duo_scaling)
+    # The attention block's output, taken before the scale moves (v / s, o * s: the same
+    # function), instead of running the attention again.
+    x2 = x + F.linear(o_in, w[o], w.get("self_attn.o_proj.bias"))
     w["self_attn.v_proj.weight"] = w["self_attn.v_proj.weight"] / s[:, None]
     if "self_attn.v_proj.bias" in w:
         w["self_attn.v_proj.bias"] = w["self_attn.v_proj.bias"] / s
     w[o] = w[o] * s[expand]
     # 3. post_attention_layernorm -> gate, up; judged on the MLP output.
-    x2 = x + attention(rms_norm(x, w["input_layernorm.weight"], eps), w, cfg, rope)
     h2 = rms_norm(x2, w["post_attention_layernorm.weight"], eps)
     s = search_scale(h2, [w[n] for n in gate_up],
                      lambda ws: mlp(h2, with_(gate_up, ws)), bits, group_size,

@@ -63,7 +63,7 @@ _SOURCES = ("bindings.cpp", "llama_stack.cpp", "linear.cpp", "linear_avx512.cpp"
             "qlinear.cpp", "qlinear_avx512.cpp", "attention.cpp", "elementwise.cpp",
             "qlinear_kquant.cpp", "qlinear_kquant_avx512.cpp")
 _HEADERS = ("kernels.h", "simd.h", "tiles.h", "tensor_args.h", "llama_stack.h", "kquant.h",
-            "kquant_driver.h")
+            "kquant_driver.h", "vnni.h")
 # -ffp-contract=off: the kernels ask for FMAs explicitly; elsewhere (RoPE, norm scaling) it
 # keeps the reference's separate roundings, so those ops match torch bit for bit.
 _CFLAGS = ("-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-ffp-contract=off", "-DNDEBUG")

@@ -35,11 +35,7 @@ namespace {
 // linear_avx512.cpp.
 constexpr int64_t kPrefetchBytes = 8192;
 
-inline __m512i bcast4(const int8_t* p) {  // 4 activation bytes to every 32-bit lane
-  int32_t v;
-  __builtin_memcpy(&v, p, 4);
-  return _mm512_set1_epi32(v);
-}
+#include "vnni.h"  // dpbusd_bcast
 
 // G consecutive groups (16 rows each) against MT activation rows m0.. of `a`, records of the
 // format W (kernels.h packed_format).
@@ -81,8 +77,8 @@ inline void tile(const QActs& a, int64_t m0, const uint8_t* w, int64_t gbytes,
                                               static_cast<char>(16 << c))), wh, bit4);
           }
           for (int m = 0; m < MT; ++m) {
-            lo[g][m] = _mm512_dpbusd_epi32(lo[g][m], wl, bcast4(xq + m * K + 4 * c));
-            hi[g][m] = _mm512_dpbusd_epi32(hi[g][m], wh, bcast4(xq + m * K + 16 + 4 * c));
+            lo[g][m] = dpbusd_bcast(lo[g][m], wl, xq + m * K + 4 * c);
+            hi[g][m] = dpbusd_bcast(hi[g][m], wh, xq + m * K + 16 + 4 * c);
           }
         }
       } else {
@@ -90,8 +86,8 @@ inline void tile(const QActs& a, int64_t m0, const uint8_t* w, int64_t gbytes,
           const __m512i v0 = _mm512_loadu_si512(r + F.qs + 64 * c);
           const __m512i v1 = _mm512_loadu_si512(r + F.qs + 64 + 64 * c);
           for (int m = 0; m < MT; ++m) {
-            lo[g][m] = _mm512_dpbusd_epi32(lo[g][m], v0, bcast4(xq + m * K + 4 * c));
-            hi[g][m] = _mm512_dpbusd_epi32(hi[g][m], v1, bcast4(xq + m * K + 4 * c + 4));
+            lo[g][m] = dpbusd_bcast(lo[g][m], v0, xq + m * K + 4 * c);
+            hi[g][m] = dpbusd_bcast(hi[g][m], v1, xq + m * K + 4 * c + 4);
           }
         }
       }

@@ -50,15 +50,7 @@ using kq::kQK;
 
 constexpr int64_t kPrefetchBytes = 8192;  // as qlinear_avx512.cpp
 
-// acc + the dot products of u's unsigned bytes with the 4 signed activation bytes at p in
-// every 32-bit lane: vpdpbusd with the bytes as its broadcast memory operand ({1to16}), which
-// GCC does not fold from _mm512_set1_epi32, spending a broadcast per multiply.
-inline __m512i dpbusd_bcast(__m512i acc, __m512i u, const int8_t* p) {
-  asm("vpdpbusd %[x]%{1to16%}, %[u], %[acc]"
-      : [acc] "+v"(acc)
-      : [u] "v"(u), [x] "m"(*reinterpret_cast<const int32_t*>(p)));
-  return acc;
-}
+#include "vnni.h"  // dpbusd_bcast
 
 inline __m512i load512(const uint8_t* p) { return _mm512_loadu_si512(p); }
 

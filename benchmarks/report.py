@@ -173,8 +173,10 @@ class Report:
             (f"- llama.cpp build: native (`-DGGML_NATIVE=ON`); its CPU features: "
             f"`{sysinfo or 'n/a'}`"),
             (f"- Versions: kvserve `{v.get('kvserve')}`, torch {v.get('torch')}, transformers "
-            f"{v.get('transformers')}, llama-cpp-python {v.get('llama_cpp_python')}, "
-            f"llama-server `{v.get('llama_server')}`"),
+             f"{v.get('transformers')}, llama-cpp-python {v.get('llama_cpp_python')}, "
+             f"llama-server `{v.get('llama_server')}`" if v else
+             "- Versions: not recorded by this run (each later step's run records its own: "
+             "`partial_runs` in results/manifest.json)"),
             (f"- Weights: by default kvserve runs the shipped GGUF's **{self.file_format()} "
             f"blocks with llama.cpp's arithmetic** (`--quantization gguf`: the same bytes, "
             f"repacked at load; activations quantized to int8 per 32 values; a float16 KV "

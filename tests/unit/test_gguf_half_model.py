@@ -29,7 +29,8 @@ def test_half_matrices_stay_16_bit_and_give_the_float32_logits(tmp_path: Path,
     types = {f"blk.{i}.{t}.weight": q for i, q in ((0, Q.F16), (1, Q.BF16)) for t in LINEARS}
     types["output.weight"] = Q.F16
     path = tmp_path / "half.gguf"
-    stored = write_gguf(path, n_layers=2, types=types)
+    # positions for a prompt past small_m, which is 2048 rows on AVX-512
+    stored = write_gguf(path, n_layers=2, types=types, context_length=4096)
     ck = load_checkpoint(str(path))
     ops = CpuOps(fuse_layers=fuse)
     half = build_model(ck, ops, torch.float32, "gguf")
@@ -50,7 +51,7 @@ def test_half_matrices_stay_16_bit_and_give_the_float32_logits(tmp_path: Path,
     prompt = torch.randint(0, vocab, (ops.small_m + 9,), generator=g).tolist()
     runs = []
     for model in (half, floats):
-        runner = PagedSequence(model, block_size=16)
+        runner = PagedSequence(model, num_blocks=(len(prompt) + 3) // 16 + 2, block_size=16)
         seq = runner.new_seq()
         out = [runner.forward({seq: prompt})[0]]
         for t in (3, 17, 5):

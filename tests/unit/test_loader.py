@@ -81,13 +81,14 @@ def _raw(rng: np.random.Generator, shape: tuple[int, ...], qtype: Q) -> np.ndarr
 
 def write_gguf(path: Path, arch: str = "llama", *, n_layers: int = 2, tied: bool = False,
                drop: tuple[str, ...] = (), types: dict[str, Q] | None = None,
-               metadata: bool = True, seed: int = 0) -> dict[str, tuple[np.ndarray, Q]]:
+               metadata: bool = True, seed: int = 0, context_length: int = 512
+               ) -> dict[str, tuple[np.ndarray, Q]]:
     """Write a tiny model; returns GGUF name -> (stored data, type)."""
     rng = np.random.default_rng(seed)
     w = gguf.GGUFWriter(str(path), arch)
     if metadata:
         w.add_block_count(n_layers)
-        w.add_context_length(512)
+        w.add_context_length(context_length)
         w.add_embedding_length(HIDDEN)
         w.add_feed_forward_length(FFN)
         w.add_head_count(N_HEAD)

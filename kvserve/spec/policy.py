@@ -464,12 +464,12 @@ class SpecPolicy:
         c_tok = base / max(rows, 1)
         draft_prior = self._draft_prior()
         share = self.draft_cost(n, draft_prior) / n / c_tok
-        # Draft j's verify row: the (j + 1)-th of each of the n drafting requests, the
-        # first priced over the base as num_drafts prices it (a stalled step of `rows`
-        # made the first drafts look free).
-        keep = [(self._added(rows, n, base) if j == 0 else max(
-            self.cost(rows + n * (j + 1)) - self.cost(rows + n * j),
-            n * _MIN_ROW_SHARE * base)) / n / c_tok for j in range(max(ks))]
+        # Draft j's verify row: the (j + 1)-th of each of the n drafting requests, priced
+        # over the step without it; the first over the base, as num_drafts prices it (a
+        # stalled step of `rows` made the first drafts look free).
+        below = [base, *(self.cost(rows + n * j) for j in range(1, max(ks)))]
+        keep = [max(self.cost(rows + n * (j + 1)) - b, n * _MIN_ROW_SHARE * base) / n / c_tok
+                for j, b in enumerate(below)]
         more = [row + share for row in keep]
         return ks, DraftStops(keep, more, [self.alpha(r.request_id) for r in requests])
 

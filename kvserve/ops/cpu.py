@@ -64,6 +64,7 @@ _SOURCES = ("bindings.cpp", "llama_stack.cpp", "linear.cpp", "linear_avx512.cpp"
             "qlinear_kquant.cpp", "qlinear_kquant_avx512.cpp")
 _HEADERS = ("kernels.h", "simd.h", "tiles.h", "tensor_args.h", "llama_stack.h", "kquant.h",
             "kquant_driver.h", "vnni.h")
+KERNEL_FILES = _SOURCES + _HEADERS  # every file of csrc/ that a build reads (and is keyed on)
 # -ffp-contract=off: the kernels ask for FMAs explicitly; elsewhere (RoPE, norm scaling) it
 # keeps the reference's separate roundings, so those ops match torch bit for bit.
 _CFLAGS = ("-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-ffp-contract=off", "-DNDEBUG")
@@ -124,7 +125,7 @@ def cpu_has_avx2_fma() -> bool:
 
 
 def extension_name() -> str:
-    return _name(read_sources(_CSRC, _SOURCES + _HEADERS))
+    return _name(read_sources(_CSRC, KERNEL_FILES))
 
 
 def build_directory() -> Path:
@@ -149,9 +150,15 @@ def load_extension() -> ModuleType:
 def _build_once() -> ModuleType | RuntimeError:
     """The outcome is cached per process, failures included: get_ops("auto") may ask many
     times, and a broken toolchain must cost one failed build, not one per call."""
+    return build_extension(read_sources(_CSRC, KERNEL_FILES))
+
+
+def build_extension(files: dict[str, bytes]) -> ModuleType | RuntimeError:
+    """Build (first time) and import the kernels from these sources (KERNEL_FILES by name:
+    this install's, or another revision's for benchmarks/kernel_ab.py), in the build
+    directory their bytes name; the error instead of raising it."""
     from torch.utils.cpp_extension import load
 
-    files = read_sources(_CSRC, _SOURCES + _HEADERS)
     name = _name(files)
     build_dir = extensions_root() / name
     try:
@@ -212,15 +219,16 @@ class CpuOps(ReferenceOps):
     name = "cpu"
 
     def __init__(self, use_kernels: bool | None = None, isa: str | None = None,
-                 fuse_layers: bool = True) -> None:
+                 fuse_layers: bool = True, ext: ModuleType | None = None) -> None:
         """use_kernels=None: use them when the CPU supports them (building on first use);
-        False: behave exactly like ReferenceOps.
+        False: behave exactly like ReferenceOps. ext: the kernels' module when using them
+        (default: this install's build; benchmarks/kernel_ab.py passes another revision's).
         isa: the kernels' instruction set, one of ISAS; None reads KVSERVE_CPU_ISA and, when
         that is unset, takes the best this CPU runs. "avx512" on a CPU without AVX-512F, or
         "amx" on one without AMX-INT8, is a ValueError."""
         if use_kernels is None:
             use_kernels = cpu_has_avx2_fma()
-        self._ext = load_extension() if use_kernels else None
+        self._ext = (ext or load_extension()) if use_kernels else None
         isa = isa or os.environ.get("KVSERVE_CPU_ISA") or None
         if isa is not None and isa not in ISAS:
             raise ValueError(f"isa (or KVSERVE_CPU_ISA) must be one of {', '.join(ISAS)}, "

@@ -21,7 +21,7 @@ from kvserve.ops import build
 from kvserve.ops import cpu as cpu_mod
 
 ROOT = Path(__file__).resolve().parents[2]
-NAMES = cpu_mod._SOURCES + cpu_mod._HEADERS
+NAMES = cpu_mod.KERNEL_FILES
 
 
 def copy_csrc(dest: Path) -> Path:

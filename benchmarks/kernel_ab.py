@@ -1,0 +1,110 @@
+"""Two builds of the CPU kernels in one process, timed in alternating rounds: the working
+tree's csrc/ against another git revision's, on every K-quant linear of a GGUF file.
+
+    python benchmarks/kernel_ab.py [--base HEAD] [--rows 1,5,16,512] [--rounds 9]
+                                   [--model FILE.gguf] [--isa avx512|avx2] [-D NAME=VALUE]
+
+A kernel change of a few percent drowns in this machine's drift between runs (its read rate
+moves 30-60 GB/s from minute to minute), so both builds run in the same process, on the same
+packed weights and activations, each round in turn (the first build first on even rounds).
+Each build is compiled once into its own directory (kvserve.ops.cpu.build_extension, keyed
+on the sources' bytes), so a revision built before costs nothing. -D NAME=VALUE is prepended
+to the working tree's qlinear_kquant*.cpp as a #define: a knob a kernel file reads with
+#ifndef, tried at several values without editing it (the file's default needs no -D).
+
+Prints per M the milliseconds of all the linears (median over rounds) for each build and
+the median per-round ratio tree / base: below 1 the tree is faster. The outputs of the two
+builds are compared bit for bit first (the kernels' contract: same sums, same bits).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import subprocess
+import time
+from pathlib import Path
+
+import torch
+from kquant_stream import DEFAULT, load  # benchmarks/kquant_stream.py
+
+from kvserve.ops.cpu import KERNEL_FILES, CpuOps, build_extension, read_sources
+
+ROOT = Path(__file__).resolve().parent.parent
+CSRC = "kvserve/ops/csrc"
+
+
+def revision_files(rev: str) -> dict[str, bytes]:
+    """KERNEL_FILES as they are at git revision rev."""
+    return {name: subprocess.run(["git", "show", f"{rev}:{CSRC}/{name}"], cwd=ROOT,
+                                 check=True, capture_output=True).stdout
+            for name in KERNEL_FILES}
+
+
+def with_defines(files: dict[str, bytes], defines: list[str]) -> dict[str, bytes]:
+    """files with each NAME=VALUE as a #define at the top of the K-quant kernel files."""
+    head = "".join(f"#define {d.replace('=', ' ', 1)}\n" for d in defines).encode()
+    return {n: head + b if n.startswith("qlinear_kquant") else b for n, b in files.items()}
+
+
+def ops_for(files: dict[str, bytes], isa: str | None) -> CpuOps:
+    ext = build_extension(files)
+    if isinstance(ext, RuntimeError):
+        raise ext
+    return CpuOps(isa=isa, ext=ext)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--base", default="HEAD", help="the git revision to compare against")
+    ap.add_argument("--model", type=Path, default=DEFAULT)
+    ap.add_argument("--rows", default="1,5,16,512", help="comma-separated M")
+    ap.add_argument("--rounds", type=int, default=9)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--isa", choices=("avx512", "avx2"), help="kernel ISA (default: best)")
+    ap.add_argument("-D", dest="defines", action="append", default=[], metavar="NAME=VALUE",
+                    help="a #define for the working tree's K-quant kernel files (repeatable)")
+    a = ap.parse_args()
+    torch.set_num_threads(a.threads)
+    tree_files = with_defines(read_sources(ROOT / CSRC, KERNEL_FILES), a.defines)
+    builds = {"base": ops_for(revision_files(a.base), a.isa), "tree": ops_for(tree_files, a.isa)}
+    mats = load(a.model)
+    ms = [int(m) for m in a.rows.split(",")]
+    g = torch.Generator().manual_seed(0)
+    xs = {(m, k): torch.randn(m, k, generator=g) for m in ms for _, _, _, k in mats}
+
+    for m in ms:  # same sums, same bits: a timing of a wrong kernel means nothing
+        for qt, w, n, k in mats[:7]:
+            base, tree = (b.qlinear_kquant(xs[(m, k)], w, n, wtype=qt) for b in builds.values())
+            assert torch.equal(base, tree), f"the builds differ at M={m}, wtype {qt}, {n}x{k}"
+
+    def timed(ops: CpuOps, m: int) -> float:
+        t = time.perf_counter()
+        for qt, w, n, k in mats:
+            ops.qlinear_kquant(xs[(m, k)], w, n, wtype=qt)
+        return (time.perf_counter() - t) * 1e3
+
+    times: dict[tuple[str, int], list[float]] = {(b, m): [] for b in builds for m in ms}
+    ratios: dict[int, list[float]] = {m: [] for m in ms}
+    for r in range(a.rounds + 1):  # round 0 warms up: page faults, the unpack buffers
+        order = list(builds) if r % 2 == 0 else list(reversed(builds))
+        for m in ms:
+            got = {b: timed(builds[b], m) for b in order}
+            if r:
+                for b, t in got.items():
+                    times[(b, m)].append(t)
+                ratios[m].append(got["tree"] / got["base"])
+    isa = builds["tree"].isa
+    print(f"{a.model.name}: {len(mats)} K-quant linears; kernels {isa}, {a.threads} threads; "
+          f"base {a.base}, tree{' ' + ' '.join(a.defines) if a.defines else ''}; ms, median "
+          f"of {a.rounds} rounds")
+    print(f"{'rows':>5} {'base':>9} {'tree':>9} {'tree/base':>10} {'range':>12}")
+    for m in ms:
+        rs = ratios[m]
+        print(f"{m:5d} {statistics.median(times[('base', m)]):9.2f} "
+              f"{statistics.median(times[('tree', m)]):9.2f} {statistics.median(rs):10.3f} "
+              f"{min(rs):5.2f}-{max(rs):.2f}")
+
+
+if __name__ == "__main__":
+    main()

@@ -20,7 +20,8 @@
 // The integer sums are exact, the float steps per (m, n, super-block) fixed by the spec, so the
 // bits equal the AVX2 twin's and the oracle's whatever the tile.
 //
-// On a CPU with AMX (amx_rows, below) the dot products of 32+ activation rows run on tiles.
+// From 32 activation rows a pass reads its group's records unpacked once ("wide records",
+// below); on a CPU with AMX (amx_rows, below) those rows' dot products run on tiles instead.
 //
 // As in qlinear_avx512.cpp, the target pragma covers only this file's code after the headers,
 // everything is internal except qlinear_kquant_avx512(), and bindings call it only when
@@ -53,7 +54,7 @@ using kq::kQK;
 // the time of 8 KB at 1, 2, 5 rows (4 KB 0.94x, 0.92x, 0.97x; 16 KB 1.03x at 1 row).
 constexpr int64_t kPrefetchBytes = 2048;
 
-#include "vnni.h"  // dpbusd_bcast
+#include "vnni.h"  // dpbusd_bcast, dpwssd_bcast
 
 inline __m512i load512(const uint8_t* p) { return _mm512_loadu_si512(p); }
 
@@ -78,24 +79,20 @@ inline __m512i move_bit(__m512i v, int from, int to) {
 // both bytes of the lane's halves, or an int16 pair (a, a) for vpdpwssd.
 inline __m512i dup16(__m512i a) { return _mm512_or_si512(a, _mm512_slli_epi32(a, 16)); }
 
-// The int16 pair (p[0], p[1]) in every 32-bit lane.
-inline __m512i bcast_pair(const int16_t* p) {
-  int32_t v;
-  __builtin_memcpy(&v, p, 4);
-  return _mm512_set1_epi32(v);
-}
-
 // Q4_K / Q5_K: msum[m] = sum_s min_s * (the two bsums of sub-block s), one vpdpwssd of the
 // pair (min_s, min_s) with the pair of bsums per sub-block (exact in int32).
+// dup: each sub-block's pair (min_s, min_s) (min_dups).
 template <int MT>
-inline void min_sums(const __m128i* mn, const int16_t* const* bs, __m512i* msum) {
-  __m512i dup[8];
-  for (int s = 0; s < 8; ++s) dup[s] = dup16(_mm512_cvtepu8_epi32(mn[s]));
+inline void min_sums(const __m512i* dup, const int16_t* const* bs, __m512i* msum) {
   for (int m = 0; m < MT; ++m) {
     __m512i acc = _mm512_setzero_si512();
-    for (int s = 0; s < 8; ++s) acc = _mm512_dpwssd_epi32(acc, dup[s], bcast_pair(bs[m] + 2 * s));
+    for (int s = 0; s < 8; ++s) acc = dpwssd_bcast(acc, dup[s], bs[m] + 2 * s);
     msum[m] = acc;
   }
+}
+
+inline void min_dups(const __m128i* mn, __m512i* dup) {
+  for (int s = 0; s < 8; ++s) dup[s] = dup16(_mm512_cvtepu8_epi32(mn[s]));
 }
 
 // dot<MT>(rec, x, bs, isum, msum): isum[m] / msum[m] lane r = row r's isum / msum for
@@ -221,7 +218,9 @@ struct Q45K {
         isum[m] = _mm512_add_epi32(isum[m], _mm512_add_epi32(_mm512_mullo_epi32(lo[m], s0),
                                                              _mm512_mullo_epi32(hi[m], s1)));
     }
-    min_sums<MT>(mn, bs, msum);
+    __m512i dup[8];
+    min_dups(mn, dup);
+    min_sums<MT>(dup, bs, msum);
   }
 };
 using Q4K = Q45K<false>;
@@ -271,6 +270,133 @@ struct Q6K {
         for (int c = 0; c < 4; ++c) {
           const __m512i s = _mm512_cvtepi8_epi32(
               load128(rec + kq::kQ6KScales + 16 * (8 * h + 2 * c + half)));
+          for (int m = 0; m < MT; ++m)
+            isum[m] = _mm512_add_epi32(isum[m], _mm512_mullo_epi32(acc[c][m], s));
+        }
+      }
+  }
+};
+
+// --- Wide records: Q4_K, Q5_K, Q6_K at kWideMinRows+ rows where AMX's tiles do not run ---
+//
+// A pass of many activation rows reads its group's records unpacked once (unpack_group) into
+// "wide" records, which tile<> reads as it reads packed ones: each chunk's 16 x 4 quants
+// already a byte each (the packed format's own quants(), stored), each sub-block's scales
+// already int32 lanes, Q4_K / Q5_K's min pairs already int16 pairs. The inner loop is then
+// one load per chunk and a vpdpbusd per activation row: the decoding (and, shift, or per
+// chunk), which a packed tile of 4 rows repeats for every 4 rows, is done once per pass. The
+// products and sums are the packed dot's, in its order, so the bits are too.
+//
+// Zen 4, every K-quant linear of the Qwen2.5-Coder 1.5B Q4_K_M file against the packed tiles
+// (benchmarks/kernel_ab.py, paired rounds): 0.90-0.92x the time at 512 rows, 0.90-0.96x at 64,
+// 0.94x at 32 and 48; 1.02x at 24, 1.09x at 16, 1.27x at 8: below ~32 rows the unpacking (5
+// KB written per record and pass) costs more than the decoding it saves. 6 rows a tile: the
+// same as 4; 8: 1.05x (spills).
+//
+//   Q4_K / Q5_K  | d[16] dmin[16] | min pairs: 8 x 64 | scales: 8 x 64 | quants: 64 x 64 |
+//                  quants chunk 2 (8c + l4) + 0 / 1: sub-block 2c / 2c + 1, of chunk row c
+//   Q6_K         | d[16], 32 unused | scales: 16 x 64 (sub-block s) | quants: 64 x 64 |
+//                  quants chunk 4 (8h + l4) + c: Q6K::quants(h, l4)[c]
+// Knobs for benchmarks/kernel_ab.py -D: where the wide records start, their rows per tile.
+#ifndef KVS_WIDE_MIN_ROWS
+#define KVS_WIDE_MIN_ROWS 32
+#endif
+#ifndef KVS_WIDE_MT
+#define KVS_WIDE_MT 4
+#endif
+constexpr int64_t kWideMinRows = KVS_WIDE_MIN_ROWS;
+constexpr int kWideMT = KVS_WIDE_MT;
+
+inline void store512(uint8_t* p, __m512i v) { _mm512_storeu_si512(p, v); }
+
+template <bool kHighBit>
+struct WideQ45K {
+  using Packed = Q45K<kHighBit>;
+  static constexpr int64_t kMins = 64, kScales = 576, kQuants = 1088;
+  static constexpr int64_t kRecord = kQuants + 64 * 64;
+  static constexpr int64_t kD = 0, kDmin = 32;
+  static constexpr bool kMin = true, kJoint = false;
+  static inline void unpack(const uint8_t* rec, uint8_t* dst) {
+    __builtin_memcpy(dst, rec, 64);  // d, dmin: the packed record's first 64 bytes
+    __m128i sc[8], mn[8];
+    kq::q4k_scales(rec + Packed::kScales, sc, mn);
+    __m512i dup[8];
+    min_dups(mn, dup);
+    for (int s = 0; s < 8; ++s) {
+      store512(dst + kMins + 64 * s, dup[s]);
+      store512(dst + kScales + 64 * s, _mm512_cvtepu8_epi32(sc[s]));
+    }
+    for (int c = 0; c < 4; ++c)
+      for (int l4 = 0; l4 < 8; ++l4) {
+        __m512i lo, hi;
+        Packed::quants(rec, c, l4, &lo, &hi);
+        store512(dst + kQuants + 128 * (8 * c + l4), lo);
+        store512(dst + kQuants + 128 * (8 * c + l4) + 64, hi);
+      }
+  }
+  template <int MT>
+  static inline void dot(const uint8_t* rec, const int8_t* const* x, const int16_t* const* bs,
+                         __m512i* isum, __m512i* msum) {
+    for (int m = 0; m < MT; ++m) isum[m] = _mm512_setzero_si512();
+    for (int c = 0; c < 4; ++c) {
+      __m512i lo[MT], hi[MT];
+      for (int m = 0; m < MT; ++m) lo[m] = hi[m] = _mm512_setzero_si512();
+      for (int l4 = 0; l4 < 8; ++l4) {
+        const uint8_t* q = rec + kQuants + 128 * (8 * c + l4);
+        const __m512i wl = load512(q), wh = load512(q + 64);
+        for (int m = 0; m < MT; ++m) {
+          lo[m] = dpbusd_bcast(lo[m], wl, x[m] + 64 * c + 4 * l4);
+          hi[m] = dpbusd_bcast(hi[m], wh, x[m] + 64 * c + 32 + 4 * l4);
+        }
+      }
+      const __m512i s0 = load512(rec + kScales + 64 * (2 * c));
+      const __m512i s1 = load512(rec + kScales + 64 * (2 * c + 1));
+      for (int m = 0; m < MT; ++m)
+        isum[m] = _mm512_add_epi32(isum[m], _mm512_add_epi32(_mm512_mullo_epi32(lo[m], s0),
+                                                             _mm512_mullo_epi32(hi[m], s1)));
+    }
+    __m512i dup[8];
+    for (int s = 0; s < 8; ++s) dup[s] = load512(rec + kMins + 64 * s);
+    min_sums<MT>(dup, bs, msum);
+  }
+};
+
+struct WideQ6K {
+  static constexpr int64_t kScales = 64, kQuants = 1088, kRecord = kQuants + 64 * 64;
+  static constexpr int64_t kD = 0, kDmin = 0;
+  static constexpr bool kMin = false, kJoint = false;
+  static inline void unpack(const uint8_t* rec, uint8_t* dst) {
+    __builtin_memcpy(dst, rec + kq::kQ6KD, 32);
+    for (int sb = 0; sb < 16; ++sb)
+      store512(dst + kScales + 64 * sb,
+               _mm512_cvtepi8_epi32(load128(rec + kq::kQ6KScales + 16 * sb)));
+    for (int h = 0; h < 2; ++h)
+      for (int l4 = 0; l4 < 8; ++l4) {
+        __m512i u[4];
+        Q6K::quants(rec, h, l4, u);
+        for (int c = 0; c < 4; ++c) store512(dst + kQuants + 64 * (4 * (8 * h + l4) + c), u[c]);
+      }
+  }
+  template <int MT>
+  static inline void dot(const uint8_t* rec, const int8_t* const* x, const int16_t* const* bs,
+                         __m512i* isum, __m512i*) {
+    for (int m = 0; m < MT; ++m) isum[m] = _mm512_setzero_si512();
+    for (int h = 0; h < 2; ++h)
+      for (int half = 0; half < 2; ++half) {
+        __m512i acc[4][MT];  // as Q6K::dot's
+        for (int c = 0; c < 4; ++c)
+          for (int m = 0; m < MT; ++m)
+            acc[c][m] = _mm512_set1_epi32(-32 * bs[m][8 * h + 2 * c + half]);
+        for (int e = 0; e < 4; ++e) {
+          const int l4 = 4 * half + e;
+          for (int c = 0; c < 4; ++c) {
+            const __m512i u = load512(rec + kQuants + 64 * (4 * (8 * h + l4) + c));
+            for (int m = 0; m < MT; ++m)
+              acc[c][m] = dpbusd_bcast(acc[c][m], u, x[m] + 128 * h + 32 * c + 4 * l4);
+          }
+        }
+        for (int c = 0; c < 4; ++c) {
+          const __m512i s = load512(rec + kScales + 64 * (8 * h + 2 * c + half));
           for (int m = 0; m < MT; ++m)
             isum[m] = _mm512_add_epi32(isum[m], _mm512_mullo_epi32(acc[c][m], s));
         }
@@ -391,7 +517,7 @@ template <int n>
 inline __m512i pair_dots(const uint8_t* pairs, const int16_t* bs) {
   __m512i acc = _mm512_setzero_si512();
   for (int j = 0; j < n; ++j)
-    acc = _mm512_dpwssd_epi32(acc, _mm512_load_si512(pairs + 64 * j), bcast_pair(bs + 2 * j));
+    acc = dpwssd_bcast(acc, _mm512_load_si512(pairs + 64 * j), bs + 2 * j);
   return acc;
 }
 
@@ -609,6 +735,11 @@ struct AmxQ6K : Q6K {
   static constexpr int64_t kPairsPerBlock = 16;
 };
 
+template <class Fmt> struct Wide { using type = void; };
+template <> struct Wide<Q4K> { using type = WideQ45K<false>; };
+template <> struct Wide<Q5K> { using type = WideQ45K<true>; };
+template <> struct Wide<Q6K> { using type = WideQ6K; };
+
 template <class Fmt> struct Amx { using type = void; };
 template <> struct Amx<Q4K> { using type = AmxQ45K<false>; };
 template <> struct Amx<Q5K> { using type = AmxQ45K<true>; };
@@ -642,6 +773,22 @@ void run_fmt(const Q8KActs& a, const uint8_t* w, const float* bias, float* out, 
           amx_rows<AmxFmt>(rows, a, m, ub, pa, pa_row, bg, o, N, cols);
         }
         if (configured) _tile_release();
+      });
+      return;
+    }
+  }
+  using WideFmt = typename Wide<Fmt>::type;
+  if constexpr (!std::is_void_v<WideFmt>) {
+    if (a.M >= kWideMinRows) {
+      // As the AVX2 wide records: a pass of ~1 MB of activations unpacks its group once,
+      // then kWideMT rows per tile read it from cache.
+      run_passes<kWideMT>(a, w, Fmt::kRecord, bias, out, N, nthreads, 1 << 20,
+                          [&](int64_t p0, int64_t p1, const uint8_t* gw, const float* bg,
+                              float* o, int64_t cols) {
+        const uint8_t* ub = unpack_group(gw, a.K / kQK, Fmt::kRecord, WideFmt::kRecord,
+                                         WideFmt::unpack);
+        for (int64_t m = p0; m < p1; m += kWideMT)
+          some_rows<WideFmt, kWideMT>(min64(kWideMT, p1 - m), false, a, m, ub, bg, o, N, cols);
       });
       return;
     }

@@ -12,3 +12,12 @@ inline __m512i dpbusd_bcast(__m512i acc, __m512i u, const int8_t* p) {
       : [u] "v"(u), [x] "m"(*reinterpret_cast<const int32_t*>(p)));
   return acc;
 }
+
+// acc + in each 32-bit lane the dot product of v's int16 pair with the int16 pair at p:
+// vpdpwssd with the pair as its broadcast memory operand, for the same reason.
+inline __m512i dpwssd_bcast(__m512i acc, __m512i v, const int16_t* p) {
+  asm("vpdpwssd %[x]%{1to16%}, %[v], %[acc]"
+      : [acc] "+v"(acc)
+      : [v] "v"(v), [x] "m"(*reinterpret_cast<const int32_t*>(p)));
+  return acc;
+}

@@ -67,6 +67,7 @@ class QuantizeArgs:
     sym: bool = False
     act_order: bool = False
     static_groups: bool = False  # gptq: every group's grid fixed before any update
+    mse: float = 0.0  # gptq / int4 / int8: > 0 searches each group's range (this norm)
     calib: str | None = None
     calib_tokens: int | None = None  # None: calibration.DEFAULT_TOKENS, or the text's all
     seq_len: int = 512
@@ -100,6 +101,12 @@ class QuantizeArgs:
             if given and self.method != only:
                 raise ValueError(f"{flag} is {_OPTION_OF[only]} option; --method is "
                                  f"{self.method}")
+        if self.mse < 0:
+            raise ValueError(f"--mse must be >= 0 (0: the plain min / max range), got "
+                             f"{self.mse}")
+        if self.mse > 0 and self.method not in ("gptq", "int4", "int8"):
+            raise ValueError(f"--mse is a gptq / int4 / int8 option (their grids' range "
+                             f"search); --method is {self.method}")
         if self.method in CALIBRATED:
             if self.calib is None:
                 raise ValueError(f"--method {self.method} needs calibration text: --calib FILE")
@@ -172,7 +179,7 @@ def _gptq_layer(lw: dict[str, torch.Tensor], x: torch.Tensor, mc: ModelConfig,
     def run(names: tuple[str, ...], inputs: torch.Tensor) -> None:
         ws = [lw[f"{n}.weight"] for n in names]
         ql = gptq_quantize(torch.cat(ws), hessian(inputs), a.bits, a.group_size, a.sym,
-                           a.act_order, static_groups=a.static_groups)
+                           a.act_order, static_groups=a.static_groups, mse=a.mse)
         for n, part in zip(names, _split_rows(ql, tuple(w.shape[0] for w in ws)), strict=True):
             result[n] = part
             lw[f"{n}.weight"] = part.dequantize()
@@ -286,7 +293,7 @@ def quantize_checkpoint(model: str, out_dir: str, a: QuantizeArgs) -> None:
             qls = {n: awq_group_quantize(lw[f"{n}.weight"], a.bits, a.group_size)
                    for n in LINEARS}
         else:
-            qls = {n: rtn_quantize(lw[f"{n}.weight"], a.bits, a.group_size, a.sym)
+            qls = {n: rtn_quantize(lw[f"{n}.weight"], a.bits, a.group_size, a.sym, a.mse)
                    for n in LINEARS}
         prefix = f"model.layers.{i}."
         for name, tensor in lw.items():
@@ -306,7 +313,7 @@ def quantize_checkpoint(model: str, out_dir: str, a: QuantizeArgs) -> None:
         qcfg = export.awq_quantization_config(a.group_size)
     else:
         qcfg = export.gptq_quantization_config(a.bits, a.group_size, a.sym, a.act_order,
-                                               a.static_groups)
+                                               a.static_groups, mse=a.mse)
     export.write_checkpoint(out_dir, out, export.hf_config(mc, source_cfg), qcfg,
                             ckpt.tokenizer)
     log.info("wrote %s (%s, %d bits, group %d)", out_dir, a.method, a.bits, a.group_size)
@@ -319,7 +326,8 @@ def _run(ns: argparse.Namespace) -> int:
     # asymmetric 8-bit grid's q - zero spans up to [-255, 255]).
     sym = ns.sym or bits == 8
     a = QuantizeArgs(method=ns.method, bits=bits, group_size=ns.group_size, sym=sym,
-                     act_order=ns.act_order, static_groups=ns.static_groups, calib=ns.calib,
+                     act_order=ns.act_order, static_groups=ns.static_groups, mse=ns.mse,
+                     calib=ns.calib,
                      calib_tokens=ns.calib_tokens, seq_len=ns.seq_len, alpha=ns.alpha,
                      awq_clip=ns.awq_clip, awq_duo_scaling=ns.awq_duo_scaling)
     with torch.inference_mode():
@@ -346,6 +354,12 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="gptq: fix every group's grid from the weights before any update, "
                    "groups being runs of --group-size input columns also with --act-order "
                    "(AutoGPTQ's static_groups; the checkpoint's g_idx stays in order)")
+    p.add_argument("--mse", type=float, default=0.0, metavar="NORM",
+                   help="gptq, int4, int8: choose each group's range by the shrink (1 down to "
+                   "0.21 of min / max) whose rounding error |w - w_q|^NORM is least, as GPTQ's "
+                   "own quantizer with mse=True (GPTQModel's mse; 2.4 is GPTQ's norm); "
+                   "default 0: the plain min / max range. Qwen2.5-Coder-0.5B at group 128, "
+                   "GPL-3 perplexity: int4 6.99 -> 6.79, gptq 5.94 -> 6.08 (BENCHMARKS.md)")
     p.add_argument("--awq-clip", action="store_true",
                    help="awq: after the scale search, AutoAWQ's per-group clip search (off by "
                    "default: on Qwen2.5-Coder-0.5B it lowered each block's error yet raised "

@@ -86,13 +86,14 @@ def pack_awq(ql: QuantizedLinear) -> dict[str, torch.Tensor]:
 
 
 def gptq_quantization_config(bits: int, group_size: int, sym: bool, desc_act: bool,
-                             static_groups: bool = False, damp_percent: float = 0.01
-                             ) -> dict[str, Any]:
-    """config.json's quantization_config (and quantize_config.json), AutoGPTQ's keys."""
+                             static_groups: bool = False, damp_percent: float = 0.01,
+                             mse: float = 0.0) -> dict[str, Any]:
+    """config.json's quantization_config (and quantize_config.json), AutoGPTQ's keys (and
+    GPTQModel's `mse`, the grid search's norm, 0 for none)."""
     return {"quant_method": "gptq", "bits": bits, "group_size": group_size,
             "desc_act": desc_act, "sym": sym, "damp_percent": damp_percent,
             "static_groups": static_groups, "true_sequential": True, "checkpoint_format": "gptq",
-            "model_file_base_name": "model"}
+            "mse": mse, "model_file_base_name": "model"}
 
 
 def awq_quantization_config(group_size: int) -> dict[str, Any]:

@@ -61,10 +61,15 @@ def _f16(x: torch.Tensor) -> torch.Tensor:
     return x.clamp(min=2.0**-24).to(torch.float16).float()
 
 
-def group_params(w: torch.Tensor, bits: int, sym: bool) -> tuple[torch.Tensor, torch.Tensor]:
+def group_params(w: torch.Tensor, bits: int, sym: bool, mse: float = 0.0
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
     """w float [N, G] (one group of columns) -> (s float32 [N], float16-exact; z float32 [N],
-    integer-valued in [1, maxq]): AutoGPTQ's min/max grid, the range always holding 0."""
-    maxq = 2**bits - 1
+    integer-valued in [1, maxq]): AutoGPTQ's min/max grid, the range always holding 0.
+
+    mse > 0 (GPTQ's own Quantizer with mse=True; GPTQModel's `mse`, the norm): the range is
+    shrunk instead, to p (lo, hi) for the p in 1, 0.99, .., 0.21 whose grid rounds the
+    group with the least sum |w - s (q - z)|^mse per row (ties: the widest). Clipping the few
+    largest weights buys a finer step for all the others."""
     lo = w.min(dim=1).values.clamp(max=0)
     hi = w.max(dim=1).values.clamp(min=0)
     if sym:
@@ -73,6 +78,29 @@ def group_params(w: torch.Tensor, bits: int, sym: bool) -> tuple[torch.Tensor, t
     flat = (lo == 0) & (hi == 0)  # an all-zero group: any grid, keep it finite
     lo = torch.where(flat, -torch.ones_like(lo), lo)
     hi = torch.where(flat, torch.ones_like(hi), hi)
+    s, z = _range_grid(lo, hi, bits, sym)
+    if mse <= 0:
+        return s, z
+    best = _grid_error(w, s, z, bits, mse)
+    for i in range(1, _SHRINK_STEPS):
+        p = 1 - i / _SHRINK_GRID
+        s1, z1 = _range_grid(p * lo, p * hi, bits, sym)
+        err = _grid_error(w, s1, z1, bits, mse)
+        better = err < best
+        best = torch.where(better, err, best)
+        s, z = torch.where(better, s1, s), torch.where(better, z1, z)
+    return s, z
+
+
+# GPTQ's Quantizer: grid=100, maxshrink=0.8 (p down to 0.21).
+_SHRINK_GRID = 100
+_SHRINK_STEPS = 80
+
+
+def _range_grid(lo: torch.Tensor, hi: torch.Tensor, bits: int, sym: bool
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The grid (s, z) spanning [lo, hi] per row (lo <= 0 <= hi, not both 0)."""
+    maxq = 2**bits - 1
     s = _f16((hi - lo) / maxq)
     if sym:
         return s, torch.full_like(s, (maxq + 1) // 2)
@@ -81,6 +109,13 @@ def group_params(w: torch.Tensor, bits: int, sym: bool) -> tuple[torch.Tensor, t
     low_z = z == 0
     s = torch.where(low_z, _f16(hi / (maxq - 1)), s)
     return s, torch.where(low_z, torch.ones_like(z), z)
+
+
+def _grid_error(w: torch.Tensor, s: torch.Tensor, z: torch.Tensor, bits: int, norm: float
+                ) -> torch.Tensor:
+    """sum over each row of w [N, G] of |w - s (q - z)|^norm on the grid (s, z) [N]."""
+    q = quantize_column(w, s[:, None], z[:, None], bits)
+    return (s[:, None] * (q - z[:, None]) - w).abs().pow(norm).sum(1)
 
 
 def quantize_column(w: torch.Tensor, s: torch.Tensor, z: torch.Tensor, bits: int
@@ -97,21 +132,22 @@ def hessian(x: torch.Tensor) -> torch.Tensor:
     return (2.0 / x.shape[0] * (x.T @ x)).float()
 
 
-def group_grids(w: torch.Tensor, bits: int, group_size: int, sym: bool
+def group_grids(w: torch.Tensor, bits: int, group_size: int, sym: bool, mse: float = 0.0
                 ) -> tuple[torch.Tensor, torch.Tensor]:
     """group_params of every run of group_size columns of w [N, K]: (scales, zeros) float32
     [N, K / G]."""
-    grids = [group_params(w[:, g0:g0 + group_size], bits, sym)
+    grids = [group_params(w[:, g0:g0 + group_size], bits, sym, mse)
              for g0 in range(0, w.shape[1], group_size)]
     return torch.stack([s for s, _ in grids], 1), torch.stack([z for _, z in grids], 1)
 
 
-def rtn_quantize(w: torch.Tensor, bits: int, group_size: int, sym: bool) -> QuantizedLinear:
+def rtn_quantize(w: torch.Tensor, bits: int, group_size: int, sym: bool, mse: float = 0.0
+                 ) -> QuantizedLinear:
     """Round to nearest on the same grid, no Hessian: the baseline GPTQ improves on, and
-    `kvserve quantize --method int4 | int8`."""
+    `kvserve quantize --method int4 | int8` (mse: group_params' shrink search)."""
     k = w.shape[1]
     w = w.float()
-    s_all, z_all = group_grids(w, bits, group_size, sym)
+    s_all, z_all = group_grids(w, bits, group_size, sym, mse)
     g_idx = torch.arange(k, dtype=torch.int32) // group_size
     q = quantize_column(w, s_all[:, g_idx.long()], z_all[:, g_idx.long()], bits)
     return QuantizedLinear(q.to(torch.int32), s_all, z_all.to(torch.int32), g_idx, bits,
@@ -120,7 +156,7 @@ def rtn_quantize(w: torch.Tensor, bits: int, group_size: int, sym: bool) -> Quan
 
 def gptq_quantize(w: torch.Tensor, h: torch.Tensor, bits: int, group_size: int, sym: bool,
                   act_order: bool = False, block_size: int = 128, percdamp: float = 0.01,
-                  static_groups: bool = False) -> QuantizedLinear:
+                  static_groups: bool = False, mse: float = 0.0) -> QuantizedLinear:
     """GPTQ of w float [N, K] given h [K, K] = hessian(inputs).
 
     act_order: columns in descending diag(H) (the inputs with the most energy first, while
@@ -137,7 +173,7 @@ def gptq_quantize(w: torch.Tensor, h: torch.Tensor, bits: int, group_size: int, 
     h[dead, dead] = 1
     w[:, dead] = 0
     if static_groups:
-        scales, zeros = group_grids(w, bits, group_size, sym)
+        scales, zeros = group_grids(w, bits, group_size, sym, mse)
     else:
         scales = torch.zeros(n, k // group_size)
         zeros = torch.zeros(n, k // group_size)
@@ -168,7 +204,7 @@ def gptq_quantize(w: torch.Tensor, h: torch.Tensor, bits: int, group_size: int, 
                 end = i + group_size  # in block coordinates; may run past the block
                 cur = (w1[:, i:end] if end <= i2 - i1
                        else torch.cat([w1[:, i:], w[:, i2:i1 + end]], dim=1))
-                s, z = group_params(cur, bits, sym)
+                s, z = group_params(cur, bits, sym, mse)
                 scales[:, col // group_size] = s
                 zeros[:, col // group_size] = z
             qc = quantize_column(w1[:, i], s, z, bits)

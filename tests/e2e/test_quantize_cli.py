@@ -105,7 +105,8 @@ def _logits(model: Any, prompt: list[int]) -> torch.Tensor:
 @pytest.mark.parametrize("method, extra", [
     ("int4", []), ("int8", []), ("gptq", []), ("gptq", ["--act-order", "--sym"]),
     ("gptq", ["--act-order", "--static-groups"]), ("gptq", ["--bits", "8"]), ("awq", []),
-    ("awq", ["--awq-clip"]), ("awq", ["--no-awq-duo-scaling"]),
+    ("awq", ["--awq-clip"]), ("awq", ["--no-awq-duo-scaling"]), ("gptq", ["--mse", "2.4"]),
+    ("int4", ["--mse", "2.4"]),
 ])
 def test_quantize_writes_a_complete_checkpoint(tiny_dir: tuple[Path, Any], tmp_path: Path,
                                                method: str, extra: list[str]) -> None:
@@ -125,11 +126,12 @@ def test_quantize_writes_a_complete_checkpoint(tiny_dir: tuple[Path, Any], tmp_p
                       "version": "gemm", "modules_to_not_convert": None}
     else:
         assert {k: qc[k] for k in ("quant_method", "bits", "group_size", "desc_act", "sym",
-                                   "static_groups", "checkpoint_format")} == {
+                                   "static_groups", "checkpoint_format", "mse")} == {
             "quant_method": "gptq", "bits": bits, "group_size": 32,
             # 8 bits are always symmetric: q - zero must fit int8 blocks
             "desc_act": "--act-order" in extra, "sym": "--sym" in extra or bits == 8,
-            "static_groups": "--static-groups" in extra, "checkpoint_format": "gptq"}
+            "static_groups": "--static-groups" in extra, "checkpoint_format": "gptq",
+            "mse": 2.4 if "--mse" in extra else 0.0}
         assert json.loads((out / "quantize_config.json").read_text()) == qc
 
     t = _tensors(out)
@@ -174,9 +176,10 @@ def test_quantize_writes_a_complete_checkpoint(tiny_dir: tuple[Path, Any], tmp_p
             p = f"model.layers.{i}.{lin}"
             w = float_sd[p + ".weight"]
             deq = _dequantize(t, p, method, bits)
-            if method in ("gptq", "awq"):
+            if method in ("gptq", "awq") or "--mse" in extra:
                 # GPTQ moves weights off their nearest grid point to cut the output error,
-                # and AWQ moved scales into the norms / v / up: both judged as a model below.
+                # AWQ moved scales into the norms / v / up, and --mse clips a group's
+                # extremes: all judged as a model below.
                 continue
             step = t[p + ".scales"].float().max()
             # A hair over half a step (the top of the grid moves with s's float16 rounding);
@@ -294,6 +297,8 @@ def test_smoothquant_writes_compressed_tensors_w8a8(tiny_dir: tuple[Path, Any],
     (["--method", "gptq", "--awq-clip"], "--awq-clip is an AWQ option; --method is gptq"),
     (["--method", "int4", "--no-awq-duo-scaling"],
      "--no-awq-duo-scaling is an AWQ option; --method is int4"),
+    (["--method", "awq", "--mse", "2.4"], "--mse is a gptq / int4 / int8 option"),
+    (["--method", "int4", "--mse", "-1"], "--mse must be >= 0"),
 ])
 def test_bad_flags_are_refused_by_name(tiny_dir: tuple[Path, Any], tmp_path: Path,
                                        args: list[str], message: str) -> None:

@@ -37,7 +37,13 @@ from kvserve.quant.calibration import (
     rope_tables,
 )
 from kvserve.quant.export import pack_awq, pack_gptq
-from kvserve.quant.gptq import QuantizedLinear, gptq_quantize, hessian
+from kvserve.quant.gptq import (
+    QuantizedLinear,
+    gptq_quantize,
+    group_params,
+    hessian,
+    rtn_quantize,
+)
 from tests.helpers import PagedSequence, kvserve_model_from_hf, model_config_from_hf, tiny_hf_model
 
 CALIB = Path(__file__).resolve().parents[3] / "shared" / "reference" / "GPL-3.txt"
@@ -204,18 +210,59 @@ def _grid(grp: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return s, torch.where(low, torch.ones_like(z), z)
 
 
+def _mse_grid(grp: torch.Tensor, norm: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """GPTQ's Quantizer with mse=True, one row at a time: of the ranges p (min, max) for
+    p = 1, 0.99, .., 0.21, each on _grid's rule (float32 here, as the weights are), the one
+    whose rounding error sum |w - s (q - z)|^norm is least; on ties the widest."""
+    ss, zs = [], []
+    for row in grp.float():
+        lo0, hi0 = row.min().clamp(max=0), row.max().clamp(min=0)
+        best = None
+        for i in range(80):
+            lo, hi = (1 - i / 100) * lo0, (1 - i / 100) * hi0
+            s = ((hi - lo) / 15).half().float()
+            z = torch.round(-lo / s).clamp(0, 15)
+            if z == 0:
+                s, z = (hi / 14).half().float(), torch.ones_like(z)
+            err = (s * (torch.clamp(torch.round(row / s) + z, 0, 15) - z) - row).abs()
+            err = err.pow(norm).sum().item()
+            if best is None or err < best[0]:
+                best = (err, s, z)
+        assert best is not None
+        ss.append(best[1])
+        zs.append(best[2])
+    return torch.stack(ss).double(), torch.stack(zs).double()
+
+
+@pytest.mark.parametrize("norm", [2.4, 2.0])
+def test_mse_grid_is_the_row_by_row_argmin_over_gptqs_shrinks(norm: float) -> None:
+    gen = torch.Generator().manual_seed(1)
+    # A few outliers per row: the shrink that clips them wins over the full range.
+    w = torch.randn(16, 32, generator=gen)
+    w[torch.rand(16, 32, generator=gen) < 0.05] *= 6
+    s, z = group_params(w, 4, sym=False, mse=norm)
+    s_ref, z_ref = _mse_grid(w, norm)
+    assert torch.equal(s.double(), s_ref) and torch.equal(z.double(), z_ref)
+    plain_s, _ = group_params(w, 4, sym=False)
+    assert (s < plain_s).sum() >= 8  # most rows clip their outliers
+    rtn = rtn_quantize(w, 4, 32, sym=False, mse=norm).dequantize()
+    plain = rtn_quantize(w, 4, 32, sym=False).dequantize()
+    assert ((rtn - w).abs().pow(norm).sum(1) <= (plain - w).abs().pow(norm).sum(1)).all()
+
+
 def plain_obs_gptq(w: torch.Tensor, h: torch.Tensor, g: int, act_order: bool,
-                   static_groups: bool = False) -> torch.Tensor:
+                   static_groups: bool = False, grid: Any = _grid) -> torch.Tensor:
     """The paper's update with nothing clever, float64: for each column j (in act-order
     if asked), round it on its group's grid (taken when the group starts, from the weights as
     updated so far; static groups: the grid of the column's run of g original columns, taken
     from w before any update), then move the free columns F = j.. by
         w_F -= (w_j - q_j) / [H_F^-1]_00 * [H_F^-1]_0,:
-    with H_F^-1 inverted afresh. Returns the dequantized weight, original column order."""
+    with H_F^-1 inverted afresh. grid: a group's (s, z) from its weights. Returns the
+    dequantized weight, original column order."""
     w = w.double().clone()
     h = h.double()
     k = w.shape[1]
-    fixed = [_grid(w[:, c:c + g]) for c in range(0, k, g)]
+    fixed = [grid(w[:, c:c + g]) for c in range(0, k, g)]
     perm = torch.argsort(torch.diag(h), descending=True) if act_order else torch.arange(k)
     w, h = w[:, perm], h[perm][:, perm]
     h = h + 0.01 * torch.diag(h).mean() * torch.eye(k, dtype=h.dtype)
@@ -224,7 +271,7 @@ def plain_obs_gptq(w: torch.Tensor, h: torch.Tensor, g: int, act_order: bool,
         if static_groups:
             s, z = fixed[int(perm[j]) // g]
         elif j % g == 0:
-            s, z = _grid(w[:, j:j + g])
+            s, z = grid(w[:, j:j + g])
         out[:, j] = s * (torch.clamp(torch.round(w[:, j] / s) + z, 0, 15) - z)
         hf_inv = torch.linalg.inv(h[j:, j:])
         w[:, j:] -= ((w[:, j] - out[:, j]) / hf_inv[0, 0])[:, None] * hf_inv[0][None, :]
@@ -246,6 +293,21 @@ def test_gptq_is_the_papers_update(act_order: bool, static_groups: bool) -> None
     torch.testing.assert_close(ql.dequantize(), ref, rtol=0, atol=1e-4)
     if static_groups:  # groups are runs of original columns, whatever the order
         assert torch.equal(ql.g_idx, torch.arange(k, dtype=torch.int32) // g)
+
+
+@pytest.mark.parametrize("act_order", [False, True])
+def test_gptq_with_the_mse_grid_is_the_papers_update(act_order: bool) -> None:
+    gen = torch.Generator().manual_seed(2)
+    n, k, g = 12, 48, 16
+    x = torch.randn(400, k, generator=gen) @ torch.randn(k, k, generator=gen) * 0.3
+    w = torch.randn(n, k, generator=gen)
+    w[torch.rand(n, k, generator=gen) < 0.05] *= 5
+    ql = gptq_quantize(w, hessian(x), 4, g, sym=False, act_order=act_order, block_size=8,
+                       mse=2.4)
+    ref = plain_obs_gptq(w, hessian(x), g, act_order, grid=lambda grp: _mse_grid(grp, 2.4))
+    torch.testing.assert_close(ql.dequantize(), ref, rtol=0, atol=1e-4)
+    plain = gptq_quantize(w, hessian(x), 4, g, sym=False, act_order=act_order, block_size=8)
+    assert not torch.equal(ql.scales, plain.scales)  # the search chose other ranges
 
 
 @pytest.mark.parametrize("name, group, act_order", [

@@ -297,12 +297,17 @@ struct Q6K {
 //                  quants chunk 2 (8c + l4) + 0 / 1: sub-block 2c / 2c + 1, of chunk row c
 //   Q6_K         | d[16], 32 unused | scales: 16 x 64 (sub-block s) | quants: 64 x 64 |
 //                  quants chunk 4 (8h + l4) + c: Q6K::quants(h, l4)[c]
-// Knobs for benchmarks/kernel_ab.py -D: where the wide records start, their rows per tile.
+// Knobs for benchmarks/kernel_ab.py -D: where the wide records start, their rows per tile, a
+// pass's activation bytes (against 1 MB at 64 and 512 rows: 256 KB 1.02-1.04x, 2 MB 0.98-1.01x,
+// 4 MB 0.98-1.06x).
 #ifndef KVS_WIDE_MIN_ROWS
 #define KVS_WIDE_MIN_ROWS 32
 #endif
 #ifndef KVS_WIDE_MT
 #define KVS_WIDE_MT 4
+#endif
+#ifndef KVS_WIDE_PASS_BYTES
+#define KVS_WIDE_PASS_BYTES (1 << 20)
 #endif
 constexpr int64_t kWideMinRows = KVS_WIDE_MIN_ROWS;
 constexpr int kWideMT = KVS_WIDE_MT;
@@ -782,7 +787,7 @@ void run_fmt(const Q8KActs& a, const uint8_t* w, const float* bias, float* out, 
     if (a.M >= kWideMinRows) {
       // As the AVX2 wide records: a pass of ~1 MB of activations unpacks its group once,
       // then kWideMT rows per tile read it from cache.
-      run_passes<kWideMT>(a, w, Fmt::kRecord, bias, out, N, nthreads, 1 << 20,
+      run_passes<kWideMT>(a, w, Fmt::kRecord, bias, out, N, nthreads, KVS_WIDE_PASS_BYTES,
                           [&](int64_t p0, int64_t p1, const uint8_t* gw, const float* bg,
                               float* o, int64_t cols) {
         const uint8_t* ub = unpack_group(gw, a.K / kQK, Fmt::kRecord, WideFmt::kRecord,

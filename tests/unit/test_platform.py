@@ -27,13 +27,17 @@ def test_setup_process_sets_threads_then_freezes_what_was_built(
 
 def test_setup_process_freezes_nothing_when_the_build_fails() -> None:
     threads = torch.get_num_threads()
+    made = [[i] for i in range(1000)]  # gc-tracked, not frozen: a freeze would count them
     before = gc.get_freeze_count()
     try:
         with pytest.raises(RuntimeError, match="load failed"), setup_process("cpu"):
             raise RuntimeError("load failed")
     finally:
         torch.set_num_threads(threads)
-    assert gc.get_freeze_count() == before
+    # Frozen objects can still die (refcount) meanwhile, so the count may drop; a freeze
+    # would raise it by at least the objects made above.
+    assert gc.get_freeze_count() <= before
+    assert len(made) == 1000
 
 
 def test_share_cores_splits_the_mask_into_disjoint_slices(monkeypatch: pytest.MonkeyPatch

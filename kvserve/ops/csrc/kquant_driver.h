@@ -57,6 +57,22 @@ const uint8_t* unpack_group(const uint8_t* gw, int64_t nsb, int64_t record, int6
   return ub;
 }
 
+// out [M, N] for a packed weight w of format Fmt read as its wide records (WideFmt: kRecord,
+// unpack, and the dot and float fields tile<> reads): a pass of ~pass_bytes of activations
+// unpacks its group once (unpack_group), then MT rows per tile read it from cache.
+template <class Fmt, class WideFmt, int MT>
+void run_wide(const Q8KActs& a, const uint8_t* w, const float* bias, float* out, int64_t N,
+              int nthreads, int64_t pass_bytes) {
+  run_passes<MT>(a, w, Fmt::kRecord, bias, out, N, nthreads, pass_bytes,
+                 [&](int64_t p0, int64_t p1, const uint8_t* gw, const float* bg, float* o,
+                     int64_t cols) {
+    const uint8_t* ub = unpack_group(gw, a.K / kQK, Fmt::kRecord, WideFmt::kRecord,
+                                     WideFmt::unpack);
+    for (int64_t m = p0; m < p1; m += MT)
+      some_rows<WideFmt, MT>(min64(MT, p1 - m), false, a, m, ub, bg, o, N, cols);
+  });
+}
+
 // out [M, N] for a packed weight w of format Fmt, MT activation rows per tile, ~256 KB of
 // activations per pass. The first tile of a pass streams the group from memory (prefetch);
 // the others hit cache.

@@ -785,16 +785,7 @@ void run_fmt(const Q8KActs& a, const uint8_t* w, const float* bias, float* out, 
   using WideFmt = typename Wide<Fmt>::type;
   if constexpr (!std::is_void_v<WideFmt>) {
     if (a.M >= kWideMinRows) {
-      // As the AVX2 wide records: a pass of ~1 MB of activations unpacks its group once,
-      // then kWideMT rows per tile read it from cache.
-      run_passes<kWideMT>(a, w, Fmt::kRecord, bias, out, N, nthreads, KVS_WIDE_PASS_BYTES,
-                          [&](int64_t p0, int64_t p1, const uint8_t* gw, const float* bg,
-                              float* o, int64_t cols) {
-        const uint8_t* ub = unpack_group(gw, a.K / kQK, Fmt::kRecord, WideFmt::kRecord,
-                                         WideFmt::unpack);
-        for (int64_t m = p0; m < p1; m += kWideMT)
-          some_rows<WideFmt, kWideMT>(min64(kWideMT, p1 - m), false, a, m, ub, bg, o, N, cols);
-      });
+      run_wide<Fmt, WideFmt, kWideMT>(a, w, bias, out, N, nthreads, KVS_WIDE_PASS_BYTES);
       return;
     }
   }

@@ -295,18 +295,22 @@ def test_gptq_is_the_papers_update(act_order: bool, static_groups: bool) -> None
         assert torch.equal(ql.g_idx, torch.arange(k, dtype=torch.int32) // g)
 
 
-@pytest.mark.parametrize("act_order", [False, True])
-def test_gptq_with_the_mse_grid_is_the_papers_update(act_order: bool) -> None:
+@pytest.mark.parametrize("act_order, static_groups", [(False, False), (True, False),
+                                                     (True, True)])
+def test_gptq_with_the_mse_grid_is_the_papers_update(act_order: bool, static_groups: bool
+                                                     ) -> None:
     gen = torch.Generator().manual_seed(2)
     n, k, g = 12, 48, 16
     x = torch.randn(400, k, generator=gen) @ torch.randn(k, k, generator=gen) * 0.3
     w = torch.randn(n, k, generator=gen)
     w[torch.rand(n, k, generator=gen) < 0.05] *= 5
     ql = gptq_quantize(w, hessian(x), 4, g, sym=False, act_order=act_order, block_size=8,
-                       mse=2.4)
-    ref = plain_obs_gptq(w, hessian(x), g, act_order, grid=lambda grp: _mse_grid(grp, 2.4))
+                       static_groups=static_groups, mse=2.4)
+    ref = plain_obs_gptq(w, hessian(x), g, act_order, static_groups,
+                         grid=lambda grp: _mse_grid(grp, 2.4))
     torch.testing.assert_close(ql.dequantize(), ref, rtol=0, atol=1e-4)
-    plain = gptq_quantize(w, hessian(x), 4, g, sym=False, act_order=act_order, block_size=8)
+    plain = gptq_quantize(w, hessian(x), 4, g, sym=False, act_order=act_order, block_size=8,
+                          static_groups=static_groups)
     assert not torch.equal(ql.scales, plain.scales)  # the search chose other ranges
 
 

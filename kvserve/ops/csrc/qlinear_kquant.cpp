@@ -67,8 +67,14 @@ namespace {
 using kq::kGroup;
 using kq::kQK;
 
-// How far ahead of the record being read its stream is prefetched (as qlinear.cpp).
-constexpr int64_t kPrefetchBytes = 8192;
+// How far ahead of the record being read its stream is prefetched. Zen 3: 4, 8 and 16 KB
+// within noise of each other; Zen 4 (this file under KVSERVE_CPU_ISA=avx2; every K-quant
+// linear of the Qwen2.5-Coder 1.5B Q4_K_M file, benchmarks/kernel_ab.py, 9 paired rounds):
+// 4 KB 0.80x, 0.88x, 0.95x the time of 8 KB at 1, 2, 5 rows (2 KB 0.92x, 0.79x, 0.91x).
+#ifndef KVS_KQUANT_PREFETCH_BYTES  // a knob for benchmarks/kernel_ab.py -D
+#define KVS_KQUANT_PREFETCH_BYTES 4096
+#endif
+constexpr int64_t kPrefetchBytes = KVS_KQUANT_PREFETCH_BYTES;
 
 // The next kPrefetchBytes' lines of a record being streamed, into L1.
 inline void prefetch_ahead(const uint8_t* rec, int64_t bytes) {

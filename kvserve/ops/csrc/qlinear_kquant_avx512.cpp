@@ -52,7 +52,10 @@ using kq::kQK;
 // How far ahead of the record being read its stream is prefetched. Zen 4, every K-quant
 // linear of the Qwen2.5-Coder 1.5B Q4_K_M file, paired rounds: 2 KB ran 0.92x, 0.91x, 0.89x
 // the time of 8 KB at 1, 2, 5 rows (4 KB 0.94x, 0.92x, 0.97x; 16 KB 1.03x at 1 row).
-constexpr int64_t kPrefetchBytes = 2048;
+#ifndef KVS_KQUANT_PREFETCH_BYTES  // a knob for benchmarks/kernel_ab.py -D
+#define KVS_KQUANT_PREFETCH_BYTES 2048
+#endif
+constexpr int64_t kPrefetchBytes = KVS_KQUANT_PREFETCH_BYTES;
 
 #include "vnni.h"  // dpbusd_bcast, dpwssd_bcast
 

@@ -177,6 +177,62 @@ struct Q3K {
   }
 };
 
+// The integer sums of the packed records and of their wide form (below) are one text: the
+// chunks' quants and the scales come from a source the caller names (decoded from a packed
+// record, or loaded from a wide one), the products and sums run in the same order.
+
+// Q4_K / Q5_K: isum[m] = sum_s scale(s) * (sub-block s . activation row m), chunks(c, l4,
+// &lo, &hi) giving chunk 8c + l4's quants of sub-blocks 2c (lo) and 2c + 1 (hi).
+template <int MT, class Chunks, class Scale>
+inline void q45k_isums(const Chunks& chunks, const Scale& scale, const int8_t* const* x,
+                       __m512i* isum) {
+  for (int m = 0; m < MT; ++m) isum[m] = _mm512_setzero_si512();
+  for (int c = 0; c < 4; ++c) {  // sub-blocks 2c (low nibbles) and 2c + 1 (high)
+    __m512i lo[MT], hi[MT];
+    for (int m = 0; m < MT; ++m) lo[m] = hi[m] = _mm512_setzero_si512();
+    for (int l4 = 0; l4 < 8; ++l4) {
+      __m512i wl, wh;
+      chunks(c, l4, &wl, &wh);
+      for (int m = 0; m < MT; ++m) {
+        lo[m] = dpbusd_bcast(lo[m], wl, x[m] + 64 * c + 4 * l4);
+        hi[m] = dpbusd_bcast(hi[m], wh, x[m] + 64 * c + 32 + 4 * l4);
+      }
+    }
+    const __m512i s0 = scale(2 * c), s1 = scale(2 * c + 1);
+    for (int m = 0; m < MT; ++m)
+      isum[m] = _mm512_add_epi32(isum[m], _mm512_add_epi32(_mm512_mullo_epi32(lo[m], s0),
+                                                           _mm512_mullo_epi32(hi[m], s1)));
+  }
+}
+
+// Q6_K: isum[m] = sum_s scale(s) * (-32 bsum_s + sub-block s . row m), chunks(h, l4, u)
+// giving u[c] (q + 32) of weights 128h + 32c + 4l4 + j, in sub-block 8h + 2c + l4 / 4.
+template <int MT, class Chunks, class Scale>
+inline void q6k_isums(const Chunks& chunks, const Scale& scale, const int8_t* const* x,
+                      const int16_t* const* bs, __m512i* isum) {
+  for (int m = 0; m < MT; ++m) isum[m] = _mm512_setzero_si512();
+  for (int h = 0; h < 2; ++h)
+    for (int half = 0; half < 2; ++half) {
+      __m512i acc[4][MT];  // sub-blocks 8h + 2c + half, c < 4, each from -32 * its bsum
+      for (int c = 0; c < 4; ++c)
+        for (int m = 0; m < MT; ++m)
+          acc[c][m] = _mm512_set1_epi32(-32 * bs[m][8 * h + 2 * c + half]);
+      for (int e = 0; e < 4; ++e) {
+        const int l4 = 4 * half + e;
+        __m512i u[4];
+        chunks(h, l4, u);
+        for (int c = 0; c < 4; ++c)
+          for (int m = 0; m < MT; ++m)
+            acc[c][m] = dpbusd_bcast(acc[c][m], u[c], x[m] + 128 * h + 32 * c + 4 * l4);
+      }
+      for (int c = 0; c < 4; ++c) {
+        const __m512i sc = scale(8 * h + 2 * c + half);
+        for (int m = 0; m < MT; ++m)
+          isum[m] = _mm512_add_epi32(isum[m], _mm512_mullo_epi32(acc[c][m], sc));
+      }
+    }
+}
+
 // Q4_K and Q5_K: the same scales and 4-bit quants; Q5_K adds each weight's bit 4 from its
 // qh chunks (kHighBit). One body, so the two cannot drift apart.
 template <bool kHighBit>
@@ -203,24 +259,8 @@ struct Q45K {
                          __m512i* isum, __m512i* msum) {
     __m128i sc[8], mn[8];
     kq::q4k_scales(rec + kScales, sc, mn);
-    for (int m = 0; m < MT; ++m) isum[m] = _mm512_setzero_si512();
-    for (int c = 0; c < 4; ++c) {  // sub-blocks 2c (low nibbles) and 2c + 1 (high)
-      __m512i lo[MT], hi[MT];
-      for (int m = 0; m < MT; ++m) lo[m] = hi[m] = _mm512_setzero_si512();
-      for (int l4 = 0; l4 < 8; ++l4) {
-        __m512i wl, wh;
-        quants(rec, c, l4, &wl, &wh);
-        for (int m = 0; m < MT; ++m) {
-          lo[m] = dpbusd_bcast(lo[m], wl, x[m] + 64 * c + 4 * l4);
-          hi[m] = dpbusd_bcast(hi[m], wh, x[m] + 64 * c + 32 + 4 * l4);
-        }
-      }
-      const __m512i s0 = _mm512_cvtepu8_epi32(sc[2 * c]);
-      const __m512i s1 = _mm512_cvtepu8_epi32(sc[2 * c + 1]);
-      for (int m = 0; m < MT; ++m)
-        isum[m] = _mm512_add_epi32(isum[m], _mm512_add_epi32(_mm512_mullo_epi32(lo[m], s0),
-                                                             _mm512_mullo_epi32(hi[m], s1)));
-    }
+    q45k_isums<MT>([&](int c, int l4, __m512i* lo, __m512i* hi) { quants(rec, c, l4, lo, hi); },
+                   [&](int sb) { return _mm512_cvtepu8_epi32(sc[sb]); }, x, isum);
     __m512i dup[8];
     min_dups(mn, dup);
     min_sums<MT>(dup, bs, msum);
@@ -254,29 +294,11 @@ struct Q6K {
   template <int MT>
   static inline void dot(const uint8_t* rec, const int8_t* const* x, const int16_t* const* bs,
                          __m512i* isum, __m512i*) {
-    for (int m = 0; m < MT; ++m) isum[m] = _mm512_setzero_si512();
-    // Weight 128h + 32c + 4l4 + j is in sub-block 8h + 2c + l4 / 4.
-    for (int h = 0; h < 2; ++h)
-      for (int half = 0; half < 2; ++half) {
-        __m512i acc[4][MT];  // sub-blocks 8h + 2c + half, c < 4, each from -32 * its bsum
-        for (int c = 0; c < 4; ++c)
-          for (int m = 0; m < MT; ++m)
-            acc[c][m] = _mm512_set1_epi32(-32 * bs[m][8 * h + 2 * c + half]);
-        for (int e = 0; e < 4; ++e) {
-          const int l4 = 4 * half + e;
-          __m512i u[4];
-          quants(rec, h, l4, u);
-          for (int c = 0; c < 4; ++c)
-            for (int m = 0; m < MT; ++m)
-              acc[c][m] = dpbusd_bcast(acc[c][m], u[c], x[m] + 128 * h + 32 * c + 4 * l4);
-        }
-        for (int c = 0; c < 4; ++c) {
-          const __m512i s = _mm512_cvtepi8_epi32(
-              load128(rec + kq::kQ6KScales + 16 * (8 * h + 2 * c + half)));
-          for (int m = 0; m < MT; ++m)
-            isum[m] = _mm512_add_epi32(isum[m], _mm512_mullo_epi32(acc[c][m], s));
-        }
-      }
+    q6k_isums<MT>([&](int h, int l4, __m512i* u) { quants(rec, h, l4, u); },
+                  [&](int sb) {
+                    return _mm512_cvtepi8_epi32(load128(rec + kq::kQ6KScales + 16 * sb));
+                  },
+                  x, bs, isum);
   }
 };
 
@@ -345,24 +367,12 @@ struct WideQ45K {
   template <int MT>
   static inline void dot(const uint8_t* rec, const int8_t* const* x, const int16_t* const* bs,
                          __m512i* isum, __m512i* msum) {
-    for (int m = 0; m < MT; ++m) isum[m] = _mm512_setzero_si512();
-    for (int c = 0; c < 4; ++c) {
-      __m512i lo[MT], hi[MT];
-      for (int m = 0; m < MT; ++m) lo[m] = hi[m] = _mm512_setzero_si512();
-      for (int l4 = 0; l4 < 8; ++l4) {
-        const uint8_t* q = rec + kQuants + 128 * (8 * c + l4);
-        const __m512i wl = load512(q), wh = load512(q + 64);
-        for (int m = 0; m < MT; ++m) {
-          lo[m] = dpbusd_bcast(lo[m], wl, x[m] + 64 * c + 4 * l4);
-          hi[m] = dpbusd_bcast(hi[m], wh, x[m] + 64 * c + 32 + 4 * l4);
-        }
-      }
-      const __m512i s0 = load512(rec + kScales + 64 * (2 * c));
-      const __m512i s1 = load512(rec + kScales + 64 * (2 * c + 1));
-      for (int m = 0; m < MT; ++m)
-        isum[m] = _mm512_add_epi32(isum[m], _mm512_add_epi32(_mm512_mullo_epi32(lo[m], s0),
-                                                             _mm512_mullo_epi32(hi[m], s1)));
-    }
+    q45k_isums<MT>(
+        [&](int c, int l4, __m512i* lo, __m512i* hi) {
+          *lo = load512(rec + kQuants + 128 * (8 * c + l4));
+          *hi = load512(rec + kQuants + 128 * (8 * c + l4) + 64);
+        },
+        [&](int sb) { return load512(rec + kScales + 64 * sb); }, x, isum);
     __m512i dup[8];
     for (int s = 0; s < 8; ++s) dup[s] = load512(rec + kMins + 64 * s);
     min_sums<MT>(dup, bs, msum);
@@ -388,27 +398,11 @@ struct WideQ6K {
   template <int MT>
   static inline void dot(const uint8_t* rec, const int8_t* const* x, const int16_t* const* bs,
                          __m512i* isum, __m512i*) {
-    for (int m = 0; m < MT; ++m) isum[m] = _mm512_setzero_si512();
-    for (int h = 0; h < 2; ++h)
-      for (int half = 0; half < 2; ++half) {
-        __m512i acc[4][MT];  // as Q6K::dot's
-        for (int c = 0; c < 4; ++c)
-          for (int m = 0; m < MT; ++m)
-            acc[c][m] = _mm512_set1_epi32(-32 * bs[m][8 * h + 2 * c + half]);
-        for (int e = 0; e < 4; ++e) {
-          const int l4 = 4 * half + e;
-          for (int c = 0; c < 4; ++c) {
-            const __m512i u = load512(rec + kQuants + 64 * (4 * (8 * h + l4) + c));
-            for (int m = 0; m < MT; ++m)
-              acc[c][m] = dpbusd_bcast(acc[c][m], u, x[m] + 128 * h + 32 * c + 4 * l4);
-          }
-        }
-        for (int c = 0; c < 4; ++c) {
-          const __m512i s = load512(rec + kScales + 64 * (8 * h + 2 * c + half));
-          for (int m = 0; m < MT; ++m)
-            isum[m] = _mm512_add_epi32(isum[m], _mm512_mullo_epi32(acc[c][m], s));
-        }
-      }
+    q6k_isums<MT>(
+        [&](int h, int l4, __m512i* u) {
+          for (int c = 0; c < 4; ++c) u[c] = load512(rec + kQuants + 64 * (4 * (8 * h + l4) + c));
+        },
+        [&](int sb) { return load512(rec + kScales + 64 * sb); }, x, bs, isum);
   }
 };
 

@@ -6,7 +6,10 @@ rounds); engines in one process, run back to back, share the machine's state at 
 Each configuration is one LLM engine (kvserve's own code), all loaded at once; each round
 runs every engine over the same prompts of a task (spec_rows.py's, through the chat
 template), greedy, one request at a time (--streams 1) or all of them at once (--streams 8:
-8 prompts in one batch), the order rotated every round. Printed per round:
+8 prompts in one batch), the order rotated every round. The suffix proposer's cache of past
+answers starts empty every round, as a server's does for the spec step's fresh API key per
+round (offline, every request is one tenant: round 2 would draft round 1's answers to the
+very same prompts). Printed per round:
 each engine's ratio of the first one's wall time over its own (> 1: faster), and its drafts
 and accepted draft tokens; then the median and mean ratio over rounds.
 
@@ -90,6 +93,9 @@ def main() -> int:
         for n in sr.rotated(names, r):
             runner = engines[n].llm_engine.runner
             runner.spec_stats = SpecStats()
+            cache = getattr(runner.proposer, "cache", None)
+            if cache is not None:  # suffix: no answers of an earlier round (see above)
+                runner.proposer.cache = type(cache)(cache.max_tokens)
             t0 = time.perf_counter()
             for batch in ([[p] for p in prompts] if ns.streams == 1 else [prompts]):
                 engines[n].generate(batch, sp, use_tqdm=False)

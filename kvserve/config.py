@@ -268,7 +268,10 @@ class SpeculativeConfig:
     suffix_decoding_max_cached_tokens of them (0: the request's own tokens only), proposes
     the continuation seen most often after it; at most suffix_decoding_max_spec_factor x the
     match length drafts, stopping where the continuation's estimated probability falls below
-    suffix_decoding_min_token_prob (spec/suffix.py).
+    suffix_decoding_min_token_prob (spec/suffix.py). respace_prompt: ngram and suffix also
+    look the continuation up in the prompt with its wrapped lines joined and its runs of
+    blanks single (spec/respace.py: a rewrite of a hard-wrapped text writes each paragraph as
+    one line); kvserve's own, not vLLM's.
     medusa: model, a directory of Medusa heads for the
     target (config.json and medusa_lm_head.safetensors, as `kvserve train-medusa` writes
     them), at least num_speculative_tokens of them; their hidden size and vocabulary must be
@@ -287,6 +290,7 @@ class SpeculativeConfig:
     suffix_decoding_max_cached_tokens: int = 1 << 20
     suffix_decoding_max_spec_factor: float = 1.0
     suffix_decoding_min_token_prob: float = 0.1
+    respace_prompt: bool = True
     adaptive: bool = True
 
     def __post_init__(self) -> None:
@@ -327,6 +331,10 @@ class SpeculativeConfig:
                  and 0.0 <= self.suffix_decoding_min_token_prob <= 1.0,
                  f"speculative_config.suffix_decoding_min_token_prob must be in [0, 1], "
                  f"got {self.suffix_decoding_min_token_prob!r}")
+        for name in ("respace_prompt", "adaptive"):
+            _require(isinstance(getattr(self, name), bool),
+                     f"speculative_config.{name} must be true or false, "
+                     f"got {getattr(self, name)!r}")
         needs_model = self.method in ("draft_model", "medusa")
         _require(needs_model == (self.model is not None),
                  f"speculative_config.model is {'required' if needs_model else 'not used'} "

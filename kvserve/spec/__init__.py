@@ -6,6 +6,8 @@ step, and rejection sampling (sample/rejection.py) keeps exactly the target's di
     ngram.py        prompt lookup over the request's own tokens
     suffix.py       suffix decoding: the longest match in the request's own tokens and in
                     its tenant's past outputs, the most frequent continuation
+    respace.py      the prompt with its wrapped lines joined: a second text both lookups
+                    read (a rewrite of hard-wrapped text writes a paragraph as one line)
     draft_model.py  a smaller model with the target's vocabulary, its own paged KV cache
                     addressed by the target's block ids
     medusa.py       Medusa heads on the target's last hidden state (Medusa's checkpoint

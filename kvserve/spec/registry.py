@@ -22,13 +22,14 @@ def build_proposer(config: EngineConfig, target_tokenizer: Any = None,
     spec = config.speculative
     if spec is None:
         return None
+    respace_with = target_tokenizer if spec.respace_prompt else None
     if spec.method == "ngram":
-        return NgramProposer(spec.prompt_lookup_min, spec.prompt_lookup_max)
+        return NgramProposer(spec.prompt_lookup_min, spec.prompt_lookup_max, respace_with)
     if spec.method == "suffix":
         return SuffixProposer(spec.suffix_decoding_max_tree_depth,
                               spec.suffix_decoding_max_cached_tokens,
                               spec.suffix_decoding_max_spec_factor,
-                              spec.suffix_decoding_min_token_prob)
+                              spec.suffix_decoding_min_token_prob, respace_with)
     if spec.method == "medusa":
         return MedusaProposer.load(config, target_model)
     if spec.method == "self_draft":

@@ -7,6 +7,8 @@ seen most often after it.
                                 prompt tokens before it, of this server and the same tenant
                                 (Request.tenant: the API key's hash; None offline); at most
                                 max_cached_tokens in all, the oldest quarter dropped first
+    its prompt re-spaced        its wrapped lines joined (respace.py: a rewrite of a
+                                hard-wrapped text writes each paragraph as one line)
 
 A request only ever reads its own tenant's past requests: text of one API key is never
 proposed to another (the drafts would be verified away, but which ones are accepted shows in
@@ -35,11 +37,13 @@ from array import array
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
 from kvserve.request import Request
 from kvserve.spec.base import DraftStops, KVFreeProposer
+from kvserve.spec.respace import respaced_prompt
 
 _SEP = -1  # between documents, before the first: never a token, never matched
 _NO_TOKEN = -2  # the query's missing positions (a short request): never in a buffer
@@ -155,11 +159,16 @@ class _Cache:
 class _Tracked:
     request: Request
     corpus: _Corpus
+    respaced: _Corpus | None  # its prompt re-spaced (respace.py)
 
 
 class SuffixProposer(KVFreeProposer):
     def __init__(self, max_depth: int = 24, max_cached_tokens: int = 1 << 20,
-                 max_spec_factor: float = 1.0, min_token_prob: float = 0.1) -> None:
+                 max_spec_factor: float = 1.0, min_token_prob: float = 0.1,
+                 tokenizer: Any = None) -> None:
+        """tokenizer: the target's, to read each prompt re-spaced too (respace.py); None:
+        the request's tokens and its tenant's cache alone."""
+        self.tokenizer = tokenizer
         self.max_depth = max_depth
         self.max_spec_factor = max_spec_factor
         self.min_token_prob = min_token_prob
@@ -168,7 +177,7 @@ class SuffixProposer(KVFreeProposer):
 
     # -- the request's own index --------------------------------------------------------
 
-    def _sync(self, req: Request) -> _Corpus:
+    def _sync(self, req: Request) -> _Tracked:
         """The request's corpus holding all_token_ids: the new tokens appended (a finished
         request's last ones can be dropped: then, and for a new request, built anew)."""
         t = self._requests.get(req.request_id)
@@ -178,11 +187,18 @@ class SuffixProposer(KVFreeProposer):
             n = c.size
             if n <= len(ids) and (n == 0 or int(c.tokens[n]) == ids[n - 1]):
                 c.extend(ids[n:])
-                return c
+                return t
         c = _Corpus(len(ids) + 256)
         c.extend(ids)
-        self._requests[req.request_id] = _Tracked(req, c)
-        return c
+        respaced = None
+        if t is not None and t.request is req:
+            respaced = t.respaced
+        elif (prompt := respaced_prompt(self.tokenizer, req.prompt_token_ids)) is not None:
+            respaced = _Corpus(len(prompt))
+            respaced.extend(prompt)
+            respaced.end_document()
+        t = self._requests[req.request_id] = _Tracked(req, c, respaced)
+        return t
 
     # -- the protocol --------------------------------------------------------------------
 
@@ -191,12 +207,14 @@ class SuffixProposer(KVFreeProposer):
                 ) -> list[list[int]]:
         out = []
         for req, k in zip(requests, num_drafts, strict=True):
-            own = self._sync(req)  # every request seen, so its tokens reach the cache
-            out.append(self._speculate(own, req.tenant, k) if k else [])
+            t = self._sync(req)  # every request seen, so its tokens reach the cache
+            out.append(self._speculate(t, req.tenant, k) if k else [])
         return out
 
-    def _speculate(self, own: _Corpus, tenant: str | None, k: int) -> list[int]:
-        """Up to k drafts following own's tokens, from own and the tenant's cache."""
+    def _speculate(self, t: _Tracked, tenant: str | None, k: int) -> list[int]:
+        """Up to k drafts following the request's tokens, from them, its prompt re-spaced
+        and the tenant's cache."""
+        own = t.corpus
         end = own.end
         query = own.tokens[max(end - self.max_depth, 0):end][::-1].copy()
         query[query < 0] = _NO_TOKEN
@@ -204,7 +222,8 @@ class SuffixProposer(KVFreeProposer):
             return []
         key = (int(query[1]) << 32) | int(query[0])
         # Oldest first, the request's own last: ties go to the latest occurrence.
-        sources = [*self.cache.segments.get(tenant, ()), own]
+        sources = [*self.cache.segments.get(tenant, ()),
+                   *((t.respaced,) if t.respaced is not None else ()), own]
         best, matched = 0, []
         for c in sources:
             length, pos = c.match(query, key)

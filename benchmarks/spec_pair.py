@@ -70,7 +70,9 @@ def main() -> int:
         if spec:
             kw["speculative_config"] = json.loads(
                 spec.replace("$DRAFT", ns.draft).replace("$MEDUSA", ns.medusa))
-        llm = LLM(ns.model, **kw)
+        # As the spec step's servers run (spec_rows.kvserve_serve_flags): no prefix caching,
+        # so every round prefills its prompts again, as a user's first request does.
+        llm = LLM(ns.model, enable_prefix_caching=False, kv_cache_memory=sr.KV_MEMORY, **kw)
         runner = llm.llm_engine.runner
         if tree:
             if runner.spec_policy is None:

@@ -84,8 +84,9 @@ class NgramProposer(KVFreeProposer):
         """The request's index, new for a request not seen (or a new one under an old id)."""
         t = self._indexes.get(req.request_id)
         if t is None or t.request is not req or t.index.ends >= len(req.all_token_ids):
-            respaced = None
-            if (ids := respaced_prompt(self.tokenizer, req.prompt_token_ids)) is not None:
+            respaced = t.respaced if t is not None and t.request is req else None
+            if respaced is None and (ids := respaced_prompt(self.tokenizer,
+                                                            req.prompt_token_ids)) is not None:
                 index = NgramIndex(self.n_min, self.n_max)
                 index.extend(ids)
                 respaced = (ids, index)

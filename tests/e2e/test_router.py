@@ -233,7 +233,11 @@ def test_streaming_is_relayed_as_it_arrives(router: RouterProcess,
             "min_tokens": 48, "temperature": 0, "stream": True}
     texts, times = _stream(router.base_url, headers, body)
     direct, _ = _stream(replicas[0].base_url, headers, body)
-    assert texts == direct and len(texts) > 10
+    # The same text; not always the same events: a server whose reader lags a step sends
+    # the tokens of both in one event (async_engine.py: the latest output wins), so two
+    # streams of one prompt can cut it differently (seen in CI: ' distance' then '.\n'
+    # through the router, ' distance.\n' directly).
+    assert "".join(texts) == "".join(direct) and len(texts) > 10
     # buffered, every event would arrive at once; relayed, they spread over the decode
     assert times[-1] - times[0] > 0.05, times
 

@@ -90,3 +90,14 @@ def test_ngram_prefers_the_requests_own_tokens_at_the_same_length(tok: Any) -> N
     fresh = NgramProposer(2, 4, tok)
     drafts = fresh.propose([_request(tok, prompt, "A one two three")], [3], [[]])[0]
     assert tok.decode(drafts) == ". B one"
+
+
+def test_suffix_encodes_the_respaced_prompt_only_once_a_request_drafts(tok: Any) -> None:
+    # suffix sees every request every step (its tokens go to the tenant's cache), drafting or
+    # not; the prompt's encoding waits for the first draft.
+    prop = SuffixProposer(tokenizer=tok)
+    req = _request(tok, WRAPPED, ANSWER)
+    assert prop.propose([req], [0], [[]]) == [[]]
+    assert not prop._requests["r"].respaced_read
+    drafts = prop.propose([req], [4], [[]])[0]
+    assert prop._requests["r"].respaced is not None and REST.startswith(tok.decode(drafts))

@@ -75,15 +75,29 @@ void run_wide(const Q8KActs& a, const uint8_t* w, const float* bias, float* out,
 
 // out [M, N] for a packed weight w of format Fmt, MT activation rows per tile, ~256 KB of
 // activations per pass. The first tile of a pass streams the group from memory (prefetch);
-// the others hit cache.
-template <class Fmt, int MT>
+// the others hit cache. Every tile decodes the group's weights again, and a tile of one row
+// costs nearly a decode alone; so with kJoinOne the tiles hold MT - 1 rows and a pass's lone
+// last row joins its first tile (MT rows): 17 rows at MT = 5 are 5 + 4 + 4 + 4, not 4 + 4 +
+// 4 + 4 + 1. Without it, tiles of MT and one of the rest: the AVX2 file's choice, whose
+// K-quant linears ran 1.04-1.07x slower at 7 to 17 rows with the other loop beside this one,
+// where that changed no tile there (Q4KRows is one tile to 8 rows, wide records from 9).
+template <class Fmt, int MT, bool kJoinOne = false>
 void run(const Q8KActs& a, const uint8_t* w, const float* bias, float* out, int64_t N,
          int nthreads) {
   run_passes<MT>(a, w, Fmt::kRecord, bias, out, N, nthreads, 1 << 18,
                  [&](int64_t p0, int64_t p1, const uint8_t* gw, const float* bg, float* o,
                      int64_t cols) {
-    for (int64_t m = p0; m < p1; m += MT)
-      some_rows<Fmt, MT>(min64(MT, p1 - m), m == p0, a, m, gw, bg, o, N, cols);
+    if constexpr (kJoinOne) {
+      const int64_t lone = (p1 - p0) % (MT - 1) == 1 ? 1 : 0;
+      for (int64_t m = p0; m < p1;) {
+        const int64_t rows = min64(MT - 1 + (m == p0 ? lone : 0), p1 - m);
+        some_rows<Fmt, MT>(rows, m == p0, a, m, gw, bg, o, N, cols);
+        m += rows;
+      }
+    } else {
+      for (int64_t m = p0; m < p1; m += MT)
+        some_rows<Fmt, MT>(min64(MT, p1 - m), m == p0, a, m, gw, bg, o, N, cols);
+    }
   });
 }
 

@@ -788,20 +788,21 @@ void run_fmt(const Q8KActs& a, const uint8_t* w, const float* bias, float* out, 
   }
   // Registers (32 zmm): per activation row 2 float sums, one isum and the open sub-block
   // chains (2 for Q2_K..Q5_K, 4 for Q6_K). M == 1: one row, one stream per thread; otherwise
-  // 4 rows per tile share each chunk's load and decode, and M == 5 (a speculative step's
-  // K + 1 rows at K = 4) is one tile of 5 rather than 4 and a second pass for one. Q6_K's
-  // four chains a row do not fit 5 rows in registers: at 5 and 6 rows (K = 4, 5) its tiles
-  // of 3 (3 + 2, 3 + 3) run 0.85-0.9x the time of 5 or 4 + 2 (Zen 4, the Qwen2.5-Coder
-  // 1.5B file's Q6_K linears).
-  if constexpr (std::is_same_v<Fmt, Q6K>) {
-    if (a.M == 5 || a.M == 6) {
-      run<Fmt, 3>(a, w, bias, out, N, nthreads);
-      return;
-    }
+  // 4 rows per tile share each chunk's load and decode, and a lone last row joins the first
+  // tile (5 rows; M == 5 is a speculative step's K + 1 rows at K = 4, 17 at K = 16): 0.96x
+  // the time of 4 + 4 + 1 at 9 rows and of 4 x 4 + 1 at 17. Tiles of 5 elsewhere lose: 5 + 5
+  // at 10 rows 1.03x of 4 + 4 + 2, 3 + 3 at 6 1.03x of 4 + 2 (Zen 4, every K-quant linear of
+  // the Qwen2.5-Coder 1.5B file, kernel_ab.py). Q6_K's four chains a row do not fit 5 rows in
+  // registers: at 5 and 6 rows (K = 4, 5) its tiles of 3 (3 + 2, 3 + 3) run 0.85-0.9x the
+  // time of 5 or 4 + 2 (Zen 4, the same file's Q6_K linears).
+  if (a.M == 1) {
+    run<Fmt, 1>(a, w, bias, out, N, nthreads);
+  } else if constexpr (std::is_same_v<Fmt, Q6K>) {
+    if (a.M == 5 || a.M == 6) run<Fmt, 3>(a, w, bias, out, N, nthreads);
+    else run<Fmt, 4>(a, w, bias, out, N, nthreads);
+  } else {
+    run<Fmt, 5, true>(a, w, bias, out, N, nthreads);
   }
-  if (a.M == 1) run<Fmt, 1>(a, w, bias, out, N, nthreads);
-  else if (a.M == 5) run<Fmt, 5>(a, w, bias, out, N, nthreads);
-  else run<Fmt, 4>(a, w, bias, out, N, nthreads);
 }
 
 }  // namespace

@@ -16,7 +16,8 @@ interpolated between the row counts seen):
              lookup: nothing)
     catch-up a draft model that has not read a request's tokens yet (a new prompt) reads
              them first: catch_up_tokens x its measured cost per token, spread over the
-             steps the request has left (max_tokens), since it is paid once; not before
+             steps the request has left (_tokens_left: what the requests that finished
+             longer than it ran on for, at most max_tokens), since it is paid once; not before
              the request has decoded CATCH_UP_AFTER tokens (a burst may still be arriving)
 
 A draft model's forward costs nearly as much for one row as for eight (it streams its weights
@@ -45,6 +46,7 @@ drafts.
 from __future__ import annotations
 
 import math
+from collections import deque
 
 from kvserve.request import Request
 from kvserve.spec.base import DRAFT_FORWARDS, DraftStops
@@ -80,6 +82,11 @@ _DECAY = 0.8  # per verify step, of a request's acceptance counts
 # tokens). Qwen2.5-Coder 1.5B + 0.5B, 1 stream, 3 x 4 open prompts on one engine, paired:
 # 375 drafts and 179 s without, 1149 drafts and 162 s with.
 _IDLE_DECAY = 0.9
+# A request's tokens left, which spread a catch-up's price (_tokens_left): the output lengths
+# of the last _LENGTHS requests to finish; with fewer than _MIN_LONGER of them longer than a
+# request's own output, it is expected to write as much again, and at least _TYPICAL_ANSWER
+# (a guess: a chat answer's length).
+_LENGTHS, _MIN_LONGER, _TYPICAL_ANSWER = 64, 4, 256
 _SERVER_DECAY = 0.98
 _EMA = 0.2  # of the step-time tables
 _STALE = 32  # observations since a row count's last, past which StepCosts caps it
@@ -244,6 +251,7 @@ class SpecPolicy:
         self._rejected: dict[str, float] = {}  # decayed first rejections
         self._idle: dict[str, int] = {}  # steps since the request last drafted
         self._misses: dict[str, int] = {}  # its verify steps in a row with none accepted
+        self._out: dict[str, int] = {}  # its output tokens when last seen (num_drafts)
         self.forget()
 
     def forget(self) -> None:
@@ -259,6 +267,7 @@ class SpecPolicy:
         self.prefill_cost = StepCosts()  # the target's steps with prompt tokens, by rows
         self.draft_cost = StepCosts(shape=self.cost)  # the proposer's forwards, by rows
         self.catch_up_cost = 0.0  # seconds per token the proposer catches up on (EMA)
+        self._lengths: deque[int] = deque(maxlen=_LENGTHS)  # finished requests' outputs
 
     # -- measurements -------------------------------------------------------------------
 
@@ -334,6 +343,19 @@ class SpecPolicy:
         """What a proposer forward costs until one is measured (a lookup runs none)."""
         return _PRIOR_DRAFT_SHARE * self.cost(1)
 
+    def _tokens_left(self, req: Request) -> float:
+        """The tokens req is expected to write still, which a catch-up's price is spread
+        over: the mean excess of the recently finished requests that ran longer than it
+        has so far, at most max_tokens - its output. Not max_tokens alone: a client that
+        sends none gets the context's room (thousands of tokens), where any catch-up looked
+        free, and a chat answer ends well before its cap."""
+        n, cap = req.num_output_tokens, req.max_tokens
+        room = max(1, cap - n)
+        longer = [min(length, cap) - n for length in self._lengths if length > n]
+        if len(longer) < _MIN_LONGER:
+            return min(room, max(n, _TYPICAL_ANSWER))
+        return min(room, max(1.0, sum(longer) / len(longer)))
+
     def _catch_up_pays(self, alpha: float, cap: int, tokens: int, req: Request, load: int,
                        draft_prior: float) -> bool:
         """Whether req drafting at `load` rows saves more over the steps it has left than
@@ -343,7 +365,7 @@ class SpecPolicy:
         base = self._base(load)
         c_tok = base / load
         per_depth = self._added(load, 1, base) + self.draft_cost(load, draft_prior) / load
-        left = max(1, req.max_tokens - req.num_output_tokens)
+        left = self._tokens_left(req)
         per_token = self._catch_up_per_token()
         gain = best = 0.0
         for k in range(1, cap + 1):
@@ -360,6 +382,8 @@ class SpecPolicy:
         caps = [min(self.k_max, m) for m in max_drafts]
         if not self.adaptive:
             return caps
+        for r in requests:
+            self._out[r.request_id] = r.num_output_tokens
         rows = len(requests)
         base = self._base(rows)
         c_tok = base / max(rows, 1)
@@ -403,8 +427,7 @@ class SpecPolicy:
                     per_token = self._catch_up_per_token()
                     for r, k, n, a in zip(requests, ks, catch_up, alphas, strict=True):
                         if k and n:
-                            left = max(1, r.max_tokens - r.num_output_tokens)
-                            steps = left / sum(a ** j for j in range(k + 1))
+                            steps = self._tokens_left(r) / sum(a ** j for j in range(k + 1))
                             price += n * per_token / max(1.0, steps)
             value = gain * c_tok - price
             if value > best_value:
@@ -474,7 +497,12 @@ class SpecPolicy:
         return ks, DraftStops(keep, more, [self.alpha(r.request_id) for r in requests])
 
     def remove(self, request_ids: list[str]) -> None:
+        """The requests finished (or were aborted): each one's output so far joins the
+        lengths _tokens_left reads."""
         for rid in request_ids:
+            n = self._out.pop(rid, None)
+            if n:
+                self._lengths.append(n)
             self._accepted.pop(rid, None)
             self._rejected.pop(rid, None)
             self._idle.pop(rid, None)

@@ -389,6 +389,49 @@ def test_a_catch_up_is_priced_at_the_load_the_request_will_decode_under() -> Non
     assert policy().num_drafts(new, [16], [0], load=8) != [0]
 
 
+def test_a_catch_up_is_spread_over_the_tokens_requests_like_it_write() -> None:
+    # A client that sends no max_tokens gets the context's room (4096 here): priced over
+    # that, a draft model's catch-up over a long prompt always looked repaid. The price is
+    # spread over what the server's finished requests wrote past this one's output instead.
+    def policy() -> SpecPolicy:
+        p = SpecPolicy(4, draft_forwards="per_depth")
+        _cpu_like(p, 0.005)
+        p.observe_draft([(n, 0.020 + 0.001 * n) for n in range(1, 17)])
+        p.observe_catch_up(250, 0.750)
+        return p
+
+    def new(rid: str, out: int, prompt: int = 250) -> Request:
+        r = Request(rid, list(range(prompt)), SamplingParams(max_tokens=None), max_tokens=4096)
+        for t in range(out):
+            r.append_output_token(t)
+        return r
+
+    def finish(p: SpecPolicy, lengths: list[int]) -> None:
+        for i, n in enumerate(lengths):
+            done = new(f"done{i}", n, prompt=10)
+            assert p.num_drafts([done], [16], [0], load=1) is not None
+            p.remove([done.request_id])
+
+    # No request finished yet: about a chat answer (256 tokens) left, enough for 258
+    # tokens of catch-up, not for 2000.
+    assert policy().num_drafts([new("a", CATCH_UP_AFTER)], [16], [258], load=1) != [0]
+    assert policy().num_drafts([new("a", CATCH_UP_AFTER, 2000)], [16], [2008], load=1) == [0]
+    # Answers of 3000 tokens: the same 2000-token catch-up now pays.
+    long_ = policy()
+    finish(long_, [3000] * 8)
+    assert long_.num_drafts([new("a", CATCH_UP_AFTER, 2000)], [16], [2008], load=1) != [0]
+    # Answers of 24 tokens: 16 tokens left, too few to repay even 258.
+    short = policy()
+    finish(short, [24] * 8)
+    assert short.num_drafts([new("a", CATCH_UP_AFTER)], [16], [258], load=1) == [0]
+    # Once a request outlives most of them (3 of 8 longer), it is expected to write as
+    # much again as it has (here 300 tokens, behind by 310): the catch-up pays again, as
+    # it does where none finished.
+    finish(short, [600] * 3)
+    assert short.num_drafts([new("b", 300, 10)], [16], [310], load=1) != [0]
+    assert policy().num_drafts([new("b", 300, 10)], [16], [310], load=1) != [0]
+
+
 def test_a_new_requests_catch_up_waits_for_its_first_tokens() -> None:
     # A burst reaches the engine over its next steps, so a request's first steps may see
     # one row and a load of one; the catch-up waits until CATCH_UP_AFTER tokens are decoded.

@@ -689,7 +689,7 @@ class Report:
         def worst(model: dict[str, Any], engine: str) -> tuple[float | None, str]:
             got = [(c["speedup"], f"{c['method']} {c['task']} c={c['concurrency']}")
                    for c in quoted(model)
-                   if c["engine"] == engine and c["kind"] != "none"
+                   if c["engine"] == engine and c["kind"] not in ("none", "control")
                    and (c["concurrency"] == 8 or c["task"] == "open" or poorly_predicted(c))
                    and c.get("speedup") is not None]
             return min(got) if got else (None, "")
@@ -714,6 +714,27 @@ class Report:
                          "lowest)", fig(k), fig(ll),
                          None if k[0] is None else k[0] >= 0.95))
         return rows
+
+    def spec_control_lines(self) -> list[str]:
+        """Per model, what its A/A control (kvserve without speculation against itself,
+        ratioed like a proposer) read: the range of its cells' medians and of its single
+        rounds, i.e. what a cell's speed-up can resolve."""
+        out = []
+        for m in _get(self.spec, "models") or []:
+            cells = [c for c in m.get("cells") or []
+                     if c.get("kind") == "control" and c.get("speedup") is not None]
+            if not cells:
+                continue
+            med = [c["speedup"] for c in cells]
+            runs = [x for c in cells for x in c.get("speedup_runs") or []]
+            lo = min(cells, key=lambda c: c["speedup"])
+            n = f"{len(cells)} cell{'s' if len(cells) != 1 else ''}"
+            out.append(f"- {m['key']}: the A/A control (a second kvserve server without "
+                       f"speculation, ratioed like a proposer) read {min(med):.2f}-"
+                       f"{max(med):.2f}x over its {n} (medians; the lowest "
+                       f"{lo['task']} c={lo['concurrency']}), {min(runs):.2f}-{max(runs):.2f}x "
+                       f"in single rounds. A proposer's figure is as uncertain.")
+        return out + [""] if out else []
 
     def spec_section(self) -> list[str]:
         s = self.spec
@@ -779,11 +800,12 @@ class Report:
         lines += ["", "The best proposer of a cell is the best that made drafts there (a "
                   "configuration whose counters read no draft ran plain decoding); the lowest "
                   "counts every configuration.", ""]
+        lines += self.spec_control_lines()
         concs = s.get("concurrency") or [1, 8]
 
         def acc(c: dict[str, Any] | None) -> str:
             a = _get(c, "acceptance")
-            if c is None or c.get("kind") == "none":
+            if c is None or c.get("kind") in ("none", "control"):
                 return ""
             if c.get("replays"):
                 return "replays (not quoted)"

@@ -16,7 +16,9 @@ where the model ends (no ignore_eos: a rewrite is as long as the text it rewrite
 
 A configuration is one engine (kvserve serve or llama-server) with one proposer, or none;
 every speed-up compares a configuration with the same engine's "none" on the same model,
-task, concurrency and round.
+task, concurrency and round. kvserve's "control" is a second server without speculation,
+measured like a proposer (an A/A test): its speed-up should read 1.00x, and how far it
+strays is what one cell can resolve.
 """
 
 from __future__ import annotations
@@ -38,6 +40,11 @@ TASKS = {
 MODEL_BASED = frozenset({"draft_model", "self_draft", "eagle", "eagle3", "medusa", "mtp",
                          "draft"})
 LOOKUP = frozenset({"ngram", "suffix", "ngram-simple"})
+# A second kvserve server without speculation, run and ratioed like a proposer: the A/A test
+# that shows the noise of a cell's speed-up. The default model's 8-stream runs last 3-4 s,
+# and three such servers side by side read 241-294 tok/s over 4 rounds (one round's ratio
+# between two of them up to 1.14x): a 0.95x floor sits inside one round's spread.
+CONTROL = "control"
 
 # kvserve's --speculative-config per method, vLLM-shaped. "$DRAFT" is replaced with the
 # model's draft GGUF, "$MEDUSA" with its Medusa heads (`kvserve train-medusa`, run by the spec
@@ -90,8 +97,8 @@ class SpecConfig:
 
     @property
     def kind(self) -> str:
-        return ("none" if self.method == "none" else "model" if self.method in MODEL_BASED
-                else "lookup")
+        return ("none" if self.method == "none" else CONTROL if self.method == CONTROL
+                else "model" if self.method in MODEL_BASED else "lookup")
 
 
 def side_by_side(cfg: str) -> tuple[str, str, str]:
@@ -110,9 +117,12 @@ def rotated(names: list[str], round_: int) -> list[str]:
 
 def spec_configs(model: SpecModel, method_configs: dict[str, dict[str, Any]],
                  kvserve_has_spec: bool, llama_server: bool) -> list[SpecConfig]:
-    """Every configuration of one model, in run order: kvserve's none then its methods,
-    llama-server's none, -md draft (where the model has a draft) and ngram-simple."""
-    out = [SpecConfig("kvserve:none", "kvserve", "none", "kvserve serve, no speculation")]
+    """Every configuration of one model, in run order: kvserve's none, its control (none
+    again) and its methods, llama-server's none, -md draft (where the model has a draft) and
+    ngram-simple."""
+    out = [SpecConfig("kvserve:none", "kvserve", "none", "kvserve serve, no speculation"),
+           SpecConfig(f"kvserve:{CONTROL}", "kvserve", CONTROL,
+                      "kvserve serve, no speculation again (A/A control)")]
     for m in model.methods:
         cfg = method_configs.get(m)
         if cfg is None:

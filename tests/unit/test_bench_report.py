@@ -326,6 +326,16 @@ def test_spec_best_proposer_counts_only_runs_that_drafted(tmp_path: Path,
     assert floor_figure() == "0.85x (draft_model grounded c=1)"
     cells[1]["acceptance"]["acceptance_rate"] = 0.7  # predicted well: not on the floor
     assert floor_figure() == "n/a"
+    # The A/A control (no speculation against none) is no proposer: never the floor's, but
+    # its spread is printed beside the targets.
+    control = {**cell("control", 0.88, 0), "kind": "control", "task": "open",
+               "concurrency": 8, "speedup_runs": [0.88, 0.80, 1.07]}
+    cells.append(control)
+    assert floor_figure() == "n/a"
+    md = "\n".join(report.Report(tmp_path).spec_section())
+    assert ("qwen1.5b: the A/A control (a second kvserve server without speculation, ratioed "
+            "like a proposer) read 0.88-0.88x over its 1 cell (medians; the lowest open c=8), "
+            "0.80-1.07x in single rounds.") in md
 
 
 def test_spec_configs_fill_in_each_models_draft_and_heads(report: Any) -> None:
@@ -342,7 +352,8 @@ def test_spec_configs_fill_in_each_models_draft_and_heads(report: Any) -> None:
     configs = spec_rows.KVSERVE_METHOD_CONFIGS
     got = {c.method: c for c in spec_rows.spec_configs(with_both, configs, True, True)
            if c.engine == "kvserve"}
-    assert set(got) == {"none", "ngram", "draft_model", "medusa"}
+    assert set(got) == {"none", "control", "ngram", "draft_model", "medusa"}
+    assert got["control"].flags == () and got["control"].kind == "control"
     assert got["draft_model"].spec["model"] == "d.gguf"
     assert got["medusa"].spec["model"] == "heads/m"
     assert got["medusa"].flags == ("--speculative-config", json.dumps(got["medusa"].spec))
@@ -351,7 +362,7 @@ def test_spec_configs_fill_in_each_models_draft_and_heads(report: Any) -> None:
             assert SpeculativeConfig(**c.spec).method == c.method
     got = {c.method for c in spec_rows.spec_configs(bare, configs, True, True)
            if c.engine == "kvserve"}
-    assert got == {"none", "ngram"}
+    assert got == {"none", "control", "ngram"}
 
 
 def test_quantized_checkpoints_are_named_by_the_quantizers_code(tmp_path: Path,

@@ -318,7 +318,8 @@ class LLMEngine:
             for ch in parent.children:
                 self.scheduler.abort_request(ch.request.request_id)
                 self._child_to_parent.pop(ch.request.request_id, None)
-            self.runner.remove_requests([ch.request.request_id for ch in parent.children])
+            self.runner.remove_requests([ch.request.request_id for ch in parent.children],
+                                        finished=False)
 
     def num_choices(self, request_id: str) -> int:
         """How many choices (n) an unfinished request has; 0 for an unknown id."""

@@ -251,14 +251,15 @@ class ModelRunner:
             row += k
         return out
 
-    def remove_requests(self, request_ids: list[str]) -> None:
+    def remove_requests(self, request_ids: list[str], finished: bool = True) -> None:
+        """The requests are done: finished, or (finished=False) aborted."""
         for rid in request_ids:
             self.sampler.remove(rid)
             if self.structured_output is not None:
                 self.structured_output.remove(rid)
         self.preempted(request_ids)
         if self.spec_policy is not None:
-            self.spec_policy.remove(request_ids)
+            self.spec_policy.remove(request_ids, finished)
 
     def preempted(self, request_ids: list[str]) -> None:
         """The requests' KV is gone (preempted) or no longer needed: the proposer's too."""

@@ -496,12 +496,13 @@ class SpecPolicy:
         more = [row + share for row in keep]
         return ks, DraftStops(keep, more, [self.alpha(r.request_id) for r in requests])
 
-    def remove(self, request_ids: list[str]) -> None:
-        """The requests finished (or were aborted): each one's output so far joins the
-        lengths _tokens_left reads."""
+    def remove(self, request_ids: list[str], finished: bool = True) -> None:
+        """The requests are done. Where they finished (not aborted: a client that left
+        says nothing of an answer's length), each one's output joins the lengths
+        _tokens_left reads."""
         for rid in request_ids:
             n = self._out.pop(rid, None)
-            if n:
+            if n and finished:
                 self._lengths.append(n)
             self._accepted.pop(rid, None)
             self._rejected.pop(rid, None)

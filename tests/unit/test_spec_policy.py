@@ -406,11 +406,11 @@ def test_a_catch_up_is_spread_over_the_tokens_requests_like_it_write() -> None:
             r.append_output_token(t)
         return r
 
-    def finish(p: SpecPolicy, lengths: list[int]) -> None:
+    def finish(p: SpecPolicy, lengths: list[int], finished: bool = True) -> None:
         for i, n in enumerate(lengths):
             done = new(f"done{i}", n, prompt=10)
             assert p.num_drafts([done], [16], [0], load=1) is not None
-            p.remove([done.request_id])
+            p.remove([done.request_id], finished)
 
     # No request finished yet: about a chat answer (256 tokens) left, enough for 258
     # tokens of catch-up, not for 2000.
@@ -420,7 +420,11 @@ def test_a_catch_up_is_spread_over_the_tokens_requests_like_it_write() -> None:
     long_ = policy()
     finish(long_, [3000] * 8)
     assert long_.num_drafts([new("a", CATCH_UP_AFTER, 2000)], [16], [2008], load=1) != [0]
-    # Answers of 24 tokens: 16 tokens left, too few to repay even 258.
+    # Answers of 24 tokens: 16 tokens left, too few to repay even 258. (Requests aborted at
+    # 24 tokens say nothing of an answer's length.)
+    aborted = policy()
+    finish(aborted, [24] * 8, finished=False)
+    assert aborted.num_drafts([new("a", CATCH_UP_AFTER)], [16], [258], load=1) != [0]
     short = policy()
     finish(short, [24] * 8)
     assert short.num_drafts([new("a", CATCH_UP_AFTER)], [16], [258], load=1) == [0]

@@ -368,38 +368,34 @@ def test_a_fresh_row_count_keeps_its_own_time() -> None:
     assert c(8) == 0.200
 
 
+def _catching_up() -> SpecPolicy:
+    """A draft model's policy on a CPU-like target (50 ms a step, 5 ms a row more), 20 ms
+    draft forwards and 3 ms a token of catch-up."""
+    p = SpecPolicy(4, draft_forwards="per_depth")
+    _cpu_like(p, 0.005)
+    p.observe_draft([(n, 0.020 + 0.001 * n) for n in range(1, 17)])
+    p.observe_catch_up(250, 0.750)
+    return p
+
+
 def test_a_catch_up_is_priced_at_the_load_the_request_will_decode_under() -> None:
     # A draft model must read a new request's 250-token prompt first (3 ms a token). Alone,
     # its drafts repay that within the steps it has left; with 7 more requests on their way
     # (prefilled in the next steps: this step has one row) they never do, and a burst of 8
     # requests that each caught up while few rows ran lost 6-19% (Qwen2.5-Coder 1.5B).
-    def policy() -> SpecPolicy:
-        p = SpecPolicy(4, draft_forwards="per_depth")
-        _cpu_like(p, 0.005)
-        p.observe_draft([(n, 0.020 + 0.001 * n) for n in range(1, 17)])
-        p.observe_catch_up(250, 0.750)
-        return p
-
     new = [Request("0", list(range(250)), SamplingParams(max_tokens=256), max_tokens=256)]
     for t in range(CATCH_UP_AFTER):  # past the tokens a catch-up waits for (the next test)
         new[0].append_output_token(t)
-    assert policy().num_drafts(new, [16], [258], load=1) != [0]
-    assert policy().num_drafts(new, [16], [258], load=8) == [0]
+    assert _catching_up().num_drafts(new, [16], [258], load=1) != [0]
+    assert _catching_up().num_drafts(new, [16], [258], load=8) == [0]
     # Once caught up, only this step's rows price its drafts.
-    assert policy().num_drafts(new, [16], [0], load=8) != [0]
+    assert _catching_up().num_drafts(new, [16], [0], load=8) != [0]
 
 
 def test_a_catch_up_is_spread_over_the_tokens_requests_like_it_write() -> None:
     # A client that sends no max_tokens gets the context's room (4096 here): priced over
     # that, a draft model's catch-up over a long prompt always looked repaid. The price is
     # spread over what the server's finished requests wrote past this one's output instead.
-    def policy() -> SpecPolicy:
-        p = SpecPolicy(4, draft_forwards="per_depth")
-        _cpu_like(p, 0.005)
-        p.observe_draft([(n, 0.020 + 0.001 * n) for n in range(1, 17)])
-        p.observe_catch_up(250, 0.750)
-        return p
-
     def new(rid: str, out: int, prompt: int = 250) -> Request:
         r = Request(rid, list(range(prompt)), SamplingParams(max_tokens=None), max_tokens=4096)
         for t in range(out):
@@ -414,18 +410,18 @@ def test_a_catch_up_is_spread_over_the_tokens_requests_like_it_write() -> None:
 
     # No request finished yet: about a chat answer (256 tokens) left, enough for 258
     # tokens of catch-up, not for 2000.
-    assert policy().num_drafts([new("a", CATCH_UP_AFTER)], [16], [258], load=1) != [0]
-    assert policy().num_drafts([new("a", CATCH_UP_AFTER, 2000)], [16], [2008], load=1) == [0]
+    assert _catching_up().num_drafts([new("a", CATCH_UP_AFTER)], [16], [258], load=1) != [0]
+    assert _catching_up().num_drafts([new("a", CATCH_UP_AFTER, 2000)], [16], [2008], load=1) == [0]
     # Answers of 3000 tokens: the same 2000-token catch-up now pays.
-    long_ = policy()
+    long_ = _catching_up()
     finish(long_, [3000] * 8)
     assert long_.num_drafts([new("a", CATCH_UP_AFTER, 2000)], [16], [2008], load=1) != [0]
     # Answers of 24 tokens: 16 tokens left, too few to repay even 258. (Requests aborted at
     # 24 tokens say nothing of an answer's length.)
-    aborted = policy()
+    aborted = _catching_up()
     finish(aborted, [24] * 8, finished=False)
     assert aborted.num_drafts([new("a", CATCH_UP_AFTER)], [16], [258], load=1) != [0]
-    short = policy()
+    short = _catching_up()
     finish(short, [24] * 8)
     assert short.num_drafts([new("a", CATCH_UP_AFTER)], [16], [258], load=1) == [0]
     # Once a request outlives most of them (3 of 8 longer), it is expected to write as
@@ -433,16 +429,13 @@ def test_a_catch_up_is_spread_over_the_tokens_requests_like_it_write() -> None:
     # it does where none finished.
     finish(short, [600] * 3)
     assert short.num_drafts([new("b", 300, 10)], [16], [310], load=1) != [0]
-    assert policy().num_drafts([new("b", 300, 10)], [16], [310], load=1) != [0]
+    assert _catching_up().num_drafts([new("b", 300, 10)], [16], [310], load=1) != [0]
 
 
 def test_a_new_requests_catch_up_waits_for_its_first_tokens() -> None:
     # A burst reaches the engine over its next steps, so a request's first steps may see
     # one row and a load of one; the catch-up waits until CATCH_UP_AFTER tokens are decoded.
-    p = SpecPolicy(4, draft_forwards="per_depth")
-    _cpu_like(p, 0.005)
-    p.observe_draft([(n, 0.020 + 0.001 * n) for n in range(1, 17)])
-    p.observe_catch_up(250, 0.750)
+    p = _catching_up()
     req = Request("0", list(range(250)), SamplingParams(max_tokens=256), max_tokens=256)
     for t in range(CATCH_UP_AFTER):
         assert p.num_drafts([req], [16], [250 + t], load=1) == [0], t

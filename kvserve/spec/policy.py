@@ -413,6 +413,10 @@ class SpecPolicy:
             own = [k if not (k and n) or self._catch_up_pays(a, k, n, r, load, draft_prior)
                    else 0 for r, k, n, a in zip(requests, own, catch_up, alphas, strict=True)]
         best_d, best_value = 0, 0.0
+        if catch_up and self.draft_forwards == "per_depth":  # the same at every depth
+            per_token = self._catch_up_per_token()
+            left = [self._tokens_left(r) if n else 0.0
+                    for r, n in zip(requests, catch_up, strict=True)]
         for d in range(1, max(own, default=0) + 1):
             ks = [min(d, k) for k in own]
             gain = sum(sum(a ** j for j in range(1, k + 1)) for a, k in zip(alphas, ks,
@@ -424,10 +428,9 @@ class SpecPolicy:
                 price += sum(self.draft_cost(sum(1 for k in ks if k > j), draft_prior)
                              for j in range(d))
                 if catch_up:
-                    per_token = self._catch_up_per_token()
-                    for r, k, n, a in zip(requests, ks, catch_up, alphas, strict=True):
+                    for k, n, a, tl in zip(ks, catch_up, alphas, left, strict=True):
                         if k and n:
-                            steps = self._tokens_left(r) / sum(a ** j for j in range(k + 1))
+                            steps = tl / sum(a ** j for j in range(k + 1))
                             price += n * per_token / max(1.0, steps)
             value = gain * c_tok - price
             if value > best_value:

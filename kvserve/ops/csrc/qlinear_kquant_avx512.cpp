@@ -15,7 +15,8 @@
 //   Q5_K: Q4_K's, each nibble with its bit 4 from the qh chunk (q 0..31).
 //   Q6_K sub-block (16 weights) = 4 chunks of q + 32 (0..63, nibble | 2 high bits); its
 //       dpbusd chain starts at -32 * bsum instead of 0, which takes the + 32 back exactly.
-//   Q4_K mins: sum_s min_s * (the two bsums of s), one vpmaddwd per sub-block.
+//   Q4_K mins: sum_s min_s * (the activations' sum over s), one vpdpwssd per two sub-blocks
+//       (with_sums32).
 //
 // The integer sums are exact, the float steps per (m, n, super-block) fixed by the spec, so the
 // bits equal the AVX2 twin's and the oracle's whatever the tile.
@@ -82,24 +83,38 @@ inline __m512i move_bit(__m512i v, int from, int to) {
 // both bytes of the lane's halves, or an int16 pair (a, a) for vpdpwssd.
 inline __m512i dup16(__m512i a) { return _mm512_or_si512(a, _mm512_slli_epi32(a, 16)); }
 
-// Q4_K / Q5_K: msum[m] = sum_s min_s * (the two bsums of sub-block s), one vpdpwssd of the
-// pair (min_s, min_s) with the pair of bsums per sub-block (exact in int32).
-// dup: each sub-block's pair (min_s, min_s) (min_dups).
+// Q4_K / Q5_K: msum[m] = sum_s min_s * (sub-block s's sum of 32 quants), one vpdpwssd of
+// the pair (min_2t, min_2t+1) with the pair of sums (2t, 2t + 1) per two sub-blocks (exact in
+// int32). bs[m]: the row's 8 sums of 32 (sums32); pair: min_pairs.
 template <int MT>
-inline void min_sums(const __m512i* dup, const int16_t* const* bs, __m512i* msum) {
+inline void min_sums(const __m512i* pair, const int16_t* const* bs, __m512i* msum) {
   for (int m = 0; m < MT; ++m) {
     __m512i acc = _mm512_setzero_si512();
-    for (int s = 0; s < 8; ++s) acc = dpwssd_bcast(acc, dup[s], bs[m] + 2 * s);
+    for (int t = 0; t < 4; ++t) acc = dpwssd_bcast(acc, pair[t], bs[m] + 2 * t);
     msum[m] = acc;
   }
 }
 
-inline void min_dups(const __m128i* mn, __m512i* dup) {
-  for (int s = 0; s < 8; ++s) dup[s] = dup16(_mm512_cvtepu8_epi32(mn[s]));
+inline void min_pairs(const __m128i* mn, __m512i* pair) {
+  for (int t = 0; t < 4; ++t)
+    pair[t] = _mm512_or_si512(_mm512_cvtepu8_epi32(mn[2 * t]),
+                              _mm512_slli_epi32(_mm512_cvtepu8_epi32(mn[2 * t + 1]), 16));
+}
+
+// The activations' sums of 32 quants (two bsums added: |sum| <= 32 x 127, an int16), 8 per
+// super-block: what Q4_K / Q5_K's mins pair with (kSumWidth 32), here and on AMX, half the
+// multiply-adds of pairing each min with itself against the two bsums of its sub-block.
+inline Q8KActs with_sums32(const Q8KActs& a, std::vector<int16_t>& buf) {
+  const int64_t n = a.M * a.K / 32;
+  buf.resize(n);
+  for (int64_t t = 0; t < n; ++t)
+    buf[t] = static_cast<int16_t>(a.bsums[2 * t] + a.bsums[2 * t + 1]);
+  return {a.q, a.d, buf.data(), a.M, a.K};
 }
 
 // dot<MT>(rec, x, bs, isum, msum): isum[m] / msum[m] lane r = row r's isum / msum for
-// activation row m (x[m]: its quants at the super-block, bs[m]: its 16 bsums); kD / kDmin:
+// activation row m (x[m]: its quants at the super-block, bs[m]: its sums of kSumWidth quants:
+// the 16 bsums, or Q4_K / Q5_K's 8 sums of 32); kD / kDmin:
 // the record offsets of d[16] / dmin[16]; kJoint: Q2_K's float order (kernels.h).
 
 // Q2_K / Q3_K (kquant.h): weight 128h + 32c + 4l4 + j, sub-block 8h + 2c + l4 / 4, has its
@@ -131,6 +146,7 @@ struct Q2K {
   static constexpr int64_t kRecord = kq::kQ2KRecord;
   static constexpr int64_t kD = kq::kQ2KD, kDmin = kq::kQ2KDmin;
   static constexpr bool kMin = true, kJoint = true;
+  static constexpr int64_t kSumWidth = 16;  // quants per activation sum bs[m] holds
   struct Bits {  // q: bits 2c of the qs chunk
     static inline __m512i get(const uint8_t* rec, int h, int c, int l4) {
       const __m512i q = load512(rec + kq::kQ2KQs + 64 * (8 * h + l4));
@@ -158,6 +174,7 @@ struct Q3K {
   static constexpr int64_t kRecord = kq::kQ3KRecord;
   static constexpr int64_t kD = kq::kQ3KD, kDmin = 0;
   static constexpr bool kMin = false, kJoint = false;
+  static constexpr int64_t kSumWidth = 16;  // quants per activation sum bs[m] holds
   struct Bits {  // q + 4: bits 2c of the qs chunk | bit 4h + c of hmask chunk l4, at bit 2
     static inline __m512i get(const uint8_t* rec, int h, int c, int l4) {
       const __m512i q = load512(rec + kq::kQ3KQs + 64 * (8 * h + l4));
@@ -242,6 +259,7 @@ struct Q45K {
   static constexpr int64_t kQs = kHighBit ? kq::kQ5KQs : kq::kQ4KQs;
   static constexpr int64_t kD = 0, kDmin = 32;
   static constexpr bool kMin = true, kJoint = false;
+  static constexpr int64_t kSumWidth = 32;  // quants per activation sum bs[m] holds
   // Chunk 8c + l4's quants: *lo those of sub-block 2c (its low nibbles), *hi of 2c + 1.
   static inline void quants(const uint8_t* rec, int c, int l4, __m512i* lo, __m512i* hi) {
     const __m512i nib = _mm512_set1_epi8(15), b4 = _mm512_set1_epi8(16);
@@ -261,9 +279,9 @@ struct Q45K {
     kq::q4k_scales(rec + kScales, sc, mn);
     q45k_isums<MT>([&](int c, int l4, __m512i* lo, __m512i* hi) { quants(rec, c, l4, lo, hi); },
                    [&](int sb) { return _mm512_cvtepu8_epi32(sc[sb]); }, x, isum);
-    __m512i dup[8];
-    min_dups(mn, dup);
-    min_sums<MT>(dup, bs, msum);
+    __m512i pair[4];
+    min_pairs(mn, pair);
+    min_sums<MT>(pair, bs, msum);
   }
 };
 using Q4K = Q45K<false>;
@@ -274,6 +292,7 @@ struct Q6K {
   static constexpr int64_t kRecord = kq::kQ6KRecord;
   static constexpr int64_t kD = kq::kQ6KD, kDmin = 0;
   static constexpr bool kMin = false, kJoint = false;
+  static constexpr int64_t kSumWidth = 16;  // quants per activation sum bs[m] holds
   // u[c] (q + 32, 0..63) of weights 128h + 32c + 4l4 + j, j < 4, of the 16 rows: the low
   // nibble from ql chunk 16h + l4 (c = 0, 2: its low / high nibble) or 16h + 8 + l4 (c = 1,
   // 3), bits 2c, 2c + 1 of qh chunk 8h + l4 above it.
@@ -318,7 +337,7 @@ struct Q6K {
 // KB written per record and pass) costs more than the decoding it saves. 6 rows a tile: the
 // same as 4; 8: 1.05x (spills).
 //
-//   Q4_K / Q5_K  | d[16] dmin[16] | min pairs: 8 x 64 | scales: 8 x 64 | quants: 64 x 64 |
+//   Q4_K / Q5_K  | d[16] dmin[16] | min pairs: 4 x 64 | scales: 8 x 64 | quants: 64 x 64 |
 //                  quants chunk 2 (8c + l4) + 0 / 1: sub-block 2c / 2c + 1, of chunk row c
 //   Q6_K         | d[16], 32 unused | scales: 16 x 64 (sub-block s) | quants: 64 x 64 |
 //                  quants chunk 4 (8h + l4) + c: Q6K::quants(h, l4)[c]
@@ -342,20 +361,19 @@ inline void store512(uint8_t* p, __m512i v) { _mm512_storeu_si512(p, v); }
 template <bool kHighBit>
 struct WideQ45K {
   using Packed = Q45K<kHighBit>;
-  static constexpr int64_t kMins = 64, kScales = 576, kQuants = 1088;
+  static constexpr int64_t kMins = 64, kScales = 320, kQuants = 832;
   static constexpr int64_t kRecord = kQuants + 64 * 64;
   static constexpr int64_t kD = 0, kDmin = 32;
   static constexpr bool kMin = true, kJoint = false;
+  static constexpr int64_t kSumWidth = 32;  // quants per activation sum bs[m] holds
   static inline void unpack(const uint8_t* rec, uint8_t* dst) {
     __builtin_memcpy(dst, rec, 64);  // d, dmin: the packed record's first 64 bytes
     __m128i sc[8], mn[8];
     kq::q4k_scales(rec + Packed::kScales, sc, mn);
-    __m512i dup[8];
-    min_dups(mn, dup);
-    for (int s = 0; s < 8; ++s) {
-      store512(dst + kMins + 64 * s, dup[s]);
-      store512(dst + kScales + 64 * s, _mm512_cvtepu8_epi32(sc[s]));
-    }
+    __m512i pair[4];
+    min_pairs(mn, pair);
+    for (int t = 0; t < 4; ++t) store512(dst + kMins + 64 * t, pair[t]);
+    for (int s = 0; s < 8; ++s) store512(dst + kScales + 64 * s, _mm512_cvtepu8_epi32(sc[s]));
     for (int c = 0; c < 4; ++c)
       for (int l4 = 0; l4 < 8; ++l4) {
         __m512i lo, hi;
@@ -373,9 +391,9 @@ struct WideQ45K {
           *hi = load512(rec + kQuants + 128 * (8 * c + l4) + 64);
         },
         [&](int sb) { return load512(rec + kScales + 64 * sb); }, x, isum);
-    __m512i dup[8];
-    for (int s = 0; s < 8; ++s) dup[s] = load512(rec + kMins + 64 * s);
-    min_sums<MT>(dup, bs, msum);
+    __m512i pair[4];
+    for (int t = 0; t < 4; ++t) pair[t] = load512(rec + kMins + 64 * t);
+    min_sums<MT>(pair, bs, msum);
   }
 };
 
@@ -383,6 +401,7 @@ struct WideQ6K {
   static constexpr int64_t kScales = 64, kQuants = 1088, kRecord = kQuants + 64 * 64;
   static constexpr int64_t kD = 0, kDmin = 0;
   static constexpr bool kMin = false, kJoint = false;
+  static constexpr int64_t kSumWidth = 16;  // quants per activation sum bs[m] holds
   static inline void unpack(const uint8_t* rec, uint8_t* dst) {
     __builtin_memcpy(dst, rec + kq::kQ6KD, 32);
     for (int sb = 0; sb < 16; ++sb)
@@ -443,7 +462,7 @@ inline void tile(const Q8KActs& a, int64_t m0, const uint8_t* gw, const float* b
     const int16_t* bs[MT];
     for (int m = 0; m < MT; ++m) {
       x[m] = a.q + (m0 + m) * K + i * kQK;
-      bs[m] = a.bsums + (m0 + m) * (K / 16) + i * 16;
+      bs[m] = a.bsums + (m0 + m) * (K / Fmt::kSumWidth) + i * (kQK / Fmt::kSumWidth);
     }
     __m512i isum[MT], msum[MT];
     Fmt::template dot<MT>(rec, x, bs, isum, msum);
@@ -586,32 +605,23 @@ struct AmxQ45K : Q45K<kHighBit> {
   KVS_AMX_Q45K_PRODUCTS(products1, 4, 5, 6, 7)
 #undef KVS_AMX_Q45K_PRODUCTS
   // isum and msum of a row from its planes' sums (c[p]: 16 int32) and its activations' int16
-  // pairs at pa (pairs(): the sums of 32 quants, 8 per super-block).
+  // pairs at pa (the sums of 32 quants, 8 per super-block: with_sums32).
   static inline void sums(const int32_t* const* c, const uint8_t* u, const int16_t* pa,
                           __m512i* isum, __m512i* msum) {
     *isum = _mm512_add_epi32(_mm512_load_si512(c[0]),
                              _mm512_slli_epi32(_mm512_load_si512(c[1]), 3));
     *msum = pair_dots<4>(u + kPairsAt, pa);
   }
-  // The activations' int16s that sums pairs with: per row K / 32 sums of 32 quants (out).
-  static inline const int16_t* pairs(const Q8KActs& a, std::vector<int16_t>& out,
-                                     int64_t* row) {
-    *row = a.K / 32;
-    out.resize(a.M * *row);
-    for (int64_t t = 0; t < a.M * *row; ++t) out[t] = a.bsums[2 * t] + a.bsums[2 * t + 1];
-    return out.data();
-  }
-  static constexpr int64_t kPairsPerBlock = 8;  // int16s of pairs() per super-block
 };
 
 // mt (kAmxMinTile <= mt <= 16) activation rows at m0 against one group whose nsb records
 // are unpacked at ub, as tile<Fmt, mt> computes them; the tiles configured for mt rows.
-// pa: Fmt::pairs, pa_row int16s per row. First every super-block's tile products into cb
-// (on the two tile sets in turn, so that none waits for the last one's stores), then per row
-// its sums in registers.
+// Its activations' sums (a.bsums) are of Fmt::kSumWidth quants each. First every super-block's
+// tile products into cb (on the two tile sets in turn, so that none waits for the last one's
+// stores), then per row its sums in registers.
 template <class Fmt>
-void amx_rows(int64_t mt, const Q8KActs& a, int64_t m0, const uint8_t* ub, const int16_t* pa,
-              int64_t pa_row, const float* bias, float* out, int64_t N, int64_t cols) {
+void amx_rows(int64_t mt, const Q8KActs& a, int64_t m0, const uint8_t* ub, const float* bias,
+              float* out, int64_t N, int64_t cols) {
   constexpr int P = Fmt::kPlanes;
   const int64_t K = a.K, nsb = K / kQK;
   thread_local std::vector<int32_t> cbuf;  // [nsb][P][16][16]
@@ -626,14 +636,14 @@ void amx_rows(int64_t mt, const Q8KActs& a, int64_t m0, const uint8_t* ub, const
   const OutCols oc(bias, cols);
   for (int64_t m = 0; m < mt; ++m) {
     __m512 sums = _mm512_setzero_ps(), mins = _mm512_setzero_ps();
-    const int16_t* prow = pa + (m0 + m) * pa_row;
+    const int16_t* prow = a.bsums + (m0 + m) * (K / Fmt::kSumWidth);
     const float* xd_row = a.d + (m0 + m) * nsb;
     for (int64_t i = 0; i < nsb; ++i) {
       const uint8_t* u = ub + i * Fmt::kBytes;
       const int32_t* c[P];
       for (int p = 0; p < P; ++p) c[p] = cb[i][p][m];
       __m512i isum, msum;
-      Fmt::sums(c, u, prow + i * Fmt::kPairsPerBlock, &isum, &msum);
+      Fmt::sums(c, u, prow + i * (kQK / Fmt::kSumWidth), &isum, &msum);
       const __m512 xd = _mm512_set1_ps(xd_row[i]);
       const __m512 dw = _mm512_load_ps(u + Fmt::kDAt);
       sums = _mm512_add_ps(sums, _mm512_mul_ps(_mm512_mul_ps(dw, xd), _mm512_cvtepi32_ps(isum)));
@@ -729,12 +739,6 @@ struct AmxQ6K : Q6K {
     v = _mm512_add_epi32(v, _mm512_slli_epi32(_mm512_load_si512(c[3]), 6));
     *isum = _mm512_sub_epi32(v, _mm512_slli_epi32(pair_dots<8>(u + kPairsAt, pa), 5));
   }
-  // sums pairs scales with the activations' bsums (per 16) as they are.
-  static inline const int16_t* pairs(const Q8KActs& a, std::vector<int16_t>&, int64_t* row) {
-    *row = a.K / 16;
-    return a.bsums;
-  }
-  static constexpr int64_t kPairsPerBlock = 16;
 };
 
 template <class Fmt> struct Wide { using type = void; };
@@ -750,15 +754,14 @@ template <> struct Amx<Q6K> { using type = AmxQ6K; };
 #include "kquant_driver.h"  // some_rows, run, run_kquant: see there why in this namespace
 
 template <class Fmt>
-void run_fmt(const Q8KActs& a, const uint8_t* w, const float* bias, float* out, int64_t N,
+void run_fmt(const Q8KActs& acts, const uint8_t* w, const float* bias, float* out, int64_t N,
              int nthreads, bool amx) {
+  thread_local std::vector<int16_t> sums32;
+  const Q8KActs a = Fmt::kSumWidth == 32 ? with_sums32(acts, sums32) : acts;
   using AmxFmt = typename Amx<Fmt>::type;
   if constexpr (!std::is_void_v<AmxFmt>) {
     if (amx && a.M >= kAmxMinRows) {
       // A pass of ~1 MB of activations unpacks its group once, then 16 rows per tile.
-      std::vector<int16_t> pairs_buf;
-      int64_t pa_row = 0;
-      const int16_t* pa = AmxFmt::pairs(a, pairs_buf, &pa_row);
       run_passes<16>(a, w, Fmt::kRecord, bias, out, N, nthreads, 1 << 20,
                      [&](int64_t p0, int64_t p1, const uint8_t* gw, const float* bg, float* o,
                          int64_t cols) {
@@ -772,7 +775,7 @@ void run_fmt(const Q8KActs& a, const uint8_t* w, const float* bias, float* out, 
             continue;
           }
           if (rows != configured) AmxFmt::configure(configured = rows);
-          amx_rows<AmxFmt>(rows, a, m, ub, pa, pa_row, bg, o, N, cols);
+          amx_rows<AmxFmt>(rows, a, m, ub, bg, o, N, cols);
         }
         if (configured) _tile_release();
       });

@@ -36,6 +36,7 @@ from typing import NamedTuple
 import torch
 
 from kvserve.quant.ggml_kquants import (
+    IQ4_XS,
     KQUANT_BYTES,
     KQUANT_NAMES,
     Q2_K,
@@ -61,7 +62,7 @@ BLOCK_BYTES = {**LEGACY_BYTES, **KQUANT_BYTES}
 BLOCK_SIZE = {**{t: QK for t in LEGACY_BYTES}, **{t: QK_K for t in KQUANT_BYTES}}
 TYPE_NAMES = {Q4_0: "Q4_0", Q5_0: "Q5_0", Q5_1: "Q5_1", **KQUANT_NAMES}
 VEC_DOT_TYPE = {Q4_0: Q8_0, Q5_0: Q8_0, Q5_1: Q8_1, Q2_K: Q8_K, Q3_K: Q8_K, Q4_K: Q8_K,
-                Q5_K: Q8_K, Q6_K: Q8_K}
+                Q5_K: Q8_K, Q6_K: Q8_K, IQ4_XS: Q8_K}
 
 
 class Q8Blocks(NamedTuple):

@@ -1,4 +1,5 @@
-"""GGML K-quant super-blocks (Q2_K, Q3_K, Q4_K, Q5_K, Q6_K) and Q8_K activations: the layouts,
+"""GGML K-quant super-blocks (Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, and IQ4_XS, which has their shape) and
+Q8_K activations: the layouts,
 documented once, and the pure-torch oracles the packed kernels (kvserve/quant/kquant_pack.py,
 ops/csrc/qlinear_kquant*.cpp) are held to.
 
@@ -38,6 +39,12 @@ the 128-weight half, c < 4 a 2-bit plane, t < 2 a nibble), from ggml-common.h / 
     [128, 192) qh:     weight 128h + 32c + l = qh[32h + l] >> 2c & 3       (high 2 bits)
     [192, 208) scales: int8, one per sub-block
     [208, 210) d                                                    q = (hi << 4 | lo) - 32
+  IQ4_XS (ggml type 23), 136 bytes, 8 sub-blocks of 32, no min; q is not the stored index
+  but IQ4_VALUES[index] (a non-uniform grid, -127..113):
+    [0, 2) d
+    [2, 4)     scales_h: uint16, bits 2s, 2s + 1 are scale s's high 2 bits
+    [4, 8)     scales_l: scale s's low 4 bits in byte s // 2, nibble s % 2   (stored + 32)
+    [8, 136)   qs:     weight 32s + 16t + l = IQ4_VALUES[qs[16s + l] >> 4t & 15]  (l < 16)
   Q8_K (ggml type 15), 292 bytes, activations only (never in a file): float32 d, int8 qs[256],
     int16 bsums[16] (the sum of each 16 qs). Kept here as tensors (`Q8KBlocks`).
 
@@ -51,10 +58,13 @@ from typing import NamedTuple
 
 import torch
 
-Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, Q8_K = 10, 11, 12, 13, 14, 15  # ggml type ids
+Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, Q8_K, IQ4_XS = 10, 11, 12, 13, 14, 15, 23  # ggml type ids
 QK_K = 256
-KQUANT_BYTES = {Q2_K: 84, Q3_K: 110, Q4_K: 144, Q5_K: 176, Q6_K: 210}
-KQUANT_NAMES = {Q2_K: "Q2_K", Q3_K: "Q3_K", Q4_K: "Q4_K", Q5_K: "Q5_K", Q6_K: "Q6_K"}
+KQUANT_BYTES = {Q2_K: 84, Q3_K: 110, Q4_K: 144, Q5_K: 176, Q6_K: 210, IQ4_XS: 136}
+KQUANT_NAMES = {Q2_K: "Q2_K", Q3_K: "Q3_K", Q4_K: "Q4_K", Q5_K: "Q5_K", Q6_K: "Q6_K",
+                IQ4_XS: "IQ4_XS"}
+# IQ4_NL / IQ4_XS's 16 values (ggml-common.h kvalues_iq4nl): the index's weight before scaling.
+IQ4_VALUES = (-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113)
 
 
 class KParts(NamedTuple):
@@ -133,6 +143,13 @@ def unpack_kquant(data: torch.Tensor, qtype: int, k: int) -> KParts:
         s_hi = bit_planes(b[..., 104:108], [0, 2, 4, 6], 3).reshape(*lead, 16)
         return KParts(low - 4 * (1 - high), (s_lo | s_hi << 4) - 32, None,
                       half_field(raw, 108), None)
+    if qtype == IQ4_XS:
+        index = planes(8, 136, 8, [0, 4], 15)
+        s_lo = bit_planes(b[..., 4:8], [0, 4], 15).transpose(-1, -2).reshape(*lead, 8)
+        s_hi = bit_planes((b[..., 2] | b[..., 3] << 8)[..., None], range(0, 16, 2), 3)
+        q = torch.tensor(IQ4_VALUES, dtype=torch.int32)[index]
+        return KParts(q, (s_lo | s_hi.reshape(*lead, 8) << 4) - 32, None, half_field(raw, 0),
+                      None)
     if qtype == Q6_K:
         q = planes(0, 128, 2, [0, 4], 15) | planes(128, 192, 2, [0, 2, 4, 6], 3) << 4
         scale = raw[..., 192:208].contiguous().view(torch.int8).to(torch.int32)
@@ -189,7 +206,7 @@ def dot_kquant(data: torch.Tensor, qtype: int, xq: Q8KBlocks) -> torch.Tensor:
     exact below 2^24):
         Q4_K, Q5_K:  sums = sums + dw_i * float(isum_i);  mins = mins - dm_i * float(msum_i)
                      result = mins + sums                         (both start at +0)
-        Q3_K, Q6_K:  sums = sums + dw_i * float(isum_i);  result = 0 + sums
+        Q3_K, Q6_K, IQ4_XS:  sums = sums + dw_i * float(isum_i);  result = 0 + sums
         Q2_K:        acc = acc + (dw_i * float(isum_i) - dm_i * float(msum_i));  result = acc
 
     That is ggml_vec_dot_<type>_q8_K_generic's order with one change: the C code splits isum

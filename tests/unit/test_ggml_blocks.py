@@ -18,6 +18,7 @@ import torch
 from kvserve.quant.ggml_blocks import (
     BLOCK_BYTES,
     BLOCK_SIZE,
+    IQ4_XS,
     LEGACY_BYTES,
     Q2_K,
     Q3_K,
@@ -40,13 +41,13 @@ from kvserve.quant.ggml_blocks import (
 )
 from kvserve.quant.ggml_kquants import quantize_activations_q8_k
 
-ALL = [Q4_K, Q6_K, Q5_0, Q4_0, Q5_1, Q5_K, Q2_K, Q3_K]
+ALL = [Q4_K, Q6_K, Q5_0, Q4_0, Q5_1, Q5_K, Q2_K, Q3_K, IQ4_XS]
 HAS_MIN = {Q5_1, Q2_K, Q4_K, Q5_K}
 K = 768  # three super-blocks, 24 legacy blocks
 # Where each record keeps its fp16 scale d and its fp16 min (dmin, or Q5_1's m): the test's own
 # reading of ggml-common.h, confirmed by gguf-py in every test that overwrites them.
 FP16_AT = {Q4_0: (0, None), Q5_0: (0, None), Q5_1: (0, 2), Q2_K: (80, 82), Q3_K: (108, None),
-           Q4_K: (0, 2), Q5_K: (0, 2), Q6_K: (208, None)}
+           Q4_K: (0, 2), Q5_K: (0, 2), Q6_K: (208, None), IQ4_XS: (0, None)}
 
 
 def ggml(qtype: int) -> gguf.GGMLQuantizationType:
@@ -220,7 +221,7 @@ def contract(raw: np.ndarray, qtype: int, xq: Q8Blocks | Q8KBlocks) -> np.ndarra
             acc = acc + (dw * dx) * sb
         elif qtype == Q5_1:
             acc = acc + ((dw * dx) * sb + wm[None, :, b] * xq.s.numpy()[:, b, None])
-        elif qtype in (Q3_K, Q6_K):
+        elif qtype in (Q3_K, Q6_K, IQ4_XS):
             acc = acc + (dw * dx) * sb
         elif qtype == Q2_K:
             acc = acc + ((dx * dw) * sb - (dx * wm[None, :, b]) * msum[..., b])

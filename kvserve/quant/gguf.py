@@ -87,8 +87,8 @@ PACKED_BYTES = {q: GROUP * b for q, b in BLOCK_BYTES.items()}
 OFFSET = {Q4_0: 8, Q5_0: 16}
 # K-quant matrices kept packed too (kvserve/quant/kquant_pack.py, ops/csrc/qlinear_kquant*.cpp:
 # Q8_K activations per 256 values) under "gguf"; 256 weights per super-block.
-Q2_K, Q3_K, Q4_K, Q5_K, Q6_K = 10, 11, 12, 13, 14
-KQUANT_TYPES = (Q2_K, Q3_K, Q4_K, Q5_K, Q6_K)
+Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_XS = 10, 11, 12, 13, 14, 23
+KQUANT_TYPES = (Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_XS)
 QK_K = 256
 # What the loader hands over as stored (GGUFWeight) when the method keeps blocks: every type
 # a kernel reads (GGUFLinearMethod keeps Q4_0 / Q5_0 / Q5_1 for int8 activations only, the

@@ -1,4 +1,4 @@
-"""GGUF K-quant matrices (Q2_K, Q3_K, Q4_K, Q5_K, Q6_K) repacked for the int8 kernels
+"""GGUF K-quant matrices (Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_XS) repacked for the int8 kernels
 (ops/csrc/qlinear_kquant*.cpp).
 
 The weight rows go in groups of 16, as the Q4_1 / Q8_0 packing does (kvserve/quant/gguf.py):
@@ -11,7 +11,7 @@ Per (group g, super-block i) one record of 16 * (stored record) bytes, at
 packed[g, i]: every field of the stored super-block (ggml_kquants.py documents them) in stored
 order, each transposed over the group's 16 rows in units of u bytes: unit j of row r lies at
 field start + (16 * j + r) * u. So packing moves bytes and adds none (the ceiling stays 2.625
-/ 3.4375 / 4.5 / 5.5 / 6.5625 bits per weight), and it is one rule for every field:
+/ 3.4375 / 4.5 / 5.5 / 6.5625 / 4.25 bits per weight), and it is one rule for every field:
 
     u = 2  fp16 d, dmin:    d[r] at 2r                       (16 halves, one load + cvtph)
     u = 1  scale bytes:     plane j = stored byte j of rows 0..15   (16 bytes, one xmm)
@@ -40,6 +40,10 @@ field start + (16 * j + r) * u. So packing moves bytes and adds none (the ceilin
     [0, 2048) 32 ql chunks: chunk 16h + l4 (l4 < 16): row r's ql[64h + 4 l4 + j]
     [2048, 3072) 16 qh chunks: chunk 8h + l4 (l4 < 8): row r's qh[32h + 4 l4 + j]
     [3072, 3328) 16 scale planes (int8)   [3328, 3360) d[16]
+  IQ4_XS, 136 -> 2176 bytes:
+    [0, 32) d[16]   [32, 64) scales_h[16] (uint16)   [64, 128) 4 scales_l planes
+    [128, 2176) 32 qs chunks: chunk 4s + l4 (l4 < 4), byte 4r + j = row r's qs[16s + 4 l4 + j],
+                 whose nibbles index weights 32s + 4 l4 + j (low) and 32s + 16 + 4 l4 + j (high)
 
 A short last group is padded with zero records (d = dmin = 0), which compute zeros.
 """
@@ -49,6 +53,7 @@ from __future__ import annotations
 import torch
 
 from kvserve.quant.ggml_kquants import (
+    IQ4_XS,
     KQUANT_BYTES,
     KQUANT_NAMES,
     Q2_K,
@@ -68,6 +73,7 @@ FIELDS = {
     Q4_K: ((0, 2, 2), (2, 4, 2), (4, 16, 1), (16, 144, 4)),
     Q5_K: ((0, 2, 2), (2, 4, 2), (4, 16, 1), (16, 48, 4), (48, 176, 4)),
     Q6_K: ((0, 128, 4), (128, 192, 4), (192, 208, 1), (208, 210, 2)),
+    IQ4_XS: ((0, 2, 2), (2, 4, 2), (4, 8, 1), (8, 136, 4)),
 }
 PACKED_KQUANT_BYTES = {q: GROUP * KQUANT_BYTES[q] for q in FIELDS}
 PACKED_NAMES = {q: KQUANT_NAMES[q] for q in FIELDS}

@@ -31,6 +31,13 @@
 //   | 32 ql chunks: 16h + l4    | 16 qh chunks: 8h + l4      | 16 scale planes | d[16] |
 //     ql chunk byte 4r + j = row r's ql[64h + 4l4 + j] (l4 < 16), qh chunk: qh[32h + 4l4 + j]
 //
+//   IQ4_XS, 2176 bytes (16 x 136):
+//   0        32            64                 128                                     2176
+//   | d[16]  | scales_h[16] | 4 scale_l planes | 32 qs chunks: chunk 4s + l4 (s < 8, l4 < 4) |
+//     scales_h: row r's uint16 at 32 + 2r; plane p = stored scales_l byte p of rows 0..15;
+//     chunk byte 4r + j = row r's qs[16s + 4l4 + j]: its low nibble indexes weight
+//     32s + 4l4 + j, its high nibble weight 32s + 16 + 4l4 + j (sub-block s both)
+//
 // Header-only and SSE2 only, so the AVX-512 source includes it before its target pragma.
 #pragma once
 
@@ -48,6 +55,7 @@ constexpr int64_t kQ3KRecord = 1760, kQ3KQs = 512, kQ3KScales = 1536, kQ3KD = 17
 constexpr int64_t kQ4KRecord = 2304, kQ4KScales = 64, kQ4KQs = 256;
 constexpr int64_t kQ5KRecord = 2816, kQ5KScales = 64, kQ5KQh = 256, kQ5KQs = 768;
 constexpr int64_t kQ6KRecord = 3360, kQ6KQh = 2048, kQ6KScales = 3072, kQ6KD = 3328;
+constexpr int64_t kIQ4XSRecord = 2176, kIQ4XSScalesH = 32, kIQ4XSScalesL = 64, kIQ4XSQs = 128;
 
 // Q4_K's (and Q5_K's) 12 scale planes -> 8 scales and 8 mins (6 bits) of rows 0..15, a
 // byte each:
@@ -98,6 +106,25 @@ inline void q3k_scales(const uint8_t* planes, __m128i* sc) {
     const __m128i hi = _mm_and_si128(at == 0 ? _mm_slli_epi16(q, 4) : at == 2 ? _mm_slli_epi16(q, 2)
                                      : at == 4 ? q : _mm_srli_epi16(q, 2), m48);
     sc[s] = _mm_sub_epi8(_mm_or_si128(lo, hi), k32);
+  }
+}
+
+// IQ4_XS's scales (kIQ4XSScalesH, kIQ4XSScalesL of a record) -> its 8 scales (6 bits stored +
+// 32, so -32..31) of rows 0..15, an int8 each:
+//   low 4 bits:  plane s / 2, nibble s % 2      high 2 bits: bits 2s, 2s + 1 of the row's uint16
+// The 16-bit shifts keep only bits of the byte (or uint16) itself once masked; the two halves
+// of the high bits pack (unsigned saturation of values <= 3) to rows 0..15 in order.
+inline void iq4xs_scales(const uint8_t* rec, __m128i* sc) {
+  const __m128i m15 = _mm_set1_epi8(15), m3 = _mm_set1_epi16(3), k32 = _mm_set1_epi8(32);
+  const __m128i h0 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(rec + kIQ4XSScalesH));
+  const __m128i h1 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(rec + kIQ4XSScalesH + 16));
+  for (int s = 0; s < 8; ++s) {
+    const __m128i p =
+        _mm_loadu_si128(reinterpret_cast<const __m128i*>(rec + kIQ4XSScalesL + 16 * (s / 2)));
+    const __m128i lo = _mm_and_si128(s % 2 ? _mm_srli_epi16(p, 4) : p, m15);
+    const __m128i hi = _mm_packus_epi16(_mm_and_si128(_mm_srli_epi16(h0, 2 * s), m3),
+                                        _mm_and_si128(_mm_srli_epi16(h1, 2 * s), m3));
+    sc[s] = _mm_sub_epi8(_mm_or_si128(lo, _mm_slli_epi16(hi, 4)), k32);
   }
 }
 

@@ -23,6 +23,9 @@
 //       bits, 2 chunks summed in int16 (|sum| <= 4 * 63 * 127 = 32004 < 2^15), madd by the
 //       scale; 32 * sum_s scale_s * bsum_s takes the + 32 back, exactly.
 //   Q4_K mins: sum_s min_s * (the two bsums of s), one madd per sub-block (bsums fit int16).
+//   IQ4_XS sub-block (32 weights): each nibble looked up (pshufb) in the 16 signed values
+//       (-127..113); maddubs(|v|, x with v's sign) (|pair| <= 2 * 127 * 127 < 2^15), each
+//       chunk's pairs madd by the signed scale (-32..31): no int16 sum of two would fit.
 //
 // The float part follows kernels.h's order exactly, one rounding per mul, add or sub
 // (-ffp-contract=off, no FMA), so every tile shape here and the VNNI twin give the same bits.
@@ -58,6 +61,7 @@ int64_t kquant_record_bytes(KType kt) {
     case KType::Q4_K: return kq::kQ4KRecord;
     case KType::Q5_K: return kq::kQ5KRecord;
     case KType::Q6_K: return kq::kQ6KRecord;
+    case KType::IQ4_XS: return kq::kIQ4XSRecord;
   }
   return 0;
 }
@@ -419,6 +423,42 @@ struct Q6K {
         for (int s = 0; s < 16; ++s)
           corr = _mm256_add_epi32(corr, _mm256_madd_epi16(f[s][r], bc16(bs[m][s])));
         isum[m][r] = _mm256_sub_epi32(isum[m][r], _mm256_slli_epi32(corr, 5));
+      }
+  }
+};
+
+// IQ4_XS (kquant.h): sub-block s is qs chunks 4s .. 4s + 3, low nibbles its weights 0..15,
+// high nibbles 16..31. Runs at every M as packed tiles (no wide records).
+struct IQ4XS {
+  static constexpr int64_t kRecord = kq::kIQ4XSRecord;
+  static constexpr int64_t kD = 0, kDmin = 0;
+  static constexpr bool kMin = false, kJoint = false;
+  template <int MT>
+  static inline void dot(const uint8_t* rec, const int8_t* const* x, const int16_t* const*,
+                         __m256i (*isum)[2], __m256i (*)[2]) {
+    __m128i sc[8];
+    kq::iq4xs_scales(rec, sc);
+    const __m256i lut = _mm256_broadcastsi128_si256(
+        _mm_setr_epi8(-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113));
+    const __m256i nib = _mm256_set1_epi8(15);
+    for (int m = 0; m < MT; ++m) isum[m][0] = isum[m][1] = _mm256_setzero_si256();
+    for (int s = 0; s < 8; ++s)
+      for (int r = 0; r < 2; ++r) {
+        const __m256i f = dup16(widen_i8(sc[s], r));
+        for (int l4 = 0; l4 < 4; ++l4) {
+          const __m256i v = load256(rec + kq::kIQ4XSQs + 64 * (4 * s + l4) + 32 * r);
+          const __m256i wl = _mm256_shuffle_epi8(lut, _mm256_and_si256(v, nib));
+          const __m256i wh =
+              _mm256_shuffle_epi8(lut, _mm256_and_si256(_mm256_srli_epi16(v, 4), nib));
+          const __m256i al = _mm256_abs_epi8(wl), ah = _mm256_abs_epi8(wh);
+          for (int m = 0; m < MT; ++m) {  // no value is 0: sign() keeps every x
+            const int8_t* xq = x[m] + 32 * s + 4 * l4;
+            const __m256i pl = _mm256_maddubs_epi16(al, _mm256_sign_epi8(bcast4(xq), wl));
+            const __m256i ph = _mm256_maddubs_epi16(ah, _mm256_sign_epi8(bcast4(xq + 16), wh));
+            isum[m][r] = _mm256_add_epi32(isum[m][r], _mm256_add_epi32(_mm256_madd_epi16(pl, f),
+                                                                       _mm256_madd_epi16(ph, f)));
+          }
+        }
       }
   }
 };

@@ -17,6 +17,9 @@
 //       dpbusd chain starts at -32 * bsum instead of 0, which takes the + 32 back exactly.
 //   Q4_K mins: sum_s min_s * (the activations' sum over s), one vpdpwssd per two sub-blocks
 //       (with_sums32).
+//   IQ4_XS sub-block (32 weights) = 4 chunks x { low nibbles | high nibbles }, each nibble
+//       looked up (vpshufb) in the 16 values + 128 (1..241, unsigned); the chain starts at
+//       -128 * the activations' sum over the sub-block, which takes the + 128 back exactly.
 //
 // The integer sums are exact, the float steps per (m, n, super-block) fixed by the spec, so the
 // bits equal the AVX2 twin's and the oracle's whatever the tile.
@@ -249,6 +252,44 @@ inline void q6k_isums(const Chunks& chunks, const Scale& scale, const int8_t* co
       }
     }
 }
+
+// IQ4_XS (kquant.h): sub-block s is qs chunks 4s .. 4s + 3, low nibbles its weights 0..15,
+// high nibbles 16..31; bs[m]: the sums of 32 (kSumWidth). Packed tiles at every M.
+struct IQ4XS {
+  static constexpr int64_t kRecord = kq::kIQ4XSRecord;
+  static constexpr int64_t kD = 0, kDmin = 0;
+  static constexpr bool kMin = false, kJoint = false;
+  static constexpr int64_t kSumWidth = 32;  // quants per activation sum bs[m] holds
+  template <int MT>
+  static inline void dot(const uint8_t* rec, const int8_t* const* x, const int16_t* const* bs,
+                         __m512i* isum, __m512i*) {
+    __m128i sc[8];
+    kq::iq4xs_scales(rec, sc);
+    const __m512i lut = _mm512_broadcast_i32x4(
+        _mm_setr_epi8(1, 24, 45, 63, 79, 93, 106, 118, static_cast<char>(129),
+                      static_cast<char>(141), static_cast<char>(153), static_cast<char>(166),
+                      static_cast<char>(181), static_cast<char>(197), static_cast<char>(217),
+                      static_cast<char>(241)));
+    const __m512i nib = _mm512_set1_epi8(15);
+    for (int m = 0; m < MT; ++m) isum[m] = _mm512_setzero_si512();
+    for (int s = 0; s < 8; ++s) {
+      __m512i acc[MT];
+      for (int m = 0; m < MT; ++m) acc[m] = _mm512_set1_epi32(-128 * bs[m][s]);
+      for (int l4 = 0; l4 < 4; ++l4) {
+        const __m512i v = load512(rec + kq::kIQ4XSQs + 64 * (4 * s + l4));
+        const __m512i lo = _mm512_shuffle_epi8(lut, _mm512_and_si512(v, nib));
+        const __m512i hi = _mm512_shuffle_epi8(lut, _mm512_and_si512(_mm512_srli_epi16(v, 4), nib));
+        for (int m = 0; m < MT; ++m) {
+          acc[m] = dpbusd_bcast(acc[m], lo, x[m] + 32 * s + 4 * l4);
+          acc[m] = dpbusd_bcast(acc[m], hi, x[m] + 32 * s + 16 + 4 * l4);
+        }
+      }
+      const __m512i f = _mm512_cvtepi8_epi32(sc[s]);
+      for (int m = 0; m < MT; ++m)
+        isum[m] = _mm512_add_epi32(isum[m], _mm512_mullo_epi32(acc[m], f));
+    }
+  }
+};
 
 // Q4_K and Q5_K: the same scales and 4-bit quants; Q5_K adds each weight's bit 4 from its
 // qh chunks (kHighBit). One body, so the two cannot drift apart.

@@ -284,6 +284,7 @@ inline bool is_kquant(int64_t wtype) {
     case static_cast<int>(kvs::KType::Q4_K):
     case static_cast<int>(kvs::KType::Q5_K):
     case static_cast<int>(kvs::KType::Q6_K):
+    case static_cast<int>(kvs::KType::IQ4_XS):
       return true;
     default:
       return false;
@@ -293,8 +294,8 @@ inline bool is_kquant(int64_t wtype) {
 // The ggml type id the caller names -> a K-quant format the packed kernels take.
 inline kvs::KType kquant_format(int64_t wtype) {
   TORCH_CHECK(is_kquant(wtype),
-              "a packed K-quant wtype must be 10 (Q2_K), 11 (Q3_K), 12 (Q4_K), 13 (Q5_K) or "
-              "14 (Q6_K), got ", wtype);
+              "a packed K-quant wtype must be 10 (Q2_K), 11 (Q3_K), 12 (Q4_K), 13 (Q5_K), "
+              "14 (Q6_K) or 23 (IQ4_XS), got ", wtype);
   return static_cast<kvs::KType>(wtype);
 }
 

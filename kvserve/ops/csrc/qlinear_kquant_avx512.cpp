@@ -253,41 +253,56 @@ inline void q6k_isums(const Chunks& chunks, const Scale& scale, const int8_t* co
     }
 }
 
+// IQ4_XS: isum[m] = sum_s scale(s) * (-128 bsum_s + sub-block s . row m), chunks(s, l4, &lo,
+// &hi) giving chunk 4s + l4's values + 128 of weights 32s + 4l4 + j (lo) and 32s + 16 + 4l4 + j
+// (hi); bs[m]: the sums of 32 (kSumWidth).
+template <int MT, class Chunks, class Scale>
+inline void iq4xs_isums(const Chunks& chunks, const Scale& scale, const int8_t* const* x,
+                        const int16_t* const* bs, __m512i* isum) {
+  for (int m = 0; m < MT; ++m) isum[m] = _mm512_setzero_si512();
+  for (int s = 0; s < 8; ++s) {
+    __m512i acc[MT];
+    for (int m = 0; m < MT; ++m) acc[m] = _mm512_set1_epi32(-128 * bs[m][s]);
+    for (int l4 = 0; l4 < 4; ++l4) {
+      __m512i lo, hi;
+      chunks(s, l4, &lo, &hi);
+      for (int m = 0; m < MT; ++m) {
+        acc[m] = dpbusd_bcast(acc[m], lo, x[m] + 32 * s + 4 * l4);
+        acc[m] = dpbusd_bcast(acc[m], hi, x[m] + 32 * s + 16 + 4 * l4);
+      }
+    }
+    const __m512i f = scale(s);
+    for (int m = 0; m < MT; ++m)
+      isum[m] = _mm512_add_epi32(isum[m], _mm512_mullo_epi32(acc[m], f));
+  }
+}
+
 // IQ4_XS (kquant.h): sub-block s is qs chunks 4s .. 4s + 3, low nibbles its weights 0..15,
-// high nibbles 16..31; bs[m]: the sums of 32 (kSumWidth). Packed tiles at every M.
+// high nibbles 16..31.
 struct IQ4XS {
   static constexpr int64_t kRecord = kq::kIQ4XSRecord;
   static constexpr int64_t kD = 0, kDmin = 0;
   static constexpr bool kMin = false, kJoint = false;
   static constexpr int64_t kSumWidth = 32;  // quants per activation sum bs[m] holds
-  template <int MT>
-  static inline void dot(const uint8_t* rec, const int8_t* const* x, const int16_t* const* bs,
-                         __m512i* isum, __m512i*) {
-    __m128i sc[8];
-    kq::iq4xs_scales(rec, sc);
+  // Chunk 4s + l4's values + 128 (1..241): *lo of its low nibbles, *hi of its high ones.
+  static inline void quants(const uint8_t* rec, int s, int l4, __m512i* lo, __m512i* hi) {
     const __m512i lut = _mm512_broadcast_i32x4(
         _mm_setr_epi8(1, 24, 45, 63, 79, 93, 106, 118, static_cast<char>(129),
                       static_cast<char>(141), static_cast<char>(153), static_cast<char>(166),
                       static_cast<char>(181), static_cast<char>(197), static_cast<char>(217),
                       static_cast<char>(241)));
     const __m512i nib = _mm512_set1_epi8(15);
-    for (int m = 0; m < MT; ++m) isum[m] = _mm512_setzero_si512();
-    for (int s = 0; s < 8; ++s) {
-      __m512i acc[MT];
-      for (int m = 0; m < MT; ++m) acc[m] = _mm512_set1_epi32(-128 * bs[m][s]);
-      for (int l4 = 0; l4 < 4; ++l4) {
-        const __m512i v = load512(rec + kq::kIQ4XSQs + 64 * (4 * s + l4));
-        const __m512i lo = _mm512_shuffle_epi8(lut, _mm512_and_si512(v, nib));
-        const __m512i hi = _mm512_shuffle_epi8(lut, _mm512_and_si512(_mm512_srli_epi16(v, 4), nib));
-        for (int m = 0; m < MT; ++m) {
-          acc[m] = dpbusd_bcast(acc[m], lo, x[m] + 32 * s + 4 * l4);
-          acc[m] = dpbusd_bcast(acc[m], hi, x[m] + 32 * s + 16 + 4 * l4);
-        }
-      }
-      const __m512i f = _mm512_cvtepi8_epi32(sc[s]);
-      for (int m = 0; m < MT; ++m)
-        isum[m] = _mm512_add_epi32(isum[m], _mm512_mullo_epi32(acc[m], f));
-    }
+    const __m512i v = load512(rec + kq::kIQ4XSQs + 64 * (4 * s + l4));
+    *lo = _mm512_shuffle_epi8(lut, _mm512_and_si512(v, nib));
+    *hi = _mm512_shuffle_epi8(lut, _mm512_and_si512(_mm512_srli_epi16(v, 4), nib));
+  }
+  template <int MT>
+  static inline void dot(const uint8_t* rec, const int8_t* const* x, const int16_t* const* bs,
+                         __m512i* isum, __m512i*) {
+    __m128i sc[8];
+    kq::iq4xs_scales(rec, sc);
+    iq4xs_isums<MT>([&](int s, int l4, __m512i* lo, __m512i* hi) { quants(rec, s, l4, lo, hi); },
+                    [&](int s) { return _mm512_cvtepi8_epi32(sc[s]); }, x, bs, isum);
   }
 };
 
@@ -362,7 +377,7 @@ struct Q6K {
   }
 };
 
-// --- Wide records: Q4_K, Q5_K, Q6_K at kWideMinRows+ rows where AMX's tiles do not run ---
+// --- Wide records: Q4_K, Q5_K, Q6_K, IQ4_XS at kWideMinRows+ rows where AMX's tiles do not run
 //
 // A pass of many activation rows reads its group's records unpacked once (unpack_group) into
 // "wide" records, which tile<> reads as it reads packed ones: each chunk's 16 x 4 quants
@@ -463,6 +478,38 @@ struct WideQ6K {
           for (int c = 0; c < 4; ++c) u[c] = load512(rec + kQuants + 64 * (4 * (8 * h + l4) + c));
         },
         [&](int sb) { return load512(rec + kScales + 64 * sb); }, x, bs, isum);
+  }
+};
+
+// IQ4_XS wide: | d[16], 32 unused | scales: 8 x 64 (sub-block s) | quants: 64 x 64 |
+//   quants chunk 2 (4s + l4) + 0 / 1: IQ4XS::quants(s, l4) low / high (values + 128)
+struct WideIQ4XS {
+  static constexpr int64_t kScales = 64, kQuants = 576, kRecord = kQuants + 64 * 64;
+  static constexpr int64_t kD = 0, kDmin = 0;
+  static constexpr bool kMin = false, kJoint = false;
+  static constexpr int64_t kSumWidth = 32;  // quants per activation sum bs[m] holds
+  static inline void unpack(const uint8_t* rec, uint8_t* dst) {
+    __builtin_memcpy(dst, rec, 32);  // d: the packed record's first 32 bytes
+    __m128i sc[8];
+    kq::iq4xs_scales(rec, sc);
+    for (int s = 0; s < 8; ++s) store512(dst + kScales + 64 * s, _mm512_cvtepi8_epi32(sc[s]));
+    for (int s = 0; s < 8; ++s)
+      for (int l4 = 0; l4 < 4; ++l4) {
+        __m512i lo, hi;
+        IQ4XS::quants(rec, s, l4, &lo, &hi);
+        store512(dst + kQuants + 128 * (4 * s + l4), lo);
+        store512(dst + kQuants + 128 * (4 * s + l4) + 64, hi);
+      }
+  }
+  template <int MT>
+  static inline void dot(const uint8_t* rec, const int8_t* const* x, const int16_t* const* bs,
+                         __m512i* isum, __m512i*) {
+    iq4xs_isums<MT>(
+        [&](int s, int l4, __m512i* lo, __m512i* hi) {
+          *lo = load512(rec + kQuants + 128 * (4 * s + l4));
+          *hi = load512(rec + kQuants + 128 * (4 * s + l4) + 64);
+        },
+        [&](int s) { return load512(rec + kScales + 64 * s); }, x, bs, isum);
   }
 };
 
@@ -786,6 +833,7 @@ template <class Fmt> struct Wide { using type = void; };
 template <> struct Wide<Q4K> { using type = WideQ45K<false>; };
 template <> struct Wide<Q5K> { using type = WideQ45K<true>; };
 template <> struct Wide<Q6K> { using type = WideQ6K; };
+template <> struct Wide<IQ4XS> { using type = WideIQ4XS; };
 
 template <class Fmt> struct Amx { using type = void; };
 template <> struct Amx<Q4K> { using type = AmxQ45K<false>; };

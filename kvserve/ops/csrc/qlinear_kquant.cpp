@@ -34,8 +34,8 @@
 // front to back; activation rows go in passes of ~256 KB of int8 (kept in L2), and a group's
 // records are re-read from cache for every MT rows after the first tile. Q4_K at 2..8 rows
 // (a speculative step's K + 1, small batches) runs Q4KRows' 8-row tiles over the packed
-// records; from 3 rows (Q4_K: 9, Q6_K: 6) on, every format's groups are read as wide records
-// instead, unpacked once per pass ("Wide records" below): prefill and batches.
+// records; from 3 rows (Q4_K and IQ4_XS: 9, Q6_K: 6) on, every format's groups are read as
+// wide records instead, unpacked once per pass ("Wide records" below): prefill and batches.
 #include <omp.h>
 
 #include <type_traits>
@@ -525,7 +525,7 @@ inline void tile(const Q8KActs& a, int64_t m0, const uint8_t* gw, const float* b
   }
 }
 
-// --- Wide records: Q4_K at 9+ rows (Q4KRows below that), Q2_K, Q3_K, Q5_K at 3+, Q6_K at 6+ ---
+// --- Wide records: Q4_K, IQ4_XS at 9+ rows, Q2_K, Q3_K, Q5_K at 3+, Q6_K at 6+ ---
 //
 // A pass of many activation rows reads its group's records unpacked once (unpack_group) into
 // "wide" records, which tile<> reads as it reads packed ones: each chunk's quants already a
@@ -776,12 +776,80 @@ struct WideQ23K : WideLayout<16, 4, 4, 8> {
   }
 };
 
+// IQ4_XS wide: each chunk's low and high nibbles' values v (-127..113) stored twice, as |v|
+// and as v (the sign that sign(x, v) moves onto the activation), so that the inner loop is
+// IQ4XS::dot's without the lookups; each sub-block's scale as its madd factor.
+//   | d[16], 32 unused | scales: 8 x 64 | chunk-halves 8s + 2l4 + t (t: low 0, high 1): |v|, v |
+struct WideIQ4XS {
+  static constexpr int64_t kScales = 64, kQuants = kScales + 64 * 8;
+  static constexpr int64_t kRecord = kQuants + 128 * 64;
+  static constexpr int64_t kD = 0, kDmin = 32;
+  static constexpr bool kMin = false, kJoint = false;
+  // Against the 2-row packed tiles, which look every nibble up again per 2 rows, over every
+  // linear of the Qwen 1.5B IQ4_XS file (Zen 4, kernels avx2, benchmarks/kernel_ab.py, 5
+  // rounds): 0.74x the time at 512 rows, 0.76x at 64, 0.95x at 9, level at 8 and 7, but
+  // 1.09x at 6, 1.15x at 5 and 1.36x at 3 (the sign op per row and chunk costs more than a
+  // lookup shared by 2 rows there). So from 9 rows, as Q4_K's.
+  static constexpr int64_t kMinRows = 9;
+
+  static inline void unpack(const uint8_t* rec, uint8_t* dst) {
+    std::memcpy(dst, rec, 32);  // d: the packed record's first 32 bytes
+    std::memset(dst + 32, 0, 32);
+    __m128i sc[8];
+    kq::iq4xs_scales(rec, sc);
+    for (int s = 0; s < 8; ++s)
+      for (int r = 0; r < 2; ++r) store(dst + kScales + 64 * s + 32 * r, dup16(widen_i8(sc[s], r)));
+    const __m256i lut = _mm256_broadcastsi128_si256(
+        _mm_setr_epi8(-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113));
+    const __m256i nib = _mm256_set1_epi8(15);
+    for (int s = 0; s < 8; ++s)
+      for (int l4 = 0; l4 < 4; ++l4)
+        for (int r = 0; r < 2; ++r) {
+          const __m256i v = load256(rec + kq::kIQ4XSQs + 64 * (4 * s + l4) + 32 * r);
+          for (int t = 0; t < 2; ++t) {
+            const __m256i w = _mm256_shuffle_epi8(
+                lut, _mm256_and_si256(t ? _mm256_srli_epi16(v, 4) : v, nib));
+            uint8_t* q = dst + kQuants + 128 * (8 * s + 2 * l4 + t);
+            store(q + 32 * r, _mm256_abs_epi8(w));
+            store(q + 64 + 32 * r, w);
+          }
+        }
+  }
+
+  template <int MT>
+  static inline void dot(const uint8_t* rec, const int8_t* const* x, const int16_t* const*,
+                         __m256i (*isum)[2], __m256i (*)[2]) {
+    for (int m = 0; m < MT; ++m) isum[m][0] = isum[m][1] = _mm256_setzero_si256();
+    for (int s = 0; s < 8; ++s) {
+      const __m256i f[2] = {load256(rec + kScales + 64 * s), load256(rec + kScales + 64 * s + 32)};
+      for (int l4 = 0; l4 < 4; ++l4)
+        for (int t = 0; t < 2; ++t) {
+          const uint8_t* q = rec + kQuants + 128 * (8 * s + 2 * l4 + t);
+          const __m256i a[2] = {load256(q), load256(q + 32)};
+          const __m256i w[2] = {load256(q + 64), load256(q + 96)};
+          for (int m = 0; m < MT; ++m) {
+            const __m256i xb = bcast4(x[m] + 32 * s + 16 * t + 4 * l4);
+            for (int r = 0; r < 2; ++r)
+              isum[m][r] = _mm256_add_epi32(
+                  isum[m][r], _mm256_madd_epi16(
+                                  _mm256_maddubs_epi16(a[r], _mm256_sign_epi8(xb, w[r])), f[r]));
+          }
+        }
+    }
+  }
+
+  static inline void store(uint8_t* dst, __m256i v) {
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst), v);
+  }
+};
+
 template <class Fmt> struct Wide { using type = void; };
 template <> struct Wide<Q2K> { using type = WideQ23K<Q2K>; };
 template <> struct Wide<Q3K> { using type = WideQ23K<Q3K>; };
 template <> struct Wide<Q4K> { using type = WideQ45K<false>; };
 template <> struct Wide<Q5K> { using type = WideQ45K<true>; };
 template <> struct Wide<Q6K> { using type = WideQ6K; };
+template <> struct Wide<IQ4XS> { using type = WideIQ4XS; };
 
 #include "kquant_driver.h"  // some_rows, run, run_kquant: see there why in this namespace
 

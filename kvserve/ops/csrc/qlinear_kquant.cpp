@@ -428,28 +428,30 @@ struct Q6K {
 };
 
 // IQ4_XS (kquant.h): sub-block s is qs chunks 4s .. 4s + 3, low nibbles its weights 0..15,
-// high nibbles 16..31. Runs at every M as packed tiles (no wide records).
+// high nibbles 16..31. Packed tiles to 8 rows, WideIQ4XS from 9.
 struct IQ4XS {
   static constexpr int64_t kRecord = kq::kIQ4XSRecord;
   static constexpr int64_t kD = 0, kDmin = 0;
   static constexpr bool kMin = false, kJoint = false;
+  // The values (-127..113) of the nibbles t (0: low, 1: high) of 32 packed quant bytes v.
+  static inline __m256i values(__m256i v, int t) {
+    const __m256i lut = _mm256_broadcastsi128_si256(
+        _mm_setr_epi8(-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113));
+    return _mm256_shuffle_epi8(
+        lut, _mm256_and_si256(t ? _mm256_srli_epi16(v, 4) : v, _mm256_set1_epi8(15)));
+  }
   template <int MT>
   static inline void dot(const uint8_t* rec, const int8_t* const* x, const int16_t* const*,
                          __m256i (*isum)[2], __m256i (*)[2]) {
     __m128i sc[8];
     kq::iq4xs_scales(rec, sc);
-    const __m256i lut = _mm256_broadcastsi128_si256(
-        _mm_setr_epi8(-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113));
-    const __m256i nib = _mm256_set1_epi8(15);
     for (int m = 0; m < MT; ++m) isum[m][0] = isum[m][1] = _mm256_setzero_si256();
     for (int s = 0; s < 8; ++s)
       for (int r = 0; r < 2; ++r) {
         const __m256i f = dup16(widen_i8(sc[s], r));
         for (int l4 = 0; l4 < 4; ++l4) {
           const __m256i v = load256(rec + kq::kIQ4XSQs + 64 * (4 * s + l4) + 32 * r);
-          const __m256i wl = _mm256_shuffle_epi8(lut, _mm256_and_si256(v, nib));
-          const __m256i wh =
-              _mm256_shuffle_epi8(lut, _mm256_and_si256(_mm256_srli_epi16(v, 4), nib));
+          const __m256i wl = values(v, 0), wh = values(v, 1);
           const __m256i al = _mm256_abs_epi8(wl), ah = _mm256_abs_epi8(wh);
           for (int m = 0; m < MT; ++m) {  // no value is 0: sign() keeps every x
             const int8_t* xq = x[m] + 32 * s + 4 * l4;
@@ -799,16 +801,12 @@ struct WideIQ4XS {
     kq::iq4xs_scales(rec, sc);
     for (int s = 0; s < 8; ++s)
       for (int r = 0; r < 2; ++r) store(dst + kScales + 64 * s + 32 * r, dup16(widen_i8(sc[s], r)));
-    const __m256i lut = _mm256_broadcastsi128_si256(
-        _mm_setr_epi8(-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113));
-    const __m256i nib = _mm256_set1_epi8(15);
     for (int s = 0; s < 8; ++s)
       for (int l4 = 0; l4 < 4; ++l4)
         for (int r = 0; r < 2; ++r) {
           const __m256i v = load256(rec + kq::kIQ4XSQs + 64 * (4 * s + l4) + 32 * r);
           for (int t = 0; t < 2; ++t) {
-            const __m256i w = _mm256_shuffle_epi8(
-                lut, _mm256_and_si256(t ? _mm256_srli_epi16(v, 4) : v, nib));
+            const __m256i w = IQ4XS::values(v, t);
             uint8_t* q = dst + kQuants + 128 * (8 * s + 2 * l4 + t);
             store(q + 32 * r, _mm256_abs_epi8(w));
             store(q + 64 + 32 * r, w);

@@ -483,6 +483,8 @@ struct WideQ6K {
 
 // IQ4_XS wide: | d[16], 32 unused | scales: 8 x 64 (sub-block s) | quants: 64 x 64 |
 //   quants chunk 2 (4s + l4) + 0 / 1: IQ4XS::quants(s, l4) low / high (values + 128)
+// Against the packed tiles, every linear of the Qwen 1.5B IQ4_XS file (Zen 4, kernel_ab.py, 7
+// rounds): 0.89x the time at 512 rows, 0.95x at 64, level at 32.
 struct WideIQ4XS {
   static constexpr int64_t kScales = 64, kQuants = 576, kRecord = kQuants + 64 * 64;
   static constexpr int64_t kD = 0, kDmin = 0;

@@ -414,6 +414,18 @@ constexpr int kWideMT = KVS_WIDE_MT;
 
 inline void store512(uint8_t* p, __m512i v) { _mm512_storeu_si512(p, v); }
 
+// A wide record's 32 chunk pairs from quants(i, &lo, &hi), chunk i's at dst + 128 i (lo) and
+// + 64 (hi): Q4_K / Q5_K's sub-blocks 2c, 2c + 1 (i = 8c + l4), IQ4_XS's low and high nibbles.
+template <class Quants>
+inline void store_chunk_pairs(uint8_t* dst, const Quants& quants) {
+  for (int i = 0; i < 32; ++i) {
+    __m512i lo, hi;
+    quants(i, &lo, &hi);
+    store512(dst + 128 * i, lo);
+    store512(dst + 128 * i + 64, hi);
+  }
+}
+
 template <bool kHighBit>
 struct WideQ45K {
   using Packed = Q45K<kHighBit>;
@@ -430,13 +442,9 @@ struct WideQ45K {
     min_pairs(mn, pair);
     for (int t = 0; t < 4; ++t) store512(dst + kMins + 64 * t, pair[t]);
     for (int s = 0; s < 8; ++s) store512(dst + kScales + 64 * s, _mm512_cvtepu8_epi32(sc[s]));
-    for (int c = 0; c < 4; ++c)
-      for (int l4 = 0; l4 < 8; ++l4) {
-        __m512i lo, hi;
-        Packed::quants(rec, c, l4, &lo, &hi);
-        store512(dst + kQuants + 128 * (8 * c + l4), lo);
-        store512(dst + kQuants + 128 * (8 * c + l4) + 64, hi);
-      }
+    store_chunk_pairs(dst + kQuants, [&](int i, __m512i* lo, __m512i* hi) {
+      Packed::quants(rec, i / 8, i % 8, lo, hi);
+    });
   }
   template <int MT>
   static inline void dot(const uint8_t* rec, const int8_t* const* x, const int16_t* const* bs,
@@ -495,13 +503,9 @@ struct WideIQ4XS {
     __m128i sc[8];
     kq::iq4xs_scales(rec, sc);
     for (int s = 0; s < 8; ++s) store512(dst + kScales + 64 * s, _mm512_cvtepi8_epi32(sc[s]));
-    for (int s = 0; s < 8; ++s)
-      for (int l4 = 0; l4 < 4; ++l4) {
-        __m512i lo, hi;
-        IQ4XS::quants(rec, s, l4, &lo, &hi);
-        store512(dst + kQuants + 128 * (4 * s + l4), lo);
-        store512(dst + kQuants + 128 * (4 * s + l4) + 64, hi);
-      }
+    store_chunk_pairs(dst + kQuants, [&](int i, __m512i* lo, __m512i* hi) {
+      IQ4XS::quants(rec, i / 4, i % 4, lo, hi);
+    });
   }
   template <int MT>
   static inline void dot(const uint8_t* rec, const int8_t* const* x, const int16_t* const* bs,

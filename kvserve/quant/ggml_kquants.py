@@ -1,7 +1,6 @@
-"""GGML K-quant super-blocks (Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, and IQ4_XS, which has their shape) and
-Q8_K activations: the layouts,
-documented once, and the pure-torch oracles the packed kernels (kvserve/quant/kquant_pack.py,
-ops/csrc/qlinear_kquant*.cpp) are held to.
+"""GGML K-quant super-blocks (Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, and IQ4_XS, which has their shape)
+and Q8_K activations: the layouts, documented once, and the pure-torch oracles the packed
+kernels (kvserve/quant/kquant_pack.py, ops/csrc/qlinear_kquant*.cpp) are held to.
 
 A K-quant row of K weights is K / 256 super-blocks. Each super-block splits into sub-blocks
 (16 of 16 weights, or 8 of 32) with small integer scales (and mins), themselves scaled by the

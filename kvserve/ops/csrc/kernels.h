@@ -196,9 +196,10 @@ void quantize_acts_q8k(const float* x, int64_t ldx, int64_t M, int64_t K, int8_t
 // dot_kquant's order, so every ISA, tile and M give its bits.
 void qlinear_kquant(const Q8KActs& a, const uint8_t* w, KType kt, const float* bias,
                     float* out, int64_t N, int nthreads);  // AVX2 (qlinear_kquant.cpp)
-// VNNI, same bits; Q4_K, Q5_K and Q6_K at 32+ rows read each group's records unpacked once
-// per pass ("wide records", as the AVX2 kernel's). amx: those at M >= kAmxMinRows run on AMX
-// tiles instead (the same integer sums, so the same bits); only where cpu_has_amx_int8().
+// VNNI, same bits; Q4_K, Q5_K, Q6_K and IQ4_XS at 32+ rows read each group's records unpacked
+// once per pass ("wide records", as the AVX2 kernel's). amx: Q4_K, Q5_K and Q6_K at M >=
+// kAmxMinRows run on AMX tiles instead (the same integer sums, so the same bits); only where
+// cpu_has_amx_int8().
 // Below 32 rows unpacking the weights for the tiles costs more than the tiles save.
 void qlinear_kquant_avx512(const Q8KActs& a, const uint8_t* w, KType kt, const float* bias,
                            float* out, int64_t N, int nthreads, bool amx = false);

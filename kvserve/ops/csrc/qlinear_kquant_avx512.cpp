@@ -83,12 +83,13 @@ inline __m512i move_bit(__m512i v, int from, int to) {
 }
 
 // a in the low and the high int16 of each int32 lane (a < 2^15): a 16-bit multiplier for
-// both bytes of the lane's halves, or an int16 pair (a, a) for vpdpwssd.
+// both bytes of the lane's halves (the AMX planes, mul_bytes).
 inline __m512i dup16(__m512i a) { return _mm512_or_si512(a, _mm512_slli_epi32(a, 16)); }
 
 // Q4_K / Q5_K: msum[m] = sum_s min_s * (sub-block s's sum of 32 quants), one vpdpwssd of
 // the pair (min_2t, min_2t+1) with the pair of sums (2t, 2t + 1) per two sub-blocks (exact in
-// int32). bs[m]: the row's 8 sums of 32 (sums32); pair: min_pairs.
+// int32). bs[m]: the row's 8 sums of 32 (with_sums32); pair: min_pairs (the AMX records
+// store the same pairs).
 template <int MT>
 inline void min_sums(const __m512i* pair, const int16_t* const* bs, __m512i* msum) {
   for (int m = 0; m < MT; ++m) {
@@ -653,11 +654,9 @@ struct AmxQ45K : Q45K<kHighBit> {
       lo[s] = dup16(_mm512_and_si512(v, _mm512_set1_epi32(7)));
       hi[s] = dup16(_mm512_srli_epi32(v, 3));
     }
-    for (int j = 0; j < 4; ++j)  // mins: (min 2j, min 2j + 1) . (bsum32 2j, bsum32 2j + 1)
-      _mm512_store_si512(dst + kPairsAt + 64 * j,
-                         _mm512_or_si512(_mm512_cvtepu8_epi32(mn[2 * j]),
-                                         _mm512_slli_epi32(_mm512_cvtepu8_epi32(mn[2 * j + 1]),
-                                                           16)));
+    __m512i pair[4];  // mins: (min 2j, min 2j + 1) . (bsum32 2j, bsum32 2j + 1)
+    min_pairs(mn, pair);
+    for (int j = 0; j < 4; ++j) _mm512_store_si512(dst + kPairsAt + 64 * j, pair[j]);
     for (int c = 0; c < 4; ++c)  // B rows 0..7: sub-block 2c's chunks, 8..15: 2c + 1's
       for (int l4 = 0; l4 < 8; ++l4) {
         __m512i ql, qh;

@@ -1,7 +1,8 @@
 """Q4_K_M-, Q5_K_M-, Q3_K_M-, Q2_K- and IQ4_XS-like GGUF files under quantization "gguf": every
-K-quant (and IQ4_XS) matrix stays packed for the K-quant kernels (a fused projection mixing types in runs of one
-type each), the model's logits stay near the float model's on the same blocks dequantized (what
-Q8_K activations cost), and the fused C++ stack equals the Python layers bit for bit."""
+K-quant (and IQ4_XS) matrix stays packed for the K-quant kernels (a fused projection mixing
+types in runs of one type each), the model's logits stay near the float model's on the same
+blocks dequantized (what Q8_K activations cost), and the fused C++ stack equals the Python
+layers bit for bit."""
 
 from __future__ import annotations
 

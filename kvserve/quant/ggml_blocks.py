@@ -24,8 +24,12 @@ fp16 little-endian, j < 16):
                                                                               w = d * q
   Q5_1 (ggml type 7), 24 bytes:  [0, 2) d   [2, 4) m   [4, 8) qh   [8, 24) qs
       q as Q5_0 without the - 16 (q in [0, 31]);                              w = d * q + m
-  Activations, llama.cpp's vec_dot_type: Q8_0 (type 8: fp16 d, int8 q[32]) for Q4_0 and
-  Q5_0, Q8_1 (type 9: fp16 d, fp16 s = d * sum(q), int8 q[32]) for Q5_1; both kept here as
+  IQ4_NL (ggml type 20), 18 bytes, Q4_0's layout:  [0, 2) d   [2, 18) qs
+      q[j] = IQ4_VALUES[qs[j] & 15],  q[16 + j] = IQ4_VALUES[qs[j] >> 4]     w = d * q
+      (a nibble indexes 16 fixed values in -127..113, not a linear grid: IQ4_XS's, in blocks
+      of 32, what llama-quantize writes where a row is no multiple of 256)
+  Activations, llama.cpp's vec_dot_type: Q8_0 (type 8: fp16 d, int8 q[32]) for Q4_0, Q5_0
+  and IQ4_NL, Q8_1 (type 9: fp16 d, fp16 s = d * sum(q), int8 q[32]) for Q5_1; both kept here as
   one `Q8Blocks` of tensors.
 """
 
@@ -52,17 +56,18 @@ from kvserve.quant.ggml_kquants import (
     dequantize_kquant,
     dot_kquant,
     half_field,
+    iq4_values,
     quantize_activations_q8_k,
 )
 
-Q4_0, Q5_0, Q5_1, Q8_0, Q8_1 = 2, 6, 7, 8, 9  # ggml type ids
+Q4_0, Q5_0, Q5_1, Q8_0, Q8_1, IQ4_NL = 2, 6, 7, 8, 9, 20  # ggml type ids
 QK = 32
-LEGACY_BYTES = {Q4_0: 18, Q5_0: 22, Q5_1: 24}
+LEGACY_BYTES = {Q4_0: 18, Q5_0: 22, Q5_1: 24, IQ4_NL: 18}
 BLOCK_BYTES = {**LEGACY_BYTES, **KQUANT_BYTES}
 BLOCK_SIZE = {**{t: QK for t in LEGACY_BYTES}, **{t: QK_K for t in KQUANT_BYTES}}
-TYPE_NAMES = {Q4_0: "Q4_0", Q5_0: "Q5_0", Q5_1: "Q5_1", **KQUANT_NAMES}
-VEC_DOT_TYPE = {Q4_0: Q8_0, Q5_0: Q8_0, Q5_1: Q8_1, Q2_K: Q8_K, Q3_K: Q8_K, Q4_K: Q8_K,
-                Q5_K: Q8_K, Q6_K: Q8_K, IQ4_XS: Q8_K}
+TYPE_NAMES = {Q4_0: "Q4_0", Q5_0: "Q5_0", Q5_1: "Q5_1", IQ4_NL: "IQ4_NL", **KQUANT_NAMES}
+VEC_DOT_TYPE = {Q4_0: Q8_0, Q5_0: Q8_0, Q5_1: Q8_1, IQ4_NL: Q8_0, Q2_K: Q8_K, Q3_K: Q8_K,
+                Q4_K: Q8_K, Q5_K: Q8_K, Q6_K: Q8_K, IQ4_XS: Q8_K}
 
 
 class Q8Blocks(NamedTuple):
@@ -86,11 +91,13 @@ def _unpack_legacy(data: torch.Tensor, qtype: int, k: int
     """uint8 blocks -> (q int32 [N, K / 32, 32], d float32 [N, K / 32], m or None)."""
     raw = as_blocks(data, k, QK, LEGACY_BYTES[qtype], TYPE_NAMES[qtype])
     b = raw.to(torch.int32)
-    start = {Q4_0: 2, Q5_0: 6, Q5_1: 8}[qtype]
+    start = {Q4_0: 2, Q5_0: 6, Q5_1: 8, IQ4_NL: 2}[qtype]
     qs = b[..., start:start + 16]
     q = torch.cat([qs & 15, qs >> 4], dim=-1)  # quants j, then 16 + j
     if qtype == Q4_0:
         return q - 8, half_field(raw, 0), None
+    if qtype == IQ4_NL:
+        return iq4_values(q), half_field(raw, 0), None
     high = bit_planes(b[..., start - 4:start], range(8), 1).transpose(-1, -2)  # [.., byte, bit]
     q = q | high.reshape(*q.shape) << 4  # bit 8 * byte + bit belongs to quant 8 * byte + bit
     if qtype == Q5_0:
@@ -154,9 +161,10 @@ def dot_reference(data: torch.Tensor, qtype: int, xq: Q8Blocks | Q8KBlocks) -> t
     isum_b = sum_j q[j] * qx[j] exact (int32), dw / mw the weight's fp16 d / m, dx / sx the
     activation's, then one float32 rounding per operation, never fused:
         Q4_0:  acc = acc + (float(isum_b) * dw) * dx
-        Q5_0:  acc = acc + (dw * dx) * float(isum_b)
+        Q5_0, IQ4_NL:  acc = acc + (dw * dx) * float(isum_b)
         Q5_1:  acc = acc + ((dw * dx) * float(isum_b) + mw * sx)
-    acc starting at +0: exactly ggml_vec_dot_{q4_0_q8_0, q5_0_q8_0, q5_1_q8_1}_generic, each
+    acc starting at +0: exactly ggml_vec_dot_{q4_0_q8_0, q5_0_q8_0, iq4_nl_q8_0,
+    q5_1_q8_1}_generic (IQ4_NL's d is dx * dw there: the same float product), each
     C expression evaluated left to right. (A C build may contract `acc + a * b` into an FMA;
     this oracle, and the kernels held to it, do not.)"""
     _check_qtype(qtype)
@@ -176,7 +184,7 @@ def dot_reference(data: torch.Tensor, qtype: int, xq: Q8Blocks | Q8KBlocks) -> t
         wd, xd = dw[None, :, b], xq.d[:, b, None]
         if qtype == Q4_0:
             acc = acc + (isum[..., b] * wd) * xd
-        elif qtype == Q5_0:
+        elif qtype in (Q5_0, IQ4_NL):
             acc = acc + (wd * xd) * isum[..., b]
         else:
             acc = acc + ((wd * xd) * isum[..., b] + mw[None, :, b] * xq.s[:, b, None])

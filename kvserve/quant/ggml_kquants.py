@@ -66,6 +66,11 @@ KQUANT_NAMES = {Q2_K: "Q2_K", Q3_K: "Q3_K", Q4_K: "Q4_K", Q5_K: "Q5_K", Q6_K: "Q
 IQ4_VALUES = (-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113)
 
 
+def iq4_values(index: torch.Tensor) -> torch.Tensor:
+    """IQ4_NL / IQ4_XS nibbles (0..15, any integer dtype) -> their int32 values."""
+    return torch.tensor(IQ4_VALUES, dtype=torch.int32)[index.long()]
+
+
 class KParts(NamedTuple):
     """A K-quant matrix of N rows taken apart: q int32 [N, nsb, 256] (signed where the type
     is), scale int32 [N, nsb, nsub], min int32 [N, nsb, nsub] or None, d and dmin float32
@@ -146,9 +151,8 @@ def unpack_kquant(data: torch.Tensor, qtype: int, k: int) -> KParts:
         index = planes(8, 136, 8, [0, 4], 15)
         s_lo = bit_planes(b[..., 4:8], [0, 4], 15).transpose(-1, -2).reshape(*lead, 8)
         s_hi = bit_planes((b[..., 2] | b[..., 3] << 8)[..., None], range(0, 16, 2), 3)
-        q = torch.tensor(IQ4_VALUES, dtype=torch.int32)[index]
-        return KParts(q, (s_lo | s_hi.reshape(*lead, 8) << 4) - 32, None, half_field(raw, 0),
-                      None)
+        return KParts(iq4_values(index), (s_lo | s_hi.reshape(*lead, 8) << 4) - 32, None,
+                      half_field(raw, 0), None)
     if qtype == Q6_K:
         q = planes(0, 128, 2, [0, 4], 15) | planes(128, 192, 2, [0, 2, 4, 6], 3) << 4
         scale = raw[..., 192:208].contiguous().view(torch.int8).to(torch.int32)

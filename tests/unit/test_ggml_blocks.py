@@ -18,6 +18,7 @@ import torch
 from kvserve.quant.ggml_blocks import (
     BLOCK_BYTES,
     BLOCK_SIZE,
+    IQ4_NL,
     IQ4_XS,
     LEGACY_BYTES,
     Q2_K,
@@ -41,13 +42,14 @@ from kvserve.quant.ggml_blocks import (
 )
 from kvserve.quant.ggml_kquants import quantize_activations_q8_k
 
-ALL = [Q4_K, Q6_K, Q5_0, Q4_0, Q5_1, Q5_K, Q2_K, Q3_K, IQ4_XS]
+ALL = [Q4_K, Q6_K, Q5_0, Q4_0, Q5_1, Q5_K, Q2_K, Q3_K, IQ4_XS, IQ4_NL]
 HAS_MIN = {Q5_1, Q2_K, Q4_K, Q5_K}
 K = 768  # three super-blocks, 24 legacy blocks
 # Where each record keeps its fp16 scale d and its fp16 min (dmin, or Q5_1's m): the test's own
 # reading of ggml-common.h, confirmed by gguf-py in every test that overwrites them.
 FP16_AT = {Q4_0: (0, None), Q5_0: (0, None), Q5_1: (0, 2), Q2_K: (80, 82), Q3_K: (108, None),
-           Q4_K: (0, 2), Q5_K: (0, 2), Q6_K: (208, None), IQ4_XS: (0, None)}
+           Q4_K: (0, 2), Q5_K: (0, 2), Q6_K: (208, None), IQ4_XS: (0, None),
+           IQ4_NL: (0, None)}
 
 
 def ggml(qtype: int) -> gguf.GGMLQuantizationType:
@@ -104,7 +106,8 @@ def test_dequantize_random_blocks_equals_gguf_py(qtype: int) -> None:
     assert torch.equal(ours, torch.from_numpy(gguf_dequantize(raw, qtype)))
 
 
-@pytest.mark.parametrize("qtype", list(LEGACY_BYTES), ids=TYPE_NAMES.get)
+# gguf-py has no IQ4_NL quantizer (NotImplementedError): its blocks are random ones only.
+@pytest.mark.parametrize("qtype", [t for t in LEGACY_BYTES if t != IQ4_NL], ids=TYPE_NAMES.get)
 def test_dequantize_quantized_weights_equals_gguf_py(qtype: int) -> None:
     w = np.random.default_rng(qtype).standard_normal((9, 256)).astype(np.float32) * 0.03
     w[3] = 0  # all-zero blocks: d = 0
@@ -217,7 +220,7 @@ def contract(raw: np.ndarray, qtype: int, xq: Q8Blocks | Q8KBlocks) -> np.ndarra
         dw, dx, sb = wd[None, :, b], xd[:, b, None], isum[..., b]
         if qtype == Q4_0:
             acc = acc + (sb * dw) * dx
-        elif qtype == Q5_0:
+        elif qtype in (Q5_0, IQ4_NL):
             acc = acc + (dw * dx) * sb
         elif qtype == Q5_1:
             acc = acc + ((dw * dx) * sb + wm[None, :, b] * xq.s.numpy()[:, b, None])

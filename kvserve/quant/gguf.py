@@ -9,8 +9,9 @@ instead of 32. `dequantize` below is the pure-torch reference, itself tested aga
     Q4_1 (ggml type 3), 20 bytes: fp16 d, fp16 m, 16 bytes qs;
          weight j = d * (qs[j] & 15) + m, weight 16 + j = d * (qs[j] >> 4) + m
     Q8_0 (ggml type 8), 34 bytes: fp16 d, 32 int8 q; weight j = d * q[j]
-    Q4_0 (2), Q5_0 (6), Q5_1 (7): 18, 22, 24 bytes, laid out in ggml_blocks.py; only packed
-         (below), never read as rows: ROW_TYPES are the row kernels' formats.
+    Q4_0 (2), Q5_0 (6), Q5_1 (7), IQ4_NL (20): 18, 22, 24, 18 bytes, laid out in
+         ggml_blocks.py; only packed (below), never read as rows: ROW_TYPES are the row
+         kernels' formats.
 
 The K-quants in KQUANT_TYPES stay packed too under "gguf" (kvserve/quant/kquant_pack.py); other
 GGUF types are dequantized to the model's dtype at load, as before.
@@ -59,10 +60,11 @@ from kvserve.quant.int4_groups import Int4Groups
 if TYPE_CHECKING:
     from kvserve.config import EngineConfig
 
-F32, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0 = 0, 2, 3, 6, 7, 8  # ggml type ids: one names each format
+F32, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, IQ4_NL = 0, 2, 3, 6, 7, 8, 20  # ggml type ids
 BLOCK = 32
-BLOCK_BYTES = {Q4_0: 18, Q4_1: 20, Q5_0: 22, Q5_1: 24, Q8_0: 34}  # a stored block
-TYPE_NAMES = {Q4_0: "Q4_0", Q4_1: "Q4_1", Q5_0: "Q5_0", Q5_1: "Q5_1", Q8_0: "Q8_0"}
+BLOCK_BYTES = {Q4_0: 18, Q4_1: 20, Q5_0: 22, Q5_1: 24, Q8_0: 34, IQ4_NL: 18}  # a stored block
+TYPE_NAMES = {Q4_0: "Q4_0", Q4_1: "Q4_1", Q5_0: "Q5_0", Q5_1: "Q5_1", Q8_0: "Q8_0",
+              IQ4_NL: "IQ4_NL"}
 # The formats ops.linear's row kernels read as stored (gguf_exact); the others run packed only.
 ROW_TYPES = (Q4_1, Q8_0)
 # The packed layout: weight rows in groups of GROUP; per (group, block) one record of
@@ -71,6 +73,7 @@ ROW_TYPES = (Q4_1, Q8_0)
 # 2r); a chunk is 64 bytes whose byte 4r + j belongs to row r:
 #   Q4_1 (320):  [0, 32) d  [32, 64) m  [64, 320) 4 chunks
 #   Q4_0 (288):  [0, 32) d              [32, 288) 4 chunks
+#   IQ4_NL (288): Q4_0's record; its nibbles index ggml_kquants.IQ4_VALUES (-127..113)
 #   Q5_0 (352):  [0, 32) d              [32, 96) qh plane  [96, 352) 4 chunks
 #   Q5_1 (384):  [0, 32) d  [32, 64) m  [64, 128) qh plane  [128, 384) 4 chunks
 #        chunk c, byte 4r + j: row r's stored qs[4c + j], i.e. quant 4c + j in its low nibble
@@ -80,8 +83,9 @@ ROW_TYPES = (Q4_1, Q8_0)
 #   Q8_0 (544):  [0, 32) d  [32, 544) 8 chunks; byte 4r + j of chunk c is row r's quant
 #        4c + j plus 128, as uint8 (VNNI multiplies unsigned by signed bytes).
 # One 64-byte chunk is one vpdpbusd: 16 rows x 4 quants against 4 activation bytes broadcast.
-# Quants stay unsigned (Q4_0 q + 8, Q5_0 q + 16, Q8_0 q + 128 on VNNI); the kernels take back
-# OFFSET * sum(activation quants) per block, so the int32 sums are the signed ones, exact.
+# Quants stay unsigned (Q4_0 q + 8, Q5_0 q + 16, Q8_0 q + 128 on VNNI; IQ4_NL's nibbles are
+# looked up as value + 128 there); the kernels take back the offset * sum(activation quants)
+# per block, so the int32 sums are the signed ones, exact.
 GROUP = 16
 PACKED_BYTES = {q: GROUP * b for q, b in BLOCK_BYTES.items()}
 OFFSET = {Q4_0: 8, Q5_0: 16}
@@ -470,7 +474,7 @@ class GGUFExactQuantMethod(GGUFQuantMethod):
 
 # Where each stored block keeps its fields: (d, m or None, qh or None, qs), byte offsets.
 _STORED_AT = {Q4_0: (0, None, None, 2), Q4_1: (0, 2, None, 4), Q5_0: (0, None, 2, 6),
-              Q5_1: (0, 2, 4, 8)}
+              Q5_1: (0, 2, 4, 8), IQ4_NL: (0, None, None, 2)}
 
 
 def pack(data: torch.Tensor, qtype: int, k: int) -> torch.Tensor:
@@ -521,7 +525,7 @@ def unpack(packed: torch.Tensor, qtype: int
            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """packed (of the format qtype) -> (quants int32 [G*16, nb, 32], d float32 [G*16, nb],
     m float32 or None): the integers and scales the kernels compute with, signed again where
-    the format is (Q4_0 q - 8, Q5_0 q - 16, Q8_0)."""
+    the format is (Q4_0 q - 8, Q5_0 q - 16, Q8_0; IQ4_NL the values its nibbles index)."""
     qtype = check_packed(packed, qtype)
     groups, nb = packed.shape[:2]
 
@@ -542,7 +546,8 @@ def unpack(packed: torch.Tensor, qtype: int
         plane = packed[..., qs_at - 64:qs_at].reshape(groups, nb, GROUP, 4).to(torch.int32)
         bits = (plane[..., None] >> torch.arange(8, dtype=torch.int32)) & 1  # [G, nb, r, j, b]
         q = q | bits.permute(0, 2, 1, 4, 3) << 4  # [G, r, nb, b, j]: quant 4b + j's bit 4
-    q = q.reshape(groups * GROUP, nb, BLOCK) - OFFSET.get(qtype, 0)
+    q = q.reshape(groups * GROUP, nb, BLOCK)
+    q = ggml_kquants.iq4_values(q) if qtype == IQ4_NL else q - OFFSET.get(qtype, 0)
     return q, half(0), half(32) if has_m else None
 
 

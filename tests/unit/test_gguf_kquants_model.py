@@ -1,8 +1,8 @@
-"""Q4_K_M-, Q5_K_M-, Q3_K_M-, Q2_K- and IQ4_XS-like GGUF files under quantization "gguf": every
-K-quant (and IQ4_XS) matrix stays packed for the K-quant kernels (a fused projection mixing
-types in runs of one type each), the model's logits stay near the float model's on the same
-blocks dequantized (what Q8_K activations cost), and the fused C++ stack equals the Python
-layers bit for bit."""
+"""Q4_K_M-, Q5_K_M-, Q3_K_M-, Q2_K-, IQ4_XS- and IQ4_NL-like GGUF files under quantization
+"gguf": every K-quant (and IQ4_XS) matrix stays packed for the K-quant kernels, every IQ4_NL
+one for the 32-weight block kernels (a fused projection mixing types in runs of one type
+each), the model's logits stay near the float model's on the same blocks dequantized (what
+int8 activations cost), and the fused C++ stack equals the Python layers bit for bit."""
 
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ from kvserve.ops import get_ops
 from kvserve.ops.cpu import CpuOps
 from kvserve.ops.reference import ReferenceOps
 from kvserve.quant import get_quant_method, quant_config
-from kvserve.quant.gguf import GGUFLinearMethod
+from kvserve.quant.gguf import KQUANT_TYPES, GGUFLinearMethod
 from tests.helpers import PagedSequence
 from tests.unit.test_loader import write_gguf
 
@@ -52,10 +52,18 @@ Q2_K_FILE = {"attn_q": Q.Q2_K, "attn_k": Q.Q2_K, "attn_v": Q.Q3_K, "attn_output"
 IQ4_XS_FILE = {"attn_q": Q.IQ4_XS, "attn_k": Q.IQ4_XS, "attn_v": Q.Q5_K, "attn_output": Q.IQ4_XS,
                "ffn_gate": Q.IQ4_XS, "ffn_up": Q.IQ4_XS, "ffn_down": Q.IQ4_XS}
 
+
+def _iq4_nl(i: int) -> dict[str, Q]:
+    """As llama-quantize wrote the default model's IQ4_NL file: IQ4_NL throughout, ffn_down
+    at Q5_K in the layers _use_more_bits picks."""
+    down = Q.Q5_K if _use_more_bits(i, N_LAYERS) else Q.IQ4_NL
+    return {**{t: Q.IQ4_NL for t in Q4_K_M}, "ffn_down": down}
+
+
 # file kind -> layer -> tensor -> type, after llama.cpp's choices for 2 layers of 2 KV heads
 # (llama-quant.cpp); output.weight is Q6_K in all, as llama.cpp writes it
 FILES = {"Q4_K_M": lambda i: Q4_K_M, "Q5_K_M": _q5_k_m, "Q3_K_M": _q3_k_m,
-         "Q2_K": lambda i: Q2_K_FILE, "IQ4_XS": lambda i: IQ4_XS_FILE}
+         "Q2_K": lambda i: Q2_K_FILE, "IQ4_XS": lambda i: IQ4_XS_FILE, "IQ4_NL": _iq4_nl}
 
 
 def _write(tmp_path: Path, kind: str) -> tuple[Path, dict[str, Q]]:
@@ -127,12 +135,13 @@ def test_k_m_file_runs_packed_and_near_the_float_model(tmp_path: Path, kind: str
         y, want = ours(x), ref(x)
         assert (y - want).abs().max() < 0.02 * want.abs().max(), name
         parts = ours.quant_method.kernel_weights(ours)
-        oracle = torch.cat([ReferenceOps.qlinear_kquant(x, w, rows, wtype=wt)
+        oracle = torch.cat([(ReferenceOps.qlinear_kquant if wt in KQUANT_TYPES
+                             else ReferenceOps.qlinear)(x, w, rows, wtype=wt)
                             for w, wt, _start, rows in parts], dim=-1)
         assert torch.equal(y, oracle), name
     # The whole (random-weight) model: errors add up over the layers (measured 0.068 Q4_K_M,
-    # 0.094 Q5_K_M, 0.067 Q3_K_M, 0.026 Q2_K, 0.145 IQ4_XS; each linear alone is within 2%
-    # of the float one above).
+    # 0.094 Q5_K_M, 0.067 Q3_K_M, 0.026 Q2_K, 0.145 IQ4_XS, 0.039 IQ4_NL; each linear alone is
+    # within 2% of the float one above).
     err = _logits_error(packed, floats)
     assert 0 < err < (0.2 if kind == "IQ4_XS" else 0.12), err
 

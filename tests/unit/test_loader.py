@@ -69,8 +69,8 @@ def _type_of(name: str) -> Q:
 
 def _raw(rng: np.random.Generator, shape: tuple[int, ...], qtype: Q) -> np.ndarray:
     """Bytes (or floats) as GGUFWriter stores them."""
-    if qtype in _K_QUANTS or qtype == Q.IQ4_XS:
-        # gguf cannot quantize K-quants (nor IQ4_XS), but any bytes dequantize. Built from small
+    if qtype in _K_QUANTS or qtype in (Q.IQ4_XS, Q.IQ4_NL):
+        # gguf cannot quantize K-quants (nor the IQ4s), but any bytes dequantize. Built from small
         # fp16 values, so wherever a block's fp16 scales fall they are finite.
         block, size = gguf.GGML_QUANT_SIZES[qtype]
         n_bytes = int(np.prod(shape[:-1])) * (shape[-1] // block * size)

@@ -1,5 +1,5 @@
-"""GGUF Q4_0 / Q5_0 / Q5_1 kept packed for the int8-activation kernels (kvserve/quant/gguf.py
-pack, ops/csrc/qlinear*.cpp).
+"""GGUF Q4_0 / Q5_0 / Q5_1 / IQ4_NL kept packed for the int8-activation kernels
+(kvserve/quant/gguf.py pack, ops/csrc/qlinear*.cpp).
 
 References: ggml_blocks.dequantize (held bit-equal to gguf-py in test_ggml_blocks.py) for
 what pack / unpack must keep; a float64 product of the oracle's weights and the quantized
@@ -27,6 +27,7 @@ from kvserve.ops.cpu import (
 from kvserve.quant import ggml_blocks
 from kvserve.quant.gguf import (
     BLOCK_BYTES,
+    IQ4_NL,
     PACKED_BYTES,
     Q4_0,
     Q4_1,
@@ -42,7 +43,7 @@ from kvserve.quant.gguf import (
     unpack,
 )
 
-NEW = [Q4_0, Q5_0, Q5_1]
+NEW = [Q4_0, Q5_0, Q5_1, IQ4_NL]
 HAS_M = {Q4_1, Q5_1}
 needs_kernels = pytest.mark.skipif(not cpu_has_avx2_fma(), reason="needs an AVX2+FMA CPU")
 
@@ -78,12 +79,12 @@ def test_pack_round_trips_every_weight_and_scale(qtype: int, n: int) -> None:
     assert packed.shape == (groups, 3, PACKED_BYTES[qtype]) == (groups, 3, 16 * BLOCK_BYTES[qtype])
     q, d, m = unpack(packed, qtype)
     assert (m is not None) == (qtype in HAS_M)
-    lo, hi = {Q4_0: (-8, 7), Q5_0: (-16, 15), Q5_1: (0, 31)}[qtype]
+    lo, hi = {Q4_0: (-8, 7), Q5_0: (-16, 15), Q5_1: (0, 31), IQ4_NL: (-127, 113)}[qtype]
     assert int(q.min()) == lo and int(q.max()) == hi  # every quant value occurs
     weights = d[..., None] * q.float() + (m[..., None] if m is not None else 0)
     assert torch.equal(weights[:n].reshape(n, k), ggml_blocks.dequantize(raw, qtype, k))
     # padding rows are zero blocks: d = m = 0, so they compute zeros (their quants read as
-    # stored 0, i.e. -8 / -16 once signed)
+    # stored 0, i.e. -8 / -16 once signed, IQ4_NL's first value -127)
     assert not d[n:].any() and (m is None or not m[n:].any()) and not weights[n:].any()
 
 
@@ -104,6 +105,19 @@ def test_packed_layout_is_the_documented_one(qtype: int) -> None:
     assert int(rec[plane_at:].count_nonzero()) == 2  # nothing else set
     q = unpack(pack(raw, qtype, 32), qtype)[0][5, 0] + (16 if qtype == Q5_0 else 0)
     assert q[9] == 16 + 3 and q[25] == 16 + 10
+
+
+def test_iq4_nl_packs_as_q4_0_and_reads_its_values() -> None:
+    """gguf.py's layout comment: IQ4_NL's record is Q4_0's byte for byte, and unpack reads
+    each nibble as the value it indexes (ggml's kvalues_iq4nl, written out here)."""
+    values = [-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113]
+    raw = random_blocks(IQ4_NL, 16, 64, seed=5)
+    raw[5, 2 + 9] = 0xA3  # row 5, block 0: quant 9 nibble 3, quant 25 nibble 10
+    assert torch.equal(pack(raw, IQ4_NL, 64), pack(raw, Q4_0, 64))
+    q = unpack(pack(raw, IQ4_NL, 64), IQ4_NL)[0]
+    assert q[5, 0, 9] == values[3] and q[5, 0, 25] == values[10]
+    nibbles = unpack(pack(raw, Q4_0, 64), Q4_0)[0] + 8
+    assert torch.equal(q, torch.tensor(values)[nibbles])
 
 
 def test_a_packed_weight_must_be_of_the_named_format() -> None:
@@ -183,21 +197,23 @@ def test_qlinear_kernel_equals_reference_bit_for_bit(qlinear_ops: CpuOps, qtype:
 
 @pytest.mark.parametrize("qtype", NEW + [Q4_1], ids=TYPE_NAMES.get)
 def test_qlinear_kernel_exact_at_the_extreme_quants(qlinear_ops: CpuOps, qtype: int) -> None:
-    """Every weight quant at its largest stored value (15, or 31 with bit 4) against
-    activation quants all +127 or all -127: the largest int sums the kernels meet (the AVX2
-    kernel's int16 partial sums would wrap if widened too late), exactly d_w * d_x * isum."""
+    """Every weight quant at its largest stored value (15, or 31 with bit 4; IQ4_NL's
+    largest value in magnitude, -127 at nibble 0) against activation quants all +127 or all
+    -127: the largest int sums the kernels meet (the AVX2 kernel's int16 partial sums would
+    wrap if widened too late), exactly d_w * d_x * isum."""
     k = 64
     raw = torch.zeros(16, k // 32, BLOCK_BYTES[qtype], dtype=torch.uint8)
     raw[..., 0:2] = torch.tensor([0x00, 0x3C], dtype=torch.uint8)  # d = 1.0
-    qh_at, qs_at = {Q4_0: (None, 2), Q4_1: (None, 4), Q5_0: (2, 6), Q5_1: (4, 8)}[qtype]
-    raw[..., qs_at:qs_at + 16] = 0xFF
+    qh_at, qs_at = {Q4_0: (None, 2), Q4_1: (None, 4), Q5_0: (2, 6), Q5_1: (4, 8),
+                    IQ4_NL: (None, 2)}[qtype]
+    raw[..., qs_at:qs_at + 16] = 0x00 if qtype == IQ4_NL else 0xFF
     if qh_at is not None:
         raw[..., qh_at:qh_at + 4] = 0xFF
     packed = pack(raw.reshape(16, -1), qtype, k)
     x = torch.cat([torch.full((1, k), 0.5), torch.full((1, k), -0.5)])  # q = +-127, d = 0.5/127
     ours = qlinear_ops.qlinear(x, packed, 16, wtype=qtype)
     assert torch.equal(ours, qlinear_reference(x, packed, qtype, 16))
-    top = {Q4_0: 7, Q4_1: 15, Q5_0: 15, Q5_1: 31}[qtype]
+    top = {Q4_0: 7, Q4_1: 15, Q5_0: 15, Q5_1: 31, IQ4_NL: -127}[qtype]
     d_x = torch.tensor(0.5) / 127
     want = torch.tensor(float(top * 127 * 32)) * d_x + torch.tensor(float(top * 127 * 32)) * d_x
     assert torch.equal(ours[0], want.expand(16)) and torch.equal(ours[1], -want.expand(16))
@@ -216,18 +232,19 @@ def test_qlinear_is_batch_invariant_and_isa_invariant() -> None:
 
 @needs_kernels
 def test_kernels_name_the_formats_they_read() -> None:
-    """The packed kernels take all five block formats (and W8A8, Q8_0 records against
+    """The packed kernels take all six block formats (and W8A8, Q8_0 records against
     per-token activations); the row kernels (ops.linear, gguf_exact) still only Q4_1 / Q8_0,
     and say so."""
     assert ROW_WTYPES == (0, 1, 30, Q4_1, Q8_0)  # F32, F16, BF16 and two block formats
-    assert set(PACKED_WTYPES) == {Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, W8A8}
+    assert set(PACKED_WTYPES) == {Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, IQ4_NL, W8A8}
     ops = CpuOps()
     raw = random_blocks(Q5_0, 20, 64, seed=7)
     x = torch.randn(2, 64)
     with pytest.raises(RuntimeError, match=r"wtype must be 0 \(F32\), 1 \(F16\), 3 \(Q4_1\), "
                                            r"8 \(Q8_0\) or 30 \(BF16\) for a weight read "
                                            r"as rows, got 6 \(Q4_0 / Q5_0 / "
-                                           r"Q5_1 / W8A8 run packed only: qlinear\)"):
+                                           r"Q5_1 / IQ4_NL / W8A8 run packed only: "
+                                           r"qlinear\)"):
         ops._ext.linear(x, raw, Q5_0, None, False)
     with pytest.raises(RuntimeError, match="got 7"):
         ops._ext.dequantize(random_blocks(Q5_1, 4, 64), Q5_1, 64)
@@ -240,14 +257,15 @@ def test_kernels_name_the_formats_they_read() -> None:
         ops._ext.qlinear(x, packed, Q5_1, 20, None, False)
     with pytest.raises(RuntimeError, match=r"wtype must be 0 \(F32\), 1 \(F16\), 2 \(Q4_0\), "
                                            r"3 \(Q4_1\), 6 \(Q5_0\), 7 \(Q5_1\), 8 \(Q8_0\), "
-                                           r"30 \(BF16\) or 256 \(W8A8\), got 5"):
+                                           r"20 \(IQ4_NL\), 30 \(BF16\) or 256 \(W8A8\), "
+                                           r"got 5"):
         ops._ext.qlinear(x, packed, 5, 20, None, False)
 
 
 @pytest.mark.parametrize("isa", [i for i in ISAS if i != "amx"])  # no K-quants
 def test_fused_layer_runs_the_packed_formats(isa: str) -> None:
     """A decoder layer whose linears are packed Q5_0 (qkv, with bias), Q4_0 (o), Q5_1
-    (gate_up) and Q5_0 (down): the fused C++ layer (llama_stack.cpp, quantized_linear) equals
+    (gate_up) and IQ4_NL (down): the fused C++ layer (llama_stack.cpp, quantized_linear) equals
     the Python layer on the same kernels bit for bit."""
     from kvserve.config import ModelConfig
     from kvserve.layers.rotary import rope_cos_sin
@@ -266,7 +284,7 @@ def test_fused_layer_runs_the_packed_formats(isa: str) -> None:
                       attention_bias=True)
     g = torch.Generator().manual_seed(4)
     formats = {("self_attn", "qkv_proj"): Q5_0, ("self_attn", "o_proj"): Q4_0,
-               ("mlp", "gate_up_proj"): Q5_1, ("mlp", "down_proj"): Q5_0}
+               ("mlp", "gate_up_proj"): Q5_1, ("mlp", "down_proj"): IQ4_NL}
     layers = [LlamaDecoderLayer(cfg, 0, o, torch.float32, GGUFQuantMethod())
               for o in (fused, plain)]
     for (part, name), qtype in formats.items():

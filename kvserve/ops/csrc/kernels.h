@@ -15,15 +15,21 @@ namespace kvs {
 // d * (qs[j] & 15) + m, weight 16 + j is d * (qs[j] >> 4) + m) and Q8_0 (34 bytes: fp16 d,
 // 32 int8 q; weight j is d * q[j]).
 // The caller names the format (kvserve's LinearMethod knows it): a row length cannot tell
-// formats apart (Q4_0 and Q4_K both take 0.5625 bytes per weight). Q4_0, Q5_0 and Q5_1 are
-// packed formats only (qlinear below): no row kernel reads them.
+// formats apart (Q4_0 and Q4_K both take 0.5625 bytes per weight). Q4_0, Q5_0, Q5_1 and
+// IQ4_NL are packed formats only (qlinear below): no row kernel reads them.
 // W8A8 is kvserve's own id (past ggml's): Q8_0 records whose blocks all carry their row's
 // scale (per output channel), run against activations quantized per token (one scale per
 // row, quantize_acts_per_token): SmoothQuant's W8A8 on the Q8_0 kernels.
 // F16 and BF16 are float rows of half the bytes, widened exactly to float32 in registers.
 enum class WType : int {
-  F32 = 0, F16 = 1, Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q8_0 = 8, BF16 = 30, W8A8 = 256
+  F32 = 0, F16 = 1, Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q8_0 = 8, IQ4_NL = 20, BF16 = 30,
+  W8A8 = 256
 };
+// IQ4_NL's and IQ4_XS's 16 weight values (ggml's kvalues_iq4nl), indexed by a stored nibble.
+// The kernels look them up with a byte shuffle; VNNI takes them + 128 (1..241, unsigned:
+// each byte ^ 0x80) and takes back 128 x the activations' sum.
+alignas(16) inline constexpr int8_t kIQ4Values[16] = {-127, -104, -83, -65, -49, -35, -22, -10,
+                                                       1,    13,   25,  38,  53,  69,  89,  113};
 inline bool is_row_format(WType wt) {
   return wt == WType::F32 || wt == WType::F16 || wt == WType::BF16 || wt == WType::Q4_1 ||
          wt == WType::Q8_0;
@@ -83,19 +89,22 @@ void quantize_acts_per_token(const float* x, int64_t ldx, int64_t M, int64_t K, 
 // a chunk is 64 bytes, byte 4r + j of row r; a quant is stored unsigned, as q + offset.
 //   nibbles: 4 chunks at qs, chunk c = quant 4c + j (low nibble), 16 + 4c + j (high)
 //   qh >= 0: a 64-byte plane, byte 4r + j bit b = bit 4 of quant 4b + j (the 5-bit types)
+//   lookup (IQ4_NL): a nibble is an index; the quant is kIQ4Values[nibble], and offset the
+//     128 VNNI adds to it (the AVX2 kernel multiplies the signed values)
 //   else (Q8_0): 8 chunks at qs, chunk c = quant 4c + j + 128 as uint8
 struct PackedFormat {
   int64_t record, m, qh, qs;
   int32_t offset;
-  bool nibbles;
+  bool nibbles, lookup;
 };
 constexpr PackedFormat packed_format(WType wt) {
   switch (wt) {
-    case WType::Q4_0: return {288, -1, -1, 32, 8, true};
-    case WType::Q4_1: return {320, 32, -1, 64, 0, true};
-    case WType::Q5_0: return {352, -1, 32, 96, 16, true};
-    case WType::Q5_1: return {384, 32, 64, 128, 0, true};
-    default: return {544, -1, -1, 32, 128, false};  // Q8_0
+    case WType::Q4_0: return {288, -1, -1, 32, 8, true, false};
+    case WType::Q4_1: return {320, 32, -1, 64, 0, true, false};
+    case WType::Q5_0: return {352, -1, 32, 96, 16, true, false};
+    case WType::Q5_1: return {384, 32, 64, 128, 0, true, false};
+    case WType::IQ4_NL: return {288, -1, -1, 32, 128, true, true};
+    default: return {544, -1, -1, 32, 128, false, false};  // Q8_0
   }
 }
 

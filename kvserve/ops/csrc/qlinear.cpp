@@ -5,12 +5,13 @@
 // its fields at kernels.h packed_format(wt):
 //
 //   Q4_1, RB = 320:  d fp16[16] | m fp16[16] | chunk 0 | chunk 1 | chunk 2 | chunk 3
-//   Q4_0, RB = 288:  d fp16[16] | chunk 0 .. 3
+//   Q4_0, RB = 288:  d fp16[16] | chunk 0 .. 3   (IQ4_NL the same)
 //   Q5_0, RB = 352:  d fp16[16] | qh plane | chunk 0 .. 3
 //   Q5_1, RB = 384:  d fp16[16] | m fp16[16] | qh plane | chunk 0 .. 3
 //   Q8_0, RB = 544:  d fp16[16] | chunk 0 | ... | chunk 7
 //   chunk c, 64 bytes:  byte 4r + j (row r = 0..15, j = 0..3) =
 //     nibble formats: quant 4c + j (low nibble), quant 16 + 4c + j (high nibble), unsigned
+//       (IQ4_NL: the nibble indexes kIQ4Values, looked up by a byte shuffle)
 //     Q8_0: quant 4c + j + 128, as uint8
 //   qh plane, 64 bytes: byte 4r + j, bit b = bit 4 of row r's quant 4b + j
 //
@@ -110,6 +111,38 @@ struct Nibbles {
           }
       }
     }
+  }
+};
+
+// IQ4_NL: the nibbles (Q4_0's chunks) looked up in kIQ4Values (-127..113), then multiplied
+// as Q80 below multiplies: |v| by x carrying v's sign (no value is 0, so sign() keeps every
+// x). A maddubs pair is up to 2 * 127 * 127, so each is widened at once (madd), not summed
+// in int16 as the linear 4-bit types are.
+struct NonLinear {
+  static constexpr int64_t kRecord = packed_format(WType::IQ4_NL).record, kMin = -1;
+  static constexpr int64_t kQs = packed_format(WType::IQ4_NL).qs;
+  static constexpr int32_t kOffset = 0;  // signed values: nothing to take back
+  template <int MT>
+  static inline void dot(const uint8_t* rec, const int8_t* const* x, __m256i (*isum)[2]) {
+    const __m256i lut = _mm256_broadcastsi128_si256(
+        _mm_load_si128(reinterpret_cast<const __m128i*>(kIQ4Values)));
+    const __m256i nib = _mm256_set1_epi8(15), ones = _mm256_set1_epi16(1);
+    for (int m = 0; m < MT; ++m) isum[m][0] = isum[m][1] = _mm256_setzero_si256();
+    for (int c = 0; c < 4; ++c)
+      for (int h = 0; h < 2; ++h) {
+        const __m256i v = load256(rec + kQs + 64 * c + 32 * h);
+        const __m256i wl = _mm256_shuffle_epi8(lut, _mm256_and_si256(v, nib));
+        const __m256i wh = _mm256_shuffle_epi8(lut, _mm256_and_si256(_mm256_srli_epi16(v, 4),
+                                                                     nib));
+        const __m256i al = _mm256_abs_epi8(wl), ah = _mm256_abs_epi8(wh);
+        for (int m = 0; m < MT; ++m) {
+          const __m256i pl = _mm256_maddubs_epi16(al, _mm256_sign_epi8(bcast4(x[m] + 4 * c), wl));
+          const __m256i ph =
+              _mm256_maddubs_epi16(ah, _mm256_sign_epi8(bcast4(x[m] + 16 + 4 * c), wh));
+          isum[m][h] = _mm256_add_epi32(isum[m][h], _mm256_add_epi32(_mm256_madd_epi16(pl, ones),
+                                                                     _mm256_madd_epi16(ph, ones)));
+        }
+      }
   }
 };
 
@@ -276,6 +309,7 @@ void qlinear(const QActs& a, const uint8_t* w, WType wt, const float* bias, floa
     case WType::Q4_1: return run_fmt<Nibbles<WType::Q4_1>>(a, w, bias, out, N, nthreads);
     case WType::Q5_0: return run_fmt<Nibbles<WType::Q5_0>>(a, w, bias, out, N, nthreads);
     case WType::Q5_1: return run_fmt<Nibbles<WType::Q5_1>>(a, w, bias, out, N, nthreads);
+    case WType::IQ4_NL: return run_fmt<NonLinear>(a, w, bias, out, N, nthreads);
     default: return run_fmt<Q80>(a, w, bias, out, N, nthreads);
   }
 #else
@@ -296,7 +330,7 @@ void qlinear(const QActs& a, const uint8_t* w, WType wt, const float* bias, floa
           int32_t q = f.nibbles ? (rec[f.qs + 64 * c + 4 * r + j] >> (i < 16 ? 0 : 4)) & 15
                                 : rec[f.qs + 64 * (i / 4) + 4 * r + j];
           if (f.qh >= 0) q |= (rec[f.qh + 4 * r + j] >> (i / 4) & 1) << 4;
-          isum += (q - f.offset) * x[i];
+          isum += (f.lookup ? kIQ4Values[q] : q - f.offset) * x[i];
         }
         acc = acc + static_cast<float>(isum) *
                         (half_to_float(load_u16(rec + 2 * r)) * a.d[m * nb + b]);

@@ -8,7 +8,8 @@
 // float work (convert, scale, add) happens once per 32 weights instead of per weight. The
 // 5-bit types (Q5_0, Q5_1) stream their bit 4 as a 64-byte plane beside the nibbles (5.5 / 6
 // bits per weight, as stored): one vptestmb per chunk half picks the bytes whose quant has it,
-// and a masked add puts it in before the vpdpbusd.
+// and a masked add puts it in before the vpdpbusd. IQ4_NL's nibbles index 16 values: one
+// vpshufb per chunk half turns them into the values + 128 (unsigned, as vpdpbusd wants).
 //
 // Every tile shape gives the same bits: the int sums are exact, and the float operations per
 // (m, n, block) are fixed by the spec. So the result depends neither on M nor on the ISA
@@ -52,6 +53,8 @@ inline void tile(const QActs& a, int64_t m0, const uint8_t* w, int64_t gbytes,
   for (int g = 0; g < G; ++g)
     for (int m = 0; m < MT; ++m) acc[g][m] = _mm512_setzero_ps();
   const __m512i nib = _mm512_set1_epi8(15), bit4 = _mm512_set1_epi8(16);
+  [[maybe_unused]] const __m512i lut = _mm512_broadcast_i32x4(_mm_xor_si128(
+      _mm_load_si128(reinterpret_cast<const __m128i*>(kIQ4Values)), _mm_set1_epi8(-128)));
 
   for (int64_t b = 0; b < nb; ++b) {
     __m512i lo[G][MT], hi[G][MT];  // two int chains per output vector (hide vpdpbusd latency)
@@ -76,6 +79,10 @@ inline void tile(const QActs& a, int64_t m0, const uint8_t* w, int64_t gbytes,
             wh = _mm512_mask_add_epi8(wh, _mm512_test_epi8_mask(plane, _mm512_set1_epi8(
                                               static_cast<char>(16 << c))), wh, bit4);
           }
+          if constexpr (F.lookup) {  // IQ4_NL: the values + 128 the nibbles index
+            wl = _mm512_shuffle_epi8(lut, wl);
+            wh = _mm512_shuffle_epi8(lut, wh);
+          }
           for (int m = 0; m < MT; ++m) {
             lo[g][m] = dpbusd_bcast(lo[g][m], wl, xq + m * K + 4 * c);
             hi[g][m] = dpbusd_bcast(hi[g][m], wh, xq + m * K + 16 + 4 * c);
@@ -98,7 +105,8 @@ inline void tile(const QActs& a, int64_t m0, const uint8_t* w, int64_t gbytes,
       for (int m = 0; m < MT; ++m) {
         const int64_t mb = (m0 + m) * nb + b;
         __m512i isum = _mm512_add_epi32(lo[g][m], hi[g][m]);
-        // Quants stored unsigned (Q8_0 + 128, Q4_0 + 8, Q5_0 + 16): take back offset * sum(x).
+        // Quants unsigned (Q8_0 + 128, Q4_0 + 8, Q5_0 + 16, IQ4_NL's values + 128): take back
+        // offset * sum(x).
         if constexpr (F.offset != 0)
           isum = _mm512_sub_epi32(isum, _mm512_set1_epi32(F.offset * a.sum[mb]));
         const __m512 scale = _mm512_mul_ps(dw, _mm512_set1_ps(a.d[mb]));
@@ -192,6 +200,7 @@ void qlinear_avx512(const QActs& a, const uint8_t* w, WType wt, const float* bia
     case WType::Q4_1: return run_fmt<WType::Q4_1>(a, w, bias, out, N, nthreads);
     case WType::Q5_0: return run_fmt<WType::Q5_0>(a, w, bias, out, N, nthreads);
     case WType::Q5_1: return run_fmt<WType::Q5_1>(a, w, bias, out, N, nthreads);
+    case WType::IQ4_NL: return run_fmt<WType::IQ4_NL>(a, w, bias, out, N, nthreads);
     default: return run_fmt<WType::Q8_0>(a, w, bias, out, N, nthreads);
   }
 }

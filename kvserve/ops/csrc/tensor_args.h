@@ -78,9 +78,9 @@ inline torch::Tensor as_int64(const torch::Tensor& t) {
 // The ggml type id the caller names -> a format the kernels take.
 inline kvs::WType weight_format(int64_t wtype) {
   TORCH_CHECK(wtype == 0 || wtype == 1 || wtype == 2 || wtype == 3 || wtype == 6 || wtype == 7 ||
-                  wtype == 8 || wtype == 30 || wtype == 256,
+                  wtype == 8 || wtype == 20 || wtype == 30 || wtype == 256,
               "wtype must be 0 (F32), 1 (F16), 2 (Q4_0), 3 (Q4_1), 6 (Q5_0), 7 (Q5_1), 8 (Q8_0), "
-              "30 (BF16) or 256 (W8A8), got ", wtype);
+              "20 (IQ4_NL), 30 (BF16) or 256 (W8A8), got ", wtype);
   return static_cast<kvs::WType>(wtype);
 }
 
@@ -90,8 +90,9 @@ inline kvs::WType checked_weight_type(const torch::Tensor& weight, int64_t wtype
   TORCH_CHECK(kvs::is_row_format(static_cast<kvs::WType>(wtype)),
               "wtype must be 0 (F32), 1 (F16), 3 (Q4_1), 8 (Q8_0) or 30 (BF16) for a weight "
               "read as rows, got ",
-              wtype, wtype == 2 || wtype == 6 || wtype == 7 || wtype == 256
-                         ? " (Q4_0 / Q5_0 / Q5_1 / W8A8 run packed only: qlinear)" : "");
+              wtype, wtype == 2 || wtype == 6 || wtype == 7 || wtype == 20 || wtype == 256
+                         ? " (Q4_0 / Q5_0 / Q5_1 / IQ4_NL / W8A8 run packed only: qlinear)"
+                         : "");
   const kvs::WType wt = weight_format(wtype);
   if (wt == kvs::WType::F32 || kvs::is_half_format(wt)) {  // float rows [N, K]
     const bool f16 = wt == kvs::WType::F16, f32 = wt == kvs::WType::F32;
@@ -115,7 +116,7 @@ inline kvs::WType checked_weight_type(const torch::Tensor& weight, int64_t wtype
 }
 
 // A packed weight [ceil(N / 16), K / 32, 16 x block bytes] (kvserve/quant/gguf.py pack) in
-// the named block format (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0), for K inputs and N outputs.
+// the named block format (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, IQ4_NL), for K inputs and N outputs.
 inline kvs::WType checked_packed_type(const torch::Tensor& weight, int64_t wtype, int64_t K,
                                       int64_t N) {
   TORCH_CHECK(weight.device().is_cpu() && weight.scalar_type() == torch::kUInt8 &&

@@ -436,7 +436,7 @@ struct IQ4XS {
   // The values (-127..113) of the nibbles t (0: low, 1: high) of 32 packed quant bytes v.
   static inline __m256i values(__m256i v, int t) {
     const __m256i lut = _mm256_broadcastsi128_si256(
-        _mm_setr_epi8(-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113));
+        _mm_load_si128(reinterpret_cast<const __m128i*>(kIQ4Values)));
     return _mm256_shuffle_epi8(
         lut, _mm256_and_si256(t ? _mm256_srli_epi16(v, 4) : v, _mm256_set1_epi8(15)));
   }

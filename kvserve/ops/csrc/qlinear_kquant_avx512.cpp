@@ -287,11 +287,8 @@ struct IQ4XS {
   static constexpr int64_t kSumWidth = 32;  // quants per activation sum bs[m] holds
   // Chunk 4s + l4's values + 128 (1..241): *lo of its low nibbles, *hi of its high ones.
   static inline void quants(const uint8_t* rec, int s, int l4, __m512i* lo, __m512i* hi) {
-    const __m512i lut = _mm512_broadcast_i32x4(
-        _mm_setr_epi8(1, 24, 45, 63, 79, 93, 106, 118, static_cast<char>(129),
-                      static_cast<char>(141), static_cast<char>(153), static_cast<char>(166),
-                      static_cast<char>(181), static_cast<char>(197), static_cast<char>(217),
-                      static_cast<char>(241)));
+    const __m512i lut = _mm512_broadcast_i32x4(_mm_xor_si128(
+        _mm_load_si128(reinterpret_cast<const __m128i*>(kIQ4Values)), _mm_set1_epi8(-128)));
     const __m512i nib = _mm512_set1_epi8(15);
     const __m512i v = load512(rec + kq::kIQ4XSQs + 64 * (4 * s + l4));
     *lo = _mm512_shuffle_epi8(lut, _mm512_and_si512(v, nib));

@@ -15,14 +15,14 @@ from gguf import GGMLQuantizationType as Q
 from kvserve.loader import load_checkpoint
 from kvserve.models import build_model
 from kvserve.ops.cpu import CpuOps, cpu_has_avx2_fma
-from kvserve.quant.gguf import Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, GGUFWeight, PackedRows, pack
+from kvserve.quant.gguf import IQ4_NL, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, GGUFWeight, PackedRows, pack
 from kvserve.quant.kquant_pack import pack_kquant
 from tests.helpers import PagedSequence
 from tests.unit import test_ggml_blocks, test_kquant_kernels, test_quant_gguf
 from tests.unit.test_loader import write_gguf
 
-LEGACY = [Q4_0, Q4_1, Q5_0, Q5_1, Q8_0]
-KQUANTS = [int(q) for q in (Q.Q2_K, Q.Q3_K, Q.Q4_K, Q.Q5_K, Q.Q6_K)]
+LEGACY = [Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, IQ4_NL]
+KQUANTS = [int(q) for q in (Q.Q2_K, Q.Q3_K, Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.IQ4_XS)]
 
 
 def stored_blocks(qtype: int, n: int, k: int, seed: int) -> torch.Tensor:

@@ -120,7 +120,16 @@ class GGUFWeight(NamedTuple):
     def dequantize(self) -> torch.Tensor:
         if self.qtype in BLOCK_BYTES:
             return dequantize(self.data, self.qtype, self.k)
-        return ggml_blocks.dequantize(self.data, self.qtype, self.k)
+        if self.qtype in ggml_blocks.BLOCK_BYTES:
+            return ggml_blocks.dequantize(self.data, self.qtype, self.k)
+        # A type without an oracle here (requantized or dequantized at load): gguf-py's.
+        floats = gguf_quants.dequantize(self.data.numpy(), GGMLQuantizationType(self.qtype))
+        return torch.from_numpy(floats.astype("float32", copy=False)).reshape(-1, self.k)
+
+    def as_q8_0(self) -> GGUFWeight:
+        """The matrix requantized to Q8_0 (K % 32 == 0): what the kernels read of a block
+        type they have no kernel for."""
+        return q8_0_blocks(self.dequantize())
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -146,9 +155,15 @@ class GGUFWeight(NamedTuple):
             return GGUFWeight(self.data[:, b0:b0 + nb].contiguous(), self.qtype, length)
         if start % BLOCK or length % BLOCK:
             return None
-        cols = self.dequantize()[:, start:start + length].contiguous().numpy()
-        q8 = gguf_quants.quantize(cols, GGMLQuantizationType.Q8_0)
-        return GGUFWeight(torch.from_numpy(q8), Q8_0, length)
+        return q8_0_blocks(self.dequantize()[:, start:start + length].contiguous())
+
+
+def q8_0_blocks(floats: torch.Tensor) -> GGUFWeight:
+    """float32 [rows, K] (K % 32 == 0) as Q8_0 blocks, gguf-py's quantizer: one fp16 scale
+    per 32 weights, ~1/254 of a block's largest weight of rounding at most (a quarter of
+    float32's bytes)."""
+    q8 = gguf_quants.quantize(floats.numpy(), GGMLQuantizationType.Q8_0)
+    return GGUFWeight(torch.from_numpy(q8), Q8_0, floats.shape[1])
 
 
 class PackedRows(NamedTuple):

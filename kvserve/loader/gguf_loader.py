@@ -3,8 +3,9 @@
 Read with kvserve.loader.gguf_reader (a memmap, so opening costs little memory; ~15x faster
 than gguf.GGUFReader on a large vocabulary) and dequantized one tensor at a time with
 gguf.quants.dequantize: every type the installed gguf package can dequantize is supported
-(F32, F16, BF16, Q4_0/1, Q5_0/1, Q8_0, Q2_K..Q6_K, and more). With keep_quantized, the
-matrices of kvserve/quant/gguf.py's KEPT_TYPES are handed over as stored.
+(F32, F16, BF16, Q4_0/1, Q5_0/1, Q8_0, Q2_K..Q6_K, and more). With keep_quantized, every
+block-quantized matrix is handed over as stored (GGUFWeight), for the layers' LinearMethod to
+keep (kvserve/quant/gguf.py's KEPT_TYPES), requantize or dequantize.
 
 Shapes: GGUF lists dims fastest-first, so a GGUF [in, out] tensor is the HF [out, in] matrix.
 
@@ -292,17 +293,16 @@ class GGUFCheckpoint:
 
     def weights(self, keep_quantized: bool = False
                 ) -> Iterator[tuple[str, torch.Tensor | GGUFWeight]]:
-        """(HF name, float32 tensor) pairs; with keep_quantized, the KEPT_TYPES matrices come
-        as GGUFWeight blocks instead (rows un-permuted like the floats), for the model's
-        GGUFLinearMethod layers to keep and the rest to dequantize."""
+        """(HF name, float32 tensor) pairs; with keep_quantized, the block-quantized matrices
+        come as GGUFWeight blocks instead (rows un-permuted like the floats), for the model's
+        GGUFLinearMethod layers to keep or requantize and the rest to dequantize."""
         for t in self.reader.tensors:
             if t.name in _NON_WEIGHTS:
                 continue
             shape = tuple(int(d) for d in reversed(t.shape.tolist()))
             # np.array copies out of the read-only memmap, so torch gets memory it owns.
             qtype = int(t.tensor_type)
-            if keep_quantized and qtype in KEPT_TYPES and len(shape) == 2 \
-                    and shape[1] % block_weights(qtype) == 0:
+            if keep_quantized and len(shape) == 2 and self._blocks(qtype, shape[1]):
                 raw = torch.from_numpy(np.array(t.data, dtype=np.uint8).reshape(shape[0], -1))
                 yield gguf_to_hf_name(t.name), GGUFWeight(self._hf_rows(t.name, raw),
                                                           int(t.tensor_type), shape[1])
@@ -310,6 +310,15 @@ class GGUFCheckpoint:
             w = torch.from_numpy(np.array(gguf.quants.dequantize(t.data, t.tensor_type),
                                           dtype=np.float32).reshape(shape))
             yield gguf_to_hf_name(t.name), self._hf_rows(t.name, w)
+
+    @staticmethod
+    def _blocks(qtype: int, k: int) -> bool:
+        """Whether a matrix of this type, k weights a row, is handed over as stored: a kept
+        type, or any other block type (not F32 / F16 / BF16) whose blocks fill its rows."""
+        if qtype in KEPT_TYPES:
+            return k % block_weights(qtype) == 0
+        block = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType(qtype)][0]
+        return block > 1 and k % block == 0
 
     def _hf_rows(self, name: str, w: torch.Tensor) -> torch.Tensor:
         """The tensor's rows in HF's order: llama.cpp's q/k permutation undone (rows of blocks

@@ -13,8 +13,11 @@ instead of 32. `dequantize` below is the pure-torch reference, itself tested aga
          ggml_blocks.py; only packed (below), never read as rows: ROW_TYPES are the row
          kernels' formats.
 
-The K-quants in KQUANT_TYPES stay packed too under "gguf" (kvserve/quant/kquant_pack.py); other
-GGUF types are dequantized to the model's dtype at load, as before.
+The K-quants in KQUANT_TYPES stay packed too under "gguf" (kvserve/quant/kquant_pack.py). A
+matrix of any other block type (the i-quants but IQ4_NL / IQ4_XS, TQ1_0 / TQ2_0, ...) is
+requantized to Q8_0 at load under "gguf" (GGUFWeight.as_q8_0: 8.5 bits a weight on the int8
+kernels instead of float32's 32, for about Q8_0's rounding on top of the file's); "gguf_exact"
+and a backend without the kernels dequantize it to the model's dtype.
 
 Two ways to run the blocks (two registry entries, kvserve/quant/__init__.py):
 
@@ -31,6 +34,7 @@ Two ways to run the blocks (two registry entries, kvserve/quant/__init__.py):
 
 from __future__ import annotations
 
+import copy
 import functools
 from typing import TYPE_CHECKING, Any, NamedTuple
 
@@ -41,6 +45,7 @@ from torch import nn
 
 from kvserve.quant import ggml_blocks, ggml_kquants
 from kvserve.quant.base import (
+    DequantizedQuantMethod,
     KernelWeight,
     LinearMethod,
     QuantizedTensor,
@@ -287,10 +292,12 @@ class GGUFLinearMethod:
 
     int8_activations: runs go to `ops.qlinear` / `ops.qlinear_kquant` (llama.cpp's
     arithmetic); otherwise Q4_1 / Q8_0 rows stay as stored and `ops.linear` dequantizes them
-    in registers."""
+    in registers. requantize: a weight shard of a block type outside KEPT_TYPES becomes Q8_0
+    as it arrives (GGUFWeight.as_q8_0), and so runs on the kernels too."""
 
-    def __init__(self, int8_activations: bool = True) -> None:
+    def __init__(self, int8_activations: bool = True, requantize: bool = False) -> None:
         self.int8_activations = int8_activations
+        self.requantize = requantize
         self.shards: dict[int, GGUFWeight] = {}
         self.parts: list[KernelWeight] = []  # set once loaded
 
@@ -304,8 +311,12 @@ class GGUFLinearMethod:
 
     def load_shard(self, layer: Any, name: str, shard: int,
                    tensor: torch.Tensor | QuantizedTensor) -> None:
-        """A weight shard in a kernel format is kept until every shard is in; anything else
-        (a bias, a float tensor, another block format) goes in as floats now."""
+        """A weight shard in a kernel format is kept until every shard is in (one of another
+        block format first requantized to Q8_0 when `requantize`); anything else (a bias, a
+        float tensor, another block format) goes in as floats now."""
+        if (self.requantize and name == "weight" and isinstance(tensor, GGUFWeight)
+                and tensor.qtype not in KEPT_TYPES and tensor.k % BLOCK == 0):
+            tensor = tensor.as_q8_0()
         if name != "weight" or not isinstance(tensor, GGUFWeight) \
                 or tensor.qtype not in KEPT_TYPES:
             copy_shard(layer, name, shard, dense(tensor))
@@ -451,15 +462,17 @@ def apply_kernel_weights(ops: Any, x: torch.Tensor, parts: list[KernelWeight],
 
 
 class GGUFQuantMethod(QuantMethod):
-    """quantization "gguf": a GGUF file's Q4_1 / Q8_0 and K-quant (KQUANT_TYPES) matrices kept
-    and packed, run against int8 activations (llama.cpp's arithmetic). The default for a .gguf
-    file in float32 on kvserve's CPU kernels."""
+    """quantization "gguf": a GGUF file's block-quantized matrices (KEPT_TYPES) kept and
+    packed, run against int8 activations (llama.cpp's arithmetic); a matrix of another block
+    type requantized to Q8_0 for the same kernels. The default for a .gguf file in float32 on
+    kvserve's CPU kernels."""
 
     name = "gguf"
     default_kv_cache_dtype = "float16"
     keeps_quantized = True
     needs_kernels = True
     int8_activations = True
+    requantize = True  # other block types to Q8_0 (GGUFLinearMethod)
 
     @classmethod
     def detect(cls, model_path: str, device: str, dtype: str, ops_backend: str,
@@ -475,15 +488,25 @@ class GGUFQuantMethod(QuantMethod):
         require_float32(cls.name, config)
 
     def linear_method(self, prefix: str) -> LinearMethod:
-        return GGUFLinearMethod(int8_activations=self.int8_activations)
+        return GGUFLinearMethod(int8_activations=self.int8_activations,
+                                requantize=self.requantize)
+
+    def without_kernels(self, device: str) -> QuantMethod:
+        # Off the kernels every weight but a 4-bit group ends up dequantized: a Q8_0 detour
+        # would only add its rounding.
+        plain = copy.copy(self)
+        plain.requantize = False  # type: ignore[misc]
+        return DequantizedQuantMethod(plain, device)
 
 
 class GGUFExactQuantMethod(GGUFQuantMethod):
     """quantization "gguf_exact": the same blocks kept as stored and dequantized in
-    registers, so the output is the float32 model's bit for bit."""
+    registers, so the output is the float32 model's bit for bit (any other block type
+    dequantized, never requantized)."""
 
     name = "gguf_exact"
     int8_activations = False
+    requantize = False
     default_kv_cache_dtype = "auto"  # float32's outputs bit for bit, its cache too
 
 

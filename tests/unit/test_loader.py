@@ -38,6 +38,8 @@ LAYER_TYPES: dict[int, dict[str, Q]] = {
         "ffn_gate": Q.Q6_K, "ffn_up": Q.F32, "ffn_down": Q.Q8_0},
 }
 _K_QUANTS = {Q.Q2_K, Q.Q3_K, Q.Q4_K, Q.Q5_K, Q.Q6_K}
+# Block types gguf-py dequantizes but cannot quantize (random blocks stand in for them).
+NO_QUANTIZER = {Q.IQ4_XS, Q.IQ4_NL, Q.IQ3_S, Q.IQ3_XXS, Q.IQ2_XXS, Q.IQ2_S, Q.TQ2_0}
 
 
 def _shapes(n_layers: int = 2, tied: bool = False) -> dict[str, tuple[int, int] | tuple[int]]:
@@ -69,9 +71,10 @@ def _type_of(name: str) -> Q:
 
 def _raw(rng: np.random.Generator, shape: tuple[int, ...], qtype: Q) -> np.ndarray:
     """Bytes (or floats) as GGUFWriter stores them."""
-    if qtype in _K_QUANTS or qtype in (Q.IQ4_XS, Q.IQ4_NL):
-        # gguf cannot quantize K-quants (nor the IQ4s), but any bytes dequantize. Built from small
-        # fp16 values, so wherever a block's fp16 scales fall they are finite.
+    if qtype in _K_QUANTS or qtype in NO_QUANTIZER:
+        # gguf cannot quantize K-quants (nor i-quants or ternaries), but any bytes
+        # dequantize. Built from small fp16 values, so wherever a block's fp16 scales fall
+        # they are finite.
         block, size = gguf.GGML_QUANT_SIZES[qtype]
         n_bytes = int(np.prod(shape[:-1])) * (shape[-1] // block * size)
         halves = np.float16(rng.uniform(-0.01, 0.01, n_bytes // 2))

@@ -1,0 +1,92 @@
+"""GGUF block types without a kvserve kernel (IQ3_S, IQ3_XXS, IQ2_XXS, IQ2_S, TQ2_0, ...):
+under quantization "gguf" each such matrix is requantized to Q8_0 at load
+(GGUFWeight.as_q8_0) and runs packed on the int8 kernels, 8.5 bits a weight instead of
+float32's 32; "gguf_exact" and a backend without the kernels dequantize it, as the loader
+did before. References: gguf-py's dequantize and its Q8_0 quantizer, and the float model
+on the same blocks dequantized."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import gguf
+import numpy as np
+import torch
+from gguf import GGMLQuantizationType as Q
+
+from kvserve.loader import load_checkpoint
+from kvserve.models import build_model
+from kvserve.ops import get_ops
+from kvserve.quant import get_quant_method, quant_config
+from kvserve.quant.gguf import GGUFWeight
+from tests.unit.test_gguf_kquants_model import _logits_error
+from tests.unit.test_loader import _raw, write_gguf
+
+# Layer 0: no type the kernels read; layer 1's qkv mixes one (q) with two kept K-quants.
+TYPES = {
+    0: {"attn_q": Q.IQ3_S, "attn_k": Q.IQ3_S, "attn_v": Q.TQ2_0, "attn_output": Q.IQ3_XXS,
+        "ffn_gate": Q.IQ2_XXS, "ffn_up": Q.IQ2_XXS, "ffn_down": Q.IQ2_S},
+    1: {"attn_q": Q.IQ3_S, "attn_k": Q.Q4_K, "attn_v": Q.Q6_K, "attn_output": Q.Q4_K,
+        "ffn_gate": Q.Q4_K, "ffn_up": Q.Q4_K, "ffn_down": Q.Q6_K},
+}
+LINEARS = {"self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj"}
+
+
+def _write(tmp_path: Path) -> Path:
+    path = tmp_path / "iquants.gguf"
+    types = {f"blk.{i}.{t}.weight": q for i, ts in TYPES.items() for t, q in ts.items()}
+    types["output.weight"] = Q.Q6_K
+    write_gguf(path, n_layers=2, types=types)
+    return path
+
+
+def test_any_block_type_dequantizes_as_gguf_py_and_requantizes_to_q8_0() -> None:
+    rng = np.random.default_rng(0)
+    for qtype in (Q.IQ3_S, Q.IQ2_XXS, Q.TQ2_0):
+        raw = _raw(rng, (24, 512), qtype)
+        w = GGUFWeight(torch.from_numpy(raw), int(qtype), 512)
+        floats = gguf.quants.dequantize(raw, qtype)
+        assert torch.equal(w.dequantize(), torch.from_numpy(floats))
+        q8 = w.as_q8_0()
+        assert q8.qtype == Q.Q8_0 and q8.k == 512
+        assert np.array_equal(q8.data.numpy(), gguf.quants.quantize(floats, Q.Q8_0))
+
+
+def test_other_block_types_run_as_q8_0_on_the_kernels(tmp_path: Path) -> None:
+    ck = load_checkpoint(str(_write(tmp_path)))
+    packed = build_model(ck, get_ops("auto"), torch.float32, "gguf")
+    floats = build_model(ck, get_ops("auto"), torch.float32, "none")
+    for name, lin in packed.named_modules():
+        if not any(name.endswith(n) for n in LINEARS):
+            continue
+        parts = lin.quant_method.kernel_weights(lin)
+        if name.startswith("layers.0."):
+            assert [p.wtype for p in parts] == [Q.Q8_0], name
+            assert lin.weight.dtype == torch.uint8 and lin.weight.dim() == 3  # packed
+            # The values: gguf-py's Q8_0 of the float model's weight (rows requantize on
+            # their own, so the fused shards' concatenation requantizes as one).
+            ref = floats.get_submodule(name).weight.numpy()
+            q8 = gguf.quants.quantize(ref, Q.Q8_0)
+            want = torch.from_numpy(gguf.quants.dequantize(q8, Q.Q8_0))
+            assert torch.equal(lin.quant_method.dense_weight(lin), want), name
+    qkv = packed.layers[1].self_attn.qkv_proj
+    assert [p.wtype for p in qkv.quant_method.kernel_weights(qkv)] == [Q.Q8_0, Q.Q4_K, Q.Q6_K]
+    # Q8_0's rounding and int8 activations on top of the file's values: measured 0.053 (the
+    # K-quant files of test_gguf_kquants_model.py, int8 activations alone: 0.026-0.145).
+    err = _logits_error(packed, floats)
+    assert 0 < err < 0.1, err
+
+
+def test_gguf_exact_and_a_backend_without_kernels_dequantize_them(tmp_path: Path) -> None:
+    """No Q8_0 detour where the kernels' int8 arithmetic is not asked for: gguf_exact keeps
+    the float32 model's bits, and off the kernels (CUDA; the torch backend here) the weights
+    are the file's values dequantized."""
+    ck = load_checkpoint(str(_write(tmp_path)))
+    exact = build_model(ck, get_ops("auto"), torch.float32, "gguf_exact")
+    floats = build_model(ck, get_ops("auto"), torch.float32, "none")
+    assert exact.layers[0].mlp.gate_up_proj.weight.dtype == torch.float32
+    assert _logits_error(exact, floats) == 0
+    quant = get_quant_method(quant_config("gguf")).without_kernels("cpu")
+    off = build_model(ck, get_ops("torch"), torch.float32, quant)
+    for name in ("layers.0.self_attn.qkv_proj", "layers.0.mlp.down_proj"):
+        assert torch.equal(off.get_submodule(name).weight, floats.get_submodule(name).weight)

@@ -21,9 +21,10 @@ checked when it was written: a file lands under its name only after its check pa
     smollm2-135m-instruct-iq4_nl.gguf         the same, to IQ4_NL (IQ4_XS's 16 values in
         blocks of 32, what llama-quantize writes where a row is no multiple of 256; no
         importance matrix needed)
-    qwen2.5-coder-1.5b-instruct-q2_k.gguf / -q3_k_m / -q5_k_m / -q6_k / -iq4_xs
+    qwen2.5-coder-1.5b-instruct-q2_k.gguf / -q3_k_m / -q5_k_m / -q6_k / -iq4_xs / -iq3_m
         The K-quant types (and IQ4_XS, an i-quant of their shape that needs no importance
-        matrix) on a model whose rows are multiples of 256 (1536 wide): the Qwen
+        matrix; IQ3_M, mostly IQ3_S, which kvserve requantizes to Q8_0 at load) on a model
+        whose rows are multiples of 256 (1536 wide): the Qwen
         1.5B Q4_K_M file through `llama-quantize --allow-requantize` (no float original of
         it is on disk either), so each carries Q4_K_M's rounding under its own; the rows
         compare kvserve with llama.cpp on the same file, not the types' quality against
@@ -85,7 +86,7 @@ WHEEL_MODELS = (
 # llama-quantize's types of the default model's F32 GGUF, and of the Qwen 1.5B Q4_K_M file
 # (in the quant table's order: benchmarks/quant_rows.py).
 DEFAULT_QTYPES = ("Q4_K_M", "Q8_0", "F16", "BF16", "Q4_0", "Q5_0", "Q5_1", "IQ4_NL")
-QWEN_1_5B_QTYPES = ("Q2_K", "Q3_K_M", "Q5_K_M", "Q6_K", "IQ4_XS")
+QWEN_1_5B_QTYPES = ("Q2_K", "Q3_K_M", "Q5_K_M", "Q6_K", "IQ4_XS", "IQ3_M")
 
 
 def requantized_file(qtype: str, source: str | None = None) -> str:

@@ -16,8 +16,10 @@ The default model (SmolLM2-135M-Instruct.Q4_1.gguf): arch "llama", 30 layers, hi
 
 from __future__ import annotations
 
+import logging
 import os
 import re
+from collections import Counter
 from collections.abc import Iterator
 from functools import cache
 from typing import Any
@@ -32,6 +34,8 @@ from kvserve.loader.gguf_reader import GGUF_MAGIC, GGUFFile
 from kvserve.loader.gguf_tokenizer import tokenizer_from_gguf
 from kvserve.loader.tokenizer import Tokenizer
 from kvserve.quant.gguf import KEPT_TYPES, GGUFWeight, block_weights
+
+logger = logging.getLogger(__name__)
 
 # general.architecture -> (HF architecture, q/k/v have a bias, q/k rows permuted by llama.cpp)
 _ARCHS: dict[str, tuple[str, bool, bool]] = {
@@ -296,6 +300,7 @@ class GGUFCheckpoint:
         """(HF name, float32 tensor) pairs; with keep_quantized, the block-quantized matrices
         come as GGUFWeight blocks instead (rows un-permuted like the floats), for the model's
         GGUFLinearMethod layers to keep or requantize and the rest to dequantize."""
+        unkept: Counter[str] = Counter()
         for t in self.reader.tensors:
             if t.name in _NON_WEIGHTS:
                 continue
@@ -304,12 +309,19 @@ class GGUFCheckpoint:
             qtype = int(t.tensor_type)
             if keep_quantized and len(shape) == 2 and self._blocks(qtype, shape[1]):
                 raw = torch.from_numpy(np.array(t.data, dtype=np.uint8).reshape(shape[0], -1))
+                if qtype not in KEPT_TYPES:
+                    unkept[t.tensor_type.name] += 1
                 yield gguf_to_hf_name(t.name), GGUFWeight(self._hf_rows(t.name, raw),
                                                           int(t.tensor_type), shape[1])
                 continue
             w = torch.from_numpy(np.array(gguf.quants.dequantize(t.data, t.tensor_type),
                                           dtype=np.float32).reshape(shape))
             yield gguf_to_hf_name(t.name), self._hf_rows(t.name, w)
+        if unkept:
+            logger.info("%s: %s matrices of no type kvserve's kernels read: quantization "
+                        "'gguf' requantizes them to Q8_0 (8.5 bits a weight), 'gguf_exact' "
+                        "and a backend without the kernels dequantize them", self.path,
+                        ", ".join(f"{n} {name}" for name, n in sorted(unkept.items())))
 
     @staticmethod
     def _blocks(qtype: int, k: int) -> bool:

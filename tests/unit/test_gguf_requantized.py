@@ -7,10 +7,12 @@ on the same blocks dequantized."""
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 
 import gguf
 import numpy as np
+import pytest
 import torch
 from gguf import GGMLQuantizationType as Q
 
@@ -52,9 +54,13 @@ def test_any_block_type_dequantizes_as_gguf_py_and_requantizes_to_q8_0() -> None
         assert np.array_equal(q8.data.numpy(), gguf.quants.quantize(floats, Q.Q8_0))
 
 
-def test_other_block_types_run_as_q8_0_on_the_kernels(tmp_path: Path) -> None:
+def test_other_block_types_run_as_q8_0_on_the_kernels(tmp_path: Path,
+                                                      caplog: pytest.LogCaptureFixture) -> None:
     ck = load_checkpoint(str(_write(tmp_path)))
-    packed = build_model(ck, get_ops("auto"), torch.float32, "gguf")
+    with caplog.at_level(logging.INFO, logger="kvserve.loader.gguf_loader"):
+        packed = build_model(ck, get_ops("auto"), torch.float32, "gguf")
+    assert ("1 IQ2_S, 2 IQ2_XXS, 3 IQ3_S, 1 IQ3_XXS, 1 TQ2_0 matrices of no type kvserve's "
+            "kernels read: quantization 'gguf' requantizes them to Q8_0") in caplog.text
     floats = build_model(ck, get_ops("auto"), torch.float32, "none")
     for name, lin in packed.named_modules():
         if not any(name.endswith(n) for n in LINEARS):

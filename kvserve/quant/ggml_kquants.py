@@ -44,6 +44,12 @@ the 128-weight half, c < 4 a 2-bit plane, t < 2 a nibble), from ggml-common.h / 
     [2, 4)     scales_h: uint16, bits 2s, 2s + 1 are scale s's high 2 bits
     [4, 8)     scales_l: scale s's low 4 bits in byte s // 2, nibble s % 2   (stored + 32)
     [8, 136)   qs:     weight 32s + 16t + l = IQ4_VALUES[qs[16s + l] >> 4t & 15]  (l < 16)
+  IQ3_S4 (kvserve's own id 257, never in a file): a GGUF IQ3_S super-block (ggml type 21,
+  110 bytes) rewritten exactly in IQ4_XS's 136-byte layout, its nibbles indexing IQ3S_VALUES
+  (-15, -13, .., 15) instead. IQ3_S's weight is d * (1 + 2 s_4) * grid * sign, the grid
+  values 1, 3, .., 15 (gguf-py's IQ3_S.grid_map): a signed odd value below 16, so one nibble
+  holds it, and 1 + 2 s_4 (1..31) is the 6-bit scale minus 32 (stored 33 + 2 s_4). Same
+  floats, 4.25 bits a weight against the file's 3.44, on IQ4_XS's kernels (iq3_s_to_s4).
   Q8_K (ggml type 15), 292 bytes, activations only (never in a file): float32 d, int8 qs[256],
     int16 bsums[16] (the sum of each 16 qs). Kept here as tensors (`Q8KBlocks`).
 
@@ -57,13 +63,17 @@ from typing import NamedTuple
 
 import torch
 
-Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, Q8_K, IQ4_XS = 10, 11, 12, 13, 14, 15, 23  # ggml type ids
+Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, Q8_K, IQ3_S, IQ4_XS = 10, 11, 12, 13, 14, 15, 21, 23  # ggml ids
+IQ3_S4 = 257  # kvserve's own (past ggml's, as gguf.W8A8): IQ3_S in IQ4_XS's layout
 QK_K = 256
-KQUANT_BYTES = {Q2_K: 84, Q3_K: 110, Q4_K: 144, Q5_K: 176, Q6_K: 210, IQ4_XS: 136}
+KQUANT_BYTES = {Q2_K: 84, Q3_K: 110, Q4_K: 144, Q5_K: 176, Q6_K: 210, IQ4_XS: 136, IQ3_S4: 136}
 KQUANT_NAMES = {Q2_K: "Q2_K", Q3_K: "Q3_K", Q4_K: "Q4_K", Q5_K: "Q5_K", Q6_K: "Q6_K",
-                IQ4_XS: "IQ4_XS"}
+                IQ4_XS: "IQ4_XS", IQ3_S4: "IQ3_S4"}
 # IQ4_NL / IQ4_XS's 16 values (ggml-common.h kvalues_iq4nl): the index's weight before scaling.
 IQ4_VALUES = (-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113)
+# IQ3_S4's: IQ3_S's grid values (1, 3, .., 15) with their signs.
+IQ3S_VALUES = tuple(range(-15, 16, 2))
+IQ3_S_BYTES = 110
 
 
 def iq4_values(index: torch.Tensor) -> torch.Tensor:
@@ -147,12 +157,14 @@ def unpack_kquant(data: torch.Tensor, qtype: int, k: int) -> KParts:
         s_hi = bit_planes(b[..., 104:108], [0, 2, 4, 6], 3).reshape(*lead, 16)
         return KParts(low - 4 * (1 - high), (s_lo | s_hi << 4) - 32, None,
                       half_field(raw, 108), None)
-    if qtype == IQ4_XS:
+    if qtype in (IQ4_XS, IQ3_S4):
         index = planes(8, 136, 8, [0, 4], 15)
         s_lo = bit_planes(b[..., 4:8], [0, 4], 15).transpose(-1, -2).reshape(*lead, 8)
         s_hi = bit_planes((b[..., 2] | b[..., 3] << 8)[..., None], range(0, 16, 2), 3)
-        return KParts(iq4_values(index), (s_lo | s_hi.reshape(*lead, 8) << 4) - 32, None,
-                      half_field(raw, 0), None)
+        q = (iq4_values(index) if qtype == IQ4_XS
+             else torch.tensor(IQ3S_VALUES, dtype=torch.int32)[index.long()])
+        return KParts(q, (s_lo | s_hi.reshape(*lead, 8) << 4) - 32, None, half_field(raw, 0),
+                      None)
     if qtype == Q6_K:
         q = planes(0, 128, 2, [0, 4], 15) | planes(128, 192, 2, [0, 2, 4, 6], 3) << 4
         scale = raw[..., 192:208].contiguous().view(torch.int8).to(torch.int32)
@@ -209,7 +221,7 @@ def dot_kquant(data: torch.Tensor, qtype: int, xq: Q8KBlocks) -> torch.Tensor:
     exact below 2^24):
         Q4_K, Q5_K:  sums = sums + dw_i * float(isum_i);  mins = mins - dm_i * float(msum_i)
                      result = mins + sums                         (both start at +0)
-        Q3_K, Q6_K, IQ4_XS:  sums = sums + dw_i * float(isum_i);  result = 0 + sums
+        Q3_K, Q6_K, IQ4_XS, IQ3_S4:  sums = sums + dw_i * float(isum_i);  result = 0 + sums
         Q2_K:        acc = acc + (dw_i * float(isum_i) - dm_i * float(msum_i));  result = acc
 
     That is ggml_vec_dot_<type>_q8_K_generic's order with one change: the C code splits isum
@@ -245,3 +257,32 @@ def dot_kquant(data: torch.Tensor, qtype: int, xq: Q8KBlocks) -> torch.Tensor:
             sums = sums + dw * isum[..., i]
             mins = mins - dm * msum[..., i]
     return mins + sums
+
+
+def iq3_s_to_s4(data: torch.Tensor, k: int) -> torch.Tensor:
+    """GGUF IQ3_S blocks uint8 [N, K / 256 * 110] -> the same weights as IQ3_S4 blocks
+    [N, K / 256 * 136], exactly (dequantize_kquant of the result equals gguf-py's dequantize of
+    the input bit for bit). IQ3_S's layout (gguf-py IQ3_S.dequantize_blocks), 110 bytes:
+        [0, 2) d   [2, 66) qs: the low 8 bits of grid index j (weights 4j .. 4j + 3)
+        [66, 74) qh: bit j (byte j // 8, bit j % 8) is bit 8 of index j
+        [74, 106) signs: bit b of byte i negates weight 8i + b
+        [106, 110) scales: s_4 of sub-block s in byte s // 2, nibble s % 2"""
+    from gguf import quants as gguf_quants
+
+    raw = as_blocks(data, k, QK_K, IQ3_S_BYTES, "IQ3_S").to(torch.int64)
+    n, nsb = raw.shape[:2]
+    gguf_quants.IQ3_S.init_grid()
+    grid = torch.from_numpy(gguf_quants.IQ3_S.grid.reshape(512, 4)).to(torch.int64)
+    qh = ((raw[..., 66:74, None] >> torch.arange(8)) & 1).reshape(n, nsb, 64)
+    mags = grid[raw[..., 2:66] | qh << 8].reshape(n, nsb, QK_K)  # 1, 3, .., 15
+    negative = ((raw[..., 74:106, None] >> torch.arange(8)) & 1).reshape(n, nsb, QK_K)
+    nibble = (mags * (1 - 2 * negative) + 15) // 2  # the value's index in IQ3S_VALUES
+    s4 = torch.stack([raw[..., 106:110] & 15, raw[..., 106:110] >> 4], -1).reshape(n, nsb, 8)
+    ls = 33 + 2 * s4  # 6 bits: IQ4_XS's scale + 32
+    scales_h = (((ls >> 4) & 3) << 2 * torch.arange(8)).sum(-1)  # uint16: bits 2s, 2s + 1
+    scales_l = (ls[..., 0::2] & 15) | (ls[..., 1::2] & 15) << 4
+    pairs = nibble.reshape(n, nsb, 8, 2, 16)  # [s, t, l]: weight 32s + 16t + l
+    qs = (pairs[..., 0, :] | pairs[..., 1, :] << 4).reshape(n, nsb, 128)
+    out = torch.cat([raw[..., 0:2], (scales_h & 255)[..., None], (scales_h >> 8)[..., None],
+                     scales_l, qs], dim=-1)
+    return out.to(torch.uint8).reshape(n, nsb * KQUANT_BYTES[IQ3_S4])

@@ -13,11 +13,12 @@ instead of 32. `dequantize` below is the pure-torch reference, itself tested aga
          ggml_blocks.py; only packed (below), never read as rows: ROW_TYPES are the row
          kernels' formats.
 
-The K-quants in KQUANT_TYPES stay packed too under "gguf" (kvserve/quant/kquant_pack.py). A
-matrix of any other block type (the i-quants but IQ4_NL / IQ4_XS, TQ1_0 / TQ2_0, ...) is
-requantized to Q8_0 at load under "gguf" (GGUFWeight.as_q8_0: 8.5 bits a weight on the int8
-kernels instead of float32's 32, for about Q8_0's rounding on top of the file's); "gguf_exact"
-and a backend without the kernels dequantize it to the model's dtype.
+The K-quants in KQUANT_TYPES stay packed too under "gguf" (kvserve/quant/kquant_pack.py), and
+IQ3_S joins them rewritten exactly in IQ4_XS's layout (ggml_kquants.IQ3_S4). A matrix of any
+other block type (the other i-quants, TQ1_0 / TQ2_0, ...) is requantized to Q8_0 at load under
+"gguf" (GGUFWeight.for_kernels: 8.5 bits a weight on the int8 kernels instead of float32's 32,
+for about Q8_0's rounding on top of the file's); "gguf_exact" and a backend without the
+kernels dequantize it to the model's dtype.
 
 Two ways to run the blocks (two registry entries, kvserve/quant/__init__.py):
 
@@ -97,7 +98,8 @@ OFFSET = {Q4_0: 8, Q5_0: 16}
 # K-quant matrices kept packed too (kvserve/quant/kquant_pack.py, ops/csrc/qlinear_kquant*.cpp:
 # Q8_K activations per 256 values) under "gguf"; 256 weights per super-block.
 Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_XS = 10, 11, 12, 13, 14, 23
-KQUANT_TYPES = (Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_XS)
+IQ3_S, IQ3_S4 = ggml_kquants.IQ3_S, ggml_kquants.IQ3_S4  # a file's IQ3_S runs as IQ3_S4
+KQUANT_TYPES = (Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_XS, IQ3_S4)
 QK_K = 256
 # What the loader hands over as stored (GGUFWeight) when the method keeps blocks: every type
 # a kernel reads (GGUFLinearMethod keeps Q4_0 / Q5_0 / Q5_1 for int8 activations only, the
@@ -107,6 +109,13 @@ KEPT_TYPES = tuple(PACKED_BYTES) + KQUANT_TYPES
 # row's scale (per output channel), against activations quantized per token
 # (quantize_activations_per_token): SmoothQuant's W8A8 (kvserve/quant/smoothquant.py).
 W8A8 = 256
+
+
+def block_bytes(qtype: int) -> tuple[int, int]:
+    """(weights, bytes) of one stored block of a ggml type or of kvserve's IQ3_S4."""
+    if qtype in KQUANT_TYPES:
+        return QK_K, ggml_kquants.KQUANT_BYTES[qtype]
+    return GGML_QUANT_SIZES[GGMLQuantizationType(qtype)]
 
 
 def block_weights(qtype: int) -> int:
@@ -131,6 +140,16 @@ class GGUFWeight(NamedTuple):
         floats = gguf_quants.dequantize(self.data.numpy(), GGMLQuantizationType(self.qtype))
         return torch.from_numpy(floats.astype("float32", copy=False)).reshape(-1, self.k)
 
+    def for_kernels(self) -> GGUFWeight:
+        """The matrix in a format the kernels read: as stored where they read it (KEPT_TYPES),
+        IQ3_S rewritten as IQ3_S4 (the same weights, exactly), any other block type
+        requantized to Q8_0. K % 32 == 0."""
+        if self.qtype in KEPT_TYPES:
+            return self
+        if self.qtype == IQ3_S:
+            return GGUFWeight(ggml_kquants.iq3_s_to_s4(self.data, self.k), IQ3_S4, self.k)
+        return self.as_q8_0()
+
     def as_q8_0(self) -> GGUFWeight:
         """The matrix requantized to Q8_0 (K % 32 == 0): what the kernels read of a block
         type they have no kernel for."""
@@ -154,7 +173,7 @@ class GGUFWeight(NamedTuple):
         file's. None when even 32 does not divide the cut (the caller dequantizes)."""
         if dim == 0:
             return GGUFWeight(self.data[start:start + length], self.qtype, self.k)
-        block, nbytes = GGML_QUANT_SIZES[self.qtype]
+        block, nbytes = block_bytes(self.qtype)
         if start % block == 0 and length % block == 0:
             b0, nb = start // block * nbytes, length // block * nbytes
             return GGUFWeight(self.data[:, b0:b0 + nb].contiguous(), self.qtype, length)
@@ -232,7 +251,7 @@ def _row_gather(qtype: int, k: int) -> tuple[torch.Tensor, torch.Tensor | None] 
     4-bit types only move them): (at int64 [16, row bytes], flip uint8 [16, row bytes]) with
     stored row r = packed group flattened [at[r]] ^ flip[r]. Found by packing each byte's
     position (three byte planes of it), checked on random bytes; None for any other format."""
-    block, nbytes = GGML_QUANT_SIZES[qtype]
+    block, nbytes = block_bytes(qtype)
     row = k // block * nbytes
 
     def packed(data: torch.Tensor) -> torch.Tensor:
@@ -292,8 +311,9 @@ class GGUFLinearMethod:
 
     int8_activations: runs go to `ops.qlinear` / `ops.qlinear_kquant` (llama.cpp's
     arithmetic); otherwise Q4_1 / Q8_0 rows stay as stored and `ops.linear` dequantizes them
-    in registers. requantize: a weight shard of a block type outside KEPT_TYPES becomes Q8_0
-    as it arrives (GGUFWeight.as_q8_0), and so runs on the kernels too."""
+    in registers. requantize: a weight shard of a block type outside KEPT_TYPES is rewritten
+    as it arrives (GGUFWeight.for_kernels: IQ3_S exactly as IQ3_S4, any other as Q8_0), and
+    so runs on the kernels too."""
 
     def __init__(self, int8_activations: bool = True, requantize: bool = False) -> None:
         self.int8_activations = int8_activations
@@ -312,11 +332,11 @@ class GGUFLinearMethod:
     def load_shard(self, layer: Any, name: str, shard: int,
                    tensor: torch.Tensor | QuantizedTensor) -> None:
         """A weight shard in a kernel format is kept until every shard is in (one of another
-        block format first requantized to Q8_0 when `requantize`); anything else (a bias, a
+        block format first rewritten for the kernels when `requantize`); anything else (a bias, a
         float tensor, another block format) goes in as floats now."""
         if (self.requantize and name == "weight" and isinstance(tensor, GGUFWeight)
                 and tensor.qtype not in KEPT_TYPES and tensor.k % BLOCK == 0):
-            tensor = tensor.as_q8_0()
+            tensor = tensor.for_kernels()
         if name != "weight" or not isinstance(tensor, GGUFWeight) \
                 or tensor.qtype not in KEPT_TYPES:
             copy_shard(layer, name, shard, dense(tensor))

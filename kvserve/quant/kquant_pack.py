@@ -53,6 +53,7 @@ from __future__ import annotations
 import torch
 
 from kvserve.quant.ggml_kquants import (
+    IQ3_S4,
     IQ4_XS,
     KQUANT_BYTES,
     KQUANT_NAMES,
@@ -74,6 +75,7 @@ FIELDS = {
     Q5_K: ((0, 2, 2), (2, 4, 2), (4, 16, 1), (16, 48, 4), (48, 176, 4)),
     Q6_K: ((0, 128, 4), (128, 192, 4), (192, 208, 1), (208, 210, 2)),
     IQ4_XS: ((0, 2, 2), (2, 4, 2), (4, 8, 1), (8, 136, 4)),
+    IQ3_S4: ((0, 2, 2), (2, 4, 2), (4, 8, 1), (8, 136, 4)),  # IQ4_XS's layout
 }
 PACKED_KQUANT_BYTES = {q: GROUP * KQUANT_BYTES[q] for q in FIELDS}
 PACKED_NAMES = {q: KQUANT_NAMES[q] for q in FIELDS}

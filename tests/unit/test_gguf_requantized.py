@@ -1,9 +1,9 @@
-"""GGUF block types without a kvserve kernel (IQ3_S, IQ3_XXS, IQ2_XXS, IQ2_S, TQ2_0, ...):
-under quantization "gguf" each such matrix is requantized to Q8_0 at load
-(GGUFWeight.as_q8_0) and runs packed on the int8 kernels, 8.5 bits a weight instead of
-float32's 32; "gguf_exact" and a backend without the kernels dequantize it, as the loader
-did before. References: gguf-py's dequantize and its Q8_0 quantizer, and the float model
-on the same blocks dequantized."""
+"""GGUF block types the kernels do not read as stored (IQ3_S, IQ3_XXS, IQ2_XXS, IQ2_S,
+TQ2_0, ...): under quantization "gguf" IQ3_S is rewritten exactly as IQ3_S4 (IQ4_XS's layout,
+its own values) and every other such matrix requantized to Q8_0 at load
+(GGUFWeight.for_kernels), both packed on the int8 kernels; "gguf_exact" and a backend without
+the kernels dequantize them, as the loader did before. References: gguf-py's dequantize and
+its Q8_0 quantizer, and the float model on the same blocks dequantized."""
 
 from __future__ import annotations
 
@@ -20,6 +20,7 @@ from kvserve.loader import load_checkpoint
 from kvserve.models import build_model
 from kvserve.ops import get_ops
 from kvserve.quant import get_quant_method, quant_config
+from kvserve.quant.ggml_kquants import IQ3_S4, dequantize_kquant, iq3_s_to_s4
 from kvserve.quant.gguf import GGUFWeight
 from tests.unit.test_gguf_kquants_model import _logits_error
 from tests.unit.test_loader import _raw, write_gguf
@@ -42,6 +43,23 @@ def _write(tmp_path: Path) -> Path:
     return path
 
 
+def test_iq3_s_rewrites_exactly_as_iq3_s4() -> None:
+    """Every byte random (indices, their 9th bits, signs, scales; small fp16 d): the IQ3_S4
+    blocks dequantize to gguf-py's IQ3_S weights bit for bit, and the model's loading path
+    (for_kernels) gives the same blocks."""
+    rng = np.random.default_rng(1)
+    n, k = 40, 768
+    raw = rng.integers(0, 256, (n, k // 256, 110), dtype=np.uint8)
+    raw[..., 0:2] = np.float16(rng.uniform(-0.01, 0.01, (n, k // 256, 1))).view(np.uint8)
+    raw = raw.reshape(n, -1)
+    s4 = iq3_s_to_s4(torch.from_numpy(raw), k)
+    assert s4.shape == (n, k // 256 * 136)
+    want = torch.from_numpy(gguf.quants.dequantize(raw, Q.IQ3_S))
+    assert torch.equal(dequantize_kquant(s4, IQ3_S4, k), want)
+    ours = GGUFWeight(torch.from_numpy(raw), int(Q.IQ3_S), k).for_kernels()
+    assert ours.qtype == IQ3_S4 and torch.equal(ours.data, s4)
+
+
 def test_any_block_type_dequantizes_as_gguf_py_and_requantizes_to_q8_0() -> None:
     rng = np.random.default_rng(0)
     for qtype in (Q.IQ3_S, Q.IQ2_XXS, Q.TQ2_0):
@@ -54,29 +72,33 @@ def test_any_block_type_dequantizes_as_gguf_py_and_requantizes_to_q8_0() -> None
         assert np.array_equal(q8.data.numpy(), gguf.quants.quantize(floats, Q.Q8_0))
 
 
-def test_other_block_types_run_as_q8_0_on_the_kernels(tmp_path: Path,
-                                                      caplog: pytest.LogCaptureFixture) -> None:
+def test_other_block_types_run_on_the_kernels(tmp_path: Path,
+                                              caplog: pytest.LogCaptureFixture) -> None:
+    """Every linear of both layers runs packed: IQ3_S as IQ3_S4 (the file's values exactly),
+    the other types as Q8_0 (gguf-py's Q8_0 of the file's values), kept types as stored."""
     ck = load_checkpoint(str(_write(tmp_path)))
     with caplog.at_level(logging.INFO, logger="kvserve.loader.gguf_loader"):
         packed = build_model(ck, get_ops("auto"), torch.float32, "gguf")
     assert ("1 IQ2_S, 2 IQ2_XXS, 3 IQ3_S, 1 IQ3_XXS, 1 TQ2_0 matrices of no type kvserve's "
-            "kernels read: quantization 'gguf' requantizes them to Q8_0") in caplog.text
+            "kernels read") in caplog.text
+    want_types = {
+        "layers.0.self_attn.qkv_proj": [IQ3_S4, Q.Q8_0], "layers.0.self_attn.o_proj": [Q.Q8_0],
+        "layers.0.mlp.gate_up_proj": [Q.Q8_0], "layers.0.mlp.down_proj": [Q.Q8_0],
+        "layers.1.self_attn.qkv_proj": [IQ3_S4, Q.Q4_K, Q.Q6_K]}
     floats = build_model(ck, get_ops("auto"), torch.float32, "none")
-    for name, lin in packed.named_modules():
-        if not any(name.endswith(n) for n in LINEARS):
-            continue
+    for name, types in want_types.items():
+        lin = packed.get_submodule(name)
         parts = lin.quant_method.kernel_weights(lin)
-        if name.startswith("layers.0."):
-            assert [p.wtype for p in parts] == [Q.Q8_0], name
-            assert lin.weight.dtype == torch.uint8 and lin.weight.dim() == 3  # packed
-            # The values: gguf-py's Q8_0 of the float model's weight (rows requantize on
-            # their own, so the fused shards' concatenation requantizes as one).
-            ref = floats.get_submodule(name).weight.numpy()
-            q8 = gguf.quants.quantize(ref, Q.Q8_0)
-            want = torch.from_numpy(gguf.quants.dequantize(q8, Q.Q8_0))
-            assert torch.equal(lin.quant_method.dense_weight(lin), want), name
-    qkv = packed.layers[1].self_attn.qkv_proj
-    assert [p.wtype for p in qkv.quant_method.kernel_weights(qkv)] == [Q.Q8_0, Q.Q4_K, Q.Q6_K]
+        assert [p.wtype for p in parts] == types, name
+        assert all(p.weight.dtype == torch.uint8 and p.weight.dim() == 3 for p in parts)
+        ref = floats.get_submodule(name).weight
+        want = []
+        for p in parts:  # Q8_0 rows: gguf-py's Q8_0 of the float rows; the rest exactly them
+            rows = ref[p.start:p.start + p.rows].numpy()
+            if p.wtype == Q.Q8_0:
+                rows = gguf.quants.dequantize(gguf.quants.quantize(rows, Q.Q8_0), Q.Q8_0)
+            want.append(torch.from_numpy(rows))
+        assert torch.equal(lin.quant_method.dense_weight(lin), torch.cat(want)), name
     # Q8_0's rounding and int8 activations on top of the file's values: measured 0.053 (the
     # K-quant files of test_gguf_kquants_model.py, int8 activations alone: 0.026-0.145).
     err = _logits_error(packed, floats)

@@ -62,6 +62,7 @@ int64_t kquant_record_bytes(KType kt) {
     case KType::Q5_K: return kq::kQ5KRecord;
     case KType::Q6_K: return kq::kQ6KRecord;
     case KType::IQ4_XS: return kq::kIQ4XSRecord;
+    case KType::IQ3_S4: return kq::kIQ4XSRecord;  // IQ4_XS's layout
   }
   return 0;
 }
@@ -428,15 +429,16 @@ struct Q6K {
 };
 
 // IQ4_XS (kquant.h): sub-block s is qs chunks 4s .. 4s + 3, low nibbles its weights 0..15,
-// high nibbles 16..31. Packed tiles to 8 rows, WideIQ4XS from 9.
-struct IQ4XS {
+// high nibbles 16..31. Packed tiles to 8 rows, WideIQ4 from 9.
+template <const int8_t* kLut>
+struct IQ4Lut {
   static constexpr int64_t kRecord = kq::kIQ4XSRecord;
   static constexpr int64_t kD = 0, kDmin = 0;
   static constexpr bool kMin = false, kJoint = false;
   // The values (-127..113) of the nibbles t (0: low, 1: high) of 32 packed quant bytes v.
   static inline __m256i values(__m256i v, int t) {
     const __m256i lut = _mm256_broadcastsi128_si256(
-        _mm_load_si128(reinterpret_cast<const __m128i*>(kIQ4Values)));
+        _mm_load_si128(reinterpret_cast<const __m128i*>(kLut)));
     return _mm256_shuffle_epi8(
         lut, _mm256_and_si256(t ? _mm256_srli_epi16(v, 4) : v, _mm256_set1_epi8(15)));
   }
@@ -464,6 +466,10 @@ struct IQ4XS {
       }
   }
 };
+// IQ4_XS's values, and IQ3_S4's (a file's IQ3_S rewritten in IQ4_XS's layout at load,
+// kvserve/quant/ggml_kquants.py): the same records and arithmetic, another table.
+using IQ4XS = IQ4Lut<kIQ4Values>;
+using IQ3S4 = IQ4Lut<kIQ3SValues>;
 
 // Activation rows m0 .. m0 + MT - 1 against one group (records from gw) -> out columns
 // 0 .. cols - 1 of those rows (out points at the group's first column, rows N apart).
@@ -780,9 +786,10 @@ struct WideQ23K : WideLayout<16, 4, 4, 8> {
 
 // IQ4_XS wide: each chunk's low and high nibbles' values v (-127..113) stored twice, as |v|
 // and as v (the sign that sign(x, v) moves onto the activation), so that the inner loop is
-// IQ4XS::dot's without the lookups; each sub-block's scale as its madd factor.
+// IQ4Lut::dot's without the lookups; each sub-block's scale as its madd factor.
 //   | d[16], 32 unused | scales: 8 x 64 | chunk-halves 8s + 2l4 + t (t: low 0, high 1): |v|, v |
-struct WideIQ4XS {
+template <class Packed>
+struct WideIQ4 {
   static constexpr int64_t kScales = 64, kQuants = kScales + 64 * 8;
   static constexpr int64_t kRecord = kQuants + 128 * 64;
   static constexpr int64_t kD = 0, kDmin = 32;
@@ -806,7 +813,7 @@ struct WideIQ4XS {
         for (int r = 0; r < 2; ++r) {
           const __m256i v = load256(rec + kq::kIQ4XSQs + 64 * (4 * s + l4) + 32 * r);
           for (int t = 0; t < 2; ++t) {
-            const __m256i w = IQ4XS::values(v, t);
+            const __m256i w = Packed::values(v, t);
             uint8_t* q = dst + kQuants + 128 * (8 * s + 2 * l4 + t);
             store(q + 32 * r, _mm256_abs_epi8(w));
             store(q + 64 + 32 * r, w);
@@ -847,7 +854,7 @@ template <> struct Wide<Q3K> { using type = WideQ23K<Q3K>; };
 template <> struct Wide<Q4K> { using type = WideQ45K<false>; };
 template <> struct Wide<Q5K> { using type = WideQ45K<true>; };
 template <> struct Wide<Q6K> { using type = WideQ6K; };
-template <> struct Wide<IQ4XS> { using type = WideIQ4XS; };
+template <const int8_t* V> struct Wide<IQ4Lut<V>> { using type = WideIQ4<IQ4Lut<V>>; };
 
 #include "kquant_driver.h"  // some_rows, run, run_kquant: see there why in this namespace
 

@@ -280,7 +280,8 @@ inline void iq4xs_isums(const Chunks& chunks, const Scale& scale, const int8_t* 
 
 // IQ4_XS (kquant.h): sub-block s is qs chunks 4s .. 4s + 3, low nibbles its weights 0..15,
 // high nibbles 16..31.
-struct IQ4XS {
+template <const int8_t* kLut>
+struct IQ4Lut {
   static constexpr int64_t kRecord = kq::kIQ4XSRecord;
   static constexpr int64_t kD = 0, kDmin = 0;
   static constexpr bool kMin = false, kJoint = false;
@@ -288,7 +289,7 @@ struct IQ4XS {
   // Chunk 4s + l4's values + 128 (1..241): *lo of its low nibbles, *hi of its high ones.
   static inline void quants(const uint8_t* rec, int s, int l4, __m512i* lo, __m512i* hi) {
     const __m512i lut = _mm512_broadcast_i32x4(_mm_xor_si128(
-        _mm_load_si128(reinterpret_cast<const __m128i*>(kIQ4Values)), _mm_set1_epi8(-128)));
+        _mm_load_si128(reinterpret_cast<const __m128i*>(kLut)), _mm_set1_epi8(-128)));
     const __m512i nib = _mm512_set1_epi8(15);
     const __m512i v = load512(rec + kq::kIQ4XSQs + 64 * (4 * s + l4));
     *lo = _mm512_shuffle_epi8(lut, _mm512_and_si512(v, nib));
@@ -303,6 +304,10 @@ struct IQ4XS {
                     [&](int s) { return _mm512_cvtepi8_epi32(sc[s]); }, x, bs, isum);
   }
 };
+// IQ4_XS's values, and IQ3_S4's (a file's IQ3_S rewritten in IQ4_XS's layout at load,
+// kvserve/quant/ggml_kquants.py): the same records and arithmetic, another table.
+using IQ4XS = IQ4Lut<kIQ4Values>;
+using IQ3S4 = IQ4Lut<kIQ3SValues>;
 
 // Q4_K and Q5_K: the same scales and 4-bit quants; Q5_K adds each weight's bit 4 from its
 // qh chunks (kHighBit). One body, so the two cannot drift apart.
@@ -488,10 +493,11 @@ struct WideQ6K {
 };
 
 // IQ4_XS wide: | d[16], 32 unused | scales: 8 x 64 (sub-block s) | quants: 64 x 64 |
-//   quants chunk 2 (4s + l4) + 0 / 1: IQ4XS::quants(s, l4) low / high (values + 128)
+//   quants chunk 2 (4s + l4) + 0 / 1: IQ4Lut::quants(s, l4) low / high (values + 128)
 // Against the packed tiles, every linear of the Qwen 1.5B IQ4_XS file (Zen 4, kernel_ab.py, 7
 // rounds): 0.89x the time at 512 rows, 0.95x at 64, level at 32.
-struct WideIQ4XS {
+template <class Packed>
+struct WideIQ4 {
   static constexpr int64_t kScales = 64, kQuants = 576, kRecord = kQuants + 64 * 64;
   static constexpr int64_t kD = 0, kDmin = 0;
   static constexpr bool kMin = false, kJoint = false;
@@ -502,7 +508,7 @@ struct WideIQ4XS {
     kq::iq4xs_scales(rec, sc);
     for (int s = 0; s < 8; ++s) store512(dst + kScales + 64 * s, _mm512_cvtepi8_epi32(sc[s]));
     store_chunk_pairs(dst + kQuants, [&](int i, __m512i* lo, __m512i* hi) {
-      IQ4XS::quants(rec, i / 4, i % 4, lo, hi);
+      Packed::quants(rec, i / 4, i % 4, lo, hi);
     });
   }
   template <int MT>
@@ -835,7 +841,7 @@ template <class Fmt> struct Wide { using type = void; };
 template <> struct Wide<Q4K> { using type = WideQ45K<false>; };
 template <> struct Wide<Q5K> { using type = WideQ45K<true>; };
 template <> struct Wide<Q6K> { using type = WideQ6K; };
-template <> struct Wide<IQ4XS> { using type = WideIQ4XS; };
+template <const int8_t* V> struct Wide<IQ4Lut<V>> { using type = WideIQ4<IQ4Lut<V>>; };
 
 template <class Fmt> struct Amx { using type = void; };
 template <> struct Amx<Q4K> { using type = AmxQ45K<false>; };

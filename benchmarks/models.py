@@ -23,7 +23,7 @@ checked when it was written: a file lands under its name only after its check pa
         importance matrix needed)
     qwen2.5-coder-1.5b-instruct-q2_k.gguf / -q3_k_m / -q5_k_m / -q6_k / -iq4_xs / -iq3_m
         The K-quant types (and IQ4_XS, an i-quant of their shape that needs no importance
-        matrix; IQ3_M, mostly IQ3_S, which kvserve requantizes to Q8_0 at load) on a model
+        matrix; IQ3_M, mostly IQ3_S, which kvserve rewrites exactly at load) on a model
         whose rows are multiples of 256 (1536 wide): the Qwen
         1.5B Q4_K_M file through `llama-quantize --allow-requantize` (no float original of
         it is on disk either), so each carries Q4_K_M's rounding under its own; the rows

@@ -318,9 +318,10 @@ class GGUFCheckpoint:
                                           dtype=np.float32).reshape(shape))
             yield gguf_to_hf_name(t.name), self._hf_rows(t.name, w)
         if unkept:
-            logger.info("%s: %s matrices of no type kvserve's kernels read: quantization "
-                        "'gguf' requantizes them to Q8_0 (8.5 bits a weight), 'gguf_exact' "
-                        "and a backend without the kernels dequantize them", self.path,
+            logger.info("%s: %s matrices of no type kvserve's kernels read as stored: "
+                        "quantization 'gguf' rewrites them for its kernels (IQ3_S exactly as "
+                        "IQ3_S4, the others as Q8_0, 8.5 bits a weight), 'gguf_exact' and a "
+                        "backend without the kernels dequantize them", self.path,
                         ", ".join(f"{n} {name}" for name, n in sorted(unkept.items())))
 
     @staticmethod

@@ -269,20 +269,26 @@ def iq3_s_to_s4(data: torch.Tensor, k: int) -> torch.Tensor:
         [106, 110) scales: s_4 of sub-block s in byte s // 2, nibble s % 2"""
     from gguf import quants as gguf_quants
 
-    raw = as_blocks(data, k, QK_K, IQ3_S_BYTES, "IQ3_S").to(torch.int64)
+    # Bytes stay bytes (int16 for the signed values): the 1.5B IQ3_M file's 138 matrices load
+    # ~3x faster than through int64.
+    raw = as_blocks(data, k, QK_K, IQ3_S_BYTES, "IQ3_S")
     n, nsb = raw.shape[:2]
     gguf_quants.IQ3_S.init_grid()
-    grid = torch.from_numpy(gguf_quants.IQ3_S.grid.reshape(512, 4)).to(torch.int64)
-    qh = ((raw[..., 66:74, None] >> torch.arange(8)) & 1).reshape(n, nsb, 64)
-    mags = grid[raw[..., 2:66] | qh << 8].reshape(n, nsb, QK_K)  # 1, 3, .., 15
-    negative = ((raw[..., 74:106, None] >> torch.arange(8)) & 1).reshape(n, nsb, QK_K)
-    nibble = (mags * (1 - 2 * negative) + 15) // 2  # the value's index in IQ3S_VALUES
+    grid = torch.from_numpy(gguf_quants.IQ3_S.grid.reshape(512, 4)).to(torch.int16)
+    bits = torch.arange(8, dtype=torch.uint8)
+    qh = ((raw[..., 66:74, None] >> bits) & 1).reshape(n, nsb, 64)
+    index = raw[..., 2:66].long() | qh.long() << 8
+    mags = grid[index].reshape(n, nsb, QK_K)  # 1, 3, .., 15
+    negative = ((raw[..., 74:106, None] >> bits) & 1).reshape(n, nsb, QK_K)
+    # the value's index in IQ3S_VALUES: (v + 15) / 2, v = -mags where negative
+    nibble = torch.where(negative.bool(), 15 - mags, 15 + mags).to(torch.uint8) >> 1
     s4 = torch.stack([raw[..., 106:110] & 15, raw[..., 106:110] >> 4], -1).reshape(n, nsb, 8)
-    ls = 33 + 2 * s4  # 6 bits: IQ4_XS's scale + 32
-    scales_h = (((ls >> 4) & 3) << 2 * torch.arange(8)).sum(-1)  # uint16: bits 2s, 2s + 1
+    ls = 33 + 2 * s4  # 6 bits: IQ4_XS's scale + 32 (uint8: at most 63)
+    high = ((ls >> 4) & 3).to(torch.int32) << 2 * torch.arange(8, dtype=torch.int32)
+    scales_h = high.sum(-1, dtype=torch.int32)  # uint16: bits 2s, 2s + 1
     scales_l = (ls[..., 0::2] & 15) | (ls[..., 1::2] & 15) << 4
     pairs = nibble.reshape(n, nsb, 8, 2, 16)  # [s, t, l]: weight 32s + 16t + l
     qs = (pairs[..., 0, :] | pairs[..., 1, :] << 4).reshape(n, nsb, 128)
-    out = torch.cat([raw[..., 0:2], (scales_h & 255)[..., None], (scales_h >> 8)[..., None],
-                     scales_l, qs], dim=-1)
-    return out.to(torch.uint8).reshape(n, nsb * KQUANT_BYTES[IQ3_S4])
+    h = torch.stack([scales_h & 255, scales_h >> 8], -1).to(torch.uint8)
+    out = torch.cat([raw[..., 0:2], h, scales_l, qs], dim=-1)
+    return out.reshape(n, nsb * KQUANT_BYTES[IQ3_S4])

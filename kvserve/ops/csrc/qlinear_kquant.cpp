@@ -26,6 +26,7 @@
 //   IQ4_XS sub-block (32 weights): each nibble looked up (pshufb) in the 16 signed values
 //       (-127..113); maddubs(|v|, x with v's sign) (|pair| <= 2 * 127 * 127 < 2^15), each
 //       chunk's pairs madd by the signed scale (-32..31): no int16 sum of two would fit.
+//       IQ3_S4 (a file's IQ3_S, rewritten at load) is the same with its own 16 values.
 //
 // The float part follows kernels.h's order exactly, one rounding per mul, add or sub
 // (-ffp-contract=off, no FMA), so every tile shape here and the VNNI twin give the same bits.

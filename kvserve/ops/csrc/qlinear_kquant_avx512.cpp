@@ -20,6 +20,7 @@
 //   IQ4_XS sub-block (32 weights) = 4 chunks x { low nibbles | high nibbles }, each nibble
 //       looked up (vpshufb) in the 16 values + 128 (1..241, unsigned); the chain starts at
 //       -128 * the activations' sum over the sub-block, which takes the + 128 back exactly.
+//       IQ3_S4 (a file's IQ3_S, rewritten at load) is the same with its own 16 values.
 //
 // The integer sums are exact, the float steps per (m, n, super-block) fixed by the spec, so the
 // bits equal the AVX2 twin's and the oracle's whatever the tile.

@@ -436,7 +436,8 @@ struct IQ4Lut {
   static constexpr int64_t kRecord = kq::kIQ4XSRecord;
   static constexpr int64_t kD = 0, kDmin = 0;
   static constexpr bool kMin = false, kJoint = false;
-  // The values (-127..113) of the nibbles t (0: low, 1: high) of 32 packed quant bytes v.
+  // The table's values (IQ4_XS -127..113, IQ3_S4 -15..15) of the nibbles t (0: low, 1: high)
+  // of 32 packed quant bytes v.
   static inline __m256i values(__m256i v, int t) {
     const __m256i lut = _mm256_broadcastsi128_si256(
         _mm_load_si128(reinterpret_cast<const __m128i*>(kLut)));
@@ -785,7 +786,7 @@ struct WideQ23K : WideLayout<16, 4, 4, 8> {
   }
 };
 
-// IQ4_XS wide: each chunk's low and high nibbles' values v (-127..113) stored twice, as |v|
+// IQ4_XS wide (IQ3_S4's too): each chunk's low and high nibbles' values v stored twice, as |v|
 // and as v (the sign that sign(x, v) moves onto the activation), so that the inner loop is
 // IQ4Lut::dot's without the lookups; each sub-block's scale as its madd factor.
 //   | d[16], 32 unused | scales: 8 x 64 | chunk-halves 8s + 2l4 + t (t: low 0, high 1): |v|, v |

@@ -287,7 +287,8 @@ struct IQ4Lut {
   static constexpr int64_t kD = 0, kDmin = 0;
   static constexpr bool kMin = false, kJoint = false;
   static constexpr int64_t kSumWidth = 32;  // quants per activation sum bs[m] holds
-  // Chunk 4s + l4's values + 128 (1..241): *lo of its low nibbles, *hi of its high ones.
+  // Chunk 4s + l4's values + 128 (IQ4_XS 1..241, IQ3_S4 113..143, unsigned): *lo of its low
+  // nibbles, *hi of its high ones.
   static inline void quants(const uint8_t* rec, int s, int l4, __m512i* lo, __m512i* hi) {
     const __m512i lut = _mm512_broadcast_i32x4(_mm_xor_si128(
         _mm_load_si128(reinterpret_cast<const __m128i*>(kLut)), _mm_set1_epi8(-128)));

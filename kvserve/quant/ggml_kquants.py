@@ -76,9 +76,10 @@ IQ3S_VALUES = tuple(range(-15, 16, 2))
 IQ3_S_BYTES = 110
 
 
-def iq4_values(index: torch.Tensor) -> torch.Tensor:
-    """IQ4_NL / IQ4_XS nibbles (0..15, any integer dtype) -> their int32 values."""
-    return torch.tensor(IQ4_VALUES, dtype=torch.int32)[index.long()]
+def iq4_values(index: torch.Tensor, table: tuple[int, ...] = IQ4_VALUES) -> torch.Tensor:
+    """Nibbles (0..15, any integer dtype) -> their int32 values in table: IQ4_NL / IQ4_XS's
+    by default, IQ3S_VALUES for IQ3_S4."""
+    return torch.tensor(table, dtype=torch.int32)[index.long()]
 
 
 class KParts(NamedTuple):
@@ -161,8 +162,7 @@ def unpack_kquant(data: torch.Tensor, qtype: int, k: int) -> KParts:
         index = planes(8, 136, 8, [0, 4], 15)
         s_lo = bit_planes(b[..., 4:8], [0, 4], 15).transpose(-1, -2).reshape(*lead, 8)
         s_hi = bit_planes((b[..., 2] | b[..., 3] << 8)[..., None], range(0, 16, 2), 3)
-        q = (iq4_values(index) if qtype == IQ4_XS
-             else torch.tensor(IQ3S_VALUES, dtype=torch.int32)[index.long()])
+        q = iq4_values(index, IQ4_VALUES if qtype == IQ4_XS else IQ3S_VALUES)
         return KParts(q, (s_lo | s_hi.reshape(*lead, 8) << 4) - 32, None, half_field(raw, 0),
                       None)
     if qtype == Q6_K:

@@ -33,7 +33,7 @@ from kvserve.loader.errors import CheckpointError
 from kvserve.loader.gguf_reader import GGUF_MAGIC, GGUFFile
 from kvserve.loader.gguf_tokenizer import tokenizer_from_gguf
 from kvserve.loader.tokenizer import Tokenizer
-from kvserve.quant.gguf import KEPT_TYPES, GGUFWeight, block_weights
+from kvserve.quant.gguf import KEPT_TYPES, GGUFWeight, block_bytes
 
 logger = logging.getLogger(__name__)
 
@@ -326,11 +326,9 @@ class GGUFCheckpoint:
 
     @staticmethod
     def _blocks(qtype: int, k: int) -> bool:
-        """Whether a matrix of this type, k weights a row, is handed over as stored: a kept
-        type, or any other block type (not F32 / F16 / BF16) whose blocks fill its rows."""
-        if qtype in KEPT_TYPES:
-            return k % block_weights(qtype) == 0
-        block = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType(qtype)][0]
+        """Whether a matrix of this type, k weights a row, is handed over as stored: any
+        block type (not F32 / F16 / BF16) whose blocks fill its rows."""
+        block = block_bytes(qtype)[0]
         return block > 1 and k % block == 0
 
     def _hf_rows(self, name: str, w: torch.Tensor) -> torch.Tensor:

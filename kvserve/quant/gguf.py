@@ -118,11 +118,6 @@ def block_bytes(qtype: int) -> tuple[int, int]:
     return GGML_QUANT_SIZES[GGMLQuantizationType(qtype)]
 
 
-def block_weights(qtype: int) -> int:
-    """Weights per block of a kept type."""
-    return QK_K if qtype in KQUANT_TYPES else BLOCK
-
-
 class GGUFWeight(NamedTuple):
     """One GGUF matrix as stored: data uint8 [rows, K // block * block bytes], K weights a
     row."""
@@ -335,8 +330,8 @@ class GGUFLinearMethod:
         block format first rewritten for the kernels when `requantize`); anything else (a bias, a
         float tensor, another block format) goes in as floats now."""
         if (self.requantize and name == "weight" and isinstance(tensor, GGUFWeight)
-                and tensor.qtype not in KEPT_TYPES and tensor.k % BLOCK == 0):
-            tensor = tensor.for_kernels()
+                and tensor.k % BLOCK == 0):
+            tensor = tensor.for_kernels()  # itself where a kernel reads it
         if name != "weight" or not isinstance(tensor, GGUFWeight) \
                 or tensor.qtype not in KEPT_TYPES:
             copy_shard(layer, name, shard, dense(tensor))

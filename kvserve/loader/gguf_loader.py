@@ -319,8 +319,9 @@ class GGUFCheckpoint:
             yield gguf_to_hf_name(t.name), self._hf_rows(t.name, w)
         if unkept:
             logger.info("%s: %s matrices of no type kvserve's kernels read as stored: "
-                        "quantization 'gguf' rewrites them for its kernels (IQ3_S exactly as "
-                        "IQ3_S4, the others as Q8_0, 8.5 bits a weight), 'gguf_exact' and a "
+                        "quantization 'gguf' rewrites them for its kernels (IQ3_S, IQ3_XXS, "
+                        "IQ2_XXS exactly in IQ4_XS's layout, the others as Q8_0, 8.5 bits a "
+                        "weight), 'gguf_exact' and a "
                         "backend without the kernels dequantize them", self.path,
                         ", ".join(f"{n} {name}" for name, n in sorted(unkept.items())))
 

@@ -20,7 +20,7 @@ Routing, decided per call here and never inside the kernels:
 - qlinear (packed GGUF Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q8_0 / IQ4_NL weights, or W8A8, x int8
   activations): the kernel at every M, the VNNI one where the AVX-512 ISA is chosen and the
   CPU has VNNI, else the AVX2 one (the same bits either way).
-- qlinear_kquant (packed GGUF K-quants, IQ4_XS and IQ3_S4 x Q8_K activations,
+- qlinear_kquant (packed GGUF K-quants and the IQ4_XS-layout types x Q8_K activations,
   KQUANT_KERNEL_WTYPES):
   the kernel at every M, VNNI or AVX2 as qlinear; under "amx", Q4_K / Q5_K / Q6_K at 32+ rows
   on AMX tiles (the same bits, ggml_kquants.dot_kquant's, on every path).
@@ -54,7 +54,7 @@ from kvserve.ops.build import (
 )
 from kvserve.ops.reference import ReferenceOps
 from kvserve.quant.base import BF16, F16, HALF_DTYPES, KernelWeight
-from kvserve.quant.ggml_kquants import IQ3_S4, IQ4_XS, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K
+from kvserve.quant.ggml_kquants import IQ4_FAMILY, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K
 from kvserve.quant.gguf import F32, IQ4_NL, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, W8A8
 
 logger = logging.getLogger("kvserve.ops")
@@ -93,7 +93,7 @@ ROW_WTYPES = (F32, F16, BF16, Q4_1, Q8_0)
 # Q8_0 records against per-token activations):
 PACKED_WTYPES = (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, IQ4_NL, W8A8)
 # K-quant formats (ggml type ids) the packed qlinear_kquant kernels read.
-KQUANT_KERNEL_WTYPES = (Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_XS, IQ3_S4)
+KQUANT_KERNEL_WTYPES = (Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, *IQ4_FAMILY)
 
 
 def _kernels_read(p: KernelWeight) -> bool:

@@ -44,12 +44,17 @@ the 128-weight half, c < 4 a 2-bit plane, t < 2 a nibble), from ggml-common.h / 
     [2, 4)     scales_h: uint16, bits 2s, 2s + 1 are scale s's high 2 bits
     [4, 8)     scales_l: scale s's low 4 bits in byte s // 2, nibble s % 2   (stored + 32)
     [8, 136)   qs:     weight 32s + 16t + l = IQ4_VALUES[qs[16s + l] >> 4t & 15]  (l < 16)
-  IQ3_S4 (kvserve's own id 257, never in a file): a GGUF IQ3_S super-block (ggml type 21,
-  110 bytes) rewritten exactly in IQ4_XS's 136-byte layout, its nibbles indexing IQ3S_VALUES
-  (-15, -13, .., 15) instead. IQ3_S's weight is d * (1 + 2 s_4) * grid * sign, the grid
-  values 1, 3, .., 15 (gguf-py's IQ3_S.grid_map): a signed odd value below 16, so one nibble
-  holds it, and 1 + 2 s_4 (1..31) is the 6-bit scale minus 32 (stored 33 + 2 s_4). Same
-  floats, 4.25 bits a weight against the file's 3.44, on IQ4_XS's kernels (iq3_s_to_s4).
+  IQ3_S4, IQ3_XXS4, IQ2_XXS4 (kvserve's own ids 257..259, never in a file): a GGUF IQ3_S,
+  IQ3_XXS or IQ2_XXS super-block (ggml types 21, 18, 16) rewritten exactly in IQ4_XS's
+  136-byte layout (rewrite_iq4), its nibbles indexing the type's own 16 values
+  (IQ4_FAMILY). These i-quants' weight is d * (1 + 2 s_4) * grid * sign / 2^shift, s_4 a
+  4-bit scale per 32 weights and the grid's values few and below 64: IQ3_S 1, 3, .., 15
+  (shift 0), IQ3_XXS 4, 12, .., 52, 62 (shift 2), IQ2_XXS 8, 25, 43 (shift 3); gguf-py's
+  grid_map. A signed grid value is one nibble's table entry, and 1 + 2 s_4 (1..31) is the
+  6-bit scale minus 32 (stored 33 + 2 s_4). The power of two scales d (KParts.d, and the
+  kernels' d), not the fp16 record: these files' d lie near 1e-4, where d / 8 would turn
+  subnormal. The same floats at 4.25 bits a weight (the files': 3.44, 3.06, 2.06), on
+  IQ4_XS's kernels.
   Q8_K (ggml type 15), 292 bytes, activations only (never in a file): float32 d, int8 qs[256],
     int16 bsums[16] (the sum of each 16 qs). Kept here as tensors (`Q8KBlocks`).
 
@@ -63,22 +68,32 @@ from typing import NamedTuple
 
 import torch
 
-Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, Q8_K, IQ3_S, IQ4_XS = 10, 11, 12, 13, 14, 15, 21, 23  # ggml ids
-IQ3_S4 = 257  # kvserve's own (past ggml's, as gguf.W8A8): IQ3_S in IQ4_XS's layout
+Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, Q8_K = 10, 11, 12, 13, 14, 15  # ggml ids
+IQ2_XXS, IQ3_XXS, IQ3_S, IQ4_XS = 16, 18, 21, 23
+# kvserve's own (past ggml's, as gguf.W8A8): a file's i-quant in IQ4_XS's layout
+IQ3_S4, IQ3_XXS4, IQ2_XXS4 = 257, 258, 259
 QK_K = 256
-KQUANT_BYTES = {Q2_K: 84, Q3_K: 110, Q4_K: 144, Q5_K: 176, Q6_K: 210, IQ4_XS: 136, IQ3_S4: 136}
+KQUANT_BYTES = {Q2_K: 84, Q3_K: 110, Q4_K: 144, Q5_K: 176, Q6_K: 210, IQ4_XS: 136, IQ3_S4: 136,
+                IQ3_XXS4: 136, IQ2_XXS4: 136}
 KQUANT_NAMES = {Q2_K: "Q2_K", Q3_K: "Q3_K", Q4_K: "Q4_K", Q5_K: "Q5_K", Q6_K: "Q6_K",
-                IQ4_XS: "IQ4_XS", IQ3_S4: "IQ3_S4"}
+                IQ4_XS: "IQ4_XS", IQ3_S4: "IQ3_S4", IQ3_XXS4: "IQ3_XXS4", IQ2_XXS4: "IQ2_XXS4"}
 # IQ4_NL / IQ4_XS's 16 values (ggml-common.h kvalues_iq4nl): the index's weight before scaling.
 IQ4_VALUES = (-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113)
-# IQ3_S4's: IQ3_S's grid values (1, 3, .., 15) with their signs.
+# The rewritten i-quants': their grid values with both signs (IQ2_XXS's 6 padded with unused
+# zeros, the extremes kept at the ends).
 IQ3S_VALUES = tuple(range(-15, 16, 2))
-IQ3_S_BYTES = 110
+IQ3XXS_VALUES = (-62, -52, -44, -36, -28, -20, -12, -4, 4, 12, 20, 28, 36, 44, 52, 62)
+IQ2XXS_VALUES = (-43, -25, -8) + (0,) * 10 + (8, 25, 43)
+# The IQ4_XS-layout types: (their nibbles' 16 values, the shift d is scaled by 2^-shift with).
+IQ4_FAMILY = {IQ4_XS: (IQ4_VALUES, 0), IQ3_S4: (IQ3S_VALUES, 0), IQ3_XXS4: (IQ3XXS_VALUES, 2),
+              IQ2_XXS4: (IQ2XXS_VALUES, 3)}
+# A file's i-quant -> (its stored bytes per 256 weights, the type rewrite_iq4 makes of it).
+IQ4_REWRITES = {IQ3_S: (110, IQ3_S4), IQ3_XXS: (98, IQ3_XXS4), IQ2_XXS: (66, IQ2_XXS4)}
 
 
 def iq4_values(index: torch.Tensor, table: tuple[int, ...] = IQ4_VALUES) -> torch.Tensor:
     """Nibbles (0..15, any integer dtype) -> their int32 values in table: IQ4_NL / IQ4_XS's
-    by default, IQ3S_VALUES for IQ3_S4."""
+    by default, an IQ4_FAMILY type's own."""
     return torch.tensor(table, dtype=torch.int32)[index.long()]
 
 
@@ -158,13 +173,15 @@ def unpack_kquant(data: torch.Tensor, qtype: int, k: int) -> KParts:
         s_hi = bit_planes(b[..., 104:108], [0, 2, 4, 6], 3).reshape(*lead, 16)
         return KParts(low - 4 * (1 - high), (s_lo | s_hi << 4) - 32, None,
                       half_field(raw, 108), None)
-    if qtype in (IQ4_XS, IQ3_S4):
+    if qtype in IQ4_FAMILY:
+        table, shift = IQ4_FAMILY[qtype]
         index = planes(8, 136, 8, [0, 4], 15)
         s_lo = bit_planes(b[..., 4:8], [0, 4], 15).transpose(-1, -2).reshape(*lead, 8)
         s_hi = bit_planes((b[..., 2] | b[..., 3] << 8)[..., None], range(0, 16, 2), 3)
-        q = iq4_values(index, IQ4_VALUES if qtype == IQ4_XS else IQ3S_VALUES)
-        return KParts(q, (s_lo | s_hi.reshape(*lead, 8) << 4) - 32, None, half_field(raw, 0),
-                      None)
+        # d / 2^shift is exact in float32 (an fp16's exponent stays far above float32's floor)
+        d = half_field(raw, 0) * 2.0 ** -shift
+        return KParts(iq4_values(index, table), (s_lo | s_hi.reshape(*lead, 8) << 4) - 32,
+                      None, d, None)
     if qtype == Q6_K:
         q = planes(0, 128, 2, [0, 4], 15) | planes(128, 192, 2, [0, 2, 4, 6], 3) << 4
         scale = raw[..., 192:208].contiguous().view(torch.int8).to(torch.int32)
@@ -221,7 +238,7 @@ def dot_kquant(data: torch.Tensor, qtype: int, xq: Q8KBlocks) -> torch.Tensor:
     exact below 2^24):
         Q4_K, Q5_K:  sums = sums + dw_i * float(isum_i);  mins = mins - dm_i * float(msum_i)
                      result = mins + sums                         (both start at +0)
-        Q3_K, Q6_K, IQ4_XS, IQ3_S4:  sums = sums + dw_i * float(isum_i);  result = 0 + sums
+        Q3_K, Q6_K, IQ4_FAMILY:  sums = sums + dw_i * float(isum_i);  result = 0 + sums
         Q2_K:        acc = acc + (dw_i * float(isum_i) - dm_i * float(msum_i));  result = acc
 
     That is ggml_vec_dot_<type>_q8_K_generic's order with one change: the C code splits isum
@@ -259,31 +276,102 @@ def dot_kquant(data: torch.Tensor, qtype: int, xq: Q8KBlocks) -> torch.Tensor:
     return mins + sums
 
 
-def iq3_s_to_s4(data: torch.Tensor, k: int) -> torch.Tensor:
-    """GGUF IQ3_S blocks uint8 [N, K / 256 * 110] -> the same weights as IQ3_S4 blocks
-    [N, K / 256 * 136], exactly (dequantize_kquant of the result equals gguf-py's dequantize of
-    the input bit for bit). IQ3_S's layout (gguf-py IQ3_S.dequantize_blocks), 110 bytes:
+class _IQParts(NamedTuple):
+    """An i-quant's super-blocks taken apart: index long [n, nsb, 256 / width] into grid
+    (int16 [entries, width], the magnitudes), negative uint8 [n, nsb, 256] (1: the weight's
+    sign is -), s4 uint8 [n, nsb, 8] (scale 1 + 2 s4 per 32 weights)."""
+
+    index: torch.Tensor
+    grid: torch.Tensor
+    negative: torch.Tensor
+    s4: torch.Tensor
+
+
+def _grid(quant: type, entries: int, width: int) -> torch.Tensor:
+    """gguf-py's grid of an i-quant class -> int16 [entries, width]."""
+    quant.init_grid()
+    return torch.from_numpy(quant.grid.reshape(entries, width)).to(torch.int16)
+
+
+def _ksign_bits(aux: torch.Tensor) -> torch.Tensor:
+    """int64 [n, nsb, 8] sub-block words -> uint8 [n, nsb, 256]: bits 7l .. 7l + 6 of word s
+    index ksigns (7 sign bits and their parity), whose bit b is weight 32s + 8l + b's sign."""
+    from gguf import quants as gguf_quants
+
+    ksigns = torch.frombuffer(bytearray(gguf_quants.IQ2_XXS.ksigns), dtype=torch.uint8)
+    index = aux[..., None] >> torch.arange(0, 28, 7) & 127  # [n, nsb, 8, 4]
+    bits = ksigns[index][..., None] >> torch.arange(8, dtype=torch.uint8) & 1
+    return bits.reshape(*aux.shape[:2], QK_K)
+
+
+def _iq3_s_parts(raw: torch.Tensor) -> _IQParts:
+    """IQ3_S blocks [n, nsb, 110] (gguf-py IQ3_S.dequantize_blocks):
         [0, 2) d   [2, 66) qs: the low 8 bits of grid index j (weights 4j .. 4j + 3)
         [66, 74) qh: bit j (byte j // 8, bit j % 8) is bit 8 of index j
         [74, 106) signs: bit b of byte i negates weight 8i + b
         [106, 110) scales: s_4 of sub-block s in byte s // 2, nibble s % 2"""
     from gguf import quants as gguf_quants
 
-    # Bytes stay bytes (int16 for the signed values): the 1.5B IQ3_M file's 138 matrices load
-    # ~3x faster than through int64.
-    raw = as_blocks(data, k, QK_K, IQ3_S_BYTES, "IQ3_S")
     n, nsb = raw.shape[:2]
-    gguf_quants.IQ3_S.init_grid()
-    grid = torch.from_numpy(gguf_quants.IQ3_S.grid.reshape(512, 4)).to(torch.int16)
     bits = torch.arange(8, dtype=torch.uint8)
     qh = ((raw[..., 66:74, None] >> bits) & 1).reshape(n, nsb, 64)
     index = raw[..., 2:66].long() | qh.long() << 8
-    mags = grid[index].reshape(n, nsb, QK_K)  # 1, 3, .., 15
     negative = ((raw[..., 74:106, None] >> bits) & 1).reshape(n, nsb, QK_K)
-    # the value's index in IQ3S_VALUES: (v + 15) / 2, v = -mags where negative
-    nibble = torch.where(negative.bool(), 15 - mags, 15 + mags).to(torch.uint8) >> 1
     s4 = torch.stack([raw[..., 106:110] & 15, raw[..., 106:110] >> 4], -1).reshape(n, nsb, 8)
-    ls = 33 + 2 * s4  # 6 bits: IQ4_XS's scale + 32 (uint8: at most 63)
+    return _IQParts(index, _grid(gguf_quants.IQ3_S, 512, 4), negative, s4)
+
+
+def _iq3_xxs_parts(raw: torch.Tensor) -> _IQParts:
+    """IQ3_XXS blocks [n, nsb, 98] (gguf-py IQ3_XXS.dequantize_blocks):
+        [0, 2) d   [2, 66) qs: grid index j (weights 4j .. 4j + 3)
+        [66, 98) one uint32 a sub-block s: bits 7l .. 7l + 6 (l < 4) index ksigns, whose bit
+                 b negates weight 32s + 8l + b; bits 28..31 are s_4"""
+    from gguf import quants as gguf_quants
+
+    aux = raw[..., 66:98].contiguous().view(torch.int32).long()  # [n, nsb, 8]
+    return _IQParts(raw[..., 2:66].long(), _grid(gguf_quants.IQ3_XXS, 256, 4),
+                    _ksign_bits(aux), (aux >> 28 & 15).to(torch.uint8))
+
+
+def _iq2_xxs_parts(raw: torch.Tensor) -> _IQParts:
+    """IQ2_XXS blocks [n, nsb, 66] (gguf-py IQ2_XXS.dequantize_blocks):
+        [0, 2) d   then per sub-block s two uint32 at 2 + 8s:
+        the first's 4 bytes: grid indices (weights 32s + 8l .. 32s + 8l + 7, l < 4)
+        the second: bits 7l .. 7l + 6 index ksigns (weights 32s + 8l + b), bits 28..31 s_4"""
+    from gguf import quants as gguf_quants
+
+    n, nsb = raw.shape[:2]
+    pairs = raw[..., 2:66].reshape(n, nsb, 8, 2, 4)
+    aux = pairs[..., 1, :].contiguous().view(torch.int32).long().squeeze(-1)  # [n, nsb, 8]
+    return _IQParts(pairs[..., 0, :].reshape(n, nsb, 32).long(),
+                    _grid(gguf_quants.IQ2_XXS, 256, 8), _ksign_bits(aux),
+                    (aux >> 28 & 15).to(torch.uint8))
+
+
+_IQ_PARTS = {IQ3_S: _iq3_s_parts, IQ3_XXS: _iq3_xxs_parts, IQ2_XXS: _iq2_xxs_parts}
+
+
+def rewrite_iq4(data: torch.Tensor, qtype: int, k: int) -> torch.Tensor:
+    """GGUF blocks of an IQ4_REWRITES type uint8 [N, K / 256 * its bytes] -> the same weights
+    as blocks of the IQ4_XS-layout type it names, [N, K / 256 * 136], exactly
+    (dequantize_kquant of the result equals gguf-py's dequantize of the input bit for bit)."""
+    nbytes, target = IQ4_REWRITES[qtype]
+    # Bytes stay bytes (the grid's index aside): the 1.5B IQ3_M file's 138 IQ3_S matrices load
+    # ~3x faster than through int64 values.
+    from gguf import GGMLQuantizationType
+
+    raw = as_blocks(data, k, QK_K, nbytes, GGMLQuantizationType(qtype).name)
+    n, nsb = raw.shape[:2]
+    p = _IQ_PARTS[qtype](raw)
+    # Each grid entry's nibbles in the target's table, for either sign.
+    table = torch.tensor(IQ4_FAMILY[target][0])
+    where = torch.zeros(128, dtype=torch.uint8)
+    where[table + 64] = torch.arange(16, dtype=torch.uint8)  # IQ2_XXS's zeros: never a value
+    grid = p.grid.long()
+    plus, minus = where[grid + 64][p.index], where[64 - grid][p.index]
+    nibble = torch.where(p.negative.bool(), minus.reshape(n, nsb, QK_K),
+                         plus.reshape(n, nsb, QK_K))
+    ls = 33 + 2 * p.s4  # 6 bits: IQ4_XS's scale + 32 (uint8: at most 63)
     high = ((ls >> 4) & 3).to(torch.int32) << 2 * torch.arange(8, dtype=torch.int32)
     scales_h = high.sum(-1, dtype=torch.int32)  # uint16: bits 2s, 2s + 1
     scales_l = (ls[..., 0::2] & 15) | (ls[..., 1::2] & 15) << 4
@@ -291,4 +379,4 @@ def iq3_s_to_s4(data: torch.Tensor, k: int) -> torch.Tensor:
     qs = (pairs[..., 0, :] | pairs[..., 1, :] << 4).reshape(n, nsb, 128)
     h = torch.stack([scales_h & 255, scales_h >> 8], -1).to(torch.uint8)
     out = torch.cat([raw[..., 0:2], h, scales_l, qs], dim=-1)
-    return out.reshape(n, nsb * KQUANT_BYTES[IQ3_S4])
+    return out.reshape(n, nsb * KQUANT_BYTES[target])

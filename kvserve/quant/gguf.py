@@ -14,8 +14,9 @@ instead of 32. `dequantize` below is the pure-torch reference, itself tested aga
          kernels' formats.
 
 The K-quants in KQUANT_TYPES stay packed too under "gguf" (kvserve/quant/kquant_pack.py), and
-IQ3_S joins them rewritten exactly in IQ4_XS's layout (ggml_kquants.IQ3_S4). A matrix of any
-other block type (the other i-quants, TQ1_0 / TQ2_0, ...) is requantized to Q8_0 at load under
+IQ3_S, IQ3_XXS and IQ2_XXS join them rewritten exactly in IQ4_XS's layout
+(ggml_kquants.rewrite_iq4). A matrix of any other block type (the other i-quants, TQ1_0 /
+TQ2_0, ...) is requantized to Q8_0 at load under
 "gguf" (GGUFWeight.for_kernels: 8.5 bits a weight on the int8 kernels instead of float32's 32,
 for about Q8_0's rounding on top of the file's); "gguf_exact" and a backend without the
 kernels dequantize it to the model's dtype.
@@ -98,8 +99,9 @@ OFFSET = {Q4_0: 8, Q5_0: 16}
 # K-quant matrices kept packed too (kvserve/quant/kquant_pack.py, ops/csrc/qlinear_kquant*.cpp:
 # Q8_K activations per 256 values) under "gguf"; 256 weights per super-block.
 Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_XS = 10, 11, 12, 13, 14, 23
-IQ3_S, IQ3_S4 = ggml_kquants.IQ3_S, ggml_kquants.IQ3_S4  # a file's IQ3_S runs as IQ3_S4
-KQUANT_TYPES = (Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_XS, IQ3_S4)
+# with a file's IQ3_S, IQ3_XXS, IQ2_XXS as rewritten for them (ggml_kquants.IQ4_REWRITES)
+KQUANT_TYPES = (Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_XS) + tuple(
+    target for _, target in ggml_kquants.IQ4_REWRITES.values())
 QK_K = 256
 # What the loader hands over as stored (GGUFWeight) when the method keeps blocks: every type
 # a kernel reads (GGUFLinearMethod keeps Q4_0 / Q5_0 / Q5_1 for int8 activations only, the
@@ -112,7 +114,8 @@ W8A8 = 256
 
 
 def block_bytes(qtype: int) -> tuple[int, int]:
-    """(weights, bytes) of one stored block of a ggml type or of kvserve's IQ3_S4."""
+    """(weights, bytes) of one stored block of a ggml type or of a kvserve IQ4_XS-layout
+    type (IQ3_S4, ...)."""
     if qtype in KQUANT_TYPES:
         return QK_K, ggml_kquants.KQUANT_BYTES[qtype]
     return GGML_QUANT_SIZES[GGMLQuantizationType(qtype)]
@@ -137,12 +140,14 @@ class GGUFWeight(NamedTuple):
 
     def for_kernels(self) -> GGUFWeight:
         """The matrix in a format the kernels read: as stored where they read it (KEPT_TYPES),
-        IQ3_S rewritten as IQ3_S4 (the same weights, exactly), any other block type
-        requantized to Q8_0. K % 32 == 0."""
+        IQ3_S / IQ3_XXS / IQ2_XXS rewritten in IQ4_XS's layout (the same weights, exactly),
+        any other block type requantized to Q8_0. K % 32 == 0."""
         if self.qtype in KEPT_TYPES:
             return self
-        if self.qtype == IQ3_S:
-            return GGUFWeight(ggml_kquants.iq3_s_to_s4(self.data, self.k), IQ3_S4, self.k)
+        if self.qtype in ggml_kquants.IQ4_REWRITES:
+            _, target = ggml_kquants.IQ4_REWRITES[self.qtype]
+            data = ggml_kquants.rewrite_iq4(self.data, self.qtype, self.k)
+            return GGUFWeight(data, target, self.k)
         return self.as_q8_0()
 
     def as_q8_0(self) -> GGUFWeight:
@@ -307,8 +312,8 @@ class GGUFLinearMethod:
     int8_activations: runs go to `ops.qlinear` / `ops.qlinear_kquant` (llama.cpp's
     arithmetic); otherwise Q4_1 / Q8_0 rows stay as stored and `ops.linear` dequantizes them
     in registers. requantize: a weight shard of a block type outside KEPT_TYPES is rewritten
-    as it arrives (GGUFWeight.for_kernels: IQ3_S exactly as IQ3_S4, any other as Q8_0), and
-    so runs on the kernels too."""
+    as it arrives (GGUFWeight.for_kernels: IQ3_S / IQ3_XXS / IQ2_XXS exactly in IQ4_XS's
+    layout, any other as Q8_0), and so runs on the kernels too."""
 
     def __init__(self, int8_activations: bool = True, requantize: bool = False) -> None:
         self.int8_activations = int8_activations

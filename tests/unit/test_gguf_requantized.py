@@ -1,9 +1,10 @@
 """GGUF block types the kernels do not read as stored (IQ3_S, IQ3_XXS, IQ2_XXS, IQ2_S,
-TQ2_0, ...): under quantization "gguf" IQ3_S is rewritten exactly as IQ3_S4 (IQ4_XS's layout,
-its own values) and every other such matrix requantized to Q8_0 at load
-(GGUFWeight.for_kernels), both packed on the int8 kernels; "gguf_exact" and a backend without
-the kernels dequantize them, as the loader did before. References: gguf-py's dequantize and
-its Q8_0 quantizer, and the float model on the same blocks dequantized."""
+TQ2_0, ...): under quantization "gguf" IQ3_S, IQ3_XXS and IQ2_XXS are rewritten exactly in
+IQ4_XS's layout (their own values, ggml_kquants.rewrite_iq4) and every other such matrix
+requantized to Q8_0 at load (GGUFWeight.for_kernels), both packed on the int8 kernels;
+"gguf_exact" and a backend without the kernels dequantize them, as the loader did before.
+References: gguf-py's dequantize and its Q8_0 quantizer, and the float model on the same
+blocks dequantized."""
 
 from __future__ import annotations
 
@@ -20,7 +21,14 @@ from kvserve.loader import load_checkpoint
 from kvserve.models import build_model
 from kvserve.ops import get_ops
 from kvserve.quant import get_quant_method, quant_config
-from kvserve.quant.ggml_kquants import IQ3_S4, dequantize_kquant, iq3_s_to_s4
+from kvserve.quant.ggml_kquants import (
+    IQ2_XXS4,
+    IQ3_S4,
+    IQ3_XXS4,
+    IQ4_REWRITES,
+    dequantize_kquant,
+    rewrite_iq4,
+)
 from kvserve.quant.gguf import GGUFWeight
 from tests.unit.test_gguf_kquants_model import _logits_error
 from tests.unit.test_loader import _raw, write_gguf
@@ -43,21 +51,25 @@ def _write(tmp_path: Path) -> Path:
     return path
 
 
-def test_iq3_s_rewrites_exactly_as_iq3_s4() -> None:
-    """Every byte random (indices, their 9th bits, signs, scales; small fp16 d): the IQ3_S4
-    blocks dequantize to gguf-py's IQ3_S weights bit for bit, and the model's loading path
-    (for_kernels) gives the same blocks."""
-    rng = np.random.default_rng(1)
+@pytest.mark.parametrize("qtype", [Q.IQ3_S, Q.IQ3_XXS, Q.IQ2_XXS], ids=lambda q: q.name)
+def test_i_quants_rewrite_exactly_in_iq4_xs_layout(qtype: Q) -> None:
+    """Every byte random (grid indices, IQ3_S's 9th bits, signs, scales; fp16 d down to the
+    1e-5 of real files, where d / 8 in fp16 would be subnormal): the rewritten blocks
+    dequantize to gguf-py's weights bit for bit, and the model's loading path (for_kernels)
+    gives the same blocks."""
+    rng = np.random.default_rng(int(qtype))
     n, k = 40, 768
-    raw = rng.integers(0, 256, (n, k // 256, 110), dtype=np.uint8)
-    raw[..., 0:2] = np.float16(rng.uniform(-0.01, 0.01, (n, k // 256, 1))).view(np.uint8)
+    nbytes, target = IQ4_REWRITES[qtype]
+    raw = rng.integers(0, 256, (n, k // 256, nbytes), dtype=np.uint8)
+    d = rng.uniform(-0.01, 0.01, (n, k // 256, 1)) * 10.0 ** -rng.integers(0, 3, (n, 1, 1))
+    raw[..., 0:2] = np.float16(d).view(np.uint8)
     raw = raw.reshape(n, -1)
-    s4 = iq3_s_to_s4(torch.from_numpy(raw), k)
-    assert s4.shape == (n, k // 256 * 136)
-    want = torch.from_numpy(gguf.quants.dequantize(raw, Q.IQ3_S))
-    assert torch.equal(dequantize_kquant(s4, IQ3_S4, k), want)
-    ours = GGUFWeight(torch.from_numpy(raw), int(Q.IQ3_S), k).for_kernels()
-    assert ours.qtype == IQ3_S4 and torch.equal(ours.data, s4)
+    out = rewrite_iq4(torch.from_numpy(raw), qtype, k)
+    assert out.shape == (n, k // 256 * 136)
+    want = torch.from_numpy(gguf.quants.dequantize(raw, qtype))
+    assert torch.equal(dequantize_kquant(out, target, k), want)
+    ours = GGUFWeight(torch.from_numpy(raw), int(qtype), k).for_kernels()
+    assert ours.qtype == target and torch.equal(ours.data, out)
 
 
 def test_any_block_type_dequantizes_as_gguf_py_and_requantizes_to_q8_0() -> None:
@@ -74,16 +86,17 @@ def test_any_block_type_dequantizes_as_gguf_py_and_requantizes_to_q8_0() -> None
 
 def test_other_block_types_run_on_the_kernels(tmp_path: Path,
                                               caplog: pytest.LogCaptureFixture) -> None:
-    """Every linear of both layers runs packed: IQ3_S as IQ3_S4 (the file's values exactly),
-    the other types as Q8_0 (gguf-py's Q8_0 of the file's values), kept types as stored."""
+    """Every linear of both layers runs packed: IQ3_S / IQ3_XXS / IQ2_XXS in IQ4_XS's layout
+    (the file's values exactly), the other types as Q8_0 (gguf-py's Q8_0 of the file's
+    values), kept types as stored."""
     ck = load_checkpoint(str(_write(tmp_path)))
     with caplog.at_level(logging.INFO, logger="kvserve.loader.gguf_loader"):
         packed = build_model(ck, get_ops("auto"), torch.float32, "gguf")
     assert ("1 IQ2_S, 2 IQ2_XXS, 3 IQ3_S, 1 IQ3_XXS, 1 TQ2_0 matrices of no type kvserve's "
             "kernels read as stored: quantization 'gguf' rewrites them") in caplog.text
     want_types = {
-        "layers.0.self_attn.qkv_proj": [IQ3_S4, Q.Q8_0], "layers.0.self_attn.o_proj": [Q.Q8_0],
-        "layers.0.mlp.gate_up_proj": [Q.Q8_0], "layers.0.mlp.down_proj": [Q.Q8_0],
+        "layers.0.self_attn.qkv_proj": [IQ3_S4, Q.Q8_0], "layers.0.self_attn.o_proj": [IQ3_XXS4],
+        "layers.0.mlp.gate_up_proj": [IQ2_XXS4], "layers.0.mlp.down_proj": [Q.Q8_0],
         "layers.1.self_attn.qkv_proj": [IQ3_S4, Q.Q4_K, Q.Q6_K]}
     floats = build_model(ck, get_ops("auto"), torch.float32, "none")
     for name, types in want_types.items():
@@ -99,7 +112,7 @@ def test_other_block_types_run_on_the_kernels(tmp_path: Path,
                 rows = gguf.quants.dequantize(gguf.quants.quantize(rows, Q.Q8_0), Q.Q8_0)
             want.append(torch.from_numpy(rows))
         assert torch.equal(lin.quant_method.dense_weight(lin), torch.cat(want)), name
-    # Q8_0's rounding and int8 activations on top of the file's values: measured 0.053 (the
+    # Q8_0's rounding and int8 activations on top of the file's values: measured 0.047 (the
     # K-quant files of test_gguf_kquants_model.py, int8 activations alone: 0.026-0.145).
     err = _logits_error(packed, floats)
     assert 0 < err < 0.1, err

@@ -17,7 +17,10 @@ import torch.nn.functional as F
 from kvserve.ops.cpu import CpuOps, cpu_has_avx2_fma
 from kvserve.ops.reference import ReferenceOps
 from kvserve.quant.ggml_kquants import (
+    IQ2_XXS4,
     IQ3_S4,
+    IQ3_XXS4,
+    IQ4_FAMILY,
     IQ4_XS,
     KQUANT_BYTES,
     Q2_K,
@@ -36,12 +39,12 @@ from kvserve.quant.kquant_pack import (
     unpack,
 )
 
-KQ = [Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_XS, IQ3_S4]
+KQ = [Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_XS, IQ3_S4, IQ3_XXS4, IQ2_XXS4]
 NAMES = {Q2_K: "Q2_K", Q3_K: "Q3_K", Q4_K: "Q4_K", Q5_K: "Q5_K", Q6_K: "Q6_K", IQ4_XS: "IQ4_XS",
-         IQ3_S4: "IQ3_S4"}
+         IQ3_S4: "IQ3_S4", IQ3_XXS4: "IQ3_XXS4", IQ2_XXS4: "IQ2_XXS4"}
 # fp16 d and dmin in a stored record
 D_AT = {Q2_K: (80, 82), Q3_K: (108, None), Q4_K: (0, 2), Q5_K: (0, 2), Q6_K: (208, None),
-        IQ4_XS: (0, None), IQ3_S4: (0, None)}
+        **{q: (0, None) for q in IQ4_FAMILY}}
 needs_kernels = pytest.mark.skipif(not cpu_has_avx2_fma(), reason="needs an AVX2+FMA CPU")
 
 
@@ -101,7 +104,7 @@ def _stored_offset(qtype: int, at: int) -> int:
         chunk, rest = divmod(at - start, 64)  # qs chunk 8c + l4 holds qs[4 * chunk + j]
         r, j = divmod(rest, 4)
         return r * rb + base + 4 * chunk + j
-    if qtype in (IQ4_XS, IQ3_S4):  # one layout
+    if qtype in IQ4_FAMILY:  # one layout
         if at < 64:  # d[16], then scales_h[16]: row r's 2 bytes at 2r of each
             field, r, j = at // 32, (at % 32) // 2, at % 2
             return r * 136 + 2 * field + j
@@ -210,9 +213,10 @@ def test_kernel_equals_oracle_bit_for_bit(qlinear_ops: CpuOps, qtype: int, n: in
 @pytest.mark.parametrize("qtype", KQ, ids=NAMES.get)
 def test_kernel_at_the_integer_bounds(qlinear_ops: CpuOps, qtype: int) -> None:
     """Every quant at its largest (Q2_K 3, Q3_K 3 or -4, Q4_K 15, Q5_K 31, Q6_K 31 or -32,
-    IQ4_XS -127 and 113, IQ3_S4 -15 and 15) and every activation at +-127: the AVX2
-    kernel's int16 partial sums at their limits (Q4_K 30480, Q5_K 31496, Q6_K 32004, IQ4_XS's
-    pairs 32258), every scale and min at its largest (Q3_K and IQ4_XS: 31 and -32)."""
+    IQ4_XS -127 and 113, IQ3_S4 -15 and 15, IQ3_XXS4 -62 and 62, IQ2_XXS4 -43 and 43) and
+    every activation at +-127: the AVX2 kernel's int16 partial sums at their limits (Q4_K
+    30480, Q5_K 31496, Q6_K 32004, IQ4_XS's pairs 32258), every scale and min at its largest
+    (Q3_K and IQ4_XS: 31 and -32)."""
     n, k = 32, 512
     rb = KQUANT_BYTES[qtype]
     raw = random_blocks(qtype, n, k, seed=9).reshape(n, 2, rb)
@@ -227,7 +231,7 @@ def test_kernel_at_the_integer_bounds(qlinear_ops: CpuOps, qtype: int) -> None:
         raw[..., 4:16] = 255  # every scale and min 63
         raw[: n // 2, :, 16:] = 255  # quants 15 (Q5_K: qh too, 31)
         raw[n // 2:, :, 16:] = 0
-    elif qtype in (IQ4_XS, IQ3_S4):
+    elif qtype in IQ4_FAMILY:
         raw[: n // 2, :, 2:] = 0  # every index 0 (-127), every scale 0 - 32
         raw[n // 2:, :, 2:8] = 255  # every scale 63 - 32 = 31
         raw[n // 2:, :, 8:] = 0x0F  # index 15 (113) in the low nibbles, 0 (-127) in the high
@@ -300,8 +304,9 @@ def test_kernel_refuses_bad_shapes_and_formats_by_name() -> None:
                                            "weight's have 2304"):
         ext.qlinear_kquant(x, packed, Q6_K, 20, None, False)
     with pytest.raises(RuntimeError, match=r"must be 10 \(Q2_K\), 11 \(Q3_K\), 12 \(Q4_K\), "
-                                           r"13 \(Q5_K\), 14 \(Q6_K\), 23 \(IQ4_XS\) or 257 "
-                                           r"\(IQ3_S4\), got 3"):
+                                           r"13 \(Q5_K\), 14 \(Q6_K\), 23 \(IQ4_XS\), 257 "
+                                           r"\(IQ3_S4\), 258 \(IQ3_XXS4\) or 259 \(IQ2_XXS4\), "
+                                           r"got 3"):
         ext.qlinear_kquant(x, packed, 3, 20, None, False)
     with pytest.raises(RuntimeError, match="contiguous uint8 \\[groups, K / 256"):
         ext.qlinear_kquant(x, packed.view(-1), Q4_K, 20, None, False)

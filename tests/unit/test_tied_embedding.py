@@ -15,7 +15,7 @@ from gguf import GGMLQuantizationType as Q
 from kvserve.loader import load_checkpoint
 from kvserve.models import build_model
 from kvserve.ops.cpu import CpuOps, cpu_has_avx2_fma
-from kvserve.quant.ggml_kquants import IQ3_S4
+from kvserve.quant.ggml_kquants import IQ4_FAMILY, KQUANT_NAMES
 from kvserve.quant.gguf import IQ4_NL, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, GGUFWeight, PackedRows, pack
 from kvserve.quant.kquant_pack import pack_kquant
 from tests.helpers import PagedSequence
@@ -23,7 +23,7 @@ from tests.unit import test_ggml_blocks, test_kquant_kernels, test_quant_gguf
 from tests.unit.test_loader import write_gguf
 
 LEGACY = [Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, IQ4_NL]
-KQUANTS = [int(q) for q in (Q.Q2_K, Q.Q3_K, Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.IQ4_XS)] + [IQ3_S4]
+KQUANTS = [int(q) for q in (Q.Q2_K, Q.Q3_K, Q.Q4_K, Q.Q5_K, Q.Q6_K)] + list(IQ4_FAMILY)
 
 
 def stored_blocks(qtype: int, n: int, k: int, seed: int) -> torch.Tensor:
@@ -36,7 +36,7 @@ def stored_blocks(qtype: int, n: int, k: int, seed: int) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("qtype", LEGACY + KQUANTS,
-                         ids=lambda q: "IQ3_S4" if q == IQ3_S4 else Q(q).name)
+                         ids=lambda q: KQUANT_NAMES.get(q) or Q(q).name)
 def test_packed_rows_are_the_stored_rows(qtype: int) -> None:
     n, k = 37, 512  # the last 16-row group only partly filled
     data = stored_blocks(qtype, n, k, seed=qtype)

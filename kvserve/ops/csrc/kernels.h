@@ -176,15 +176,24 @@ void rotary(const float* x, int64_t st, int64_t sh, float* out, int64_t T, int64
 // the format, as for WType). Their records are 16 rows x one 256-weight super-block
 // (kquant.h; kvserve/quant/kquant_pack.py pack_kquant). IQ4_XS has their shape (8 sub-blocks
 // of 32 with a 6-bit scale, no min), its quants a lookup into 16 fixed values (kIQ4Values).
-// IQ3_S4 (kvserve's own id, past ggml's) is a file's IQ3_S rewritten exactly in IQ4_XS's
-// layout, its nibbles indexing kIQ3SValues (kvserve/quant/ggml_kquants.py iq3_s_to_s4).
+// IQ3_S4, IQ3_XXS4 and IQ2_XXS4 (kvserve's own ids, past ggml's) are a file's IQ3_S, IQ3_XXS
+// and IQ2_XXS rewritten exactly in IQ4_XS's layout, their nibbles indexing their own tables
+// below, IQ3_XXS4's d scaled by 1/4 and IQ2_XXS4's by 1/8 (kvserve/quant/ggml_kquants.py
+// rewrite_iq4, IQ4_FAMILY).
 enum class KType : int {
-  Q2_K = 10, Q3_K = 11, Q4_K = 12, Q5_K = 13, Q6_K = 14, IQ4_XS = 23, IQ3_S4 = 257
+  Q2_K = 10, Q3_K = 11, Q4_K = 12, Q5_K = 13, Q6_K = 14, IQ4_XS = 23,
+  IQ3_S4 = 257, IQ3_XXS4 = 258, IQ2_XXS4 = 259
 };
-// IQ3_S's grid values 1, 3, .., 15 with their signs: IQ3_S4's 16 values.
+// The i-quants' grid values with their signs (gguf-py's grid_map): IQ3_S 1, 3, .., 15;
+// IQ3_XXS 4, 12, .., 52, 62; IQ2_XXS 8, 25, 43 (10 unused zeros between).
 alignas(16) inline constexpr int8_t kIQ3SValues[16] = {-15, -13, -11, -9, -7, -5, -3, -1,
                                                         1,   3,   5,   7,  9,  11, 13, 15};
-// 1344 (Q2_K), 1760 (Q3_K), 2304 (Q4_K), 2816 (Q5_K), 3360 (Q6_K), 2176 (IQ4_XS, IQ3_S4)
+alignas(16) inline constexpr int8_t kIQ3XXSValues[16] = {-62, -52, -44, -36, -28, -20, -12, -4,
+                                                          4,   12,  20,  28,  36,  44,  52, 62};
+alignas(16) inline constexpr int8_t kIQ2XXSValues[16] = {-43, -25, -8, 0, 0, 0, 0, 0,
+                                                          0,   0,   0,  0, 0, 8, 25, 43};
+// 1344 (Q2_K), 1760 (Q3_K), 2304 (Q4_K), 2816 (Q5_K), 3360 (Q6_K), 2176 (IQ4_XS and the
+// three rewritten i-quants)
 int64_t kquant_record_bytes(KType kt);
 
 // Activation rows as Q8_K per 256 values, llama.cpp's quantize_row_q8_K_ref: max = the value
@@ -206,7 +215,7 @@ void quantize_acts_q8k(const float* x, int64_t ldx, int64_t M, int64_t K, int8_t
 //   isum = sum_s scale_s * sum_{j in s} q[j] * qx[j]      msum = sum_s min_s * bsums over s
 //   dw = d * xd_i,  dm = dmin * xd_i
 //   sums = sums + dw * (float)isum;  mins = mins - dm * (float)msum   (Q4_K, Q5_K)
-//   sums = sums + dw * (float)isum                     (Q3_K, Q6_K, IQ4_XS, IQ3_S4: no mins)
+//   sums = sums + dw * (float)isum           (Q3_K, Q6_K, IQ4_XS and its layout's: no mins)
 //   sums = sums + (dw * (float)isum - dm * (float)msum)                 (Q2_K)
 // then out = mins + sums (+ bias[n]), one fp32 rounding per operation: ggml_kquants.py
 // dot_kquant's order, so every ISA, tile and M give its bits.

@@ -44,6 +44,7 @@
 #include <emmintrin.h>
 
 #include <cstdint>
+#include <type_traits>
 
 namespace kvs {
 namespace kq {
@@ -127,6 +128,17 @@ inline void iq4xs_scales(const uint8_t* rec, __m128i* sc) {
     sc[s] = _mm_sub_epi8(_mm_or_si128(lo, _mm_slli_epi16(hi, 4)), k32);
   }
 }
+
+// What a format's fp16 d is multiplied by, exactly, before it scales the sums: 2^-kDShift
+// where the format declares one (IQ3_XXS4, IQ2_XXS4: ggml_kquants.IQ4_FAMILY), else 1.
+template <class F, class = void>
+struct DFactor {
+  static constexpr float value = 1.0f;
+};
+template <class F>
+struct DFactor<F, std::void_t<decltype(F::kDShift)>> {
+  static constexpr float value = 1.0f / static_cast<float>(1 << F::kDShift);
+};
 
 }  // namespace kq
 }  // namespace kvs

@@ -63,7 +63,9 @@ int64_t kquant_record_bytes(KType kt) {
     case KType::Q5_K: return kq::kQ5KRecord;
     case KType::Q6_K: return kq::kQ6KRecord;
     case KType::IQ4_XS: return kq::kIQ4XSRecord;
-    case KType::IQ3_S4: return kq::kIQ4XSRecord;  // IQ4_XS's layout
+    case KType::IQ3_S4:  // IQ4_XS's layout
+    case KType::IQ3_XXS4:
+    case KType::IQ2_XXS4: return kq::kIQ4XSRecord;
   }
   return 0;
 }
@@ -431,13 +433,14 @@ struct Q6K {
 
 // IQ4_XS (kquant.h): sub-block s is qs chunks 4s .. 4s + 3, low nibbles its weights 0..15,
 // high nibbles 16..31. Packed tiles to 8 rows, WideIQ4 from 9.
-template <const int8_t* kLut>
+template <const int8_t* kLut, int kShift>
 struct IQ4Lut {
   static constexpr int64_t kRecord = kq::kIQ4XSRecord;
   static constexpr int64_t kD = 0, kDmin = 0;
   static constexpr bool kMin = false, kJoint = false;
-  // The table's values (IQ4_XS -127..113, IQ3_S4 -15..15) of the nibbles t (0: low, 1: high)
-  // of 32 packed quant bytes v.
+  static constexpr int kDShift = kShift;  // d x 2^-kShift (kq::DFactor)
+  // The table's values (IQ4_XS -127..113, the rewritten i-quants' within +-62) of the
+  // nibbles t (0: low, 1: high) of 32 packed quant bytes v.
   static inline __m256i values(__m256i v, int t) {
     const __m256i lut = _mm256_broadcastsi128_si256(
         _mm_load_si128(reinterpret_cast<const __m128i*>(kLut)));
@@ -457,7 +460,7 @@ struct IQ4Lut {
           const __m256i v = load256(rec + kq::kIQ4XSQs + 64 * (4 * s + l4) + 32 * r);
           const __m256i wl = values(v, 0), wh = values(v, 1);
           const __m256i al = _mm256_abs_epi8(wl), ah = _mm256_abs_epi8(wh);
-          for (int m = 0; m < MT; ++m) {  // no value is 0: sign() keeps every x
+          for (int m = 0; m < MT; ++m) {  // sign() zeroes x only where the value is 0 too
             const int8_t* xq = x[m] + 32 * s + 4 * l4;
             const __m256i pl = _mm256_maddubs_epi16(al, _mm256_sign_epi8(bcast4(xq), wl));
             const __m256i ph = _mm256_maddubs_epi16(ah, _mm256_sign_epi8(bcast4(xq + 16), wh));
@@ -468,10 +471,13 @@ struct IQ4Lut {
       }
   }
 };
-// IQ4_XS's values, and IQ3_S4's (a file's IQ3_S rewritten in IQ4_XS's layout at load,
-// kvserve/quant/ggml_kquants.py): the same records and arithmetic, another table.
-using IQ4XS = IQ4Lut<kIQ4Values>;
-using IQ3S4 = IQ4Lut<kIQ3SValues>;
+// IQ4_XS's values, and the i-quants a file's IQ3_S, IQ3_XXS, IQ2_XXS are rewritten as at load
+// (IQ4_XS's layout, kvserve/quant/ggml_kquants.py): the same records and arithmetic, another
+// table and factor.
+using IQ4XS = IQ4Lut<kIQ4Values, 0>;
+using IQ3S4 = IQ4Lut<kIQ3SValues, 0>;
+using IQ3XXS4 = IQ4Lut<kIQ3XXSValues, 2>;
+using IQ2XXS4 = IQ4Lut<kIQ2XXSValues, 3>;
 
 // Activation rows m0 .. m0 + MT - 1 against one group (records from gw) -> out columns
 // 0 .. cols - 1 of those rows (out points at the group's first column, rows N apart).
@@ -493,7 +499,10 @@ inline void tile(const Q8KActs& a, int64_t m0, const uint8_t* gw, const float* b
     }
     __m256i isum[MT][2], msum[MT][2];
     Fmt::template dot<MT>(rec, x, bs, isum, msum);
-    const __m256 dw[2] = {load_halves8(rec + Fmt::kD), load_halves8(rec + Fmt::kD + 16)};
+    __m256 dw[2] = {load_halves8(rec + Fmt::kD), load_halves8(rec + Fmt::kD + 16)};
+    if constexpr (kq::DFactor<Fmt>::value != 1.0f)
+      for (int h = 0; h < 2; ++h)
+        dw[h] = _mm256_mul_ps(dw[h], _mm256_set1_ps(kq::DFactor<Fmt>::value));
     __m256 dm[2];
     if constexpr (Fmt::kMin) {
       dm[0] = load_halves8(rec + Fmt::kDmin);
@@ -796,6 +805,7 @@ struct WideIQ4 {
   static constexpr int64_t kRecord = kQuants + 128 * 64;
   static constexpr int64_t kD = 0, kDmin = 32;
   static constexpr bool kMin = false, kJoint = false;
+  static constexpr int kDShift = Packed::kDShift;  // d copied as stored, scaled in tile()
   // Against the 2-row packed tiles, which look every nibble up again per 2 rows, over every
   // linear of the Qwen 1.5B IQ4_XS file (Zen 4, kernels avx2, benchmarks/kernel_ab.py, 5
   // rounds): 0.74x the time at 512 rows, 0.76x at 64, 0.95x at 9, level at 8 and 7, but
@@ -856,7 +866,10 @@ template <> struct Wide<Q3K> { using type = WideQ23K<Q3K>; };
 template <> struct Wide<Q4K> { using type = WideQ45K<false>; };
 template <> struct Wide<Q5K> { using type = WideQ45K<true>; };
 template <> struct Wide<Q6K> { using type = WideQ6K; };
-template <const int8_t* V> struct Wide<IQ4Lut<V>> { using type = WideIQ4<IQ4Lut<V>>; };
+template <const int8_t* V, int S>
+struct Wide<IQ4Lut<V, S>> {
+  using type = WideIQ4<IQ4Lut<V, S>>;
+};
 
 #include "kquant_driver.h"  // some_rows, run, run_kquant: see there why in this namespace
 

@@ -281,14 +281,15 @@ inline void iq4xs_isums(const Chunks& chunks, const Scale& scale, const int8_t* 
 
 // IQ4_XS (kquant.h): sub-block s is qs chunks 4s .. 4s + 3, low nibbles its weights 0..15,
 // high nibbles 16..31.
-template <const int8_t* kLut>
+template <const int8_t* kLut, int kShift>
 struct IQ4Lut {
   static constexpr int64_t kRecord = kq::kIQ4XSRecord;
   static constexpr int64_t kD = 0, kDmin = 0;
   static constexpr bool kMin = false, kJoint = false;
+  static constexpr int kDShift = kShift;  // d x 2^-kShift (kq::DFactor)
   static constexpr int64_t kSumWidth = 32;  // quants per activation sum bs[m] holds
-  // Chunk 4s + l4's values + 128 (IQ4_XS 1..241, IQ3_S4 113..143, unsigned): *lo of its low
-  // nibbles, *hi of its high ones.
+  // Chunk 4s + l4's values + 128 (IQ4_XS 1..241, the others within 66..190, unsigned): *lo
+  // of its low nibbles, *hi of its high ones.
   static inline void quants(const uint8_t* rec, int s, int l4, __m512i* lo, __m512i* hi) {
     const __m512i lut = _mm512_broadcast_i32x4(_mm_xor_si128(
         _mm_load_si128(reinterpret_cast<const __m128i*>(kLut)), _mm_set1_epi8(-128)));
@@ -306,10 +307,13 @@ struct IQ4Lut {
                     [&](int s) { return _mm512_cvtepi8_epi32(sc[s]); }, x, bs, isum);
   }
 };
-// IQ4_XS's values, and IQ3_S4's (a file's IQ3_S rewritten in IQ4_XS's layout at load,
-// kvserve/quant/ggml_kquants.py): the same records and arithmetic, another table.
-using IQ4XS = IQ4Lut<kIQ4Values>;
-using IQ3S4 = IQ4Lut<kIQ3SValues>;
+// IQ4_XS's values, and the i-quants a file's IQ3_S, IQ3_XXS, IQ2_XXS are rewritten as at load
+// (IQ4_XS's layout, kvserve/quant/ggml_kquants.py): the same records and arithmetic, another
+// table and factor.
+using IQ4XS = IQ4Lut<kIQ4Values, 0>;
+using IQ3S4 = IQ4Lut<kIQ3SValues, 0>;
+using IQ3XXS4 = IQ4Lut<kIQ3XXSValues, 2>;
+using IQ2XXS4 = IQ4Lut<kIQ2XXSValues, 3>;
 
 // Q4_K and Q5_K: the same scales and 4-bit quants; Q5_K adds each weight's bit 4 from its
 // qh chunks (kHighBit). One body, so the two cannot drift apart.
@@ -503,6 +507,7 @@ struct WideIQ4 {
   static constexpr int64_t kScales = 64, kQuants = 576, kRecord = kQuants + 64 * 64;
   static constexpr int64_t kD = 0, kDmin = 0;
   static constexpr bool kMin = false, kJoint = false;
+  static constexpr int kDShift = Packed::kDShift;  // d copied as stored, scaled in tile()
   static constexpr int64_t kSumWidth = 32;  // quants per activation sum bs[m] holds
   static inline void unpack(const uint8_t* rec, uint8_t* dst) {
     __builtin_memcpy(dst, rec, 32);  // d: the packed record's first 32 bytes
@@ -566,7 +571,9 @@ inline void tile(const Q8KActs& a, int64_t m0, const uint8_t* gw, const float* b
     }
     __m512i isum[MT], msum[MT];
     Fmt::template dot<MT>(rec, x, bs, isum, msum);
-    const __m512 dw = load_halves16(rec + Fmt::kD);
+    __m512 dw = load_halves16(rec + Fmt::kD);
+    if constexpr (kq::DFactor<Fmt>::value != 1.0f)
+      dw = _mm512_mul_ps(dw, _mm512_set1_ps(kq::DFactor<Fmt>::value));
     __m512 dm = _mm512_setzero_ps();
     if constexpr (Fmt::kMin) dm = load_halves16(rec + Fmt::kDmin);
     for (int m = 0; m < MT; ++m) {
@@ -843,7 +850,10 @@ template <class Fmt> struct Wide { using type = void; };
 template <> struct Wide<Q4K> { using type = WideQ45K<false>; };
 template <> struct Wide<Q5K> { using type = WideQ45K<true>; };
 template <> struct Wide<Q6K> { using type = WideQ6K; };
-template <const int8_t* V> struct Wide<IQ4Lut<V>> { using type = WideIQ4<IQ4Lut<V>>; };
+template <const int8_t* V, int S>
+struct Wide<IQ4Lut<V, S>> {
+  using type = WideIQ4<IQ4Lut<V, S>>;
+};
 
 template <class Fmt> struct Amx { using type = void; };
 template <> struct Amx<Q4K> { using type = AmxQ45K<false>; };

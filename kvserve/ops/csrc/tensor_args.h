@@ -287,6 +287,8 @@ inline bool is_kquant(int64_t wtype) {
     case static_cast<int>(kvs::KType::Q6_K):
     case static_cast<int>(kvs::KType::IQ4_XS):
     case static_cast<int>(kvs::KType::IQ3_S4):
+    case static_cast<int>(kvs::KType::IQ3_XXS4):
+    case static_cast<int>(kvs::KType::IQ2_XXS4):
       return true;
     default:
       return false;
@@ -297,7 +299,8 @@ inline bool is_kquant(int64_t wtype) {
 inline kvs::KType kquant_format(int64_t wtype) {
   TORCH_CHECK(is_kquant(wtype),
               "a packed K-quant wtype must be 10 (Q2_K), 11 (Q3_K), 12 (Q4_K), 13 (Q5_K), "
-              "14 (Q6_K), 23 (IQ4_XS) or 257 (IQ3_S4), got ", wtype);
+              "14 (Q6_K), 23 (IQ4_XS), 257 (IQ3_S4), 258 (IQ3_XXS4) or 259 (IQ2_XXS4), got ",
+              wtype);
   return static_cast<kvs::KType>(wtype);
 }
 

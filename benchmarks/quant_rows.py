@@ -22,14 +22,6 @@ DEFAULT_FAMILY = "smollm2-135m"
 QWEN05_FAMILY = "qwen2.5-coder-0.5b"
 F32_KEY = "f32"  # the float32 row: the reference of every "PPL vs float32" of its family
 # (the default model's; another family's float32 row is keyed "<prefix>_f32")
-# The default calibration text of GPTQ / AWQ / SmoothQuant: license texts Debian's base-files
-# ships in /usr/share/common-licenses, none of them a GNU one, so none shares GPL-3's wording
-# (the perplexity text). The domain of the text they are judged on, as a WikiText-2 train
-# split is for its test split: calibrated on code and markdown instead (llama-cpp-python's
-# README), GPTQ fits that text and loses to round to nearest on GPL-3 (BENCHMARKS.md).
-CALIB_LICENSES = ("Apache-2.0", "MPL-2.0", "MPL-1.1", "Artistic", "BSD", "CC0-1.0")
-
-
 def quantizer_digest(root: Path) -> str:
     """sha1 of `kvserve quantize`'s sources (kvserve/quantize.py, kvserve/quant/*.py): a
     quantized checkpoint's name holds it, so code that writes other weights is not served
@@ -46,12 +38,6 @@ def is_float32_row(key: str) -> bool:
     return base == F32_KEY or base.endswith(f"_{F32_KEY}")
 
 
-def license_calibration(licenses_dir: Path) -> str | None:
-    """CALIB_LICENSES' texts joined by blank lines, or None unless every one is there."""
-    paths = [licenses_dir / n for n in CALIB_LICENSES]
-    if not all(p.is_file() for p in paths):
-        return None
-    return "\n\n".join(p.read_text(encoding="utf-8") for p in paths)
 # llama.cpp's KV types: bytes per element (q8_0: 32 int8 + one float16 scale per 32).
 LLAMA_KV_BYTES = {"f32": 4.0, "f16": 2.0, "bf16": 2.0, "q8_0": 34 / 32}
 # kvserve's int8 KV beside llama.cpp's q8_0 KV (its V cache needs flash attention on).

@@ -9,7 +9,8 @@
 #                                   llama-server (serving), llama-quantize (the requantized
 #                                   models of benchmarks/models.sh), llama-bench (pp / tg
 #                                   tok/s), llama-perplexity and llama-batched-bench (the
-#                                   quant step)
+#                                   quant step), llama-imatrix (the importance matrix
+#                                   llama-quantize needs for the 2-bit i-quants)
 #
 # All are native builds (-DGGML_NATIVE=ON: -march=native), the way a user would build them
 # here. Idempotent: a step whose output exists is skipped, and so is each tool already built.
@@ -28,7 +29,7 @@ SRC="$CACHE/src/llama_cpp_python-$LCP_VERSION"
 BUILD="$CACHE/llama.cpp-build"
 # llama-server first: the serving steps need it; a tool that fails to build is reported and
 # the others still build (the runner records a missing tool as "not measured").
-TOOLS=(llama-server llama-quantize llama-bench llama-perplexity llama-batched-bench)
+TOOLS=(llama-server llama-quantize llama-bench llama-perplexity llama-batched-bench llama-imatrix)
 
 log() { printf '[setup_peers %s] %s\n' "$(date +%T)" "$*" >&2; }
 

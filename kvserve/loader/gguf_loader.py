@@ -320,7 +320,7 @@ class GGUFCheckpoint:
         if unkept:
             logger.info("%s: %s matrices of no type kvserve's kernels read as stored: "
                         "quantization 'gguf' rewrites them for its kernels (IQ3_S, IQ3_XXS, "
-                        "IQ2_XXS exactly in IQ4_XS's layout, the others as Q8_0, 8.5 bits a "
+                        "IQ2_XXS, IQ1_S exactly in IQ4_XS's layout, the others as Q8_0, 8.5 bits a "
                         "weight), 'gguf_exact' and a "
                         "backend without the kernels dequantize them", self.path,
                         ", ".join(f"{n} {name}" for name, n in sorted(unkept.items())))

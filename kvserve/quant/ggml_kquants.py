@@ -44,17 +44,17 @@ the 128-weight half, c < 4 a 2-bit plane, t < 2 a nibble), from ggml-common.h / 
     [2, 4)     scales_h: uint16, bits 2s, 2s + 1 are scale s's high 2 bits
     [4, 8)     scales_l: scale s's low 4 bits in byte s // 2, nibble s % 2   (stored + 32)
     [8, 136)   qs:     weight 32s + 16t + l = IQ4_VALUES[qs[16s + l] >> 4t & 15]  (l < 16)
-  IQ3_S4, IQ3_XXS4, IQ2_XXS4 (kvserve's own ids 257..259, never in a file): a GGUF IQ3_S,
-  IQ3_XXS or IQ2_XXS super-block (ggml types 21, 18, 16) rewritten exactly in IQ4_XS's
-  136-byte layout (rewrite_iq4), its nibbles indexing the type's own 16 values
-  (IQ4_FAMILY). These i-quants' weight is d * (1 + 2 s_4) * grid * sign / 2^shift, s_4 a
-  4-bit scale per 32 weights and the grid's values few and below 64: IQ3_S 1, 3, .., 15
-  (shift 0), IQ3_XXS 4, 12, .., 52, 62 (shift 2), IQ2_XXS 8, 25, 43 (shift 3); gguf-py's
-  grid_map. A signed grid value is one nibble's table entry, and 1 + 2 s_4 (1..31) is the
-  6-bit scale minus 32 (stored 33 + 2 s_4). The power of two scales d (KParts.d, and the
-  kernels' d), not the fp16 record: these files' d lie near 1e-4, where d / 8 would turn
-  subnormal. The same floats at 4.25 bits a weight (the files': 3.44, 3.06, 2.06), on
-  IQ4_XS's kernels.
+  IQ3_S4, IQ3_XXS4, IQ2_XXS4, IQ1_S4 (kvserve's own ids 257..260, never in a file): a GGUF
+  IQ3_S, IQ3_XXS, IQ2_XXS or IQ1_S super-block (ggml types 21, 18, 16, 19) rewritten exactly
+  in IQ4_XS's 136-byte layout (rewrite_iq4), its nibbles indexing the type's own 16 values
+  (IQ4_FAMILY). These i-quants' weight is d * (1 + 2 s) * value / 2^shift, s a 4-bit (IQ1_S:
+  3-bit) scale per 32 weights and the values few and below 64: IQ3_S +-1, 3, .., 15 (shift
+  0), IQ3_XXS +-4, 12, .., 52, 62 (shift 2), IQ2_XXS +-8, 25, 43 (shift 3), IQ1_S 8 g +- 1
+  for g in -1, 0, 1 and the sub-block's delta sign, i.e. g +- 1/8 (shift 3); gguf-py's
+  grid_map. A value is one nibble's table entry, and 1 + 2 s (1..31) is the 6-bit scale
+  minus 32 (stored 33 + 2 s). The power of two scales d (KParts.d, and the kernels' d), not
+  the fp16 record: these files' d lie near 1e-4, where d / 8 would turn subnormal. The same
+  floats at 4.25 bits a weight (the files': 3.44, 3.06, 2.06, 1.56), on IQ4_XS's kernels.
   Q8_K (ggml type 15), 292 bytes, activations only (never in a file): float32 d, int8 qs[256],
     int16 bsums[16] (the sum of each 16 qs). Kept here as tensors (`Q8KBlocks`).
 
@@ -69,26 +69,29 @@ from typing import NamedTuple
 import torch
 
 Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, Q8_K = 10, 11, 12, 13, 14, 15  # ggml ids
-IQ2_XXS, IQ3_XXS, IQ3_S, IQ4_XS = 16, 18, 21, 23
+IQ2_XXS, IQ3_XXS, IQ1_S, IQ3_S, IQ4_XS = 16, 18, 19, 21, 23
 # kvserve's own (past ggml's, as gguf.W8A8): a file's i-quant in IQ4_XS's layout
-IQ3_S4, IQ3_XXS4, IQ2_XXS4 = 257, 258, 259
+IQ3_S4, IQ3_XXS4, IQ2_XXS4, IQ1_S4 = 257, 258, 259, 260
 QK_K = 256
 KQUANT_BYTES = {Q2_K: 84, Q3_K: 110, Q4_K: 144, Q5_K: 176, Q6_K: 210, IQ4_XS: 136, IQ3_S4: 136,
-                IQ3_XXS4: 136, IQ2_XXS4: 136}
+                IQ3_XXS4: 136, IQ2_XXS4: 136, IQ1_S4: 136}
 KQUANT_NAMES = {Q2_K: "Q2_K", Q3_K: "Q3_K", Q4_K: "Q4_K", Q5_K: "Q5_K", Q6_K: "Q6_K",
-                IQ4_XS: "IQ4_XS", IQ3_S4: "IQ3_S4", IQ3_XXS4: "IQ3_XXS4", IQ2_XXS4: "IQ2_XXS4"}
+                IQ4_XS: "IQ4_XS", IQ3_S4: "IQ3_S4", IQ3_XXS4: "IQ3_XXS4", IQ2_XXS4: "IQ2_XXS4",
+                IQ1_S4: "IQ1_S4"}
 # IQ4_NL / IQ4_XS's 16 values (ggml-common.h kvalues_iq4nl): the index's weight before scaling.
 IQ4_VALUES = (-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113)
-# The rewritten i-quants': their grid values with both signs (IQ2_XXS's 6 padded with unused
-# zeros, the extremes kept at the ends).
+# The rewritten i-quants': their grid values with both signs (IQ1_S: 8 x grid +- 1; the 6 of
+# IQ2_XXS and IQ1_S padded with unused zeros, the extremes kept at the ends).
 IQ3S_VALUES = tuple(range(-15, 16, 2))
 IQ3XXS_VALUES = (-62, -52, -44, -36, -28, -20, -12, -4, 4, 12, 20, 28, 36, 44, 52, 62)
 IQ2XXS_VALUES = (-43, -25, -8) + (0,) * 10 + (8, 25, 43)
+IQ1S_VALUES = (-9, -7, -1) + (0,) * 10 + (1, 7, 9)
 # The IQ4_XS-layout types: (their nibbles' 16 values, the shift d is scaled by 2^-shift with).
 IQ4_FAMILY = {IQ4_XS: (IQ4_VALUES, 0), IQ3_S4: (IQ3S_VALUES, 0), IQ3_XXS4: (IQ3XXS_VALUES, 2),
-              IQ2_XXS4: (IQ2XXS_VALUES, 3)}
+              IQ2_XXS4: (IQ2XXS_VALUES, 3), IQ1_S4: (IQ1S_VALUES, 3)}
 # A file's i-quant -> (its stored bytes per 256 weights, the type rewrite_iq4 makes of it).
-IQ4_REWRITES = {IQ3_S: (110, IQ3_S4), IQ3_XXS: (98, IQ3_XXS4), IQ2_XXS: (66, IQ2_XXS4)}
+IQ4_REWRITES = {IQ3_S: (110, IQ3_S4), IQ3_XXS: (98, IQ3_XXS4), IQ2_XXS: (66, IQ2_XXS4),
+                IQ1_S: (50, IQ1_S4)}
 
 
 def iq4_values(index: torch.Tensor, table: tuple[int, ...] = IQ4_VALUES) -> torch.Tensor:
@@ -277,12 +280,14 @@ def dot_kquant(data: torch.Tensor, qtype: int, xq: Q8KBlocks) -> torch.Tensor:
 
 
 class _IQParts(NamedTuple):
-    """An i-quant's super-blocks taken apart: index long [n, nsb, 256 / width] into grid
-    (int16 [entries, width], the magnitudes), negative uint8 [n, nsb, 256] (1: the weight's
-    sign is -), s4 uint8 [n, nsb, 8] (scale 1 + 2 s4 per 32 weights)."""
+    """An i-quant's super-blocks taken apart: index long [n, nsb, 256 / width] into the grids
+    plus and minus (int16 [entries, width]: each entry's values where negative is 0 / 1),
+    negative uint8 [n, nsb, 256] (IQ3 / IQ2: the weight's sign; IQ1_S: its sub-block's delta
+    sign), s4 uint8 [n, nsb, 8] (scale 1 + 2 s4 per 32 weights)."""
 
     index: torch.Tensor
-    grid: torch.Tensor
+    plus: torch.Tensor
+    minus: torch.Tensor
     negative: torch.Tensor
     s4: torch.Tensor
 
@@ -318,7 +323,8 @@ def _iq3_s_parts(raw: torch.Tensor) -> _IQParts:
     index = raw[..., 2:66].long() | qh.long() << 8
     negative = ((raw[..., 74:106, None] >> bits) & 1).reshape(n, nsb, QK_K)
     s4 = torch.stack([raw[..., 106:110] & 15, raw[..., 106:110] >> 4], -1).reshape(n, nsb, 8)
-    return _IQParts(index, _grid(gguf_quants.IQ3_S, 512, 4), negative, s4)
+    grid = _grid(gguf_quants.IQ3_S, 512, 4)
+    return _IQParts(index, grid, -grid, negative, s4)
 
 
 def _iq3_xxs_parts(raw: torch.Tensor) -> _IQParts:
@@ -329,8 +335,9 @@ def _iq3_xxs_parts(raw: torch.Tensor) -> _IQParts:
     from gguf import quants as gguf_quants
 
     aux = raw[..., 66:98].contiguous().view(torch.int32).long()  # [n, nsb, 8]
-    return _IQParts(raw[..., 2:66].long(), _grid(gguf_quants.IQ3_XXS, 256, 4),
-                    _ksign_bits(aux), (aux >> 28 & 15).to(torch.uint8))
+    grid = _grid(gguf_quants.IQ3_XXS, 256, 4)
+    return _IQParts(raw[..., 2:66].long(), grid, -grid, _ksign_bits(aux),
+                    (aux >> 28 & 15).to(torch.uint8))
 
 
 def _iq2_xxs_parts(raw: torch.Tensor) -> _IQParts:
@@ -343,12 +350,30 @@ def _iq2_xxs_parts(raw: torch.Tensor) -> _IQParts:
     n, nsb = raw.shape[:2]
     pairs = raw[..., 2:66].reshape(n, nsb, 8, 2, 4)
     aux = pairs[..., 1, :].contiguous().view(torch.int32).long().squeeze(-1)  # [n, nsb, 8]
-    return _IQParts(pairs[..., 0, :].reshape(n, nsb, 32).long(),
-                    _grid(gguf_quants.IQ2_XXS, 256, 8), _ksign_bits(aux),
-                    (aux >> 28 & 15).to(torch.uint8))
+    grid = _grid(gguf_quants.IQ2_XXS, 256, 8)
+    return _IQParts(pairs[..., 0, :].reshape(n, nsb, 32).long(), grid, -grid,
+                    _ksign_bits(aux), (aux >> 28 & 15).to(torch.uint8))
 
 
-_IQ_PARTS = {IQ3_S: _iq3_s_parts, IQ3_XXS: _iq3_xxs_parts, IQ2_XXS: _iq2_xxs_parts}
+def _iq1_s_parts(raw: torch.Tensor) -> _IQParts:
+    """IQ1_S blocks [n, nsb, 50] (gguf-py IQ1_S.dequantize_blocks), weight d (1 + 2 s)
+    (g +- 1/8) with g in -1, 0, 1 from the grid:
+        [0, 2) d   [2, 34) qs: the low 8 bits of grid index 4s + l (weights 32s + 8l ..)
+        [34, 50) one uint16 a sub-block s: bits 3l .. 3l + 2 the index's bits 8..10, bits
+                 12..14 s, bit 15 the delta's sign (1: -1/8)"""
+    from gguf import quants as gguf_quants
+
+    n, nsb = raw.shape[:2]
+    qh = raw[..., 34:50].contiguous().view(torch.int16).to(torch.int32) & 0xFFFF  # [n, nsb, 8]
+    high = (qh[..., None] >> torch.tensor([0, 3, 6, 9], dtype=torch.int32) & 7).long() << 8
+    index = (raw[..., 2:34].reshape(n, nsb, 8, 4).long() | high).reshape(n, nsb, 32)
+    negative = (qh >> 15).to(torch.uint8).repeat_interleave(32, dim=-1)
+    grid = _grid(gguf_quants.IQ1_S, 2048, 8)  # -1, 0, 1: 8 g + 1 or 8 g - 1, in eighths
+    return _IQParts(index, 8 * grid + 1, 8 * grid - 1, negative, (qh >> 12 & 7).to(torch.uint8))
+
+
+_IQ_PARTS = {IQ3_S: _iq3_s_parts, IQ3_XXS: _iq3_xxs_parts, IQ2_XXS: _iq2_xxs_parts,
+             IQ1_S: _iq1_s_parts}
 
 
 def rewrite_iq4(data: torch.Tensor, qtype: int, k: int) -> torch.Tensor:
@@ -363,12 +388,11 @@ def rewrite_iq4(data: torch.Tensor, qtype: int, k: int) -> torch.Tensor:
     raw = as_blocks(data, k, QK_K, nbytes, GGMLQuantizationType(qtype).name)
     n, nsb = raw.shape[:2]
     p = _IQ_PARTS[qtype](raw)
-    # Each grid entry's nibbles in the target's table, for either sign.
+    # Each grid entry's nibbles in the target's table, on either side of negative.
     table = torch.tensor(IQ4_FAMILY[target][0])
     where = torch.zeros(128, dtype=torch.uint8)
-    where[table + 64] = torch.arange(16, dtype=torch.uint8)  # IQ2_XXS's zeros: never a value
-    grid = p.grid.long()
-    plus, minus = where[grid + 64][p.index], where[64 - grid][p.index]
+    where[table + 64] = torch.arange(16, dtype=torch.uint8)  # the padding zeros: never a value
+    plus, minus = where[p.plus.long() + 64][p.index], where[p.minus.long() + 64][p.index]
     nibble = torch.where(p.negative.bool(), minus.reshape(n, nsb, QK_K),
                          plus.reshape(n, nsb, QK_K))
     ls = 33 + 2 * p.s4  # 6 bits: IQ4_XS's scale + 32 (uint8: at most 63)

@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from kvserve.ops.cpu import CpuOps, cpu_has_avx2_fma
 from kvserve.ops.reference import ReferenceOps
 from kvserve.quant.ggml_kquants import (
+    IQ1_S4,
     IQ2_XXS4,
     IQ3_S4,
     IQ3_XXS4,
@@ -39,9 +40,9 @@ from kvserve.quant.kquant_pack import (
     unpack,
 )
 
-KQ = [Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_XS, IQ3_S4, IQ3_XXS4, IQ2_XXS4]
+KQ = [Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_XS, IQ3_S4, IQ3_XXS4, IQ2_XXS4, IQ1_S4]
 NAMES = {Q2_K: "Q2_K", Q3_K: "Q3_K", Q4_K: "Q4_K", Q5_K: "Q5_K", Q6_K: "Q6_K", IQ4_XS: "IQ4_XS",
-         IQ3_S4: "IQ3_S4", IQ3_XXS4: "IQ3_XXS4", IQ2_XXS4: "IQ2_XXS4"}
+         IQ3_S4: "IQ3_S4", IQ3_XXS4: "IQ3_XXS4", IQ2_XXS4: "IQ2_XXS4", IQ1_S4: "IQ1_S4"}
 # fp16 d and dmin in a stored record
 D_AT = {Q2_K: (80, 82), Q3_K: (108, None), Q4_K: (0, 2), Q5_K: (0, 2), Q6_K: (208, None),
         **{q: (0, None) for q in IQ4_FAMILY}}
@@ -213,10 +214,10 @@ def test_kernel_equals_oracle_bit_for_bit(qlinear_ops: CpuOps, qtype: int, n: in
 @pytest.mark.parametrize("qtype", KQ, ids=NAMES.get)
 def test_kernel_at_the_integer_bounds(qlinear_ops: CpuOps, qtype: int) -> None:
     """Every quant at its largest (Q2_K 3, Q3_K 3 or -4, Q4_K 15, Q5_K 31, Q6_K 31 or -32,
-    IQ4_XS -127 and 113, IQ3_S4 -15 and 15, IQ3_XXS4 -62 and 62, IQ2_XXS4 -43 and 43) and
-    every activation at +-127: the AVX2 kernel's int16 partial sums at their limits (Q4_K
-    30480, Q5_K 31496, Q6_K 32004, IQ4_XS's pairs 32258), every scale and min at its largest
-    (Q3_K and IQ4_XS: 31 and -32)."""
+    IQ4_XS -127 and 113, IQ3_S4 -15 and 15, IQ3_XXS4 -62 and 62, IQ2_XXS4 -43 and 43, IQ1_S4
+    -9 and 9) and every activation at +-127: the AVX2 kernel's int16 partial sums at their
+    limits (Q4_K 30480, Q5_K 31496, Q6_K 32004, IQ4_XS's pairs 32258), every scale and min at
+    its largest (Q3_K and IQ4_XS: 31 and -32)."""
     n, k = 32, 512
     rb = KQUANT_BYTES[qtype]
     raw = random_blocks(qtype, n, k, seed=9).reshape(n, 2, rb)
@@ -305,8 +306,8 @@ def test_kernel_refuses_bad_shapes_and_formats_by_name() -> None:
         ext.qlinear_kquant(x, packed, Q6_K, 20, None, False)
     with pytest.raises(RuntimeError, match=r"must be 10 \(Q2_K\), 11 \(Q3_K\), 12 \(Q4_K\), "
                                            r"13 \(Q5_K\), 14 \(Q6_K\), 23 \(IQ4_XS\), 257 "
-                                           r"\(IQ3_S4\), 258 \(IQ3_XXS4\) or 259 \(IQ2_XXS4\), "
-                                           r"got 3"):
+                                           r"\(IQ3_S4\), 258 \(IQ3_XXS4\), 259 \(IQ2_XXS4\) or "
+                                           r"260 \(IQ1_S4\), got 3"):
         ext.qlinear_kquant(x, packed, 3, 20, None, False)
     with pytest.raises(RuntimeError, match="contiguous uint8 \\[groups, K / 256"):
         ext.qlinear_kquant(x, packed.view(-1), Q4_K, 20, None, False)

@@ -176,22 +176,25 @@ void rotary(const float* x, int64_t st, int64_t sh, float* out, int64_t T, int64
 // the format, as for WType). Their records are 16 rows x one 256-weight super-block
 // (kquant.h; kvserve/quant/kquant_pack.py pack_kquant). IQ4_XS has their shape (8 sub-blocks
 // of 32 with a 6-bit scale, no min), its quants a lookup into 16 fixed values (kIQ4Values).
-// IQ3_S4, IQ3_XXS4 and IQ2_XXS4 (kvserve's own ids, past ggml's) are a file's IQ3_S, IQ3_XXS
-// and IQ2_XXS rewritten exactly in IQ4_XS's layout, their nibbles indexing their own tables
-// below, IQ3_XXS4's d scaled by 1/4 and IQ2_XXS4's by 1/8 (kvserve/quant/ggml_kquants.py
-// rewrite_iq4, IQ4_FAMILY).
+// IQ3_S4, IQ3_XXS4, IQ2_XXS4 and IQ1_S4 (kvserve's own ids, past ggml's) are a file's IQ3_S,
+// IQ3_XXS, IQ2_XXS and IQ1_S rewritten exactly in IQ4_XS's layout, their nibbles indexing
+// their own tables below, IQ3_XXS4's d scaled by 1/4, IQ2_XXS4's and IQ1_S4's by 1/8
+// (kvserve/quant/ggml_kquants.py rewrite_iq4, IQ4_FAMILY).
 enum class KType : int {
   Q2_K = 10, Q3_K = 11, Q4_K = 12, Q5_K = 13, Q6_K = 14, IQ4_XS = 23,
-  IQ3_S4 = 257, IQ3_XXS4 = 258, IQ2_XXS4 = 259
+  IQ3_S4 = 257, IQ3_XXS4 = 258, IQ2_XXS4 = 259, IQ1_S4 = 260
 };
 // The i-quants' grid values with their signs (gguf-py's grid_map): IQ3_S 1, 3, .., 15;
-// IQ3_XXS 4, 12, .., 52, 62; IQ2_XXS 8, 25, 43 (10 unused zeros between).
+// IQ3_XXS 4, 12, .., 52, 62; IQ2_XXS 8, 25, 43; IQ1_S 8 g +- 1 for g in -1, 0, 1 (the last two:
+// 10 unused zeros between).
 alignas(16) inline constexpr int8_t kIQ3SValues[16] = {-15, -13, -11, -9, -7, -5, -3, -1,
                                                         1,   3,   5,   7,  9,  11, 13, 15};
 alignas(16) inline constexpr int8_t kIQ3XXSValues[16] = {-62, -52, -44, -36, -28, -20, -12, -4,
                                                           4,   12,  20,  28,  36,  44,  52, 62};
 alignas(16) inline constexpr int8_t kIQ2XXSValues[16] = {-43, -25, -8, 0, 0, 0, 0, 0,
                                                           0,   0,   0,  0, 0, 8, 25, 43};
+alignas(16) inline constexpr int8_t kIQ1SValues[16] = {-9, -7, -1, 0, 0, 0, 0, 0,
+                                                        0,  0,  0, 0, 0, 1, 7, 9};
 // 1344 (Q2_K), 1760 (Q3_K), 2304 (Q4_K), 2816 (Q5_K), 3360 (Q6_K), 2176 (IQ4_XS and the
 // three rewritten i-quants)
 int64_t kquant_record_bytes(KType kt);

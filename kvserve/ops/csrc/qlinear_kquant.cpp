@@ -65,7 +65,8 @@ int64_t kquant_record_bytes(KType kt) {
     case KType::IQ4_XS: return kq::kIQ4XSRecord;
     case KType::IQ3_S4:  // IQ4_XS's layout
     case KType::IQ3_XXS4:
-    case KType::IQ2_XXS4: return kq::kIQ4XSRecord;
+    case KType::IQ2_XXS4:
+    case KType::IQ1_S4: return kq::kIQ4XSRecord;
   }
   return 0;
 }
@@ -471,13 +472,14 @@ struct IQ4Lut {
       }
   }
 };
-// IQ4_XS's values, and the i-quants a file's IQ3_S, IQ3_XXS, IQ2_XXS are rewritten as at load
-// (IQ4_XS's layout, kvserve/quant/ggml_kquants.py): the same records and arithmetic, another
-// table and factor.
+// IQ4_XS's values, and the i-quants a file's IQ3_S, IQ3_XXS, IQ2_XXS, IQ1_S are rewritten as
+// at load (IQ4_XS's layout, kvserve/quant/ggml_kquants.py): the same records and arithmetic,
+// another table and factor.
 using IQ4XS = IQ4Lut<kIQ4Values, 0>;
 using IQ3S4 = IQ4Lut<kIQ3SValues, 0>;
 using IQ3XXS4 = IQ4Lut<kIQ3XXSValues, 2>;
 using IQ2XXS4 = IQ4Lut<kIQ2XXSValues, 3>;
+using IQ1S4 = IQ4Lut<kIQ1SValues, 3>;
 
 // Activation rows m0 .. m0 + MT - 1 against one group (records from gw) -> out columns
 // 0 .. cols - 1 of those rows (out points at the group's first column, rows N apart).

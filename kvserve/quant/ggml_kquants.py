@@ -55,6 +55,11 @@ the 128-weight half, c < 4 a 2-bit plane, t < 2 a nibble), from ggml-common.h / 
   minus 32 (stored 33 + 2 s). The power of two scales d (KParts.d, and the kernels' d), not
   the fp16 record: these files' d lie near 1e-4, where d / 8 would turn subnormal. The same
   floats at 4.25 bits a weight (the files': 3.44, 3.06, 2.06, 1.56), on IQ4_XS's kernels.
+  IQ2_X16 (kvserve's own id 261): a GGUF IQ2_XS or IQ2_S super-block (ggml types 17, 22: 2.31
+  and 2.56 bits a weight), whose scale 1 + 2 s is per 16 weights, in a 146-byte layout of
+  IQ4_XS's quants with 16 int8 scales (4.56 bits a weight); IQ2_XXS's values and shift:
+    [0, 2) d   [2, 18) scales: int8, scale j of weights 16j .. 16j + 15
+    [18, 146)  qs: as IQ4_XS's [8, 136) (weight 32s + 16t + l: sub-block of 16 2s + t)
   Q8_K (ggml type 15), 292 bytes, activations only (never in a file): float32 d, int8 qs[256],
     int16 bsums[16] (the sum of each 16 qs). Kept here as tensors (`Q8KBlocks`).
 
@@ -69,15 +74,16 @@ from typing import NamedTuple
 import torch
 
 Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, Q8_K = 10, 11, 12, 13, 14, 15  # ggml ids
-IQ2_XXS, IQ3_XXS, IQ1_S, IQ3_S, IQ4_XS = 16, 18, 19, 21, 23
-# kvserve's own (past ggml's, as gguf.W8A8): a file's i-quant in IQ4_XS's layout
-IQ3_S4, IQ3_XXS4, IQ2_XXS4, IQ1_S4 = 257, 258, 259, 260
+IQ2_XXS, IQ2_XS, IQ3_XXS, IQ1_S, IQ3_S, IQ2_S, IQ4_XS = 16, 17, 18, 19, 21, 22, 23
+# kvserve's own (past ggml's, as gguf.W8A8): a file's i-quant in IQ4_XS's layout (IQ2_X16:
+# with a scale per 16 weights)
+IQ3_S4, IQ3_XXS4, IQ2_XXS4, IQ1_S4, IQ2_X16 = 257, 258, 259, 260, 261
 QK_K = 256
 KQUANT_BYTES = {Q2_K: 84, Q3_K: 110, Q4_K: 144, Q5_K: 176, Q6_K: 210, IQ4_XS: 136, IQ3_S4: 136,
-                IQ3_XXS4: 136, IQ2_XXS4: 136, IQ1_S4: 136}
+                IQ3_XXS4: 136, IQ2_XXS4: 136, IQ1_S4: 136, IQ2_X16: 146}
 KQUANT_NAMES = {Q2_K: "Q2_K", Q3_K: "Q3_K", Q4_K: "Q4_K", Q5_K: "Q5_K", Q6_K: "Q6_K",
                 IQ4_XS: "IQ4_XS", IQ3_S4: "IQ3_S4", IQ3_XXS4: "IQ3_XXS4", IQ2_XXS4: "IQ2_XXS4",
-                IQ1_S4: "IQ1_S4"}
+                IQ1_S4: "IQ1_S4", IQ2_X16: "IQ2_X16"}
 # IQ4_NL / IQ4_XS's 16 values (ggml-common.h kvalues_iq4nl): the index's weight before scaling.
 IQ4_VALUES = (-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113)
 # The rewritten i-quants': their grid values with both signs (IQ1_S: 8 x grid +- 1; the 6 of
@@ -86,12 +92,14 @@ IQ3S_VALUES = tuple(range(-15, 16, 2))
 IQ3XXS_VALUES = (-62, -52, -44, -36, -28, -20, -12, -4, 4, 12, 20, 28, 36, 44, 52, 62)
 IQ2XXS_VALUES = (-43, -25, -8) + (0,) * 10 + (8, 25, 43)
 IQ1S_VALUES = (-9, -7, -1) + (0,) * 10 + (1, 7, 9)
-# The IQ4_XS-layout types: (their nibbles' 16 values, the shift d is scaled by 2^-shift with).
-IQ4_FAMILY = {IQ4_XS: (IQ4_VALUES, 0), IQ3_S4: (IQ3S_VALUES, 0), IQ3_XXS4: (IQ3XXS_VALUES, 2),
-              IQ2_XXS4: (IQ2XXS_VALUES, 3), IQ1_S4: (IQ1S_VALUES, 3)}
+# The IQ4_XS-layout types: (their nibbles' 16 values, the shift d is scaled by 2^-shift with,
+# weights per scale).
+IQ4_FAMILY = {IQ4_XS: (IQ4_VALUES, 0, 32), IQ3_S4: (IQ3S_VALUES, 0, 32),
+              IQ3_XXS4: (IQ3XXS_VALUES, 2, 32), IQ2_XXS4: (IQ2XXS_VALUES, 3, 32),
+              IQ1_S4: (IQ1S_VALUES, 3, 32), IQ2_X16: (IQ2XXS_VALUES, 3, 16)}
 # A file's i-quant -> (its stored bytes per 256 weights, the type rewrite_iq4 makes of it).
 IQ4_REWRITES = {IQ3_S: (110, IQ3_S4), IQ3_XXS: (98, IQ3_XXS4), IQ2_XXS: (66, IQ2_XXS4),
-                IQ1_S: (50, IQ1_S4)}
+                IQ1_S: (50, IQ1_S4), IQ2_XS: (74, IQ2_X16), IQ2_S: (82, IQ2_X16)}
 
 
 def iq4_values(index: torch.Tensor, table: tuple[int, ...] = IQ4_VALUES) -> torch.Tensor:
@@ -177,12 +185,16 @@ def unpack_kquant(data: torch.Tensor, qtype: int, k: int) -> KParts:
         return KParts(low - 4 * (1 - high), (s_lo | s_hi << 4) - 32, None,
                       half_field(raw, 108), None)
     if qtype in IQ4_FAMILY:
-        table, shift = IQ4_FAMILY[qtype]
+        table, shift, per_scale = IQ4_FAMILY[qtype]
+        # d / 2^shift is exact in float32 (an fp16's exponent stays far above float32's floor)
+        d = half_field(raw, 0) * 2.0 ** -shift
+        if per_scale == 16:
+            scale = raw[..., 2:18].contiguous().view(torch.int8).to(torch.int32)
+            return KParts(iq4_values(planes(18, 146, 8, [0, 4], 15), table), scale, None, d,
+                          None)
         index = planes(8, 136, 8, [0, 4], 15)
         s_lo = bit_planes(b[..., 4:8], [0, 4], 15).transpose(-1, -2).reshape(*lead, 8)
         s_hi = bit_planes((b[..., 2] | b[..., 3] << 8)[..., None], range(0, 16, 2), 3)
-        # d / 2^shift is exact in float32 (an fp16's exponent stays far above float32's floor)
-        d = half_field(raw, 0) * 2.0 ** -shift
         return KParts(iq4_values(index, table), (s_lo | s_hi.reshape(*lead, 8) << 4) - 32,
                       None, d, None)
     if qtype == Q6_K:
@@ -283,7 +295,8 @@ class _IQParts(NamedTuple):
     """An i-quant's super-blocks taken apart: index long [n, nsb, 256 / width] into the grids
     plus and minus (int16 [entries, width]: each entry's values where negative is 0 / 1),
     negative uint8 [n, nsb, 256] (IQ3 / IQ2: the weight's sign; IQ1_S: its sub-block's delta
-    sign), s4 uint8 [n, nsb, 8] (scale 1 + 2 s4 per 32 weights)."""
+    sign), s4 uint8 [n, nsb, 8] (scale 1 + 2 s4 per 32 weights; IQ2_XS / IQ2_S: [n, nsb, 16],
+    per 16)."""
 
     index: torch.Tensor
     plus: torch.Tensor
@@ -372,8 +385,44 @@ def _iq1_s_parts(raw: torch.Tensor) -> _IQParts:
     return _IQParts(index, 8 * grid + 1, 8 * grid - 1, negative, (qh >> 12 & 7).to(torch.uint8))
 
 
+def _scale_nibbles(raw: torch.Tensor) -> torch.Tensor:
+    """uint8 [n, nsb, 8] -> [n, nsb, 16]: byte i's low nibble then its high one."""
+    return torch.stack([raw & 15, raw >> 4], -1).reshape(*raw.shape[:2], 16)
+
+
+def _iq2_xs_parts(raw: torch.Tensor) -> _IQParts:
+    """IQ2_XS blocks [n, nsb, 74] (gguf-py IQ2_XS.dequantize_blocks):
+        [0, 2) d   [2, 66) one uint16 a group of 8 weights: bits 0..8 the grid index, bits
+        9..15 index ksigns   [66, 74) s of weights 16j .. 16j + 15: byte j // 2, nibble j % 2"""
+    from gguf import quants as gguf_quants
+
+    qs = raw[..., 2:66].contiguous().view(torch.int16).long() & 0xFFFF  # [n, nsb, 32]
+    ksigns = torch.frombuffer(bytearray(gguf_quants.IQ2_XXS.ksigns), dtype=torch.uint8)
+    negative = ksigns[qs >> 9][..., None] >> torch.arange(8, dtype=torch.uint8) & 1
+    grid = _grid(gguf_quants.IQ2_XS, 512, 8)
+    return _IQParts(qs & 511, grid, -grid, negative.reshape(*raw.shape[:2], QK_K),
+                    _scale_nibbles(raw[..., 66:74]))
+
+
+def _iq2_s_parts(raw: torch.Tensor) -> _IQParts:
+    """IQ2_S blocks [n, nsb, 82] (gguf-py IQ2_S.dequantize_blocks):
+        [0, 2) d   [2, 34) the low 8 bits of group g's grid index (weights 8g .. 8g + 7)
+        [34, 66) signs: bit b of byte g negates weight 8g + b
+        [66, 74) bits 2l, 2l + 1 of byte s: bits 8, 9 of group 4s + l's index
+        [74, 82) s of weights 16j .. 16j + 15: byte j // 2, nibble j % 2"""
+    from gguf import quants as gguf_quants
+
+    n, nsb = raw.shape[:2]
+    high = raw[..., 66:74, None] >> torch.tensor([0, 2, 4, 6], dtype=torch.uint8) & 3
+    index = raw[..., 2:34].long() | high.reshape(n, nsb, 32).long() << 8
+    bits = torch.arange(8, dtype=torch.uint8)
+    negative = (raw[..., 34:66, None] >> bits & 1).reshape(n, nsb, QK_K)
+    grid = _grid(gguf_quants.IQ2_S, 1024, 8)
+    return _IQParts(index, grid, -grid, negative, _scale_nibbles(raw[..., 74:82]))
+
+
 _IQ_PARTS = {IQ3_S: _iq3_s_parts, IQ3_XXS: _iq3_xxs_parts, IQ2_XXS: _iq2_xxs_parts,
-             IQ1_S: _iq1_s_parts}
+             IQ1_S: _iq1_s_parts, IQ2_XS: _iq2_xs_parts, IQ2_S: _iq2_s_parts}
 
 
 def rewrite_iq4(data: torch.Tensor, qtype: int, k: int) -> torch.Tensor:
@@ -395,12 +444,15 @@ def rewrite_iq4(data: torch.Tensor, qtype: int, k: int) -> torch.Tensor:
     plus, minus = where[p.plus.long() + 64][p.index], where[p.minus.long() + 64][p.index]
     nibble = torch.where(p.negative.bool(), minus.reshape(n, nsb, QK_K),
                          plus.reshape(n, nsb, QK_K))
+    pairs = nibble.reshape(n, nsb, 8, 2, 16)  # [s, t, l]: weight 32s + 16t + l
+    qs = (pairs[..., 0, :] | pairs[..., 1, :] << 4).reshape(n, nsb, 128)
+    if IQ4_FAMILY[target][2] == 16:  # int8 scales 1 + 2 s (at most 31)
+        out = torch.cat([raw[..., 0:2], 1 + 2 * p.s4, qs], dim=-1)
+        return out.reshape(n, nsb * KQUANT_BYTES[target])
     ls = 33 + 2 * p.s4  # 6 bits: IQ4_XS's scale + 32 (uint8: at most 63)
     high = ((ls >> 4) & 3).to(torch.int32) << 2 * torch.arange(8, dtype=torch.int32)
     scales_h = high.sum(-1, dtype=torch.int32)  # uint16: bits 2s, 2s + 1
     scales_l = (ls[..., 0::2] & 15) | (ls[..., 1::2] & 15) << 4
-    pairs = nibble.reshape(n, nsb, 8, 2, 16)  # [s, t, l]: weight 32s + 16t + l
-    qs = (pairs[..., 0, :] | pairs[..., 1, :] << 4).reshape(n, nsb, 128)
     h = torch.stack([scales_h & 255, scales_h >> 8], -1).to(torch.uint8)
     out = torch.cat([raw[..., 0:2], h, scales_l, qs], dim=-1)
     return out.reshape(n, nsb * KQUANT_BYTES[target])

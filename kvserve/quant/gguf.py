@@ -14,12 +14,12 @@ instead of 32. `dequantize` below is the pure-torch reference, itself tested aga
          kernels' formats.
 
 The K-quants in KQUANT_TYPES stay packed too under "gguf" (kvserve/quant/kquant_pack.py), and
-IQ3_S, IQ3_XXS, IQ2_XXS and IQ1_S join them rewritten exactly in IQ4_XS's layout
-(ggml_kquants.rewrite_iq4). A matrix of any other block type (the other i-quants, TQ1_0 /
-TQ2_0, ...) is requantized to Q8_0 at load under
-"gguf" (GGUFWeight.for_kernels: 8.5 bits a weight on the int8 kernels instead of float32's 32,
-for about Q8_0's rounding on top of the file's); "gguf_exact" and a backend without the
-kernels dequantize it to the model's dtype.
+IQ3_S, IQ3_XXS, IQ2_XXS and IQ1_S join them rewritten exactly in IQ4_XS's layout, IQ2_XS and
+IQ2_S in its quants with a scale per 16 weights (ggml_kquants.rewrite_iq4). A matrix of any
+other block type (IQ1_M, TQ1_0 / TQ2_0, ...) is requantized to Q8_0 at load under "gguf"
+(GGUFWeight.for_kernels: 8.5 bits a weight on the int8 kernels instead of float32's 32, for
+about Q8_0's rounding on top of the file's); "gguf_exact" and a backend without the kernels
+dequantize it to the model's dtype.
 
 Two ways to run the blocks (two registry entries, kvserve/quant/__init__.py):
 
@@ -99,10 +99,10 @@ OFFSET = {Q4_0: 8, Q5_0: 16}
 # K-quant matrices kept packed too (kvserve/quant/kquant_pack.py, ops/csrc/qlinear_kquant*.cpp:
 # Q8_K activations per 256 values) under "gguf"; 256 weights per super-block.
 Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_XS = 10, 11, 12, 13, 14, 23
-# with a file's IQ3_S, IQ3_XXS, IQ2_XXS, IQ1_S as rewritten for them
-# (ggml_kquants.IQ4_REWRITES)
+# with a file's IQ3_S, IQ3_XXS, IQ2_XXS, IQ1_S, IQ2_XS, IQ2_S as rewritten for them
+# (ggml_kquants.IQ4_REWRITES; the last two share IQ2_X16)
 KQUANT_TYPES = (Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_XS) + tuple(
-    target for _, target in ggml_kquants.IQ4_REWRITES.values())
+    dict.fromkeys(target for _, target in ggml_kquants.IQ4_REWRITES.values()))
 QK_K = 256
 # What the loader hands over as stored (GGUFWeight) when the method keeps blocks: every type
 # a kernel reads (GGUFLinearMethod keeps Q4_0 / Q5_0 / Q5_1 for int8 activations only, the
@@ -141,7 +141,8 @@ class GGUFWeight(NamedTuple):
 
     def for_kernels(self) -> GGUFWeight:
         """The matrix in a format the kernels read: as stored where they read it (KEPT_TYPES),
-        IQ3_S / IQ3_XXS / IQ2_XXS / IQ1_S rewritten in IQ4_XS's layout (the same weights),
+        the i-quants of ggml_kquants.IQ4_REWRITES rewritten in (or after) IQ4_XS's layout
+        (the same weights),
         any other block type requantized to Q8_0. K % 32 == 0."""
         if self.qtype in KEPT_TYPES:
             return self
@@ -313,8 +314,8 @@ class GGUFLinearMethod:
     int8_activations: runs go to `ops.qlinear` / `ops.qlinear_kquant` (llama.cpp's
     arithmetic); otherwise Q4_1 / Q8_0 rows stay as stored and `ops.linear` dequantizes them
     in registers. requantize: a weight shard of a block type outside KEPT_TYPES is rewritten
-    as it arrives (GGUFWeight.for_kernels: IQ3_S / IQ3_XXS / IQ2_XXS / IQ1_S exactly in
-    IQ4_XS's layout, any other as Q8_0), and so runs on the kernels too."""
+    as it arrives (GGUFWeight.for_kernels: the i-quants of ggml_kquants.IQ4_REWRITES exactly
+    in or after IQ4_XS's layout, any other as Q8_0), and so runs on the kernels too."""
 
     def __init__(self, int8_activations: bool = True, requantize: bool = False) -> None:
         self.int8_activations = int8_activations

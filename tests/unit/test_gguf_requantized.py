@@ -1,6 +1,7 @@
-"""GGUF block types the kernels do not read as stored (IQ3_S, IQ3_XXS, IQ2_XXS, IQ2_S,
-TQ2_0, ...): under quantization "gguf" IQ3_S, IQ3_XXS, IQ2_XXS and IQ1_S are rewritten exactly in
-IQ4_XS's layout (their own values, ggml_kquants.rewrite_iq4) and every other such matrix
+"""GGUF block types the kernels do not read as stored (IQ3_S, IQ3_XXS, IQ2_XXS, IQ2_XS, IQ2_S,
+IQ1_S, TQ2_0, ...): under quantization "gguf" the i-quants are rewritten exactly in IQ4_XS's
+layout (their own values; IQ2_XS and IQ2_S with a scale per 16 weights: IQ2_X16;
+ggml_kquants.rewrite_iq4) and every other such matrix
 requantized to Q8_0 at load (GGUFWeight.for_kernels), both packed on the int8 kernels;
 "gguf_exact" and a backend without the kernels dequantize them, as the loader did before.
 References: gguf-py's dequantize and its Q8_0 quantizer, and the float model on the same
@@ -23,6 +24,7 @@ from kvserve.ops import get_ops
 from kvserve.quant import get_quant_method, quant_config
 from kvserve.quant.ggml_kquants import (
     IQ1_S4,
+    IQ2_X16,
     IQ2_XXS4,
     IQ3_S4,
     IQ3_XXS4,
@@ -39,7 +41,7 @@ TYPES = {
     0: {"attn_q": Q.IQ3_S, "attn_k": Q.IQ3_S, "attn_v": Q.TQ2_0, "attn_output": Q.IQ3_XXS,
         "ffn_gate": Q.IQ2_XXS, "ffn_up": Q.IQ2_XXS, "ffn_down": Q.IQ2_S},
     1: {"attn_q": Q.IQ3_S, "attn_k": Q.Q4_K, "attn_v": Q.Q6_K, "attn_output": Q.IQ1_S,
-        "ffn_gate": Q.Q4_K, "ffn_up": Q.Q4_K, "ffn_down": Q.Q6_K},
+        "ffn_gate": Q.Q4_K, "ffn_up": Q.Q4_K, "ffn_down": Q.IQ2_XS},
 }
 LINEARS = {"self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj"}
 
@@ -52,7 +54,8 @@ def _write(tmp_path: Path) -> Path:
     return path
 
 
-@pytest.mark.parametrize("qtype", [Q.IQ3_S, Q.IQ3_XXS, Q.IQ2_XXS, Q.IQ1_S], ids=lambda q: q.name)
+@pytest.mark.parametrize("qtype", [Q.IQ3_S, Q.IQ3_XXS, Q.IQ2_XXS, Q.IQ1_S, Q.IQ2_XS, Q.IQ2_S],
+                         ids=lambda q: q.name)
 def test_i_quants_rewrite_exactly_in_iq4_xs_layout(qtype: Q) -> None:
     """Every byte random (grid indices, IQ3_S's 9th bits, signs, scales; fp16 d down to the
     1e-5 of real files, where d / 8 in fp16 would be subnormal): the rewritten blocks
@@ -66,7 +69,7 @@ def test_i_quants_rewrite_exactly_in_iq4_xs_layout(qtype: Q) -> None:
     raw[..., 0:2] = np.float16(d).view(np.uint8)
     raw = raw.reshape(n, -1)
     out = rewrite_iq4(torch.from_numpy(raw), qtype, k)
-    assert out.shape == (n, k // 256 * 136)
+    assert out.shape == (n, k // 256 * (146 if target == IQ2_X16 else 136))
     want = torch.from_numpy(gguf.quants.dequantize(raw, qtype))
     assert torch.equal(dequantize_kquant(out, target, k), want)
     ours = GGUFWeight(torch.from_numpy(raw), int(qtype), k).for_kernels()
@@ -87,19 +90,20 @@ def test_any_block_type_dequantizes_as_gguf_py_and_requantizes_to_q8_0() -> None
 
 def test_other_block_types_run_on_the_kernels(tmp_path: Path,
                                               caplog: pytest.LogCaptureFixture) -> None:
-    """Every linear of both layers runs packed: IQ3_S / IQ3_XXS / IQ2_XXS / IQ1_S in IQ4_XS's layout
+    """Every linear of both layers runs packed: the i-quants in (or after) IQ4_XS's layout
     (the file's values exactly), the other types as Q8_0 (gguf-py's Q8_0 of the file's
     values), kept types as stored."""
     ck = load_checkpoint(str(_write(tmp_path)))
     with caplog.at_level(logging.INFO, logger="kvserve.loader.gguf_loader"):
         packed = build_model(ck, get_ops("auto"), torch.float32, "gguf")
-    assert ("1 IQ1_S, 1 IQ2_S, 2 IQ2_XXS, 3 IQ3_S, 1 IQ3_XXS, 1 TQ2_0 matrices of no type "
-            "kvserve's kernels read as stored: quantization 'gguf' rewrites them") in caplog.text
+    assert ("1 IQ1_S, 1 IQ2_S, 1 IQ2_XS, 2 IQ2_XXS, 3 IQ3_S, 1 IQ3_XXS, 1 TQ2_0 matrices of "
+            "no type kvserve's kernels read as stored: quantization 'gguf' rewrites them"
+            ) in caplog.text
     want_types = {
         "layers.0.self_attn.qkv_proj": [IQ3_S4, Q.Q8_0], "layers.0.self_attn.o_proj": [IQ3_XXS4],
-        "layers.0.mlp.gate_up_proj": [IQ2_XXS4], "layers.0.mlp.down_proj": [Q.Q8_0],
+        "layers.0.mlp.gate_up_proj": [IQ2_XXS4], "layers.0.mlp.down_proj": [IQ2_X16],
         "layers.1.self_attn.qkv_proj": [IQ3_S4, Q.Q4_K, Q.Q6_K],
-        "layers.1.self_attn.o_proj": [IQ1_S4]}
+        "layers.1.self_attn.o_proj": [IQ1_S4], "layers.1.mlp.down_proj": [IQ2_X16]}
     floats = build_model(ck, get_ops("auto"), torch.float32, "none")
     for name, types in want_types.items():
         lin = packed.get_submodule(name)

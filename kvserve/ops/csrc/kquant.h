@@ -38,6 +38,13 @@
 //     chunk byte 4r + j = row r's qs[16s + 4l4 + j]: its low nibble indexes weight
 //     32s + 4l4 + j, its high nibble weight 32s + 16 + 4l4 + j (sub-block s both)
 //
+//   IQ4_X16 (kvserve's IQ2_X16: IQ4_XS's quants, an int8 scale per 16 weights), 2336 bytes
+//   (16 x 146):
+//   0        32                 288                                   2336
+//   | d[16]  | 16 scale planes  | 32 qs chunks as IQ4_XS's             |
+//     plane j = rows 0..15's scale of weights 16j .. 16j + 15: chunk 4s + l4's low nibbles
+//     are scale 2s's, its high nibbles scale 2s + 1's
+//
 // Header-only and SSE2 only, so the AVX-512 source includes it before its target pragma.
 #pragma once
 
@@ -57,6 +64,7 @@ constexpr int64_t kQ4KRecord = 2304, kQ4KScales = 64, kQ4KQs = 256;
 constexpr int64_t kQ5KRecord = 2816, kQ5KScales = 64, kQ5KQh = 256, kQ5KQs = 768;
 constexpr int64_t kQ6KRecord = 3360, kQ6KQh = 2048, kQ6KScales = 3072, kQ6KD = 3328;
 constexpr int64_t kIQ4XSRecord = 2176, kIQ4XSScalesH = 32, kIQ4XSScalesL = 64, kIQ4XSQs = 128;
+constexpr int64_t kIQ4X16Record = 2336, kIQ4X16Scales = 32, kIQ4X16Qs = 288;
 
 // Q4_K's (and Q5_K's) 12 scale planes -> 8 scales and 8 mins (6 bits) of rows 0..15, a
 // byte each:
@@ -127,6 +135,12 @@ inline void iq4xs_scales(const uint8_t* rec, __m128i* sc) {
                                         _mm_and_si128(_mm_srli_epi16(h1, 2 * s), m3));
     sc[s] = _mm_sub_epi8(_mm_or_si128(lo, _mm_slli_epi16(hi, 4)), k32);
   }
+}
+
+// IQ4_X16's 16 scale planes -> sc[j], the int8 scale of weights 16j .. 16j + 15 of rows 0..15.
+inline void iq4x16_scales(const uint8_t* rec, __m128i* sc) {
+  for (int j = 0; j < 16; ++j)
+    sc[j] = _mm_loadu_si128(reinterpret_cast<const __m128i*>(rec + kIQ4X16Scales + 16 * j));
 }
 
 // What a format's fp16 d is multiplied by, exactly, before it scales the sums: 2^-kDShift

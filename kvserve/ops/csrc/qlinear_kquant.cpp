@@ -67,6 +67,7 @@ int64_t kquant_record_bytes(KType kt) {
     case KType::IQ3_XXS4:
     case KType::IQ2_XXS4:
     case KType::IQ1_S4: return kq::kIQ4XSRecord;
+    case KType::IQ2_X16: return kq::kIQ4X16Record;
   }
   return 0;
 }
@@ -433,10 +434,12 @@ struct Q6K {
 };
 
 // IQ4_XS (kquant.h): sub-block s is qs chunks 4s .. 4s + 3, low nibbles its weights 0..15,
-// high nibbles 16..31. Packed tiles to 8 rows, WideIQ4 from 9.
-template <const int8_t* kLut, int kShift>
+// high nibbles 16..31. Packed tiles to 8 rows, WideIQ4 from 9. k16: IQ4_X16's record, a scale
+// per 16 weights (the low nibbles' and the high ones'); packed tiles at every M.
+template <const int8_t* kLut, int kShift, bool k16 = false>
 struct IQ4Lut {
-  static constexpr int64_t kRecord = kq::kIQ4XSRecord;
+  static constexpr int64_t kRecord = k16 ? kq::kIQ4X16Record : kq::kIQ4XSRecord;
+  static constexpr int64_t kQs = k16 ? kq::kIQ4X16Qs : kq::kIQ4XSQs;
   static constexpr int64_t kD = 0, kDmin = 0;
   static constexpr bool kMin = false, kJoint = false;
   static constexpr int kDShift = kShift;  // d x 2^-kShift (kq::DFactor)
@@ -451,22 +454,24 @@ struct IQ4Lut {
   template <int MT>
   static inline void dot(const uint8_t* rec, const int8_t* const* x, const int16_t* const*,
                          __m256i (*isum)[2], __m256i (*)[2]) {
-    __m128i sc[8];
-    kq::iq4xs_scales(rec, sc);
+    __m128i sc[16];
+    if constexpr (k16) kq::iq4x16_scales(rec, sc);
+    else kq::iq4xs_scales(rec, sc);
     for (int m = 0; m < MT; ++m) isum[m][0] = isum[m][1] = _mm256_setzero_si256();
     for (int s = 0; s < 8; ++s)
       for (int r = 0; r < 2; ++r) {
-        const __m256i f = dup16(widen_i8(sc[s], r));
+        const __m256i fl = dup16(widen_i8(sc[k16 ? 2 * s : s], r));  // the low nibbles'
+        const __m256i fh = k16 ? dup16(widen_i8(sc[2 * s + 1], r)) : fl;
         for (int l4 = 0; l4 < 4; ++l4) {
-          const __m256i v = load256(rec + kq::kIQ4XSQs + 64 * (4 * s + l4) + 32 * r);
+          const __m256i v = load256(rec + kQs + 64 * (4 * s + l4) + 32 * r);
           const __m256i wl = values(v, 0), wh = values(v, 1);
           const __m256i al = _mm256_abs_epi8(wl), ah = _mm256_abs_epi8(wh);
           for (int m = 0; m < MT; ++m) {  // sign() zeroes x only where the value is 0 too
             const int8_t* xq = x[m] + 32 * s + 4 * l4;
             const __m256i pl = _mm256_maddubs_epi16(al, _mm256_sign_epi8(bcast4(xq), wl));
             const __m256i ph = _mm256_maddubs_epi16(ah, _mm256_sign_epi8(bcast4(xq + 16), wh));
-            isum[m][r] = _mm256_add_epi32(isum[m][r], _mm256_add_epi32(_mm256_madd_epi16(pl, f),
-                                                                       _mm256_madd_epi16(ph, f)));
+            isum[m][r] = _mm256_add_epi32(isum[m][r], _mm256_add_epi32(_mm256_madd_epi16(pl, fl),
+                                                                       _mm256_madd_epi16(ph, fh)));
           }
         }
       }
@@ -480,6 +485,7 @@ using IQ3S4 = IQ4Lut<kIQ3SValues, 0>;
 using IQ3XXS4 = IQ4Lut<kIQ3XXSValues, 2>;
 using IQ2XXS4 = IQ4Lut<kIQ2XXSValues, 3>;
 using IQ1S4 = IQ4Lut<kIQ1SValues, 3>;
+using IQ2X16 = IQ4Lut<kIQ2XXSValues, 3, true>;
 
 // Activation rows m0 .. m0 + MT - 1 against one group (records from gw) -> out columns
 // 0 .. cols - 1 of those rows (out points at the group's first column, rows N apart).

@@ -257,54 +257,63 @@ inline void q6k_isums(const Chunks& chunks, const Scale& scale, const int8_t* co
 
 // IQ4_XS: isum[m] = sum_s scale(s) * (-128 bsum_s + sub-block s . row m), chunks(s, l4, &lo,
 // &hi) giving chunk 4s + l4's values + 128 of weights 32s + 4l4 + j (lo) and 32s + 16 + 4l4 + j
-// (hi); bs[m]: the sums of 32 (kSumWidth).
-template <int MT, class Chunks, class Scale>
+// (hi); bs[m]: the sums of 32 (kSumWidth). k16 (IQ4_X16): a scale per 16 weights, scale(2s)
+// the lo chunks', scale(2s + 1) the hi ones', each with its own sum of 16 (bs[m], kSumWidth 16).
+template <int MT, bool k16 = false, class Chunks, class Scale>
 inline void iq4xs_isums(const Chunks& chunks, const Scale& scale, const int8_t* const* x,
                         const int16_t* const* bs, __m512i* isum) {
+  constexpr int kAccs = k16 ? 2 : 1;  // lo and hi apart, or one sum
   for (int m = 0; m < MT; ++m) isum[m] = _mm512_setzero_si512();
   for (int s = 0; s < 8; ++s) {
-    __m512i acc[MT];
-    for (int m = 0; m < MT; ++m) acc[m] = _mm512_set1_epi32(-128 * bs[m][s]);
+    __m512i acc[kAccs][MT];
+    for (int m = 0; m < MT; ++m)
+      for (int h = 0; h < kAccs; ++h)
+        acc[h][m] = _mm512_set1_epi32(-128 * bs[m][k16 ? 2 * s + h : s]);
     for (int l4 = 0; l4 < 4; ++l4) {
       __m512i lo, hi;
       chunks(s, l4, &lo, &hi);
       for (int m = 0; m < MT; ++m) {
-        acc[m] = dpbusd_bcast(acc[m], lo, x[m] + 32 * s + 4 * l4);
-        acc[m] = dpbusd_bcast(acc[m], hi, x[m] + 32 * s + 16 + 4 * l4);
+        acc[0][m] = dpbusd_bcast(acc[0][m], lo, x[m] + 32 * s + 4 * l4);
+        acc[kAccs - 1][m] = dpbusd_bcast(acc[kAccs - 1][m], hi, x[m] + 32 * s + 16 + 4 * l4);
       }
     }
-    const __m512i f = scale(s);
-    for (int m = 0; m < MT; ++m)
-      isum[m] = _mm512_add_epi32(isum[m], _mm512_mullo_epi32(acc[m], f));
+    for (int h = 0; h < kAccs; ++h) {
+      const __m512i f = scale(k16 ? 2 * s + h : s);
+      for (int m = 0; m < MT; ++m)
+        isum[m] = _mm512_add_epi32(isum[m], _mm512_mullo_epi32(acc[h][m], f));
+    }
   }
 }
 
 // IQ4_XS (kquant.h): sub-block s is qs chunks 4s .. 4s + 3, low nibbles its weights 0..15,
-// high nibbles 16..31.
-template <const int8_t* kLut, int kShift>
+// high nibbles 16..31. k16: IQ4_X16's record, a scale per 16 weights; packed tiles at every M.
+template <const int8_t* kLut, int kShift, bool k16 = false>
 struct IQ4Lut {
-  static constexpr int64_t kRecord = kq::kIQ4XSRecord;
+  static constexpr int64_t kRecord = k16 ? kq::kIQ4X16Record : kq::kIQ4XSRecord;
+  static constexpr int64_t kQs = k16 ? kq::kIQ4X16Qs : kq::kIQ4XSQs;
   static constexpr int64_t kD = 0, kDmin = 0;
   static constexpr bool kMin = false, kJoint = false;
   static constexpr int kDShift = kShift;  // d x 2^-kShift (kq::DFactor)
-  static constexpr int64_t kSumWidth = 32;  // quants per activation sum bs[m] holds
+  static constexpr int64_t kSumWidth = k16 ? 16 : 32;  // quants per activation sum bs[m] holds
   // Chunk 4s + l4's values + 128 (IQ4_XS 1..241, the others within 66..190, unsigned): *lo
   // of its low nibbles, *hi of its high ones.
   static inline void quants(const uint8_t* rec, int s, int l4, __m512i* lo, __m512i* hi) {
     const __m512i lut = _mm512_broadcast_i32x4(_mm_xor_si128(
         _mm_load_si128(reinterpret_cast<const __m128i*>(kLut)), _mm_set1_epi8(-128)));
     const __m512i nib = _mm512_set1_epi8(15);
-    const __m512i v = load512(rec + kq::kIQ4XSQs + 64 * (4 * s + l4));
+    const __m512i v = load512(rec + kQs + 64 * (4 * s + l4));
     *lo = _mm512_shuffle_epi8(lut, _mm512_and_si512(v, nib));
     *hi = _mm512_shuffle_epi8(lut, _mm512_and_si512(_mm512_srli_epi16(v, 4), nib));
   }
   template <int MT>
   static inline void dot(const uint8_t* rec, const int8_t* const* x, const int16_t* const* bs,
                          __m512i* isum, __m512i*) {
-    __m128i sc[8];
-    kq::iq4xs_scales(rec, sc);
-    iq4xs_isums<MT>([&](int s, int l4, __m512i* lo, __m512i* hi) { quants(rec, s, l4, lo, hi); },
-                    [&](int s) { return _mm512_cvtepi8_epi32(sc[s]); }, x, bs, isum);
+    __m128i sc[16];
+    if constexpr (k16) kq::iq4x16_scales(rec, sc);
+    else kq::iq4xs_scales(rec, sc);
+    iq4xs_isums<MT, k16>(
+        [&](int s, int l4, __m512i* lo, __m512i* hi) { quants(rec, s, l4, lo, hi); },
+        [&](int j) { return _mm512_cvtepi8_epi32(sc[j]); }, x, bs, isum);
   }
 };
 // IQ4_XS's values, and the i-quants a file's IQ3_S, IQ3_XXS, IQ2_XXS, IQ1_S are rewritten as
@@ -315,6 +324,7 @@ using IQ3S4 = IQ4Lut<kIQ3SValues, 0>;
 using IQ3XXS4 = IQ4Lut<kIQ3XXSValues, 2>;
 using IQ2XXS4 = IQ4Lut<kIQ2XXSValues, 3>;
 using IQ1S4 = IQ4Lut<kIQ1SValues, 3>;
+using IQ2X16 = IQ4Lut<kIQ2XXSValues, 3, true>;
 
 // Q4_K and Q5_K: the same scales and 4-bit quants; Q5_K adds each weight's bit 4 from its
 // qh chunks (kHighBit). One body, so the two cannot drift apart.

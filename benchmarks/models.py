@@ -22,10 +22,10 @@ checked when it was written: a file lands under its name only after its check pa
         blocks of 32, what llama-quantize writes where a row is no multiple of 256; no
         importance matrix needed)
     qwen2.5-coder-1.5b-instruct-q2_k.gguf / -q3_k_m / -q5_k_m / -q6_k / -iq4_xs / -iq3_m /
-    -iq3_xxs
+    -iq3_xxs / -iq2_m
         The K-quant types (and IQ4_XS, an i-quant of their shape that needs no importance
-        matrix; IQ3_M and IQ3_XXS, mostly IQ3_S / IQ3_XXS, which kvserve rewrites exactly at
-        load; neither needs an importance matrix) on a model
+        matrix; IQ3_M, IQ3_XXS and IQ2_M, mostly IQ3_S / IQ3_XXS / IQ2_S, which kvserve
+        rewrites exactly at load; the last two made with an importance matrix) on a model
         whose rows are multiples of 256 (1536 wide): the Qwen
         1.5B Q4_K_M file through `llama-quantize --allow-requantize` (no float original of
         it is on disk either), so each carries Q4_K_M's rounding under its own; the rows
@@ -99,7 +99,7 @@ WHEEL_MODELS = (
 # llama-quantize's types of the default model's F32 GGUF, and of the Qwen 1.5B Q4_K_M file
 # (in the quant table's order: benchmarks/quant_rows.py).
 DEFAULT_QTYPES = ("Q4_K_M", "Q8_0", "F16", "BF16", "Q4_0", "Q5_0", "Q5_1", "IQ4_NL")
-QWEN_1_5B_QTYPES = ("Q2_K", "Q3_K_M", "Q5_K_M", "Q6_K", "IQ4_XS", "IQ3_M", "IQ3_XXS")
+QWEN_1_5B_QTYPES = ("Q2_K", "Q3_K_M", "Q5_K_M", "Q6_K", "IQ4_XS", "IQ3_M", "IQ3_XXS", "IQ2_M")
 
 
 def requantized_file(qtype: str, source: str | None = None) -> str:

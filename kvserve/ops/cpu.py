@@ -54,8 +54,8 @@ from kvserve.ops.build import (
 )
 from kvserve.ops.reference import ReferenceOps
 from kvserve.quant.base import BF16, F16, HALF_DTYPES, KernelWeight
+from kvserve.quant.block_pack import F32, IQ4_NL, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, W8A8
 from kvserve.quant.ggml_kquants import IQ4_FAMILY, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K
-from kvserve.quant.gguf import F32, IQ4_NL, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, W8A8
 
 logger = logging.getLogger("kvserve.ops")
 
@@ -89,7 +89,7 @@ KV_CACHE_DTYPES = (torch.float32, torch.float16, torch.int8, torch.uint8)
 # Weight formats (ggml type ids) the kernels read; the caller names the format (wtype).
 # linear's row kernels (csrc/linear*.cpp, also gguf_exact) read these as stored rows:
 ROW_WTYPES = (F32, F16, BF16, Q4_1, Q8_0)
-# qlinear's int8-activation kernels (csrc/qlinear*.cpp) read these packed (gguf.pack; W8A8:
+# qlinear's int8-activation kernels (csrc/qlinear*.cpp) read these packed (block_pack.pack; W8A8:
 # Q8_0 records against per-token activations):
 PACKED_WTYPES = (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, IQ4_NL, W8A8)
 # K-quant formats (ggml type ids) the packed qlinear_kquant kernels read.

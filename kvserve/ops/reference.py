@@ -75,7 +75,7 @@ class ReferenceOps:
         """weight: packed GGUF groups [ceil(n / 16), K / 32, record bytes] of the ggml type
         wtype; x quantized to int8 per 32 values, as llama.cpp does (kvserve/quant/gguf.py
         qlinear_reference)."""
-        from kvserve.quant.gguf import qlinear_reference
+        from kvserve.quant.block_pack import qlinear_reference
 
         return qlinear_reference(x, weight, wtype, n, bias).to(x.dtype)
 
@@ -87,7 +87,7 @@ class ReferenceOps:
         their per-block sums), exact int32 sums, then one scale per (token, output) and +
         bias[n]. torch._int_mm on CUDA (rows padded to its 17-row minimum); elsewhere float64
         products, exact for any such sum."""
-        from kvserve.quant.gguf import quantize_per_token
+        from kvserve.quant.block_pack import quantize_per_token
 
         lead, k = x.shape[:-1], x.shape[-1]
         qx, amax = quantize_per_token(x.reshape(-1, k))

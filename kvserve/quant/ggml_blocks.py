@@ -8,9 +8,9 @@ order. These functions are the contract a packed kernel is held to, bit for bit:
     quantize_activations_for(qtype, x)  x as the type's llama.cpp vec_dot_type
     dot_reference(data, qtype, xq)      float32 [M, N], the scales applied in the stated order
 
-The legacy types' packed kernels (gguf.pack, ops/csrc/qlinear*.cpp) quantize activations as
-kvserve's Q4_1 / Q8_0 path does (gguf.quantize_activations: round half to even, float32 d) and
-are held bit for bit to gguf.qlinear_reference; dot_reference here is llama.cpp's arithmetic,
+The legacy types' packed kernels (block_pack.pack, ops/csrc/qlinear*.cpp) quantize activations as
+kvserve's Q4_1 / Q8_0 path does (block_pack.quantize_activations: round half to even, float32 d) and
+are held bit for bit to block_pack.qlinear_reference; dot_reference here is llama.cpp's arithmetic,
 which that lands close to (tests/unit/test_qlinear_q5.py).
 
 This file holds the legacy 32-weight blocks and the entry points; the K-quants (256-weight

@@ -75,7 +75,7 @@ import torch
 
 Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, Q8_K = 10, 11, 12, 13, 14, 15  # ggml ids
 IQ2_XXS, IQ2_XS, IQ3_XXS, IQ1_S, IQ3_S, IQ2_S, IQ4_XS = 16, 17, 18, 19, 21, 22, 23
-# kvserve's own (past ggml's, as gguf.W8A8): a file's i-quant in IQ4_XS's layout (IQ2_X16:
+# kvserve's own (past ggml's, as block_pack.W8A8): a file's i-quant in IQ4_XS's layout (IQ2_X16:
 # with a scale per 16 weights)
 IQ3_S4, IQ3_XXS4, IQ2_XXS4, IQ1_S4, IQ2_X16 = 257, 258, 259, 260, 261
 QK_K = 256

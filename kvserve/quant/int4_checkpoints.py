@@ -42,7 +42,8 @@ from kvserve.quant.base import (
     dense,
     require_float32,
 )
-from kvserve.quant.gguf import BLOCK, F32, Q4_1, Q8_0, dequantize_runs, int4_runs, pack
+from kvserve.quant.block_pack import BLOCK, F32, Q4_1, Q8_0, pack
+from kvserve.quant.gguf import dequantize_runs, int4_runs
 from kvserve.quant.int4_groups import Int4Groups
 from kvserve.quant.rtn import int4_to_q4_1, int8_to_q8_0
 

@@ -36,7 +36,8 @@ from kvserve.quant.base import (
     dense_names,
     require_float32,
 )
-from kvserve.quant.gguf import BLOCK, F32, Q4_1, Q8_0, dequantize_runs, int4_runs, pack
+from kvserve.quant.block_pack import BLOCK, F32, Q4_1, Q8_0, pack
+from kvserve.quant.gguf import dequantize_runs, int4_runs
 from kvserve.quant.int4_groups import Int4Groups
 
 if TYPE_CHECKING:

@@ -51,6 +51,7 @@ from kvserve.quant.base import (
     dense_names,
     require_float32,
 )
+from kvserve.quant.block_pack import BLOCK, Q8_0, W8A8, pack
 from kvserve.quant.calibration import (
     LayerWeights,
     attention,
@@ -58,7 +59,7 @@ from kvserve.quant.calibration import (
     layer_weights,
     rms_norm,
 )
-from kvserve.quant.gguf import BLOCK, Q8_0, W8A8, dequantize_runs, pack
+from kvserve.quant.gguf import dequantize_runs
 from kvserve.quant.rtn import int8_to_q8_0, quantize_int8
 
 if TYPE_CHECKING:

@@ -20,7 +20,7 @@ import torch
 
 from kvserve import LLM
 from kvserve.ops import get_ops
-from kvserve.quant.gguf import Q4_1, Q8_0, W8A8, pack, qlinear_reference
+from kvserve.quant.block_pack import Q4_1, Q8_0, W8A8, pack, qlinear_reference
 from kvserve.quant.rtn import int4_to_q4_1, int8_to_q8_0, quantize_int4, quantize_int8
 from kvserve.sampling_params import SamplingParams
 from tests.e2e.test_quantize_cli import (

@@ -18,7 +18,7 @@ from safetensors.torch import save_file
 from kvserve.loader import load_checkpoint
 from kvserve.models import build_model
 from kvserve.ops import get_ops
-from kvserve.quant.gguf import Q4_1, Q8_0, unpack
+from kvserve.quant.block_pack import Q4_1, Q8_0, unpack
 from kvserve.quant.int4_checkpoints import Int4CheckpointLinearMethod
 from tests.helpers import PagedSequence, kvserve_model_from_hf, tiny_hf_model
 

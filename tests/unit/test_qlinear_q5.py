@@ -25,7 +25,7 @@ from kvserve.ops.cpu import (
     runnable_isas,
 )
 from kvserve.quant import ggml_blocks
-from kvserve.quant.gguf import (
+from kvserve.quant.block_pack import (
     BLOCK_BYTES,
     IQ4_NL,
     PACKED_BYTES,

@@ -16,19 +16,17 @@ import torch.nn.functional as F
 from kvserve.layers.linear import Linear
 from kvserve.ops.cpu import ISAS, CpuOps, cpu_has_avx2_fma, runnable_isas
 from kvserve.ops.reference import ReferenceOps
-from kvserve.quant.gguf import (
+from kvserve.quant.block_pack import (
     BLOCK_BYTES,
     Q4_1,
     Q8_0,
-    GGUFLinearMethod,
-    GGUFWeight,
     check_packed,
-    dequantize,
     pack,
     qlinear_reference,
     quantize_activations,
     unpack,
 )
+from kvserve.quant.gguf import GGUFLinearMethod, GGUFWeight, dequantize
 
 needs_kernels = pytest.mark.skipif(not cpu_has_avx2_fma(), reason="needs an AVX2+FMA CPU")
 

@@ -19,7 +19,7 @@ from kvserve.models import build_model
 from kvserve.ops import get_ops
 from kvserve.ops.reference import ReferenceOps
 from kvserve.quant import get_quant_method, quant_config
-from kvserve.quant.gguf import Q4_1, Q8_0, qlinear_reference
+from kvserve.quant.block_pack import Q4_1, Q8_0, qlinear_reference
 from kvserve.quant.rtn import (
     RTNLinearMethod,
     int4_to_q4_1,

@@ -19,8 +19,8 @@ import torch
 from kvserve.models import build_model
 from kvserve.ops import get_ops
 from kvserve.ops.cpu import CpuOps
+from kvserve.quant.block_pack import Q8_0, W8A8, pack, qlinear_reference
 from kvserve.quant.calibration import layer_forward
-from kvserve.quant.gguf import Q8_0, W8A8, pack, qlinear_reference
 from kvserve.quant.rtn import int8_to_q8_0, quantize_int8
 from kvserve.quant.smoothquant import (
     W8A8LinearMethod,

@@ -54,7 +54,7 @@ std::vector<torch::Tensor> quantize_acts(const torch::Tensor& x) {
 }
 
 // x [M, K] float32 against a packed GGUF weight [ceil(N / 16), K / 32, record bytes: 288
-// (Q4_0, IQ4_NL), 320 (Q4_1), 352 (Q5_0), 384 (Q5_1) or 544 (Q8_0)] (kvserve/quant/gguf.py
+// (Q4_0, IQ4_NL), 320 (Q4_1), 352 (Q5_0), 384 (Q5_1) or 544 (Q8_0)] (kvserve/quant/block_pack.py
 // pack) -> [M, N]: x quantized to int8 per 32 values, then the exact int dot products scaled
 // per block (kernels.h qlinear). avx512: the VNNI kernel.
 torch::Tensor qlinear(const torch::Tensor& x, const torch::Tensor& weight, int64_t wtype,

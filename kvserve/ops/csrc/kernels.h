@@ -66,7 +66,7 @@ void dequantize_rows(const void* w, WType wt, float* out, int64_t N, int64_t K, 
 
 // Activation rows quantized per block of 32 values (llama.cpp's Q8_1 scheme), for qlinear:
 // d = amax / 127, q = round-half-even(x * (127 / amax)) (0 when amax == 0), sum = sum(q),
-// s = d * (float)sum. See quantize_activations in kvserve/quant/gguf.py. The quants lie in
+// s = d * (float)sum. See quantize_activations in kvserve/quant/block_pack.py. The quants lie in
 // [-127, 127] (never -128), which the AVX2 kernel's sign trick relies on.
 struct QActs {
   const int8_t* q;     // [M, K]
@@ -80,12 +80,12 @@ void quantize_acts(const float* x, int64_t ldx, int64_t M, int64_t K, int8_t* q,
 // The same layout with one scale per row (W8A8's per-token activations): amax over the whole
 // row, every block of row m getting d = amax / 127 and its quants x * (127 / amax) rounded
 // half to even; s and sum per block as above. See quantize_activations_per_token in
-// kvserve/quant/gguf.py.
+// kvserve/quant/block_pack.py.
 void quantize_acts_per_token(const float* x, int64_t ldx, int64_t M, int64_t K, int8_t* q,
                              float* d, float* s, int32_t* sum, int nthreads);
 
 // One packed record (16 rows x one block of 32 weights) of a block format, byte offsets of
-// its fields (-1: absent); kvserve/quant/gguf.py draws the layout. d (and m) are fp16[16];
+// its fields (-1: absent); kvserve/quant/block_pack.py draws the layout. d (and m) are fp16[16];
 // a chunk is 64 bytes, byte 4r + j of row r; a quant is stored unsigned, as q + offset.
 //   nibbles: 4 chunks at qs, chunk c = quant 4c + j (low nibble), 16 + 4c + j (high)
 //   qh >= 0: a 64-byte plane, byte 4r + j bit b = bit 4 of quant 4b + j (the 5-bit types)

@@ -1,5 +1,6 @@
 // Quantized linear on packed GGUF weights, AVX2: out[M, N] = x W^T with x quantized to int8
-// per block of 32 (QActs) and W in the 16-row packed layout of kvserve/quant/gguf.py (`pack`).
+// per block of 32 (QActs) and W in the 16-row packed layout of kvserve/quant/block_pack.py
+// (`pack`).
 //
 // One record (group g of 16 weight rows, block b of 32 weights) at w + (g * K/32 + b) * RB,
 // its fields at kernels.h packed_format(wt):

@@ -1,6 +1,6 @@
 // AVX-512 VNNI kernel for packed GGUF weights against int8-quantized activations (the spec is
-// in kernels.h, the layout in kvserve/quant/gguf.py): out[m, n] = sum over blocks of the exact
-// int32 dot product of the block's quants, scaled per block in float32.
+// in kernels.h, the layout in kvserve/quant/block_pack.py): out[m, n] = sum over blocks of the
+// exact int32 dot product of the block's quants, scaled per block in float32.
 //
 // Why it is fast: a 64-byte chunk of a record is 16 weight rows x 4 quants, and one vpdpbusd
 // multiplies it by 4 activation bytes broadcast to every lane: 64 multiply-adds, landing in

@@ -115,7 +115,7 @@ inline kvs::WType checked_weight_type(const torch::Tensor& weight, int64_t wtype
   return wt;
 }
 
-// A packed weight [ceil(N / 16), K / 32, 16 x block bytes] (kvserve/quant/gguf.py pack) in
+// A packed weight [ceil(N / 16), K / 32, 16 x block bytes] (kvserve/quant/block_pack.py pack) in
 // the named block format (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, IQ4_NL), for K inputs and N outputs.
 inline kvs::WType checked_packed_type(const torch::Tensor& weight, int64_t wtype, int64_t K,
                                       int64_t N) {

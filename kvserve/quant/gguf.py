@@ -124,8 +124,7 @@ class GGUFWeight(NamedTuple):
     def for_kernels(self) -> GGUFWeight:
         """The matrix in a format the kernels read: as stored where they read it (KEPT_TYPES),
         the i-quants of ggml_kquants.IQ4_REWRITES rewritten in (or after) IQ4_XS's layout
-        (the same weights),
-        any other block type requantized to Q8_0. K % 32 == 0."""
+        (the same weights), any other block type requantized to Q8_0. K % 32 == 0."""
         if self.qtype in KEPT_TYPES:
             return self
         if self.qtype in ggml_kquants.IQ4_REWRITES:

@@ -144,7 +144,7 @@ inline void iq4x16_scales(const uint8_t* rec, __m128i* sc) {
 }
 
 // What a format's fp16 d is multiplied by, exactly, before it scales the sums: 2^-kDShift
-// where the format declares one (IQ3_XXS4, IQ2_XXS4: ggml_kquants.IQ4_FAMILY), else 1.
+// where the format declares one (IQ4Lut's: 0 to 3, ggml_kquants.IQ4_FAMILY), else 1.
 template <class F, class = void>
 struct DFactor {
   static constexpr float value = 1.0f;

@@ -318,7 +318,7 @@ struct IQ4Lut {
 };
 // IQ4_XS's values, and the i-quants a file's IQ3_S, IQ3_XXS, IQ2_XXS, IQ1_S are rewritten as
 // at load (IQ4_XS's layout, kvserve/quant/ggml_kquants.py): the same records and arithmetic,
-// another table and factor.
+// another table and factor. IQ2_XS and IQ2_S become IQ2X16: IQ2_XXS's values, a scale per 16.
 using IQ4XS = IQ4Lut<kIQ4Values, 0>;
 using IQ3S4 = IQ4Lut<kIQ3SValues, 0>;
 using IQ3XXS4 = IQ4Lut<kIQ3XXSValues, 2>;

@@ -320,9 +320,9 @@ class GGUFCheckpoint:
         if unkept:
             logger.info("%s: %s matrices of no type kvserve's kernels read as stored: "
                         "quantization 'gguf' rewrites them for its kernels (IQ3_S, IQ3_XXS, "
-                        "IQ2_XXS, IQ1_S, IQ2_XS, IQ2_S exactly in IQ4_XS's quants, the others "
-                        "as Q8_0, 8.5 bits a weight), 'gguf_exact' and a backend without the "
-                        "kernels dequantize them", self.path,
+                        "IQ2_XXS, IQ1_S, IQ2_XS, IQ2_S, IQ1_M exactly in IQ4_XS's quants, the "
+                        "others as Q8_0, 8.5 bits a weight), 'gguf_exact' and a backend "
+                        "without the kernels dequantize them", self.path,
                         ", ".join(f"{n} {name}" for name, n in sorted(unkept.items())))
 
     @staticmethod

@@ -55,9 +55,11 @@ the 128-weight half, c < 4 a 2-bit plane, t < 2 a nibble), from ggml-common.h / 
   minus 32 (stored 33 + 2 s). The power of two scales d (KParts.d, and the kernels' d), not
   the fp16 record: these files' d lie near 1e-4, where d / 8 would turn subnormal. The same
   floats at 4.25 bits a weight (the files': 3.44, 3.06, 2.06, 1.56), on IQ4_XS's kernels.
-  IQ2_X16 (kvserve's own id 261): a GGUF IQ2_XS or IQ2_S super-block (ggml types 17, 22: 2.31
-  and 2.56 bits a weight), whose scale 1 + 2 s is per 16 weights, in a 146-byte layout of
-  IQ4_XS's quants with 16 int8 scales (4.56 bits a weight); IQ2_XXS's values and shift:
+  IQ2_X16 and IQ1_M16 (kvserve's own ids 261, 262): a GGUF IQ2_XS or IQ2_S super-block (ggml
+  types 17, 22: 2.31 and 2.56 bits a weight), or an IQ1_M one (29: 1.75 bits, its delta per
+  8 weights and its fp16 d in the top nibbles of its scales), whose scale 1 + 2 s is per 16
+  weights, in a 146-byte layout of IQ4_XS's quants with 16 int8 scales (4.56 bits a weight);
+  IQ2_XXS's values and shift, IQ1_S's:
     [0, 2) d   [2, 18) scales: int8, scale j of weights 16j .. 16j + 15
     [18, 146)  qs: as IQ4_XS's [8, 136) (weight 32s + 16t + l: sub-block of 16 2s + t)
   Q8_K (ggml type 15), 292 bytes, activations only (never in a file): float32 d, int8 qs[256],
@@ -75,15 +77,16 @@ import torch
 
 Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, Q8_K = 10, 11, 12, 13, 14, 15  # ggml ids
 IQ2_XXS, IQ2_XS, IQ3_XXS, IQ1_S, IQ3_S, IQ2_S, IQ4_XS = 16, 17, 18, 19, 21, 22, 23
+IQ1_M = 29
 # kvserve's own (past ggml's, as block_pack.W8A8): a file's i-quant in IQ4_XS's layout (IQ2_X16:
-# with a scale per 16 weights)
-IQ3_S4, IQ3_XXS4, IQ2_XXS4, IQ1_S4, IQ2_X16 = 257, 258, 259, 260, 261
+# and IQ1_M16: with a scale per 16 weights)
+IQ3_S4, IQ3_XXS4, IQ2_XXS4, IQ1_S4, IQ2_X16, IQ1_M16 = 257, 258, 259, 260, 261, 262
 QK_K = 256
 KQUANT_BYTES = {Q2_K: 84, Q3_K: 110, Q4_K: 144, Q5_K: 176, Q6_K: 210, IQ4_XS: 136, IQ3_S4: 136,
-                IQ3_XXS4: 136, IQ2_XXS4: 136, IQ1_S4: 136, IQ2_X16: 146}
+                IQ3_XXS4: 136, IQ2_XXS4: 136, IQ1_S4: 136, IQ2_X16: 146, IQ1_M16: 146}
 KQUANT_NAMES = {Q2_K: "Q2_K", Q3_K: "Q3_K", Q4_K: "Q4_K", Q5_K: "Q5_K", Q6_K: "Q6_K",
                 IQ4_XS: "IQ4_XS", IQ3_S4: "IQ3_S4", IQ3_XXS4: "IQ3_XXS4", IQ2_XXS4: "IQ2_XXS4",
-                IQ1_S4: "IQ1_S4", IQ2_X16: "IQ2_X16"}
+                IQ1_S4: "IQ1_S4", IQ2_X16: "IQ2_X16", IQ1_M16: "IQ1_M16"}
 # IQ4_NL / IQ4_XS's 16 values (ggml-common.h kvalues_iq4nl): the index's weight before scaling.
 IQ4_VALUES = (-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113)
 # The rewritten i-quants': their grid values with both signs (IQ1_S: 8 x grid +- 1; the 6 of
@@ -96,10 +99,12 @@ IQ1S_VALUES = (-9, -7, -1) + (0,) * 10 + (1, 7, 9)
 # weights per scale).
 IQ4_FAMILY = {IQ4_XS: (IQ4_VALUES, 0, 32), IQ3_S4: (IQ3S_VALUES, 0, 32),
               IQ3_XXS4: (IQ3XXS_VALUES, 2, 32), IQ2_XXS4: (IQ2XXS_VALUES, 3, 32),
-              IQ1_S4: (IQ1S_VALUES, 3, 32), IQ2_X16: (IQ2XXS_VALUES, 3, 16)}
+              IQ1_S4: (IQ1S_VALUES, 3, 32), IQ2_X16: (IQ2XXS_VALUES, 3, 16),
+              IQ1_M16: (IQ1S_VALUES, 3, 16)}
 # A file's i-quant -> (its stored bytes per 256 weights, the type rewrite_iq4 makes of it).
 IQ4_REWRITES = {IQ3_S: (110, IQ3_S4), IQ3_XXS: (98, IQ3_XXS4), IQ2_XXS: (66, IQ2_XXS4),
-                IQ1_S: (50, IQ1_S4), IQ2_XS: (74, IQ2_X16), IQ2_S: (82, IQ2_X16)}
+                IQ1_S: (50, IQ1_S4), IQ2_XS: (74, IQ2_X16), IQ2_S: (82, IQ2_X16),
+                IQ1_M: (56, IQ1_M16)}
 
 
 def iq4_values(index: torch.Tensor, table: tuple[int, ...] = IQ4_VALUES) -> torch.Tensor:
@@ -295,14 +300,15 @@ class _IQParts(NamedTuple):
     """An i-quant's super-blocks taken apart: index long [n, nsb, 256 / width] into the grids
     plus and minus (int16 [entries, width]: each entry's values where negative is 0 / 1),
     negative uint8 [n, nsb, 256] (IQ3 / IQ2: the weight's sign; IQ1_S: its sub-block's delta
-    sign), s4 uint8 [n, nsb, 8] (scale 1 + 2 s4 per 32 weights; IQ2_XS / IQ2_S: [n, nsb, 16],
-    per 16)."""
+    sign), s4 uint8 [n, nsb, 8] (scale 1 + 2 s4 per 32 weights; IQ2_XS / IQ2_S / IQ1_M:
+    [n, nsb, 16], per 16), d uint8 [n, nsb, 2] (the fp16 d's bytes)."""
 
     index: torch.Tensor
     plus: torch.Tensor
     minus: torch.Tensor
     negative: torch.Tensor
     s4: torch.Tensor
+    d: torch.Tensor
 
 
 def _grid(quant: type, entries: int, width: int) -> torch.Tensor:
@@ -337,7 +343,7 @@ def _iq3_s_parts(raw: torch.Tensor) -> _IQParts:
     negative = ((raw[..., 74:106, None] >> bits) & 1).reshape(n, nsb, QK_K)
     s4 = torch.stack([raw[..., 106:110] & 15, raw[..., 106:110] >> 4], -1).reshape(n, nsb, 8)
     grid = _grid(gguf_quants.IQ3_S, 512, 4)
-    return _IQParts(index, grid, -grid, negative, s4)
+    return _IQParts(index, grid, -grid, negative, s4, raw[..., 0:2])
 
 
 def _iq3_xxs_parts(raw: torch.Tensor) -> _IQParts:
@@ -350,7 +356,7 @@ def _iq3_xxs_parts(raw: torch.Tensor) -> _IQParts:
     aux = raw[..., 66:98].contiguous().view(torch.int32).long()  # [n, nsb, 8]
     grid = _grid(gguf_quants.IQ3_XXS, 256, 4)
     return _IQParts(raw[..., 2:66].long(), grid, -grid, _ksign_bits(aux),
-                    (aux >> 28 & 15).to(torch.uint8))
+                    (aux >> 28 & 15).to(torch.uint8), raw[..., 0:2])
 
 
 def _iq2_xxs_parts(raw: torch.Tensor) -> _IQParts:
@@ -365,7 +371,7 @@ def _iq2_xxs_parts(raw: torch.Tensor) -> _IQParts:
     aux = pairs[..., 1, :].contiguous().view(torch.int32).long().squeeze(-1)  # [n, nsb, 8]
     grid = _grid(gguf_quants.IQ2_XXS, 256, 8)
     return _IQParts(pairs[..., 0, :].reshape(n, nsb, 32).long(), grid, -grid,
-                    _ksign_bits(aux), (aux >> 28 & 15).to(torch.uint8))
+                    _ksign_bits(aux), (aux >> 28 & 15).to(torch.uint8), raw[..., 0:2])
 
 
 def _iq1_s_parts(raw: torch.Tensor) -> _IQParts:
@@ -382,7 +388,8 @@ def _iq1_s_parts(raw: torch.Tensor) -> _IQParts:
     index = (raw[..., 2:34].reshape(n, nsb, 8, 4).long() | high).reshape(n, nsb, 32)
     negative = (qh >> 15).to(torch.uint8).repeat_interleave(32, dim=-1)
     grid = _grid(gguf_quants.IQ1_S, 2048, 8)  # -1, 0, 1: 8 g + 1 or 8 g - 1, in eighths
-    return _IQParts(index, 8 * grid + 1, 8 * grid - 1, negative, (qh >> 12 & 7).to(torch.uint8))
+    return _IQParts(index, 8 * grid + 1, 8 * grid - 1, negative, (qh >> 12 & 7).to(torch.uint8),
+                    raw[..., 0:2])
 
 
 def _scale_nibbles(raw: torch.Tensor) -> torch.Tensor:
@@ -401,7 +408,7 @@ def _iq2_xs_parts(raw: torch.Tensor) -> _IQParts:
     negative = ksigns[qs >> 9][..., None] >> torch.arange(8, dtype=torch.uint8) & 1
     grid = _grid(gguf_quants.IQ2_XS, 512, 8)
     return _IQParts(qs & 511, grid, -grid, negative.reshape(*raw.shape[:2], QK_K),
-                    _scale_nibbles(raw[..., 66:74]))
+                    _scale_nibbles(raw[..., 66:74]), raw[..., 0:2])
 
 
 def _iq2_s_parts(raw: torch.Tensor) -> _IQParts:
@@ -418,11 +425,35 @@ def _iq2_s_parts(raw: torch.Tensor) -> _IQParts:
     bits = torch.arange(8, dtype=torch.uint8)
     negative = (raw[..., 34:66, None] >> bits & 1).reshape(n, nsb, QK_K)
     grid = _grid(gguf_quants.IQ2_S, 1024, 8)
-    return _IQParts(index, grid, -grid, negative, _scale_nibbles(raw[..., 74:82]))
+    return _IQParts(index, grid, -grid, negative, _scale_nibbles(raw[..., 74:82]),
+                    raw[..., 0:2])
+
+
+def _iq1_m_parts(raw: torch.Tensor) -> _IQParts:
+    """IQ1_M blocks [n, nsb, 56] (gguf-py IQ1_M.dequantize_blocks), weight d (1 + 2 s)
+    (g +- 1/8), s per 16 weights, the delta's sign per 8:
+        [0, 32) the low 8 bits of group g's grid index (weights 8g .. 8g + 7)
+        [32, 48) nibble t of byte i: group 2i + t's index bits 8..10 (bits 0..2), its delta
+                 sign (bit 3, 1: -1/8)
+        [48, 56) 4 uint16: bits 3i .. 3i + 2 of word w are s of weights 16 (4w + i) ..; the
+                 four words' top nibbles are the fp16 d's nibbles, lowest first"""
+    from gguf import quants as gguf_quants
+
+    n, nsb = raw.shape[:2]
+    words = raw[..., 48:56].contiguous().view(torch.int16).to(torch.int32) & 0xFFFF  # [.., 4]
+    d = (words >> 12 << torch.tensor([0, 4, 8, 12], dtype=torch.int32)).sum(-1)
+    s = (words[..., None] >> torch.tensor([0, 3, 6, 9], dtype=torch.int32) & 7).reshape(n, nsb, 16)
+    qh = torch.stack([raw[..., 32:48] & 15, raw[..., 32:48] >> 4], -1).reshape(n, nsb, 32)
+    index = raw[..., 0:32].long() | (qh & 7).long() << 8
+    negative = (qh >> 3).repeat_interleave(8, dim=-1)
+    grid = _grid(gguf_quants.IQ1_M, 2048, 8)
+    d_bytes = torch.stack([d & 255, d >> 8], -1).to(torch.uint8)
+    return _IQParts(index, 8 * grid + 1, 8 * grid - 1, negative, s.to(torch.uint8), d_bytes)
 
 
 _IQ_PARTS = {IQ3_S: _iq3_s_parts, IQ3_XXS: _iq3_xxs_parts, IQ2_XXS: _iq2_xxs_parts,
-             IQ1_S: _iq1_s_parts, IQ2_XS: _iq2_xs_parts, IQ2_S: _iq2_s_parts}
+             IQ1_S: _iq1_s_parts, IQ2_XS: _iq2_xs_parts, IQ2_S: _iq2_s_parts,
+             IQ1_M: _iq1_m_parts}
 
 
 def rewrite_iq4(data: torch.Tensor, qtype: int, k: int) -> torch.Tensor:
@@ -447,12 +478,12 @@ def rewrite_iq4(data: torch.Tensor, qtype: int, k: int) -> torch.Tensor:
     pairs = nibble.reshape(n, nsb, 8, 2, 16)  # [s, t, l]: weight 32s + 16t + l
     qs = (pairs[..., 0, :] | pairs[..., 1, :] << 4).reshape(n, nsb, 128)
     if IQ4_FAMILY[target][2] == 16:  # int8 scales 1 + 2 s (at most 31)
-        out = torch.cat([raw[..., 0:2], 1 + 2 * p.s4, qs], dim=-1)
+        out = torch.cat([p.d, 1 + 2 * p.s4, qs], dim=-1)
         return out.reshape(n, nsb * KQUANT_BYTES[target])
     ls = 33 + 2 * p.s4  # 6 bits: IQ4_XS's scale + 32 (uint8: at most 63)
     high = ((ls >> 4) & 3).to(torch.int32) << 2 * torch.arange(8, dtype=torch.int32)
     scales_h = high.sum(-1, dtype=torch.int32)  # uint16: bits 2s, 2s + 1
     scales_l = (ls[..., 0::2] & 15) | (ls[..., 1::2] & 15) << 4
     h = torch.stack([scales_h & 255, scales_h >> 8], -1).to(torch.uint8)
-    out = torch.cat([raw[..., 0:2], h, scales_l, qs], dim=-1)
+    out = torch.cat([p.d, h, scales_l, qs], dim=-1)
     return out.reshape(n, nsb * KQUANT_BYTES[target])

@@ -15,8 +15,8 @@ instead of 32. `dequantize` below is the pure-torch reference, itself tested aga
 
 The K-quants in KQUANT_TYPES stay packed too under "gguf" (kvserve/quant/kquant_pack.py), and
 IQ3_S, IQ3_XXS, IQ2_XXS and IQ1_S join them rewritten exactly in IQ4_XS's layout, IQ2_XS and
-IQ2_S in its quants with a scale per 16 weights (ggml_kquants.rewrite_iq4). A matrix of any
-other block type (IQ1_M, TQ1_0 / TQ2_0, ...) is requantized to Q8_0 at load under "gguf"
+IQ2_S, IQ1_M in its quants with a scale per 16 weights (ggml_kquants.rewrite_iq4). A matrix of
+any other block type (TQ1_0 / TQ2_0, MXFP4, ...) is requantized to Q8_0 at load under "gguf"
 (GGUFWeight.for_kernels: 8.5 bits a weight on the int8 kernels instead of float32's 32, for
 about Q8_0's rounding on top of the file's); "gguf_exact" and a backend without the kernels
 dequantize it to the model's dtype.
@@ -85,7 +85,7 @@ ROW_TYPES = (Q4_1, Q8_0)
 # K-quant matrices kept packed too (kvserve/quant/kquant_pack.py, ops/csrc/qlinear_kquant*.cpp:
 # Q8_K activations per 256 values) under "gguf"; 256 weights per super-block.
 Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_XS = 10, 11, 12, 13, 14, 23
-# with a file's IQ3_S, IQ3_XXS, IQ2_XXS, IQ1_S, IQ2_XS, IQ2_S as rewritten for them
+# with a file's IQ3_S, IQ3_XXS, IQ2_XXS, IQ1_S, IQ2_XS, IQ2_S, IQ1_M as rewritten for them
 # (ggml_kquants.IQ4_REWRITES; the last two share IQ2_X16)
 KQUANT_TYPES = (Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_XS) + tuple(
     dict.fromkeys(target for _, target in ggml_kquants.IQ4_REWRITES.values()))

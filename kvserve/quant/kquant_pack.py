@@ -40,11 +40,11 @@ field start + (16 * j + r) * u. So packing moves bytes and adds none (the ceilin
     [0, 2048) 32 ql chunks: chunk 16h + l4 (l4 < 16): row r's ql[64h + 4 l4 + j]
     [2048, 3072) 16 qh chunks: chunk 8h + l4 (l4 < 8): row r's qh[32h + 4 l4 + j]
     [3072, 3328) 16 scale planes (int8)   [3328, 3360) d[16]
-  IQ4_XS (and the other IQ4_FAMILY types but IQ2_X16, its layout), 136 -> 2176 bytes:
+  IQ4_XS (and the other IQ4_FAMILY types but IQ2_X16 / IQ1_M16, its layout), 136 -> 2176 bytes:
     [0, 32) d[16]   [32, 64) scales_h[16] (uint16)   [64, 128) 4 scales_l planes
     [128, 2176) 32 qs chunks: chunk 4s + l4 (l4 < 4), byte 4r + j = row r's qs[16s + 4 l4 + j],
                  whose nibbles index weights 32s + 4 l4 + j (low) and 32s + 16 + 4 l4 + j (high)
-  IQ2_X16, 146 -> 2336 bytes:
+  IQ2_X16, IQ1_M16, 146 -> 2336 bytes:
     [0, 32) d[16]   [32, 288) 16 scale planes (int8)   [288, 2336) 32 qs chunks as IQ4_XS's
 
 A short last group is padded with zero records (d = dmin = 0), which compute zeros.
@@ -55,6 +55,7 @@ from __future__ import annotations
 import torch
 
 from kvserve.quant.ggml_kquants import (
+    IQ1_M16,
     IQ2_X16,
     IQ4_FAMILY,
     IQ4_XS,
@@ -80,7 +81,8 @@ FIELDS = {
     IQ4_XS: ((0, 2, 2), (2, 4, 2), (4, 8, 1), (8, 136, 4)),
 }
 FIELDS.update({q: FIELDS[IQ4_XS] for q in IQ4_FAMILY})  # IQ3_S4, ..: IQ4_XS's layout
-FIELDS[IQ2_X16] = ((0, 2, 2), (2, 18, 1), (18, 146, 4))  # 16 int8 scales instead
+for _q in (IQ2_X16, IQ1_M16):  # 16 int8 scales instead
+    FIELDS[_q] = ((0, 2, 2), (2, 18, 1), (18, 146, 4))
 PACKED_KQUANT_BYTES = {q: GROUP * KQUANT_BYTES[q] for q in FIELDS}
 PACKED_NAMES = {q: KQUANT_NAMES[q] for q in FIELDS}
 

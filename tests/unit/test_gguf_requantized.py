@@ -1,6 +1,6 @@
 """GGUF block types the kernels do not read as stored (IQ3_S, IQ3_XXS, IQ2_XXS, IQ2_XS, IQ2_S,
-IQ1_S, TQ2_0, ...): under quantization "gguf" the i-quants are rewritten exactly in IQ4_XS's
-layout (their own values; IQ2_XS and IQ2_S with a scale per 16 weights: IQ2_X16;
+IQ1_S, IQ1_M, TQ2_0, ...): under quantization "gguf" the i-quants are rewritten exactly in
+IQ4_XS's layout (their own values; IQ2_XS, IQ2_S and IQ1_M with a scale per 16 weights;
 ggml_kquants.rewrite_iq4) and every other such matrix
 requantized to Q8_0 at load (GGUFWeight.for_kernels), both packed on the int8 kernels;
 "gguf_exact" and a backend without the kernels dequantize them, as the loader did before.
@@ -23,6 +23,7 @@ from kvserve.models import build_model
 from kvserve.ops import get_ops
 from kvserve.quant import get_quant_method, quant_config
 from kvserve.quant.ggml_kquants import (
+    IQ1_M16,
     IQ1_S4,
     IQ2_X16,
     IQ2_XXS4,
@@ -41,7 +42,7 @@ TYPES = {
     0: {"attn_q": Q.IQ3_S, "attn_k": Q.IQ3_S, "attn_v": Q.TQ2_0, "attn_output": Q.IQ3_XXS,
         "ffn_gate": Q.IQ2_XXS, "ffn_up": Q.IQ2_XXS, "ffn_down": Q.IQ2_S},
     1: {"attn_q": Q.IQ3_S, "attn_k": Q.Q4_K, "attn_v": Q.Q6_K, "attn_output": Q.IQ1_S,
-        "ffn_gate": Q.Q4_K, "ffn_up": Q.Q4_K, "ffn_down": Q.IQ2_XS},
+        "ffn_gate": Q.IQ1_M, "ffn_up": Q.IQ1_M, "ffn_down": Q.IQ2_XS},
 }
 LINEARS = {"self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj"}
 
@@ -54,8 +55,8 @@ def _write(tmp_path: Path) -> Path:
     return path
 
 
-@pytest.mark.parametrize("qtype", [Q.IQ3_S, Q.IQ3_XXS, Q.IQ2_XXS, Q.IQ1_S, Q.IQ2_XS, Q.IQ2_S],
-                         ids=lambda q: q.name)
+@pytest.mark.parametrize("qtype", [Q.IQ3_S, Q.IQ3_XXS, Q.IQ2_XXS, Q.IQ1_S, Q.IQ2_XS, Q.IQ2_S,
+                                   Q.IQ1_M], ids=lambda q: q.name)
 def test_i_quants_rewrite_exactly_in_iq4_xs_layout(qtype: Q) -> None:
     """Every byte random (grid indices, IQ3_S's 9th bits, signs, scales; fp16 d down to the
     1e-5 of real files, where d / 8 in fp16 would be subnormal): the rewritten blocks
@@ -66,10 +67,16 @@ def test_i_quants_rewrite_exactly_in_iq4_xs_layout(qtype: Q) -> None:
     nbytes, target = IQ4_REWRITES[qtype]
     raw = rng.integers(0, 256, (n, k // 256, nbytes), dtype=np.uint8)
     d = rng.uniform(-0.01, 0.01, (n, k // 256, 1)) * 10.0 ** -rng.integers(0, 3, (n, 1, 1))
-    raw[..., 0:2] = np.float16(d).view(np.uint8)
+    d16 = np.float16(d).view(np.uint16)
+    if qtype == Q.IQ1_M:  # d's 4 nibbles, lowest first, atop the 4 scale words at [48, 56)
+        words = raw[..., 48:56].copy().view(np.uint16) & 0x0FFF
+        nibbles = (d16 >> np.array([0, 4, 8, 12], dtype=np.uint16)) & 15
+        raw[..., 48:56] = (words | nibbles << 12).view(np.uint8)
+    else:
+        raw[..., 0:2] = d16.view(np.uint8)
     raw = raw.reshape(n, -1)
     out = rewrite_iq4(torch.from_numpy(raw), qtype, k)
-    assert out.shape == (n, k // 256 * (146 if target == IQ2_X16 else 136))
+    assert out.shape == (n, k // 256 * (146 if target in (IQ2_X16, IQ1_M16) else 136))
     want = torch.from_numpy(gguf.quants.dequantize(raw, qtype))
     assert torch.equal(dequantize_kquant(out, target, k), want)
     ours = GGUFWeight(torch.from_numpy(raw), int(qtype), k).for_kernels()
@@ -96,14 +103,15 @@ def test_other_block_types_run_on_the_kernels(tmp_path: Path,
     ck = load_checkpoint(str(_write(tmp_path)))
     with caplog.at_level(logging.INFO, logger="kvserve.loader.gguf_loader"):
         packed = build_model(ck, get_ops("auto"), torch.float32, "gguf")
-    assert ("1 IQ1_S, 1 IQ2_S, 1 IQ2_XS, 2 IQ2_XXS, 3 IQ3_S, 1 IQ3_XXS, 1 TQ2_0 matrices of "
-            "no type kvserve's kernels read as stored: quantization 'gguf' rewrites them"
-            ) in caplog.text
+    assert ("2 IQ1_M, 1 IQ1_S, 1 IQ2_S, 1 IQ2_XS, 2 IQ2_XXS, 3 IQ3_S, 1 IQ3_XXS, 1 TQ2_0 "
+            "matrices of no type kvserve's kernels read as stored: quantization 'gguf' "
+            "rewrites them") in caplog.text
     want_types = {
         "layers.0.self_attn.qkv_proj": [IQ3_S4, Q.Q8_0], "layers.0.self_attn.o_proj": [IQ3_XXS4],
         "layers.0.mlp.gate_up_proj": [IQ2_XXS4], "layers.0.mlp.down_proj": [IQ2_X16],
         "layers.1.self_attn.qkv_proj": [IQ3_S4, Q.Q4_K, Q.Q6_K],
-        "layers.1.self_attn.o_proj": [IQ1_S4], "layers.1.mlp.down_proj": [IQ2_X16]}
+        "layers.1.self_attn.o_proj": [IQ1_S4], "layers.1.mlp.gate_up_proj": [IQ1_M16],
+        "layers.1.mlp.down_proj": [IQ2_X16]}
     floats = build_model(ck, get_ops("auto"), torch.float32, "none")
     for name, types in want_types.items():
         lin = packed.get_submodule(name)

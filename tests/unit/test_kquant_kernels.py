@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from kvserve.ops.cpu import CpuOps, cpu_has_avx2_fma
 from kvserve.ops.reference import ReferenceOps
 from kvserve.quant.ggml_kquants import (
+    IQ1_M16,
     IQ1_S4,
     IQ2_X16,
     IQ2_XXS4,
@@ -41,10 +42,10 @@ from kvserve.quant.kquant_pack import (
     unpack,
 )
 
-KQ = [Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_XS, IQ3_S4, IQ3_XXS4, IQ2_XXS4, IQ1_S4, IQ2_X16]
+KQ = [Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_XS, IQ3_S4, IQ3_XXS4, IQ2_XXS4, IQ1_S4, IQ2_X16, IQ1_M16]
 NAMES = {Q2_K: "Q2_K", Q3_K: "Q3_K", Q4_K: "Q4_K", Q5_K: "Q5_K", Q6_K: "Q6_K", IQ4_XS: "IQ4_XS",
          IQ3_S4: "IQ3_S4", IQ3_XXS4: "IQ3_XXS4", IQ2_XXS4: "IQ2_XXS4", IQ1_S4: "IQ1_S4",
-         IQ2_X16: "IQ2_X16"}
+         IQ2_X16: "IQ2_X16", IQ1_M16: "IQ1_M16"}
 # fp16 d and dmin in a stored record
 D_AT = {Q2_K: (80, 82), Q3_K: (108, None), Q4_K: (0, 2), Q5_K: (0, 2), Q6_K: (208, None),
         **{q: (0, None) for q in IQ4_FAMILY}}
@@ -107,7 +108,7 @@ def _stored_offset(qtype: int, at: int) -> int:
         chunk, rest = divmod(at - start, 64)  # qs chunk 8c + l4 holds qs[4 * chunk + j]
         r, j = divmod(rest, 4)
         return r * rb + base + 4 * chunk + j
-    if qtype == IQ2_X16:
+    if qtype in (IQ2_X16, IQ1_M16):
         if at < 32:  # d[16]: row r's 2 bytes at 2r
             return (at // 2) * 146 + at % 2
         if at < 288:  # 16 scale planes of 16 bytes, plane j: row r's scale j
@@ -226,7 +227,8 @@ def test_kernel_equals_oracle_bit_for_bit(qlinear_ops: CpuOps, qtype: int, n: in
 def test_kernel_at_the_integer_bounds(qlinear_ops: CpuOps, qtype: int) -> None:
     """Every quant at its largest (Q2_K 3, Q3_K 3 or -4, Q4_K 15, Q5_K 31, Q6_K 31 or -32,
     IQ4_XS -127 and 113, IQ3_S4 -15 and 15, IQ3_XXS4 -62 and 62, IQ2_XXS4 -43 and 43, IQ1_S4
-    -9 and 9, IQ2_X16 -43 and 43) and every activation at +-127: the AVX2 kernel's int16
+    -9 and 9, IQ2_X16 -43 and 43, IQ1_M16 -9 and 9) and every activation at +-127: the AVX2
+    kernel's int16
     partial sums at their limits (Q4_K 30480, Q5_K 31496, Q6_K 32004, IQ4_XS's pairs 32258),
     every scale and min at its largest (Q3_K and IQ4_XS: 31 and -32; IQ2_X16 127 and -128)."""
     n, k = 32, 512
@@ -243,11 +245,11 @@ def test_kernel_at_the_integer_bounds(qlinear_ops: CpuOps, qtype: int) -> None:
         raw[..., 4:16] = 255  # every scale and min 63
         raw[: n // 2, :, 16:] = 255  # quants 15 (Q5_K: qh too, 31)
         raw[n // 2:, :, 16:] = 0
-    elif qtype == IQ2_X16:
-        raw[: n // 2, :, 2:] = 0  # every index 0 (-43), every scale 0
+    elif qtype in (IQ2_X16, IQ1_M16):
+        raw[: n // 2, :, 2:] = 0  # every index 0 (-43, -9), every scale 0
         raw[: n // 2, :, 2:18] = 128  # every scale -128
         raw[n // 2:, :, 2:18] = 127  # every scale 127
-        raw[n // 2:, :, 18:] = 0x0F  # index 15 (43) in the low nibbles, 0 (-43) in the high
+        raw[n // 2:, :, 18:] = 0x0F  # index 15 (43, 9) low, 0 (-43, -9) high
     elif qtype in IQ4_FAMILY:
         raw[: n // 2, :, 2:] = 0  # every index 0 (-127), every scale 0 - 32
         raw[n // 2:, :, 2:8] = 255  # every scale 63 - 32 = 31
@@ -323,7 +325,8 @@ def test_kernel_refuses_bad_shapes_and_formats_by_name() -> None:
     with pytest.raises(RuntimeError, match=r"must be 10 \(Q2_K\), 11 \(Q3_K\), 12 \(Q4_K\), "
                                            r"13 \(Q5_K\), 14 \(Q6_K\), 23 \(IQ4_XS\), 257 "
                                            r"\(IQ3_S4\), 258 \(IQ3_XXS4\), 259 \(IQ2_XXS4\), "
-                                           r"260 \(IQ1_S4\) or 261 \(IQ2_X16\), got 3"):
+                                           r"260 \(IQ1_S4\), 261 \(IQ2_X16\) or 262 "
+                                           r"\(IQ1_M16\), got 3"):
         ext.qlinear_kquant(x, packed, 3, 20, None, False)
     with pytest.raises(RuntimeError, match="contiguous uint8 \\[groups, K / 256"):
         ext.qlinear_kquant(x, packed.view(-1), Q4_K, 20, None, False)

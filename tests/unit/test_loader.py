@@ -40,7 +40,7 @@ LAYER_TYPES: dict[int, dict[str, Q]] = {
 _K_QUANTS = {Q.Q2_K, Q.Q3_K, Q.Q4_K, Q.Q5_K, Q.Q6_K}
 # Block types gguf-py dequantizes but cannot quantize (random blocks stand in for them).
 NO_QUANTIZER = {Q.IQ4_XS, Q.IQ4_NL, Q.IQ3_S, Q.IQ3_XXS, Q.IQ2_XXS, Q.IQ2_XS, Q.IQ2_S, Q.IQ1_S,
-                Q.TQ2_0}
+                Q.IQ1_M, Q.TQ2_0}
 
 
 def _shapes(n_layers: int = 2, tied: bool = False) -> dict[str, tuple[int, int] | tuple[int]]:

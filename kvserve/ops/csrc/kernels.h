@@ -180,10 +180,11 @@ void rotary(const float* x, int64_t st, int64_t sh, float* out, int64_t T, int64
 // IQ3_XXS, IQ2_XXS and IQ1_S rewritten exactly in IQ4_XS's layout, their nibbles indexing
 // their own tables below, IQ3_XXS4's d scaled by 1/4, IQ2_XXS4's and IQ1_S4's by 1/8
 // (kvserve/quant/ggml_kquants.py rewrite_iq4, IQ4_FAMILY). IQ2_X16 is a file's IQ2_XS or IQ2_S,
-// whose scales are per 16 weights: IQ2_XXS4's values and factor, 16 int8 scales (kquant.h).
+// whose scales are per 16 weights: IQ2_XXS4's values and factor, 16 int8 scales (kquant.h);
+// IQ1_M16 a file's IQ1_M, the same record with IQ1_S4's values and factor.
 enum class KType : int {
   Q2_K = 10, Q3_K = 11, Q4_K = 12, Q5_K = 13, Q6_K = 14, IQ4_XS = 23,
-  IQ3_S4 = 257, IQ3_XXS4 = 258, IQ2_XXS4 = 259, IQ1_S4 = 260, IQ2_X16 = 261
+  IQ3_S4 = 257, IQ3_XXS4 = 258, IQ2_XXS4 = 259, IQ1_S4 = 260, IQ2_X16 = 261, IQ1_M16 = 262
 };
 // The i-quants' grid values with their signs (gguf-py's grid_map): IQ3_S 1, 3, .., 15;
 // IQ3_XXS 4, 12, .., 52, 62; IQ2_XXS 8, 25, 43; IQ1_S 8 g +- 1 for g in -1, 0, 1 (the last two:
@@ -197,7 +198,7 @@ alignas(16) inline constexpr int8_t kIQ2XXSValues[16] = {-43, -25, -8, 0, 0, 0, 
 alignas(16) inline constexpr int8_t kIQ1SValues[16] = {-9, -7, -1, 0, 0, 0, 0, 0,
                                                         0,  0,  0, 0, 0, 1, 7, 9};
 // 1344 (Q2_K), 1760 (Q3_K), 2304 (Q4_K), 2816 (Q5_K), 3360 (Q6_K), 2176 (IQ4_XS and the
-// four rewritten i-quants in its layout), 2336 (IQ2_X16)
+// four rewritten i-quants in its layout), 2336 (IQ2_X16, IQ1_M16)
 int64_t kquant_record_bytes(KType kt);
 
 // Activation rows as Q8_K per 256 values, llama.cpp's quantize_row_q8_K_ref: max = the value

@@ -38,8 +38,8 @@
 //     chunk byte 4r + j = row r's qs[16s + 4l4 + j]: its low nibble indexes weight
 //     32s + 4l4 + j, its high nibble weight 32s + 16 + 4l4 + j (sub-block s both)
 //
-//   IQ4_X16 (kvserve's IQ2_X16: IQ4_XS's quants, an int8 scale per 16 weights), 2336 bytes
-//   (16 x 146):
+//   IQ4_X16 (kvserve's IQ2_X16 and IQ1_M16: IQ4_XS's quants, an int8 scale per 16 weights),
+//   2336 bytes (16 x 146):
 //   0        32                 288                                   2336
 //   | d[16]  | 16 scale planes  | 32 qs chunks as IQ4_XS's             |
 //     plane j = rows 0..15's scale of weights 16j .. 16j + 15: chunk 4s + l4's low nibbles

@@ -108,7 +108,7 @@ void run_fmt(const Q8KActs& a, const uint8_t* w, const float* bias, float* out, 
              int nthreads, bool amx);
 
 // The named format's run_fmt. Needs, from the including file: the format structs Q2K .. Q6K
-// and IQ4XS, IQ3S4, IQ3XXS4, IQ2XXS4, IQ1S4, IQ2X16.
+// and IQ4XS, IQ3S4, IQ3XXS4, IQ2XXS4, IQ1S4, IQ2X16, IQ1M16.
 inline void run_kquant(const Q8KActs& a, const uint8_t* w, KType kt, const float* bias,
                        float* out, int64_t N, int nthreads, bool amx = false) {
   if (a.M == 0 || N == 0) return;
@@ -124,5 +124,6 @@ inline void run_kquant(const Q8KActs& a, const uint8_t* w, KType kt, const float
     case KType::IQ2_XXS4: return run_fmt<IQ2XXS4>(a, w, bias, out, N, nthreads, amx);
     case KType::IQ1_S4: return run_fmt<IQ1S4>(a, w, bias, out, N, nthreads, amx);
     case KType::IQ2_X16: return run_fmt<IQ2X16>(a, w, bias, out, N, nthreads, amx);
+    case KType::IQ1_M16: return run_fmt<IQ1M16>(a, w, bias, out, N, nthreads, amx);
   }
 }

@@ -291,6 +291,7 @@ inline bool is_kquant(int64_t wtype) {
     case static_cast<int>(kvs::KType::IQ2_XXS4):
     case static_cast<int>(kvs::KType::IQ1_S4):
     case static_cast<int>(kvs::KType::IQ2_X16):
+    case static_cast<int>(kvs::KType::IQ1_M16):
       return true;
     default:
       return false;
@@ -302,7 +303,7 @@ inline kvs::KType kquant_format(int64_t wtype) {
   TORCH_CHECK(is_kquant(wtype),
               "a packed K-quant wtype must be 10 (Q2_K), 11 (Q3_K), 12 (Q4_K), 13 (Q5_K), "
               "14 (Q6_K), 23 (IQ4_XS), 257 (IQ3_S4), 258 (IQ3_XXS4), 259 (IQ2_XXS4), 260 "
-              "(IQ1_S4) or 261 (IQ2_X16), got ", wtype);
+              "(IQ1_S4), 261 (IQ2_X16) or 262 (IQ1_M16), got ", wtype);
   return static_cast<kvs::KType>(wtype);
 }
 

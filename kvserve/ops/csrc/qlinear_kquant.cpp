@@ -436,9 +436,10 @@ struct Q6K {
 
 // IQ4_XS (kquant.h): sub-block s is qs chunks 4s .. 4s + 3, low nibbles its weights 0..15,
 // high nibbles 16..31. Packed tiles to 8 rows, WideIQ4 from 9. k16: IQ4_X16's record, a scale
-// per 16 weights (the low nibbles' and the high ones'); packed tiles at every M.
+// per 16 weights (the low nibbles' and the high ones').
 template <const int8_t* kLut, int kShift, bool k16 = false>
 struct IQ4Lut {
+  static constexpr bool kPer16 = k16;
   static constexpr int64_t kRecord = k16 ? kq::kIQ4X16Record : kq::kIQ4XSRecord;
   static constexpr int64_t kQs = k16 ? kq::kIQ4X16Qs : kq::kIQ4XSQs;
   static constexpr int64_t kD = 0, kDmin = 0;
@@ -806,13 +807,16 @@ struct WideQ23K : WideLayout<16, 4, 4, 8> {
   }
 };
 
-// IQ4_XS wide (IQ3_S4's too): each chunk's low and high nibbles' values v stored twice, as |v|
-// and as v (the sign that sign(x, v) moves onto the activation), so that the inner loop is
-// IQ4Lut::dot's without the lookups; each sub-block's scale as its madd factor.
-//   | d[16], 32 unused | scales: 8 x 64 | chunk-halves 8s + 2l4 + t (t: low 0, high 1): |v|, v |
+// IQ4_XS wide (every IQ4Lut's): each chunk's low and high nibbles' values v stored twice, as
+// |v| and as v (the sign that sign(x, v) moves onto the activation), so that the inner loop is
+// IQ4Lut::dot's without the lookups; each scale (sub-block s's, or k16: of the 16 weights j)
+// as its madd factor.
+//   | d[16], 32 unused | scales: 8 (16) x 64 | chunk-halves 8s + 2l4 + t (t: low 0, high 1):
+//   |v|, v |
 template <class Packed>
 struct WideIQ4 {
-  static constexpr int64_t kScales = 64, kQuants = kScales + 64 * 8;
+  static constexpr int kNScales = Packed::kPer16 ? 16 : 8;
+  static constexpr int64_t kScales = 64, kQuants = kScales + 64 * kNScales;
   static constexpr int64_t kRecord = kQuants + 128 * 64;
   static constexpr int64_t kD = 0, kDmin = 32;
   static constexpr bool kMin = false, kJoint = false;
@@ -827,14 +831,15 @@ struct WideIQ4 {
   static inline void unpack(const uint8_t* rec, uint8_t* dst) {
     std::memcpy(dst, rec, 32);  // d: the packed record's first 32 bytes
     std::memset(dst + 32, 0, 32);
-    __m128i sc[8];
-    kq::iq4xs_scales(rec, sc);
-    for (int s = 0; s < 8; ++s)
-      for (int r = 0; r < 2; ++r) store(dst + kScales + 64 * s + 32 * r, dup16(widen_i8(sc[s], r)));
+    __m128i sc[16];
+    if constexpr (Packed::kPer16) kq::iq4x16_scales(rec, sc);
+    else kq::iq4xs_scales(rec, sc);
+    for (int j = 0; j < kNScales; ++j)
+      for (int r = 0; r < 2; ++r) store(dst + kScales + 64 * j + 32 * r, dup16(widen_i8(sc[j], r)));
     for (int s = 0; s < 8; ++s)
       for (int l4 = 0; l4 < 4; ++l4)
         for (int r = 0; r < 2; ++r) {
-          const __m256i v = load256(rec + kq::kIQ4XSQs + 64 * (4 * s + l4) + 32 * r);
+          const __m256i v = load256(rec + Packed::kQs + 64 * (4 * s + l4) + 32 * r);
           for (int t = 0; t < 2; ++t) {
             const __m256i w = Packed::values(v, t);
             uint8_t* q = dst + kQuants + 128 * (8 * s + 2 * l4 + t);
@@ -849,7 +854,12 @@ struct WideIQ4 {
                          __m256i (*isum)[2], __m256i (*)[2]) {
     for (int m = 0; m < MT; ++m) isum[m][0] = isum[m][1] = _mm256_setzero_si256();
     for (int s = 0; s < 8; ++s) {
-      const __m256i f[2] = {load256(rec + kScales + 64 * s), load256(rec + kScales + 64 * s + 32)};
+      __m256i f[2][2];  // [t][r]: the low (t = 0) and high nibbles' factors
+      for (int t = 0; t < 2; ++t) {
+        const uint8_t* sc = rec + kScales + 64 * (Packed::kPer16 ? 2 * s + t : s);
+        f[t][0] = load256(sc);
+        f[t][1] = load256(sc + 32);
+      }
       for (int l4 = 0; l4 < 4; ++l4)
         for (int t = 0; t < 2; ++t) {
           const uint8_t* q = rec + kQuants + 128 * (8 * s + 2 * l4 + t);
@@ -860,7 +870,7 @@ struct WideIQ4 {
             for (int r = 0; r < 2; ++r)
               isum[m][r] = _mm256_add_epi32(
                   isum[m][r], _mm256_madd_epi16(
-                                  _mm256_maddubs_epi16(a[r], _mm256_sign_epi8(xb, w[r])), f[r]));
+                                  _mm256_maddubs_epi16(a[r], _mm256_sign_epi8(xb, w[r])), f[t][r]));
           }
         }
     }
@@ -877,9 +887,9 @@ template <> struct Wide<Q3K> { using type = WideQ23K<Q3K>; };
 template <> struct Wide<Q4K> { using type = WideQ45K<false>; };
 template <> struct Wide<Q5K> { using type = WideQ45K<true>; };
 template <> struct Wide<Q6K> { using type = WideQ6K; };
-template <const int8_t* V, int S>
-struct Wide<IQ4Lut<V, S>> {
-  using type = WideIQ4<IQ4Lut<V, S>>;
+template <const int8_t* V, int S, bool K16>
+struct Wide<IQ4Lut<V, S, K16>> {
+  using type = WideIQ4<IQ4Lut<V, S, K16>>;
 };
 
 #include "kquant_driver.h"  // some_rows, run, run_kquant: see there why in this namespace

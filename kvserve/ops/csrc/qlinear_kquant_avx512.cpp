@@ -286,9 +286,10 @@ inline void iq4xs_isums(const Chunks& chunks, const Scale& scale, const int8_t* 
 }
 
 // IQ4_XS (kquant.h): sub-block s is qs chunks 4s .. 4s + 3, low nibbles its weights 0..15,
-// high nibbles 16..31. k16: IQ4_X16's record, a scale per 16 weights; packed tiles at every M.
+// high nibbles 16..31. k16: IQ4_X16's record, a scale per 16 weights.
 template <const int8_t* kLut, int kShift, bool k16 = false>
 struct IQ4Lut {
+  static constexpr bool kPer16 = k16;
   static constexpr int64_t kRecord = k16 ? kq::kIQ4X16Record : kq::kIQ4XSRecord;
   static constexpr int64_t kQs = k16 ? kq::kIQ4X16Qs : kq::kIQ4XSQs;
   static constexpr int64_t kD = 0, kDmin = 0;
@@ -511,22 +512,27 @@ struct WideQ6K {
   }
 };
 
-// IQ4_XS wide: | d[16], 32 unused | scales: 8 x 64 (sub-block s) | quants: 64 x 64 |
+// IQ4_XS wide (every IQ4Lut's): | d[16], 32 unused | scales: 8 x 64 (sub-block s; k16: 16, of
+// the 16 weights j) | quants: 64 x 64 |
 //   quants chunk 2 (4s + l4) + 0 / 1: IQ4Lut::quants(s, l4) low / high (values + 128)
 // Against the packed tiles, every linear of the Qwen 1.5B IQ4_XS file (Zen 4, kernel_ab.py, 7
 // rounds): 0.89x the time at 512 rows, 0.95x at 64, level at 32.
 template <class Packed>
 struct WideIQ4 {
-  static constexpr int64_t kScales = 64, kQuants = 576, kRecord = kQuants + 64 * 64;
+  static constexpr int kNScales = Packed::kPer16 ? 16 : 8;
+  static constexpr int64_t kScales = 64, kQuants = kScales + 64 * kNScales;
+  static constexpr int64_t kRecord = kQuants + 64 * 64;
   static constexpr int64_t kD = 0, kDmin = 0;
   static constexpr bool kMin = false, kJoint = false;
   static constexpr int kDShift = Packed::kDShift;  // d copied as stored, scaled in tile()
-  static constexpr int64_t kSumWidth = 32;  // quants per activation sum bs[m] holds
+  static constexpr int64_t kSumWidth = Packed::kSumWidth;  // quants per activation sum bs[m]
   static inline void unpack(const uint8_t* rec, uint8_t* dst) {
     __builtin_memcpy(dst, rec, 32);  // d: the packed record's first 32 bytes
-    __m128i sc[8];
-    kq::iq4xs_scales(rec, sc);
-    for (int s = 0; s < 8; ++s) store512(dst + kScales + 64 * s, _mm512_cvtepi8_epi32(sc[s]));
+    __m128i sc[16];
+    if constexpr (Packed::kPer16) kq::iq4x16_scales(rec, sc);
+    else kq::iq4xs_scales(rec, sc);
+    for (int j = 0; j < kNScales; ++j)
+      store512(dst + kScales + 64 * j, _mm512_cvtepi8_epi32(sc[j]));
     store_chunk_pairs(dst + kQuants, [&](int i, __m512i* lo, __m512i* hi) {
       Packed::quants(rec, i / 4, i % 4, lo, hi);
     });
@@ -534,12 +540,12 @@ struct WideIQ4 {
   template <int MT>
   static inline void dot(const uint8_t* rec, const int8_t* const* x, const int16_t* const* bs,
                          __m512i* isum, __m512i*) {
-    iq4xs_isums<MT>(
+    iq4xs_isums<MT, Packed::kPer16>(
         [&](int s, int l4, __m512i* lo, __m512i* hi) {
           *lo = load512(rec + kQuants + 128 * (4 * s + l4));
           *hi = load512(rec + kQuants + 128 * (4 * s + l4) + 64);
         },
-        [&](int s) { return load512(rec + kScales + 64 * s); }, x, bs, isum);
+        [&](int j) { return load512(rec + kScales + 64 * j); }, x, bs, isum);
   }
 };
 
@@ -863,9 +869,9 @@ template <class Fmt> struct Wide { using type = void; };
 template <> struct Wide<Q4K> { using type = WideQ45K<false>; };
 template <> struct Wide<Q5K> { using type = WideQ45K<true>; };
 template <> struct Wide<Q6K> { using type = WideQ6K; };
-template <const int8_t* V, int S>
-struct Wide<IQ4Lut<V, S>> {
-  using type = WideIQ4<IQ4Lut<V, S>>;
+template <const int8_t* V, int S, bool K16>
+struct Wide<IQ4Lut<V, S, K16>> {
+  using type = WideIQ4<IQ4Lut<V, S, K16>>;
 };
 
 template <class Fmt> struct Amx { using type = void; };

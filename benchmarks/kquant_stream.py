@@ -23,6 +23,7 @@ from gguf import GGUFReader
 from models import MODELS  # benchmarks/models.py
 
 from kvserve.ops.cpu import KQUANT_KERNEL_WTYPES, CpuOps
+from kvserve.quant.ggml_kquants import IQ4_REWRITES, rewrite_iq4
 from kvserve.quant.ggml_kquants import KQUANT_NAMES as NAMES
 from kvserve.quant.kquant_pack import pack_kquant
 
@@ -30,14 +31,18 @@ DEFAULT = MODELS / "qwen2.5-coder-1.5b-instruct-q4_k_m.gguf"
 
 
 def load(path: Path) -> list[tuple[int, torch.Tensor, int, int]]:
-    """(qtype, packed weight, rows N, columns K) of each K-quant linear, in file order."""
+    """(qtype, packed weight, rows N, columns K) of each K-quant linear, in file order; an
+    i-quant rewritten first as the loader rewrites it (ggml_kquants.rewrite_iq4)."""
     out = []
     for t in GGUFReader(path).tensors:
         qt = int(t.tensor_type)
-        if qt not in KQUANT_KERNEL_WTYPES or t.name == "token_embd.weight":
+        if (qt not in KQUANT_KERNEL_WTYPES and qt not in IQ4_REWRITES) \
+                or t.name == "token_embd.weight":
             continue
         k, n = (int(d) for d in t.shape)
         raw = torch.from_numpy(t.data.reshape(n, -1).copy())
+        if qt in IQ4_REWRITES:
+            raw, qt = rewrite_iq4(raw, qt, k), IQ4_REWRITES[qt][1]
         out.append((qt, pack_kquant(raw, qt, k), n, k))
     return out
 

@@ -299,9 +299,10 @@ def dot_kquant(data: torch.Tensor, qtype: int, xq: Q8KBlocks) -> torch.Tensor:
 class _IQParts(NamedTuple):
     """An i-quant's super-blocks taken apart: index long [n, nsb, 256 / width] into the grids
     plus and minus (int16 [entries, width]: each entry's values where negative is 0 / 1),
-    negative uint8 [n, nsb, 256] (IQ3 / IQ2: the weight's sign; IQ1_S: its sub-block's delta
-    sign), s4 uint8 [n, nsb, 8] (scale 1 + 2 s4 per 32 weights; IQ2_XS / IQ2_S / IQ1_M:
-    [n, nsb, 16], per 16), d uint8 [n, nsb, 2] (the fp16 d's bytes)."""
+    negative uint8 [n, nsb, 256] (IQ3 / IQ2: the weight's sign; IQ1_S / IQ1_M: the delta's
+    sign of its sub-block / group of 8), s4 uint8 [n, nsb, 8] (scale 1 + 2 s4 per 32
+    weights; IQ2_XS / IQ2_S / IQ1_M: [n, nsb, 16], per 16), d uint8 [n, nsb, 2] (the fp16
+    d's bytes)."""
 
     index: torch.Tensor
     plus: torch.Tensor
@@ -311,21 +312,30 @@ class _IQParts(NamedTuple):
     d: torch.Tensor
 
 
-def _grid(quant: type, entries: int, width: int) -> torch.Tensor:
-    """gguf-py's grid of an i-quant class -> int16 [entries, width]."""
+def _grid(name: str, entries: int, width: int) -> torch.Tensor:
+    """gguf-py's grid of the i-quant `name` (its gguf.quants class) -> int16 [entries, width]."""
+    from gguf import quants as gguf_quants
+
+    quant = getattr(gguf_quants, name)
     quant.init_grid()
     return torch.from_numpy(quant.grid.reshape(entries, width)).to(torch.int16)
 
 
-def _ksign_bits(aux: torch.Tensor) -> torch.Tensor:
-    """int64 [n, nsb, 8] sub-block words -> uint8 [n, nsb, 256]: bits 7l .. 7l + 6 of word s
-    index ksigns (7 sign bits and their parity), whose bit b is weight 32s + 8l + b's sign."""
+def _ksign_bits(index: torch.Tensor) -> torch.Tensor:
+    """7-bit ksigns indices (any integer dtype) [..., g] -> uint8 [..., g, 8]: the 8 signs
+    (1: negative) of each group of 8 weights, 7 stored bits and their parity (gguf-py's
+    IQ2_XXS.ksigns)."""
     from gguf import quants as gguf_quants
 
     ksigns = torch.frombuffer(bytearray(gguf_quants.IQ2_XXS.ksigns), dtype=torch.uint8)
+    return ksigns[index.long()][..., None] >> torch.arange(8, dtype=torch.uint8) & 1
+
+
+def _word_signs(aux: torch.Tensor) -> torch.Tensor:
+    """int64 [n, nsb, 8] sub-block words -> uint8 [n, nsb, 256]: bits 7l .. 7l + 6 of word s
+    index ksigns, whose bit b is weight 32s + 8l + b's sign."""
     index = aux[..., None] >> torch.arange(0, 28, 7) & 127  # [n, nsb, 8, 4]
-    bits = ksigns[index][..., None] >> torch.arange(8, dtype=torch.uint8) & 1
-    return bits.reshape(*aux.shape[:2], QK_K)
+    return _ksign_bits(index).reshape(*aux.shape[:2], QK_K)
 
 
 def _iq3_s_parts(raw: torch.Tensor) -> _IQParts:
@@ -334,15 +344,13 @@ def _iq3_s_parts(raw: torch.Tensor) -> _IQParts:
         [66, 74) qh: bit j (byte j // 8, bit j % 8) is bit 8 of index j
         [74, 106) signs: bit b of byte i negates weight 8i + b
         [106, 110) scales: s_4 of sub-block s in byte s // 2, nibble s % 2"""
-    from gguf import quants as gguf_quants
-
     n, nsb = raw.shape[:2]
     bits = torch.arange(8, dtype=torch.uint8)
     qh = ((raw[..., 66:74, None] >> bits) & 1).reshape(n, nsb, 64)
     index = raw[..., 2:66].long() | qh.long() << 8
     negative = ((raw[..., 74:106, None] >> bits) & 1).reshape(n, nsb, QK_K)
     s4 = torch.stack([raw[..., 106:110] & 15, raw[..., 106:110] >> 4], -1).reshape(n, nsb, 8)
-    grid = _grid(gguf_quants.IQ3_S, 512, 4)
+    grid = _grid("IQ3_S", 512, 4)
     return _IQParts(index, grid, -grid, negative, s4, raw[..., 0:2])
 
 
@@ -351,11 +359,9 @@ def _iq3_xxs_parts(raw: torch.Tensor) -> _IQParts:
         [0, 2) d   [2, 66) qs: grid index j (weights 4j .. 4j + 3)
         [66, 98) one uint32 a sub-block s: bits 7l .. 7l + 6 (l < 4) index ksigns, whose bit
                  b negates weight 32s + 8l + b; bits 28..31 are s_4"""
-    from gguf import quants as gguf_quants
-
     aux = raw[..., 66:98].contiguous().view(torch.int32).long()  # [n, nsb, 8]
-    grid = _grid(gguf_quants.IQ3_XXS, 256, 4)
-    return _IQParts(raw[..., 2:66].long(), grid, -grid, _ksign_bits(aux),
+    grid = _grid("IQ3_XXS", 256, 4)
+    return _IQParts(raw[..., 2:66].long(), grid, -grid, _word_signs(aux),
                     (aux >> 28 & 15).to(torch.uint8), raw[..., 0:2])
 
 
@@ -364,14 +370,12 @@ def _iq2_xxs_parts(raw: torch.Tensor) -> _IQParts:
         [0, 2) d   then per sub-block s two uint32 at 2 + 8s:
         the first's 4 bytes: grid indices (weights 32s + 8l .. 32s + 8l + 7, l < 4)
         the second: bits 7l .. 7l + 6 index ksigns (weights 32s + 8l + b), bits 28..31 s_4"""
-    from gguf import quants as gguf_quants
-
     n, nsb = raw.shape[:2]
     pairs = raw[..., 2:66].reshape(n, nsb, 8, 2, 4)
     aux = pairs[..., 1, :].contiguous().view(torch.int32).long().squeeze(-1)  # [n, nsb, 8]
-    grid = _grid(gguf_quants.IQ2_XXS, 256, 8)
+    grid = _grid("IQ2_XXS", 256, 8)
     return _IQParts(pairs[..., 0, :].reshape(n, nsb, 32).long(), grid, -grid,
-                    _ksign_bits(aux), (aux >> 28 & 15).to(torch.uint8), raw[..., 0:2])
+                    _word_signs(aux), (aux >> 28 & 15).to(torch.uint8), raw[..., 0:2])
 
 
 def _iq1_s_parts(raw: torch.Tensor) -> _IQParts:
@@ -380,14 +384,12 @@ def _iq1_s_parts(raw: torch.Tensor) -> _IQParts:
         [0, 2) d   [2, 34) qs: the low 8 bits of grid index 4s + l (weights 32s + 8l ..)
         [34, 50) one uint16 a sub-block s: bits 3l .. 3l + 2 the index's bits 8..10, bits
                  12..14 s, bit 15 the delta's sign (1: -1/8)"""
-    from gguf import quants as gguf_quants
-
     n, nsb = raw.shape[:2]
     qh = raw[..., 34:50].contiguous().view(torch.int16).to(torch.int32) & 0xFFFF  # [n, nsb, 8]
     high = (qh[..., None] >> torch.tensor([0, 3, 6, 9], dtype=torch.int32) & 7).long() << 8
     index = (raw[..., 2:34].reshape(n, nsb, 8, 4).long() | high).reshape(n, nsb, 32)
     negative = (qh >> 15).to(torch.uint8).repeat_interleave(32, dim=-1)
-    grid = _grid(gguf_quants.IQ1_S, 2048, 8)  # -1, 0, 1: 8 g + 1 or 8 g - 1, in eighths
+    grid = _grid("IQ1_S", 2048, 8)  # -1, 0, 1: 8 g + 1 or 8 g - 1, in eighths
     return _IQParts(index, 8 * grid + 1, 8 * grid - 1, negative, (qh >> 12 & 7).to(torch.uint8),
                     raw[..., 0:2])
 
@@ -401,12 +403,9 @@ def _iq2_xs_parts(raw: torch.Tensor) -> _IQParts:
     """IQ2_XS blocks [n, nsb, 74] (gguf-py IQ2_XS.dequantize_blocks):
         [0, 2) d   [2, 66) one uint16 a group of 8 weights: bits 0..8 the grid index, bits
         9..15 index ksigns   [66, 74) s of weights 16j .. 16j + 15: byte j // 2, nibble j % 2"""
-    from gguf import quants as gguf_quants
-
     qs = raw[..., 2:66].contiguous().view(torch.int16).long() & 0xFFFF  # [n, nsb, 32]
-    ksigns = torch.frombuffer(bytearray(gguf_quants.IQ2_XXS.ksigns), dtype=torch.uint8)
-    negative = ksigns[qs >> 9][..., None] >> torch.arange(8, dtype=torch.uint8) & 1
-    grid = _grid(gguf_quants.IQ2_XS, 512, 8)
+    negative = _ksign_bits(qs >> 9)
+    grid = _grid("IQ2_XS", 512, 8)
     return _IQParts(qs & 511, grid, -grid, negative.reshape(*raw.shape[:2], QK_K),
                     _scale_nibbles(raw[..., 66:74]), raw[..., 0:2])
 
@@ -417,14 +416,12 @@ def _iq2_s_parts(raw: torch.Tensor) -> _IQParts:
         [34, 66) signs: bit b of byte g negates weight 8g + b
         [66, 74) bits 2l, 2l + 1 of byte s: bits 8, 9 of group 4s + l's index
         [74, 82) s of weights 16j .. 16j + 15: byte j // 2, nibble j % 2"""
-    from gguf import quants as gguf_quants
-
     n, nsb = raw.shape[:2]
     high = raw[..., 66:74, None] >> torch.tensor([0, 2, 4, 6], dtype=torch.uint8) & 3
     index = raw[..., 2:34].long() | high.reshape(n, nsb, 32).long() << 8
     bits = torch.arange(8, dtype=torch.uint8)
     negative = (raw[..., 34:66, None] >> bits & 1).reshape(n, nsb, QK_K)
-    grid = _grid(gguf_quants.IQ2_S, 1024, 8)
+    grid = _grid("IQ2_S", 1024, 8)
     return _IQParts(index, grid, -grid, negative, _scale_nibbles(raw[..., 74:82]),
                     raw[..., 0:2])
 
@@ -437,8 +434,6 @@ def _iq1_m_parts(raw: torch.Tensor) -> _IQParts:
                  sign (bit 3, 1: -1/8)
         [48, 56) 4 uint16: bits 3i .. 3i + 2 of word w are s of weights 16 (4w + i) ..; the
                  four words' top nibbles are the fp16 d's nibbles, lowest first"""
-    from gguf import quants as gguf_quants
-
     n, nsb = raw.shape[:2]
     words = raw[..., 48:56].contiguous().view(torch.int16).to(torch.int32) & 0xFFFF  # [.., 4]
     d = (words >> 12 << torch.tensor([0, 4, 8, 12], dtype=torch.int32)).sum(-1)
@@ -446,7 +441,7 @@ def _iq1_m_parts(raw: torch.Tensor) -> _IQParts:
     qh = torch.stack([raw[..., 32:48] & 15, raw[..., 32:48] >> 4], -1).reshape(n, nsb, 32)
     index = raw[..., 0:32].long() | (qh & 7).long() << 8
     negative = (qh >> 3).repeat_interleave(8, dim=-1)
-    grid = _grid(gguf_quants.IQ1_M, 2048, 8)
+    grid = _grid("IQ1_M", 2048, 8)
     d_bytes = torch.stack([d & 255, d >> 8], -1).to(torch.uint8)
     return _IQParts(index, 8 * grid + 1, 8 * grid - 1, negative, s.to(torch.uint8), d_bytes)
 
@@ -458,7 +453,7 @@ _IQ_PARTS = {IQ3_S: _iq3_s_parts, IQ3_XXS: _iq3_xxs_parts, IQ2_XXS: _iq2_xxs_par
 
 def rewrite_iq4(data: torch.Tensor, qtype: int, k: int) -> torch.Tensor:
     """GGUF blocks of an IQ4_REWRITES type uint8 [N, K / 256 * its bytes] -> the same weights
-    as blocks of the IQ4_XS-layout type it names, [N, K / 256 * 136], exactly
+    as blocks of the type it names, [N, K / 256 * 136] (IQ2_X16, IQ1_M16: 146), exactly
     (dequantize_kquant of the result equals gguf-py's dequantize of the input bit for bit)."""
     nbytes, target = IQ4_REWRITES[qtype]
     # Bytes stay bytes (the grid's index aside): the 1.5B IQ3_M file's 138 IQ3_S matrices load

@@ -107,8 +107,20 @@ template <class Fmt>
 void run_fmt(const Q8KActs& a, const uint8_t* w, const float* bias, float* out, int64_t N,
              int nthreads, bool amx);
 
+// IQ4_XS's values, and the i-quants a file's IQ3_S, IQ3_XXS, IQ2_XXS, IQ1_S are rewritten as
+// at load (IQ4_XS's layout, kvserve/quant/ggml_kquants.py): the same records and arithmetic,
+// another table and factor. IQ2_XS and IQ2_S become IQ2X16 (IQ2_XXS's values), IQ1_M IQ1M16
+// (IQ1_S's): a scale per 16 weights. One list for both files, each with its own IQ4Lut.
+using IQ4XS = IQ4Lut<kIQ4Values, 0>;
+using IQ3S4 = IQ4Lut<kIQ3SValues, 0>;
+using IQ3XXS4 = IQ4Lut<kIQ3XXSValues, 2>;
+using IQ2XXS4 = IQ4Lut<kIQ2XXSValues, 3>;
+using IQ1S4 = IQ4Lut<kIQ1SValues, 3>;
+using IQ2X16 = IQ4Lut<kIQ2XXSValues, 3, true>;
+using IQ1M16 = IQ4Lut<kIQ1SValues, 3, true>;
+
 // The named format's run_fmt. Needs, from the including file: the format structs Q2K .. Q6K
-// and IQ4XS, IQ3S4, IQ3XXS4, IQ2XXS4, IQ1S4, IQ2X16, IQ1M16.
+// and the template IQ4Lut<table, shift, k16>.
 inline void run_kquant(const Q8KActs& a, const uint8_t* w, KType kt, const float* bias,
                        float* out, int64_t N, int nthreads, bool amx = false) {
   if (a.M == 0 || N == 0) return;

@@ -479,17 +479,6 @@ struct IQ4Lut {
       }
   }
 };
-// IQ4_XS's values, and the i-quants a file's IQ3_S, IQ3_XXS, IQ2_XXS, IQ1_S are rewritten as
-// at load (IQ4_XS's layout, kvserve/quant/ggml_kquants.py): the same records and arithmetic,
-// another table and factor. IQ2_XS and IQ2_S become IQ2X16 (IQ2_XXS's values), IQ1_M IQ1M16
-// (IQ1_S's): a scale per 16 weights.
-using IQ4XS = IQ4Lut<kIQ4Values, 0>;
-using IQ3S4 = IQ4Lut<kIQ3SValues, 0>;
-using IQ3XXS4 = IQ4Lut<kIQ3XXSValues, 2>;
-using IQ2XXS4 = IQ4Lut<kIQ2XXSValues, 3>;
-using IQ1S4 = IQ4Lut<kIQ1SValues, 3>;
-using IQ2X16 = IQ4Lut<kIQ2XXSValues, 3, true>;
-using IQ1M16 = IQ4Lut<kIQ1SValues, 3, true>;
 
 // Activation rows m0 .. m0 + MT - 1 against one group (records from gw) -> out columns
 // 0 .. cols - 1 of those rows (out points at the group's first column, rows N apart).

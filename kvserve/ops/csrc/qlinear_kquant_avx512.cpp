@@ -317,17 +317,6 @@ struct IQ4Lut {
         [&](int j) { return _mm512_cvtepi8_epi32(sc[j]); }, x, bs, isum);
   }
 };
-// IQ4_XS's values, and the i-quants a file's IQ3_S, IQ3_XXS, IQ2_XXS, IQ1_S are rewritten as
-// at load (IQ4_XS's layout, kvserve/quant/ggml_kquants.py): the same records and arithmetic,
-// another table and factor. IQ2_XS and IQ2_S become IQ2X16 (IQ2_XXS's values), IQ1_M IQ1M16
-// (IQ1_S's): a scale per 16 weights.
-using IQ4XS = IQ4Lut<kIQ4Values, 0>;
-using IQ3S4 = IQ4Lut<kIQ3SValues, 0>;
-using IQ3XXS4 = IQ4Lut<kIQ3XXSValues, 2>;
-using IQ2XXS4 = IQ4Lut<kIQ2XXSValues, 3>;
-using IQ1S4 = IQ4Lut<kIQ1SValues, 3>;
-using IQ2X16 = IQ4Lut<kIQ2XXSValues, 3, true>;
-using IQ1M16 = IQ4Lut<kIQ1SValues, 3, true>;
 
 // Q4_K and Q5_K: the same scales and 4-bit quants; Q5_K adds each weight's bit 4 from its
 // qh chunks (kHighBit). One body, so the two cannot drift apart.

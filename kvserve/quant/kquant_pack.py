@@ -55,8 +55,6 @@ from __future__ import annotations
 import torch
 
 from kvserve.quant.ggml_kquants import (
-    IQ1_M16,
-    IQ2_X16,
     IQ4_FAMILY,
     IQ4_XS,
     KQUANT_BYTES,
@@ -80,9 +78,9 @@ FIELDS = {
     Q6_K: ((0, 128, 4), (128, 192, 4), (192, 208, 1), (208, 210, 2)),
     IQ4_XS: ((0, 2, 2), (2, 4, 2), (4, 8, 1), (8, 136, 4)),
 }
-FIELDS.update({q: FIELDS[IQ4_XS] for q in IQ4_FAMILY})  # IQ3_S4, ..: IQ4_XS's layout
-for _q in (IQ2_X16, IQ1_M16):  # 16 int8 scales instead
-    FIELDS[_q] = ((0, 2, 2), (2, 18, 1), (18, 146, 4))
+# IQ3_S4, ..: IQ4_XS's layout; a type with a scale per 16 weights has 16 int8 scales instead
+FIELDS.update({q: FIELDS[IQ4_XS] if per_scale == 32 else ((0, 2, 2), (2, 18, 1), (18, 146, 4))
+               for q, (_, _, per_scale) in IQ4_FAMILY.items()})
 PACKED_KQUANT_BYTES = {q: GROUP * KQUANT_BYTES[q] for q in FIELDS}
 PACKED_NAMES = {q: KQUANT_NAMES[q] for q in FIELDS}
 

@@ -76,6 +76,22 @@ def unpack_cols(packed: torch.Tensor, order: tuple[int, ...] | None = None, bits
     return f.reshape(packed.shape[0], -1)
 
 
+_INTS = (torch.int32,)
+_FLOATS = (torch.float16, torch.float32, torch.bfloat16)
+
+
+def _group_index(gi: torch.Tensor | None, name: str, k: int, ng: int, what: str
+                 ) -> torch.Tensor:
+    """The group of each of the k inputs: a checkpoint's g_idx, checked, or k // G."""
+    if gi is None:
+        return torch.arange(k) // (k // ng)
+    gi = _check(name, gi, (k,), (torch.int32, torch.int64), what).long()
+    if int(gi.min()) < 0 or int(gi.max()) >= ng:
+        raise ValueError(f"{what}: {name} must hold groups in [0, {ng - 1}], found "
+                         f"[{int(gi.min())}, {int(gi.max())}]")
+    return gi
+
+
 def _check(name: str, t: torch.Tensor | None, shape: tuple[int, ...], dtypes: tuple, what: str
            ) -> torch.Tensor:
     if t is None:
@@ -86,8 +102,16 @@ def _check(name: str, t: torch.Tensor | None, shape: tuple[int, ...], dtypes: tu
     return t
 
 
+# Each format's tensors of a quantized linear: (always there, optional).
+TENSORS = {
+    "gptq": (("qweight", "qzeros", "scales"), ("g_idx",)),
+    "awq": (("qweight", "qzeros", "scales"), ()),
+}
+
+
 class Int4CheckpointLinearMethod:
-    """A Linear loaded from GPTQ / AWQ tensors (per output shard), repacked as Q4_1 groups."""
+    """A Linear loaded from GPTQ / AWQ tensors (per output shard), repacked as Q4_1 (Q8_0 at
+    8 bits) groups."""
 
     def __init__(self, fmt: str, group_size: int, zero_offset: int, prefix: str,
                  bits: int = 4) -> None:
@@ -101,7 +125,7 @@ class Int4CheckpointLinearMethod:
         self.wtype = F32
 
     def checkpoint_names(self, layer: Any) -> tuple[str, ...]:
-        return ("qweight", "qzeros", "scales") + (("bias",) if layer.bias is not None else ())
+        return TENSORS[self.fmt][0] + (("bias",) if layer.bias is not None else ())
 
     def create_weights(self, layer: Any, dtype: torch.dtype) -> None:
         # A placeholder (no memory is touched): process_weights_after_loading replaces it.
@@ -109,13 +133,14 @@ class Int4CheckpointLinearMethod:
 
     def load_shard(self, layer: Any, name: str, shard: int,
                    tensor: torch.Tensor | QuantizedTensor) -> None:
-        if name in ("qweight", "qzeros", "scales", "g_idx"):
+        required, optional = TENSORS[self.fmt]
+        if name in required + optional:
             self.parts.setdefault(shard, {})[name] = dense(tensor)
         elif name == "bias":
             copy_shard(layer, name, shard, dense(tensor))
         else:
-            raise ValueError(f"{self.prefix}: a {self.fmt.upper()} layer takes qweight, qzeros, "
-                             f"scales and g_idx tensors, found {name!r}")
+            raise ValueError(f"{self.prefix}: a {self.fmt} layer takes "
+                             f"{', '.join(required + optional)} tensors, found {name!r}")
 
     def process_weights_after_loading(self, layer: Any) -> None:
         k = layer.in_features
@@ -149,37 +174,31 @@ class Int4CheckpointLinearMethod:
             v = q - z.repeat_interleave(g, dim=1).long()
             if int(v.min()) < -128 or int(v.max()) > 127:
                 raise ValueError(f"{self.prefix}: 8-bit weights q - zero span "
-                                 f"[{int(v.min())}, {int(v.max())}]; kvserve runs 8-bit GPTQ "
+                                 f"[{int(v.min())}, {int(v.max())}]; kvserve runs 8-bit weights "
                                  f"as int8 blocks, which hold [-128, 127]")
             blocks, self.wtype = int8_to_q8_0(v.to(torch.int8), s), Q8_0
         layer.weight = nn.Parameter(pack(blocks, self.wtype, k), requires_grad=False)
 
     def _unpack(self, t: dict[str, torch.Tensor], n: int, k: int, g: int, what: str
                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-        """One shard's tensors -> (q [n, K] int32, z float32 [n, K/G], s [n, K/G], g_idx)."""
-        ints = (torch.int32,)
-        floats = (torch.float16, torch.float32, torch.bfloat16)
+        """One shard's tensors -> (q [n, K] int32, z float32 [n, K/G], s [n, K/G], g_idx):
+        unsigned q and z, w = s (q - z) (module docstring)."""
         ng = k // g
         per = 32 // self.bits  # fields per int32 word
         if n % per:
             raise ValueError(f"{what}: {n} outputs do not pack {per} zeros per int32")
-        scales = _check("scales", t.get("scales"), (ng, n), floats, what).float()
+        scales = _check("scales", t.get("scales"), (ng, n), _FLOATS, what).float()
         if self.fmt == "gptq":
-            q = unpack_rows(_check("qweight", t.get("qweight"), (k // per, n), ints, what),
+            q = unpack_rows(_check("qweight", t.get("qweight"), (k // per, n), _INTS, what),
                             self.bits)
-            z = unpack_cols(_check("qzeros", t.get("qzeros"), (ng, n // per), ints, what),
+            z = unpack_cols(_check("qzeros", t.get("qzeros"), (ng, n // per), _INTS, what),
                             bits=self.bits)
             z = (z + self.zero_offset) & ((1 << self.bits) - 1)
-            gi = t.get("g_idx")
-            gi = (torch.arange(k) // g if gi is None
-                  else _check("g_idx", gi, (k,), (torch.int32, torch.int64), what).long())
-            if int(gi.min()) < 0 or int(gi.max()) >= ng:
-                raise ValueError(f"{what}: g_idx must hold groups in [0, {ng - 1}], found "
-                                 f"[{int(gi.min())}, {int(gi.max())}]")
+            gi = _group_index(t.get("g_idx"), "g_idx", k, ng, what)
         else:
-            q = unpack_cols(_check("qweight", t.get("qweight"), (k, n // 8), ints, what),
+            q = unpack_cols(_check("qweight", t.get("qweight"), (k, n // 8), _INTS, what),
                             AWQ_ORDER)
-            z = unpack_cols(_check("qzeros", t.get("qzeros"), (ng, n // 8), ints, what),
+            z = unpack_cols(_check("qzeros", t.get("qzeros"), (ng, n // 8), _INTS, what),
                             AWQ_ORDER)
             gi = torch.arange(k) // g
         # q is [K, n] in both layouts; kvserve's rows are outputs.
@@ -213,7 +232,7 @@ class Int4CheckpointLinearMethod:
         return int4_runs([kw], layer.in_features, self.perm)  # None at 8 bits
 
 
-class _Int4CheckpointMethod(QuantMethod):
+class Int4CheckpointMethod(QuantMethod):
     """A checkpoint whose config.json names this method in quantization_config."""
 
     fmt: ClassVar[str]
@@ -273,14 +292,14 @@ class _Int4CheckpointMethod(QuantMethod):
         return Int4CheckpointLinearMethod(self.fmt, group, offset, prefix, bits)
 
 
-class GPTQQuantMethod(_Int4CheckpointMethod):
+class GPTQQuantMethod(Int4CheckpointMethod):
     """4- and 8-bit GPTQ checkpoints (AutoGPTQ / GPTQModel layout, act-order, sym or asym)."""
 
     name = "gptq"
     fmt = "gptq"
 
 
-class AWQQuantMethod(_Int4CheckpointMethod):
+class AWQQuantMethod(Int4CheckpointMethod):
     """4-bit AWQ checkpoints (AutoAWQ GEMM layout)."""
 
     name = "awq"

@@ -236,5 +236,5 @@ def test_asymmetric_8_bit_that_int8_blocks_cannot_hold_is_named(tmp_path: Path) 
     tensors[f"{name}.qweight"] = torch.full_like(tensors[f"{name}.qweight"], -1)  # all 255
     save_file(tensors, str(tmp_path / "model.safetensors"))
     with pytest.raises(ValueError, match=r"o_proj: 8-bit weights q - zero span \[254, 254\]; "
-                                         r"kvserve runs 8-bit GPTQ as int8 blocks"):
+                                         r"kvserve runs 8-bit weights as int8 blocks"):
         build_model(load_checkpoint(str(tmp_path)), get_ops("reference"), torch.float32, "gptq")

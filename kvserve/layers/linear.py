@@ -69,8 +69,8 @@ class Linear(nn.Module):
                     ) -> torch.Tensor | QuantizedTensor:
         if name not in ("weight", "bias"):
             raise ValueError(f"tensor parallelism cuts weight and bias tensors; a checkpoint "
-                             f"tensor {name!r} (GPTQ / AWQ / W8A8 layouts) is not cut yet: "
-                             f"run it with tensor_parallel_size 1")
+                             f"tensor {name!r} (GPTQ / AWQ / compressed-tensors / W8A8 layouts) "
+                             f"is not cut yet: run it with tensor_parallel_size 1")
         r = self.tp.rank
         if self.parallel == "column":  # this rank's rows of the shard
             dim, n = 0, self.shard_sizes[shard]

@@ -198,18 +198,23 @@ def tokenizer_from_hf_dir(path: str, cfg: dict[str, Any]) -> Tokenizer:
                      pad_token_id=token_id("pad_token"))
 
 
-# What a GPTQ / AWQ checkpoint stores for each quantized linear instead of its weight (GPTQ
-# adds g_idx, which some exports omit); the layer's LinearMethod checks the rest.
+# What a GPTQ / AWQ / compressed-tensors pack-quantized checkpoint stores for each quantized
+# linear instead of its weight (the optional tensors left out: GPTQ's g_idx, which some exports
+# omit, an asymmetric zero point); the layer's LinearMethod checks the rest.
 _QUANTIZED_NAMES = {"gptq": ("qweight", "qzeros", "scales"),
-                    "awq": ("qweight", "qzeros", "scales")}
+                    "awq": ("qweight", "qzeros", "scales"),
+                    "compressed-tensors/pack-quantized": ("weight_packed", "weight_scale",
+                                                          "weight_shape")}
 
 
 def expected_hf_names(c: ModelConfig) -> list[str]:
     names = ["model.embed_tokens.weight", "model.norm.weight"]
     if not c.tie_word_embeddings:
         names.append("lm_head.weight")
-    method = (c.quantization_dict or {}).get("quant_method")
-    linear_names = _QUANTIZED_NAMES.get(method, ("weight",))
+    qc = c.quantization_dict or {}
+    method = qc.get("quant_method")
+    linear_names = _QUANTIZED_NAMES.get(method, _QUANTIZED_NAMES.get(
+        f"{method}/{qc.get('format')}", ("weight",)))
     for i in range(c.num_hidden_layers):
         p = f"model.layers.{i}."
         names += [p + n + ".weight" for n in ("input_layernorm", "post_attention_layernorm")]

@@ -7,9 +7,12 @@ seam they implement; models never mention a format).
     gguf_exact  the same blocks, dequantized in registers: the float32 model bit for bit
     int8, int4  weight-only round to nearest at load (per channel; per group of 32/64/128),
                 written as Q8_0 / Q4_1 blocks for the same kernels (kvserve/quant/rtn.py)
-    gptq, awq   4-bit GPTQ / AWQ checkpoints, repacked at load as Q4_1 blocks
-                (kvserve/quant/int4_checkpoints.py); found by config.json's
+    gptq, awq   4-bit GPTQ / AWQ checkpoints (GPTQ also 8-bit), repacked at load as Q4_1
+                blocks (Q8_0) (kvserve/quant/int4_checkpoints.py); found by config.json's
                 quantization_config
+    compressed-tensors
+                llm-compressor's weight-only "pack-quantized" checkpoints (W4A16, W8A16),
+                repacked the same way (kvserve/quant/compressed_tensors.py)
     w8a8        int8 weights per channel x int8 activations per token (SmoothQuant's W8A8,
                 kvserve/quant/smoothquant.py): quantized at load from floats, or a
                 compressed-tensors checkpoint (`kvserve quantize --method smoothquant`)
@@ -31,6 +34,7 @@ if TYPE_CHECKING:
 
 _METHODS: dict[str, str] = {
     "awq": "kvserve.quant.int4_checkpoints:AWQQuantMethod",
+    "compressed-tensors": "kvserve.quant.compressed_tensors:CompressedTensorsWNA16Method",
     "gptq": "kvserve.quant.int4_checkpoints:GPTQQuantMethod",
     "gguf": "kvserve.quant.gguf:GGUFQuantMethod",
     "gguf_exact": "kvserve.quant.gguf:GGUFExactQuantMethod",

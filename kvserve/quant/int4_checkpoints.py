@@ -1,6 +1,7 @@
-"""GPTQ (4- and 8-bit) and AWQ (4-bit) checkpoints (HF safetensors), repacked at load.
+"""GPTQ (4- and 8-bit), AWQ (4-bit) and compressed-tensors WNA16 (4- and 8-bit) checkpoints
+(HF safetensors), repacked at load.
 
-Both store, per linear of N outputs and K inputs, groups of G inputs sharing a scale and a
+All store, per linear of N outputs and K inputs, groups of G inputs sharing a scale and a
 zero point: w[n, k] = s[g, n] * (q[k, n] - z[g, n]), q and z in [0, 15] (4-bit; [0, 255]
 at 8 bits, one byte per field, 4 per int32 word, instead of a nibble).
 
@@ -16,6 +17,16 @@ at 8 bits, one byte per field, 4 per int32 word, instead of a nibble).
       qweight int32 [K, N / 8]   nibble i of word c is q[k, 8c + ORDER[i]],
       qzeros  int32 [K / G, N / 8]   likewise,  ORDER = 0 2 4 6 1 3 5 7
       scales  fp16 [K / G, N]
+    compressed-tensors "pack-quantized" (llm-compressor's W4A16 / W8A16, quant_method
+    "compressed-tensors"; rows are outputs, P = 32 / bits fields a word, offset O = 2^(bits-1)):
+      weight_packed      int32 [N, K / P]  field i of word c is q[n, Pc + i] + O
+      weight_scale       float [N, K / G]  (strategy "group"; "channel": [N, 1], G = K)
+      weight_zero_point  int32 [N / P, K / G]  field i of word r is z[Pr + i, g] + O; only
+                                    when asymmetric (older exports: int8 [N, K / G], no O)
+      weight_g_idx       int32 [K]  with actorder "group", as GPTQ's g_idx
+      weight_shape       int [2]    (N, K)
+    where w = s (q - z), q and z signed in [-O, O - 1] and z = 0 when symmetric: as kvserve
+    reads it, q + O and z + O (O when symmetric) in [0, 2O - 1].
 
 They run as GGUF blocks (kvserve/quant/gguf.py), on the int8-activation kernels. 4-bit: Q4_1,
 w = d * q + m with d = s and m = -s * z per 32-input block (each block repeats its group's
@@ -102,30 +113,37 @@ def _check(name: str, t: torch.Tensor | None, shape: tuple[int, ...], dtypes: tu
     return t
 
 
+COMPRESSED_TENSORS = "compressed-tensors"
 # Each format's tensors of a quantized linear: (always there, optional).
 TENSORS = {
     "gptq": (("qweight", "qzeros", "scales"), ("g_idx",)),
     "awq": (("qweight", "qzeros", "scales"), ()),
+    COMPRESSED_TENSORS: (("weight_packed", "weight_scale", "weight_shape"),
+                         ("weight_zero_point", "weight_g_idx")),
 }
 
 
 class Int4CheckpointLinearMethod:
-    """A Linear loaded from GPTQ / AWQ tensors (per output shard), repacked as Q4_1 (Q8_0 at
-    8 bits) groups."""
+    """A Linear loaded from GPTQ / AWQ / compressed-tensors tensors (per output shard),
+    repacked as Q4_1 (Q8_0 at 8 bits) groups."""
 
     def __init__(self, fmt: str, group_size: int, zero_offset: int, prefix: str,
-                 bits: int = 4) -> None:
-        self.fmt = fmt  # "gptq" | "awq"
-        self.bits = bits  # 4, or 8 (GPTQ)
+                 bits: int = 4, sym: bool = False) -> None:
+        self.fmt = fmt  # "gptq" | "awq" | COMPRESSED_TENSORS
+        self.bits = bits  # 4, or 8 (GPTQ, compressed-tensors)
         self.group_size = group_size  # -1: one group of all K inputs
         self.zero_offset = zero_offset  # added to stored zeros (GPTQ v1: 1)
+        self.sym = sym  # compressed-tensors: no zero points stored
         self.prefix = prefix
         self.parts: dict[int, dict[str, torch.Tensor]] = {}
         self.perm: torch.Tensor | None = None  # act-order: x's inputs in group order
         self.wtype = F32
 
     def checkpoint_names(self, layer: Any) -> tuple[str, ...]:
-        return TENSORS[self.fmt][0] + (("bias",) if layer.bias is not None else ())
+        names = TENSORS[self.fmt][0]
+        if self.fmt == COMPRESSED_TENSORS and not self.sym:
+            names += ("weight_zero_point",)
+        return names + (("bias",) if layer.bias is not None else ())
 
     def create_weights(self, layer: Any, dtype: torch.dtype) -> None:
         # A placeholder (no memory is touched): process_weights_after_loading replaces it.
@@ -187,6 +205,8 @@ class Int4CheckpointLinearMethod:
         per = 32 // self.bits  # fields per int32 word
         if n % per:
             raise ValueError(f"{what}: {n} outputs do not pack {per} zeros per int32")
+        if self.fmt == COMPRESSED_TENSORS:
+            return self._unpack_compressed_tensors(t, n, k, ng, what)
         scales = _check("scales", t.get("scales"), (ng, n), _FLOATS, what).float()
         if self.fmt == "gptq":
             q = unpack_rows(_check("qweight", t.get("qweight"), (k // per, n), _INTS, what),
@@ -203,6 +223,30 @@ class Int4CheckpointLinearMethod:
             gi = torch.arange(k) // g
         # q is [K, n] in both layouts; kvserve's rows are outputs.
         return q.T.contiguous(), z.T.float().contiguous(), scales.T.contiguous(), gi
+
+    def _unpack_compressed_tensors(self, t: dict[str, torch.Tensor], n: int, k: int, ng: int,
+                                   what: str
+                                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor,
+                                              torch.Tensor]:
+        """_unpack of the pack-quantized layout, whose rows are already outputs."""
+        per, offset = 32 // self.bits, 1 << (self.bits - 1)
+        shape = _check("weight_shape", t.get("weight_shape"), (2,), (torch.int32, torch.int64),
+                       what)
+        if tuple(shape.tolist()) != (n, k):
+            raise ValueError(f"{what}: weight_shape is {shape.tolist()}, the layer's weight is "
+                             f"[{n}, {k}]")
+        q = unpack_cols(_check("weight_packed", t.get("weight_packed"), (n, k // per), _INTS,
+                               what), bits=self.bits)
+        scales = _check("weight_scale", t.get("weight_scale"), (n, ng), _FLOATS, what).float()
+        zp = t.get("weight_zero_point")
+        if self.sym:
+            z = torch.full((n, ng), float(offset))
+        elif zp is not None and zp.dtype == torch.int8:  # unpacked, signed
+            z = _check("weight_zero_point", zp, (n, ng), (torch.int8,), what).float() + offset
+        else:
+            z = unpack_rows(_check("weight_zero_point", zp, (n // per, ng), _INTS, what),
+                            self.bits).float()
+        return q, z, scales, _group_index(t.get("weight_g_idx"), "weight_g_idx", k, ng, what)
 
     def apply(self, layer: Any, x: torch.Tensor) -> torch.Tensor:
         if self.perm is not None:

@@ -20,8 +20,8 @@ from tests.helpers import PagedSequence, kvserve_model_from_hf, model_config_fro
 
 
 def test_registry_names_and_errors() -> None:
-    assert quant_method_names() == ["awq", "gguf", "gguf_exact", "gptq", "int4", "int8",
-                                    "none", "w8a8"]
+    assert quant_method_names() == ["awq", "compressed-tensors", "gguf", "gguf_exact", "gptq",
+                                    "int4", "int8", "none", "w8a8"]
     assert isinstance(get_quant_method(QuantConfig()), NoQuantization)
     gguf = get_quant_method(QuantConfig(method="gguf"))
     exact = get_quant_method(QuantConfig(method="gguf_exact"))
@@ -29,8 +29,9 @@ def test_registry_names_and_errors() -> None:
     lm = gguf.linear_method("lm_head")
     assert isinstance(lm, GGUFLinearMethod) and lm.int8_activations
     assert not exact.linear_method("lm_head").int8_activations  # type: ignore[attr-defined]
-    with pytest.raises(ValueError, match="quantization must be one of awq, gguf, gguf_exact, "
-                                         "gptq, int4, int8, none, w8a8, got 'marlin'"):
+    with pytest.raises(ValueError, match="quantization must be one of awq, compressed-tensors, "
+                                         "gguf, gguf_exact, gptq, int4, int8, none, w8a8, got "
+                                         "'marlin'"):
         get_quant_method(QuantConfig(method="marlin"))
 
 

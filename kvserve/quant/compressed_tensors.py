@@ -1,0 +1,116 @@
+"""compressed-tensors "pack-quantized" checkpoints: llm-compressor's weight-only exports
+(W4A16 / W8A16, from its GPTQ, AWQ or round-to-nearest recipes), the format vLLM serves under
+`--quantization compressed-tensors` and most 4-bit HF checkpoints made for it use.
+
+What this module knows is the checkpoint's quantization_config (flattened by the loader):
+which settings kvserve runs, and which modules its `targets` and `ignore` lists quantize. The
+tensors' layout and their repacking into Q4_1 / Q8_0 blocks are int4_checkpoints.py's, beside
+GPTQ's and AWQ's. (compressed-tensors' other format kvserve loads, "int-quantized" W8A8, is
+smoothquant.py's.)
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+from kvserve.quant.base import LinearMethod, UnquantizedLinearMethod
+from kvserve.quant.block_pack import BLOCK
+from kvserve.quant.int4_checkpoints import (
+    COMPRESSED_TENSORS,
+    Int4CheckpointLinearMethod,
+    Int4CheckpointMethod,
+)
+
+DECODER_LINEARS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj",
+                   "self_attn.o_proj", "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
+
+
+def _matches(entry: str, name: str) -> bool:
+    """compressed-tensors' target / ignore matching: "re:<pattern>" is a regex matched at the
+    name's start, "Linear" any linear layer (a class name), else the module name itself."""
+    if entry.startswith("re:"):
+        return re.match(entry[3:], name) is not None
+    return entry in ("Linear", name)
+
+
+def wna16_settings(qc: dict[str, Any]) -> tuple[int, int, bool]:
+    """(bits, group_size (-1: a channel, one group of all inputs), symmetric) of a
+    compressed-tensors pack-quantized quantization_config (flattened), with a ValueError
+    naming the first setting kvserve does not run and what was found."""
+    groups = sorted({k.split(".")[1] for k in qc if k.startswith("config_groups.")})
+    if len(groups) != 1:
+        raise ValueError(f"compressed-tensors checkpoint has {len(groups)} config_groups "
+                         f"{groups}; kvserve loads one weight-only group")
+    g = f"config_groups.{groups[0]}."
+    fmt = qc.get(g + "format", qc.get("format"))
+    if fmt != "pack-quantized":
+        raise ValueError(f"compressed-tensors checkpoint has format={fmt!r}; this method loads "
+                         f"'pack-quantized' (int-quantized W8A8: --quantization w8a8)")
+    if any(k.startswith(g + "input_activations.") for k in qc):
+        raise ValueError(f"compressed-tensors checkpoint quantizes input_activations "
+                         f"(num_bits={qc.get(g + 'input_activations.num_bits')!r}); kvserve "
+                         f"loads pack-quantized weights with float activations (WNA16)")
+    targets = qc.get(g + "targets") or ()
+    missing = [n for n in DECODER_LINEARS if not any(_matches(t, n) for t in targets)]
+    if missing:
+        raise ValueError(f"compressed-tensors checkpoint has targets={list(targets)!r}, which "
+                         f"leave {missing[0]} in float; kvserve needs every decoder linear "
+                         f"quantized (targets ['Linear'])")
+    w = g + "weights."
+    # key -> (what kvserve runs, as the error says it); dynamic may be left out (None)
+    wanted = {"type": (("int",), "'int'"), "num_bits": ((4, 8), "4 or 8"),
+              "strategy": (("group", "channel"), "'group' or 'channel'"),
+              "dynamic": ((False, None), "false (static weight scales)")}
+    for key, (allowed, shown) in wanted.items():
+        if qc.get(w + key) not in allowed:
+            raise ValueError(f"compressed-tensors checkpoint has weights.{key}="
+                             f"{qc.get(w + key)!r}; kvserve loads {shown}")
+    group = -1
+    if qc[w + "strategy"] == "group":
+        group = qc.get(w + "group_size")
+        if not isinstance(group, int) or group <= 0 or group % BLOCK:
+            raise ValueError(f"compressed-tensors checkpoint has weights.group_size={group!r}; "
+                             f"kvserve needs a positive multiple of {BLOCK}")
+    return qc[w + "num_bits"], group, bool(qc.get(w + "symmetric", True))
+
+
+class CompressedTensorsWNA16Method(Int4CheckpointMethod):
+    """compressed-tensors "pack-quantized" checkpoints, weight-only 4 or 8 bits (llm-compressor's
+    W4A16 / W8A16: GPTQ, AWQ or round to nearest; groups or channels, symmetric or not,
+    actorder), as vLLM serves them under `--quantization compressed-tensors`."""
+
+    name = COMPRESSED_TENSORS
+    fmt = COMPRESSED_TENSORS
+
+    @classmethod
+    def detect(cls, model_path: str, device: str, dtype: str, ops_backend: str,
+               quantization_config: dict[str, Any] | None = None) -> bool:
+        qc = quantization_config or {}
+        return qc.get("quant_method") == cls.fmt and qc.get("format") == "pack-quantized"
+
+    @classmethod
+    def settings(cls, qc: dict[str, Any]) -> tuple[int, int, int]:
+        bits, group, _ = wna16_settings(qc)
+        return bits, group, 0
+
+    def linear_method(self, prefix: str) -> LinearMethod:
+        assert self.config is not None and self.config.checkpoint_config is not None
+        qc = dict(self.config.checkpoint_config)
+        ignore = qc.get("ignore") or ()
+        if prefix == "lm_head":
+            if not any(_matches(e, "lm_head") for e in ignore):
+                raise ValueError("compressed-tensors checkpoint quantizes lm_head (not in its "
+                                 "ignore list); kvserve loads it with lm_head in float, as "
+                                 "llm-compressor's W4A16 / W8A16 recipes write it")
+            return UnquantizedLinearMethod(half=True)
+        # The model holds no float decoder linears: none of this layer's may be ignored.
+        layer = re.match(r"model\.layers\.\d+\.", prefix)
+        for name in (f"{layer.group(0) if layer else ''}{lin}" for lin in DECODER_LINEARS):
+            kept = [e for e in ignore if _matches(e, name)]
+            if kept:
+                raise ValueError(f"compressed-tensors checkpoint's ignore list keeps {name} in "
+                                 f"float ({kept[0]!r}); kvserve loads checkpoints whose every "
+                                 f"decoder linear is quantized")
+        bits, group, sym = wna16_settings(qc)
+        return Int4CheckpointLinearMethod(self.fmt, group, 0, prefix, bits, sym)

@@ -1,0 +1,267 @@
+"""compressed-tensors "pack-quantized" checkpoints (llm-compressor's W4A16 / W8A16): tiny ones
+written here by the compressed-tensors library itself (its quantization config, its qparams
+and its compressor), loaded by kvserve, must give the logits of the same model holding the
+weights the library's own decompression returns; transformers reads the same files to the
+same logits; unsupported configs and bad tensors give errors that name what was found."""
+
+from __future__ import annotations
+
+import copy
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+import tokenizers
+import torch
+from compressed_tensors.compressors import ModelCompressor
+from compressed_tensors.compressors.pack_quantized.helpers import pack_to_int32, unpack_from_int32
+from compressed_tensors.quantization import (
+    QuantizationArgs,
+    QuantizationConfig,
+    QuantizationScheme,
+    apply_quantization_config,
+)
+from compressed_tensors.quantization.utils.helpers import calculate_qparams
+from safetensors.torch import load_file, save_file
+
+from kvserve.loader import load_checkpoint
+from kvserve.models import build_model
+from kvserve.ops import get_ops
+from kvserve.quant import detect_quantization
+from kvserve.quant.block_pack import Q4_1, Q8_0, unpack
+from kvserve.quant.int4_checkpoints import Int4CheckpointLinearMethod
+from tests.helpers import PagedSequence, kvserve_model_from_hf, tiny_hf_model
+
+ARCH = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}
+METHOD = "compressed-tensors"
+
+
+def _tokenizer(path: Path, vocab_size: int) -> None:
+    vocab = {f"t{i}": i for i in range(vocab_size)}
+    tok = tokenizers.Tokenizer(tokenizers.models.WordLevel(vocab, unk_token="t0"))
+    tok.pre_tokenizer = tokenizers.pre_tokenizers.Whitespace()
+    tok.save(str(path / "tokenizer.json"))
+    (path / "tokenizer_config.json").write_text(json.dumps({"eos_token": "t1"}))
+
+
+def write_checkpoint(path: Path, hf: Any, args: QuantizationArgs,
+                     qc_overrides: dict[str, Any] | None = None) -> dict[str, torch.Tensor]:
+    """hf quantized by compressed-tensors as `args` say (min / max qparams), compressed to
+    pack-quantized and written to path with its config, every float tensor (scales, norms,
+    embeddings, lm_head) in bfloat16, as a bfloat16 model's export holds them. Returns the
+    state dict of the library's own decompression of the same model: the weights the
+    checkpoint stands for."""
+    model = copy.deepcopy(hf)
+    config = QuantizationConfig(
+        config_groups={"group_0": QuantizationScheme(targets=["Linear"], weights=args)},
+        ignore=["lm_head"], format="pack-quantized")
+    apply_quantization_config(model, config)
+    with torch.no_grad():
+        for m in model.modules():
+            if not hasattr(m, "weight_scale"):
+                continue
+            g = args.group_size if args.strategy == "group" else m.weight.shape[1]
+            w = m.weight.reshape(m.weight.shape[0], -1, g)
+            s, z = calculate_qparams(w.amin(-1), w.amax(-1), args)
+            m.weight_scale.copy_(s.to(torch.bfloat16))
+            if hasattr(m, "weight_zero_point"):
+                m.weight_zero_point.copy_(z)
+    compressor = ModelCompressor.from_pretrained_model(model, "pack-quantized")
+    compressor.compress_model(model)
+    with torch.no_grad():
+        for t in model.state_dict().values():
+            if t.is_floating_point():
+                t.copy_(t.to(torch.bfloat16))  # the values a bfloat16 export holds
+    tensors = {k: (v.to(torch.bfloat16) if v.is_floating_point() else v).contiguous()
+               for k, v in model.state_dict().items()}
+    path.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(path / "model.safetensors"))
+    hf.config.save_pretrained(str(path))
+    compressor.update_config(str(path))
+    if qc_overrides:
+        cfg = json.loads((path / "config.json").read_text())
+        cfg["quantization_config"] = _merged(cfg["quantization_config"], qc_overrides)
+        (path / "config.json").write_text(json.dumps(cfg))
+    _tokenizer(path, hf.config.vocab_size)
+    compressor.decompress_model(model)
+    return {k: v for k, v in model.state_dict().items()
+            if not k.endswith(("weight_scale", "weight_zero_point", "weight_shape"))}
+
+
+def _merged(d: dict[str, Any], overrides: dict[str, Any]) -> dict[str, Any]:
+    """d with dotted-key overrides ("config_groups.group_0.weights.num_bits": 3) applied."""
+    d = copy.deepcopy(d)
+    for key, value in overrides.items():
+        *parents, last = key.split(".")
+        node = d
+        for p in parents:
+            node = node.setdefault(p, {})
+        node[last] = value
+    return d
+
+
+def _logits(model: Any, prompt: list[int]) -> torch.Tensor:
+    runner = PagedSequence(model)
+    return runner.forward({runner.new_seq(): prompt})[0]
+
+
+def _reference(arch: str, weights: dict[str, torch.Tensor]) -> Any:
+    """kvserve's reference-ops model holding the decompressed weights."""
+    hf_deq = tiny_hf_model(arch)
+    hf_deq.load_state_dict(weights)
+    return kvserve_model_from_hf(hf_deq, ARCH[arch], get_ops("reference"))
+
+
+@pytest.mark.parametrize("arch, bits, sym, strategy", [
+    ("llama", 4, True, "group"), ("llama", 4, False, "group"), ("qwen2", 4, False, "group"),
+    ("llama", 4, False, "channel"), ("llama", 8, True, "channel"), ("qwen2", 8, True, "group"),
+])
+def test_checkpoint_loads_to_the_decompressed_model(tmp_path: Path, arch: str, bits: int,
+                                                    sym: bool, strategy: str) -> None:
+    hf = tiny_hf_model(arch)
+    args = QuantizationArgs(num_bits=bits, type="int", symmetric=sym, strategy=strategy,
+                            group_size=32 if strategy == "group" else None)
+    deq = write_checkpoint(tmp_path, hf, args)
+    ckpt = load_checkpoint(str(tmp_path))
+    qc = ckpt.model_config.quantization_dict
+    assert detect_quantization(str(tmp_path), "cpu", "float32", "cpu", qc) == METHOD
+    model = build_model(ckpt, get_ops("auto"), torch.float32, METHOD)
+    # The repacked blocks hold the library's dequantized weights (m = -s z rounded to
+    # float16, the only change).
+    lin = model.layers[1].self_attn.qkv_proj
+    method = lin.quant_method
+    wtype = Q4_1 if bits == 4 else Q8_0
+    assert isinstance(method, Int4CheckpointLinearMethod) and method.wtype == wtype
+    q, d, m = unpack(lin.weight, wtype)
+    got = (d[..., None] * q.float() + (m[..., None] if m is not None else 0)).reshape(
+        -(-lin.out_features // 16) * 16, -1)[:lin.out_features]
+    want = torch.cat([deq[f"model.layers.1.self_attn.{p}.weight"]
+                      for p in ("q_proj", "k_proj", "v_proj")])
+    assert torch.allclose(got, want, rtol=0, atol=2e-3 * want.abs().max())
+    # lm_head, in the ignore list, stays 16-bit (half the bytes of float32), as written.
+    head = deq.get("lm_head.weight", deq["model.embed_tokens.weight"])
+    assert model.lm_head.weight.dtype in (torch.float16, torch.bfloat16)
+    assert torch.equal(model.lm_head.weight.float(), head)
+    prompt = list(range(5, 45))
+    ours, theirs = _logits(model, prompt), _logits(_reference(arch, deq), prompt)
+    err = (ours - theirs).abs().max() / theirs.abs().max()
+    assert err < 0.02, err  # int8 activations and float16 m: ~0.5% here
+
+
+def test_transformers_reads_the_same_checkpoint_to_the_same_logits(tmp_path: Path) -> None:
+    """The files written above are what transformers' own compressed-tensors loader reads,
+    and kvserve agrees with it on them."""
+    import transformers
+
+    hf = tiny_hf_model("llama")
+    args = QuantizationArgs(num_bits=4, type="int", symmetric=True, strategy="group",
+                            group_size=32)
+    write_checkpoint(tmp_path, hf, args)
+    model = build_model(load_checkpoint(str(tmp_path)), get_ops("auto"), torch.float32, METHOD)
+    theirs = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path),
+                                                               dtype=torch.float32)
+    prompt = list(range(5, 45))
+    with torch.no_grad():
+        ref = theirs(torch.tensor([prompt])).logits[0]
+    ours = _logits(model, prompt)
+    assert ((ours - ref).abs().max() / ref.abs().max()) < 0.02
+
+
+def test_actorder_group_index_is_followed(tmp_path: Path) -> None:
+    """An export with actorder "group" (older llm-compressor) stores weight_g_idx, the group
+    of each input column. Made here from a plain export by moving columns: with q'[:, j] =
+    q[:, pi(j)] and g_idx[j] = pi(j) // G the checkpoint stands for W[:, pi]; unpacked and
+    packed again by the library."""
+    hf = tiny_hf_model("llama")
+    args = QuantizationArgs(num_bits=4, type="int", symmetric=False, strategy="group",
+                            group_size=32)
+    deq = write_checkpoint(tmp_path, hf, args)
+    tensors = load_file(str(tmp_path / "model.safetensors"))
+    gen = torch.Generator().manual_seed(3)
+    for layer in range(hf.config.num_hidden_layers):
+        inputs = {"self_attn": ("q_proj", "k_proj", "v_proj"), "mlp": ("gate_proj", "up_proj")}
+        for block, names in inputs.items():  # linears sharing an input share its order
+            k = deq[f"model.layers.{layer}.{block}.{names[0]}.weight"].shape[1]
+            pi = torch.randperm(k, generator=gen)
+            for n in names:
+                base = f"model.layers.{layer}.{block}.{n}"
+                shape = tensors[f"{base}.weight_shape"]
+                q = unpack_from_int32(tensors[f"{base}.weight_packed"], 4, torch.Size(shape))
+                tensors[f"{base}.weight_packed"] = pack_to_int32(q[:, pi].contiguous(), 4)
+                tensors[f"{base}.weight_g_idx"] = (pi // 32).to(torch.int32)
+                deq[f"{base}.weight"] = deq[f"{base}.weight"][:, pi]
+    save_file(tensors, str(tmp_path / "model.safetensors"))
+    model = build_model(load_checkpoint(str(tmp_path)), get_ops("auto"), torch.float32, METHOD)
+    method = model.layers[0].mlp.gate_up_proj.quant_method
+    assert method.perm is not None  # the layer gathers its inputs in group order
+    prompt = list(range(5, 45))
+    ours, theirs = _logits(model, prompt), _logits(_reference("llama", deq), prompt)
+    assert ((ours - theirs).abs().max() / theirs.abs().max()) < 0.02
+
+
+G0 = "config_groups.group_0."
+
+
+@pytest.mark.parametrize("overrides, match", [
+    ({G0 + "weights.num_bits": 3}, r"weights.num_bits=3; kvserve loads 4 or 8"),
+    ({G0 + "weights.type": "float"}, r"weights.type='float'; kvserve loads 'int'"),
+    ({G0 + "weights.strategy": "tensor"}, r"weights.strategy='tensor'; kvserve loads 'group' "
+                                          r"or 'channel'"),
+    ({G0 + "weights.group_size": 48}, r"weights.group_size=48; kvserve needs a positive "
+                                      r"multiple of 32"),
+    ({G0 + "input_activations": {"num_bits": 8, "type": "int"}},
+     r"quantizes input_activations \(num_bits=8\)"),
+    ({G0 + "targets": ["re:.*self_attn.*"]}, r"leave mlp.gate_proj in float"),
+    ({"ignore": ["lm_head", "re:.*layers.1.mlp.down_proj"]},
+     r"ignore list keeps model.layers.1.mlp.down_proj in float"),
+    ({"ignore": []}, r"quantizes lm_head \(not in its ignore list\)"),
+])
+def test_unsupported_configs_name_what_was_found(tmp_path: Path, overrides: dict[str, Any],
+                                                 match: str) -> None:
+    args = QuantizationArgs(num_bits=4, type="int", symmetric=True, strategy="group",
+                            group_size=32)
+    write_checkpoint(tmp_path, tiny_hf_model("llama"), args, overrides)
+    with pytest.raises(ValueError, match=match):
+        build_model(load_checkpoint(str(tmp_path)), get_ops("reference"), torch.float32, METHOD)
+
+
+def test_missing_and_misshapen_tensors_are_named(tmp_path: Path) -> None:
+    args = QuantizationArgs(num_bits=4, type="int", symmetric=False, strategy="group",
+                            group_size=32)
+    write_checkpoint(tmp_path, tiny_hf_model("llama"), args)
+    tensors = load_file(str(tmp_path / "model.safetensors"))
+    zp = "model.layers.0.mlp.up_proj.weight_zero_point"
+    save_file({k: v for k, v in tensors.items() if k != zp}, str(tmp_path / "model.safetensors"))
+    # gate_up_proj's shard 1 is up_proj
+    with pytest.raises(ValueError, match=r"missing 1 tensors: layers.0.mlp.gate_up_proj."
+                                         r"weight_zero_point#1"):
+        build_model(load_checkpoint(str(tmp_path)), get_ops("reference"), torch.float32, METHOD)
+    bad = dict(tensors)
+    bad["model.layers.1.self_attn.o_proj.weight_shape"] = torch.tensor([64, 96])
+    save_file(bad, str(tmp_path / "model.safetensors"))
+    with pytest.raises(ValueError, match=r"o_proj shard 0: weight_shape is \[64, 96\], the "
+                                         r"layer's weight is \[64, 64\]"):
+        build_model(load_checkpoint(str(tmp_path)), get_ops("reference"), torch.float32, METHOD)
+    bad = dict(tensors)
+    bad["model.layers.1.self_attn.o_proj.weight_scale"] = torch.zeros(64, 3)
+    save_file(bad, str(tmp_path / "model.safetensors"))
+    with pytest.raises(ValueError, match=r"o_proj shard 0: weight_scale must be torch.float16 "
+                                         r"\[64, 2\], found torch.float32 \[64, 3\]"):
+        build_model(load_checkpoint(str(tmp_path)), get_ops("reference"), torch.float32, METHOD)
+
+
+def test_the_engine_finds_the_format_and_w8a8_stays_w8a8(tmp_path: Path) -> None:
+    """An engine on the directory runs it as compressed-tensors without being told (its
+    config checked at start-up); detection tells the two compressed-tensors formats apart."""
+    from kvserve import LLM, SamplingParams
+
+    args = QuantizationArgs(num_bits=4, type="int", symmetric=False, strategy="group",
+                            group_size=32)
+    write_checkpoint(tmp_path, tiny_hf_model("llama"), args)
+    llm = LLM(model=str(tmp_path), max_model_len=64)
+    assert llm.llm_engine.config.quant.method == METHOD
+    out = llm.generate(["t5 t6 t7"], SamplingParams(max_tokens=4, temperature=0))
+    assert len(out[0].outputs[0].token_ids) == 4
+    qc = {"quant_method": "compressed-tensors", "format": "int-quantized"}
+    assert detect_quantization(str(tmp_path), "cpu", "float32", "cpu", qc) == "w8a8"

@@ -15,6 +15,10 @@ GGUF) checkpoint written as a quantized safetensors checkpoint in a standard lay
                 loads GPTQ. (Not rtn.py's Q4_1 arithmetic: its float per-group minimum has
                 no place in a layout with integer zero points.)
 
+`--format compressed-tensors` writes gptq / awq / int4 / int8 instead in llm-compressor's
+weight-only "pack-quantized" layout (W4A16 / W8A16), which vLLM serves as it serves
+llm-compressor's own.
+
 Every linear of every decoder layer is quantized; embeddings, norms, biases and an untied
 lm_head stay float, written as float16 (the layouts' scale type, and what AutoGPTQ /
 AutoAWQ checkpoints hold).
@@ -46,6 +50,10 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 METHODS = ("int8", "int4", "gptq", "awq", "smoothquant")
+# --format: the layouts each method can be written in, its default first
+FORMATS = {"gptq": ("gptq", "compressed-tensors"), "int4": ("gptq", "compressed-tensors"),
+           "int8": ("gptq", "compressed-tensors"), "awq": ("awq", "compressed-tensors"),
+           "smoothquant": ("compressed-tensors",)}
 CALIBRATED = ("gptq", "awq", "smoothquant")
 BLOCK_INPUTS = 32  # W8A8 runs on Q8_0 blocks: every linear's inputs must divide by 32
 ATTN = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")
@@ -74,11 +82,21 @@ class QuantizeArgs:
     alpha: float = 0.5  # smoothquant's migration strength
     awq_clip: bool = False  # awq: AutoAWQ's clip search after the scale search
     awq_duo_scaling: bool = True  # awq: AutoAWQ's scale candidates (else the paper's)
+    format: str | None = None  # the checkpoint layout (FORMATS); None: the method's own
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:
             raise ValueError(f"--method must be one of {', '.join(METHODS)}, got "
                              f"{self.method!r}")
+        if self.format is None:
+            object.__setattr__(self, "format", FORMATS[self.method][0])
+        if self.format not in FORMATS[self.method]:
+            raise ValueError(f"--method {self.method} writes --format "
+                             f"{' or '.join(FORMATS[self.method])}, got {self.format!r}")
+        if (self.format == "compressed-tensors" and self.act_order
+                and not self.static_groups):
+            raise ValueError("--format compressed-tensors keeps groups of consecutive inputs "
+                             "(no g_idx): --act-order needs --static-groups there")
         if self.bits not in (4, 8):
             raise ValueError(f"--bits must be 4 or 8, got {self.bits}")
         if self.method == "int4" and self.bits != 4 or self.method == "int8" and self.bits != 8:
@@ -274,7 +292,10 @@ def quantize_checkpoint(model: str, out_dir: str, a: QuantizeArgs) -> None:
         return
     assert a.group_size is not None
 
-    pack = export.pack_awq if a.method == "awq" else export.pack_gptq
+    sym = a.sym and a.method != "awq"  # AWQ's grid always has zero points
+    pack = {"awq": export.pack_awq, "gptq": export.pack_gptq,
+            "compressed-tensors": lambda ql: export.pack_compressed_tensors(ql, sym)
+            }[a.format]
     out: dict[str, torch.Tensor] = {}
     t0 = time.perf_counter()
     for i in range(mc.num_hidden_layers):
@@ -309,14 +330,17 @@ def quantize_checkpoint(model: str, out_dir: str, a: QuantizeArgs) -> None:
         if not name.startswith("model.layers."):
             out[name] = tensor.to(torch.float16)  # embeddings, final norm, lm_head
 
-    if a.method == "awq":
+    if a.format == "compressed-tensors":
+        qcfg = export.compressed_tensors_wna16_config(a.bits, a.group_size, sym, a.act_order)
+    elif a.method == "awq":
         qcfg = export.awq_quantization_config(a.group_size)
     else:
         qcfg = export.gptq_quantization_config(a.bits, a.group_size, a.sym, a.act_order,
                                                a.static_groups, mse=a.mse)
     export.write_checkpoint(out_dir, out, export.hf_config(mc, source_cfg), qcfg,
                             ckpt.tokenizer)
-    log.info("wrote %s (%s, %d bits, group %d)", out_dir, a.method, a.bits, a.group_size)
+    log.info("wrote %s (%s, %d bits, group %d, %s layout)", out_dir, a.method, a.bits,
+             a.group_size, a.format)
 
 
 def _run(ns: argparse.Namespace) -> int:
@@ -329,7 +353,8 @@ def _run(ns: argparse.Namespace) -> int:
                      act_order=ns.act_order, static_groups=ns.static_groups, mse=ns.mse,
                      calib=ns.calib,
                      calib_tokens=ns.calib_tokens, seq_len=ns.seq_len, alpha=ns.alpha,
-                     awq_clip=ns.awq_clip, awq_duo_scaling=ns.awq_duo_scaling)
+                     awq_clip=ns.awq_clip, awq_duo_scaling=ns.awq_duo_scaling,
+                     format=ns.format)
     with torch.inference_mode():
         quantize_checkpoint(ns.model, ns.output, a)
     return 0
@@ -341,6 +366,11 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("model", nargs="?", default=None,
                    help="a .gguf file, an HF directory, or smollm2-135m (the default)")
     p.add_argument("--method", required=True, choices=METHODS)
+    p.add_argument("--format", default=None, choices=["gptq", "awq", "compressed-tensors"],
+                   help="the checkpoint layout: gptq (AutoGPTQ v1; the default of gptq, int4, "
+                   "int8), awq (AutoAWQ GEMM; awq's default) or compressed-tensors "
+                   "(llm-compressor's pack-quantized W4A16 / W8A16; smoothquant's int-quantized "
+                   "W8A8, its only one)")
     p.add_argument("--bits", type=int, default=None,
                    help="4 or 8 (default: 8 for int8, else 4; awq: 4 only)")
     p.add_argument("--group-size", type=int, default=None,

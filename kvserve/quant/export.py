@@ -20,6 +20,20 @@ AWQ GEMM (AutoAWQ WQLinear_GEMM), bits 4, P = 8:
         w[n, k] = scales[k // G, n] * (q[n, k] - z[n, k // G]),
         ORDER = [0, 2, 4, 6, 1, 3, 5, 7] (the GEMM kernel's dequantize order)
 
+compressed-tensors "pack-quantized" (llm-compressor's W4A16 / W8A16), P = 32 / bits:
+
+    <prefix>.weight_packed      int32 [N, K / P]   weight_packed[n, c] bits [b*j, ...) =
+                                                   q[n, P*c + j]
+    <prefix>.weight_scale       float16 [N, K / G]
+    <prefix>.weight_zero_point  int32 [N / P, K / G]  asymmetric only: bits [b*j, ...) =
+                                                   z[n = P*r + j, g]
+    <prefix>.weight_shape       int64 [2] = (N, K)
+        w[n, k] = weight_scale[n, k // G] * (q[n, k] - z[n, k // G]),  z = 2^(b-1) when
+        symmetric. The library writes its signed q and z plus 2^(b-1): kvserve's unsigned
+        q and z are those very fields. Groups are consecutive inputs (act-order only with
+        static groups: its config's actorder "weight"; "group" and its g_idx are gone from
+        compressed-tensors).
+
 Nibble i / value j sits at bits [b*i, b*i + b) of the int32 (little end first); int32 is
 two's complement, so a top nibble >= 8 makes the stored int negative.
 """
@@ -85,6 +99,23 @@ def pack_awq(ql: QuantizedLinear) -> dict[str, torch.Tensor]:
     }
 
 
+def pack_compressed_tensors(ql: QuantizedLinear, sym: bool) -> dict[str, torch.Tensor]:
+    """One linear in compressed-tensors' pack-quantized layout (see the module docstring)."""
+    n, k = ql.q.shape
+    if not torch.equal(ql.g_idx, torch.arange(k, dtype=torch.int32) // ql.group_size):
+        raise ValueError("compressed-tensors' pack-quantized layout has no g_idx: groups must "
+                         "be consecutive inputs (with --act-order, add --static-groups)")
+    out = {"weight_packed": pack_int32(ql.q, ql.bits, dim=1),
+           "weight_scale": ql.scales.to(torch.float16).contiguous(),
+           "weight_shape": torch.tensor([n, k], dtype=torch.int64)}
+    if not sym:
+        out["weight_zero_point"] = pack_int32(ql.zeros, ql.bits, dim=0)
+    elif not bool((ql.zeros == 2 ** (ql.bits - 1)).all()):
+        raise ValueError(f"a symmetric compressed-tensors grid has its zero at "
+                         f"{2 ** (ql.bits - 1)}")
+    return out
+
+
 def gptq_quantization_config(bits: int, group_size: int, sym: bool, desc_act: bool,
                              static_groups: bool = False, damp_percent: float = 0.01,
                              mse: float = 0.0) -> dict[str, Any]:
@@ -100,6 +131,24 @@ def awq_quantization_config(group_size: int) -> dict[str, Any]:
     """AutoAWQ's AwqConfig.to_transformers_dict for GEMM."""
     return {"quant_method": "awq", "bits": 4, "group_size": group_size, "zero_point": True,
             "version": "gemm", "modules_to_not_convert": None}
+
+
+def compressed_tensors_wna16_config(bits: int, group_size: int, sym: bool, act_order: bool
+                                    ) -> dict[str, Any]:
+    """compressed-tensors' quantization_config for weight-only int weights per group
+    ("pack-quantized"), lm_head left in float, as llm-compressor's W4A16 / W8A16 recipes
+    write it. act_order: GPTQ ran in activation order with static groups ("weight")."""
+    return {"quant_method": "compressed-tensors", "format": "pack-quantized",
+            "quantization_status": "compressed", "ignore": ["lm_head"],
+            "kv_cache_scheme": None,
+            "config_groups": {"group_0": {
+                "targets": ["Linear"],
+                "weights": {"num_bits": bits, "type": "int", "symmetric": sym,
+                            "strategy": "group", "group_size": group_size,
+                            "block_structure": None,
+                            "actorder": "weight" if act_order else None,
+                            "dynamic": False, "observer": "minmax"},
+                "input_activations": None, "output_activations": None}}}
 
 
 def w8a8_quantization_config() -> dict[str, Any]:

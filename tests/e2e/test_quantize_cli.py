@@ -223,6 +223,69 @@ def test_quantize_writes_a_complete_checkpoint(tiny_dir: tuple[Path, Any], tmp_p
     assert err < 0.02, err  # int8 activations, float16 Q4_1 minimum there: ~0.006
 
 
+@pytest.mark.parametrize("method, extra", [
+    ("gptq", ["--sym"]), ("gptq", []), ("awq", []), ("int8", []),
+    ("gptq", ["--act-order", "--static-groups"]),
+])
+def test_compressed_tensors_format_holds_the_same_quantization(
+        tiny_dir: tuple[Path, Any], tmp_path: Path, method: str, extra: list[str]) -> None:
+    """--format compressed-tensors writes the very integers and scales of the method's own
+    layout: the compressed-tensors library's unpacking of its tensors gives the GPTQ / AWQ
+    directory's weights (this file's reader), kvserve runs both directories to the same
+    logits bit for bit, and transformers reads a symmetric one to them too."""
+    from compressed_tensors.compressors.pack_quantized.helpers import unpack_from_int32
+
+    src, _ = tiny_dir
+    calib = ["--calib", str(CALIB), "--calib-tokens", "512", "--seq-len", "128"]
+    dirs = {}
+    for fmt in (None, "compressed-tensors"):
+        out = tmp_path / (fmt or "native")
+        r = _quantize(str(src), "--method", method, "--group-size", "32", "-o", str(out),
+                      *(calib if method in ("gptq", "awq") else []), *extra,
+                      *(["--format", fmt] if fmt else []))
+        assert r.returncode == 0, r.stderr
+        dirs[fmt] = out
+    bits = 8 if method == "int8" else 4
+    sym = "--sym" in extra or bits == 8
+    qc = json.loads((dirs["compressed-tensors"] / "config.json").read_text())[
+        "quantization_config"]
+    weights = qc["config_groups"]["group_0"]["weights"]
+    assert (qc["quant_method"], qc["format"], qc["ignore"]) == (
+        "compressed-tensors", "pack-quantized", ["lm_head"])
+    assert (weights["num_bits"], weights["group_size"], weights["symmetric"],
+            weights["actorder"]) == (bits, 32, sym, "weight" if "--act-order" in extra
+                                     else None)
+    native, ct = _tensors(dirs[None]), _tensors(dirs["compressed-tensors"])
+    for i in range(2):
+        for lin in LINEARS:
+            p = f"model.layers.{i}.{lin}"
+            shape = torch.Size(ct[p + ".weight_shape"].tolist())
+            q = unpack_from_int32(ct[p + ".weight_packed"], bits, shape).float()
+            scale = ct[p + ".weight_scale"].float()  # [N, K / G]
+            zp = (torch.zeros_like(scale) if sym else unpack_from_int32(
+                ct[p + ".weight_zero_point"], bits, scale.shape, packed_dim=0).float())
+            w = (q - zp.repeat_interleave(32, dim=1)) * scale.repeat_interleave(32, dim=1)
+            assert torch.equal(w, _dequantize(native, p, "awq" if method == "awq" else "gptq",
+                                              bits)), p
+            assert (p + ".weight_zero_point" in ct) == (not sym)
+    prompt = list(b"Everyone is permitted to copy")
+    logits = {}
+    for fmt, path in dirs.items():
+        ckpt = load_checkpoint(str(path))
+        name = fmt or ("awq" if method == "awq" else "gptq")
+        logits[fmt] = _logits(build_model(ckpt, get_ops("auto"), torch.float32, name), prompt)
+    assert torch.equal(logits[None], logits["compressed-tensors"])
+    if sym and bits == 4:
+        import transformers
+
+        theirs = transformers.AutoModelForCausalLM.from_pretrained(
+            str(dirs["compressed-tensors"]), dtype=torch.float32)
+        with torch.no_grad():
+            ref = theirs(torch.tensor([prompt])).logits[0]
+        ours = logits["compressed-tensors"]
+        assert (ours - ref).abs().max() / ref.abs().max() < 0.02
+
+
 def test_smoothquant_writes_compressed_tensors_w8a8(tiny_dir: tuple[Path, Any],
                                                    tmp_path: Path) -> None:
     """--method smoothquant: compressed-tensors "int-quantized" tensors and config; the
@@ -298,6 +361,10 @@ def test_smoothquant_writes_compressed_tensors_w8a8(tiny_dir: tuple[Path, Any],
     (["--method", "int4", "--no-awq-duo-scaling"],
      "--no-awq-duo-scaling is an AWQ option; --method is int4"),
     (["--method", "awq", "--mse", "2.4"], "--mse is a gptq / int4 / int8 option"),
+    (["--method", "gptq", "--format", "awq", "--calib", str(CALIB)],
+     "--method gptq writes --format gptq or compressed-tensors, got 'awq'"),
+    (["--method", "gptq", "--act-order", "--format", "compressed-tensors", "--calib",
+      str(CALIB)], "--act-order needs --static-groups there"),
     (["--method", "int4", "--mse", "-1"], "--mse must be >= 0"),
 ])
 def test_bad_flags_are_refused_by_name(tiny_dir: tuple[Path, Any], tmp_path: Path,

@@ -190,6 +190,7 @@ def importance_matrix(source: Path, threads: int) -> Path:
                            f"setup_peers.sh) and the calibration licenses {CALIB_LICENSES}")
     partial = out.with_name(f".{out.name}.partial")
     logf = CACHE / "logs" / f"llama-imatrix-{source.stem}.log"
+    logf.parent.mkdir(parents=True, exist_ok=True)
     log(f"{out.name}: llama-imatrix over {calib.name} (log: {logf})")
     with open(logf, "w") as f:
         subprocess.run([str(LLAMA_IMATRIX), "-m", str(source), "-f", str(calib), "-o",

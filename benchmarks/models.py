@@ -81,11 +81,13 @@ class WheelModel:
 @dataclass(frozen=True)
 class Requantized:
     """A GGUF through llama-quantize to `qtype`: the default model's F32 GGUF, or (source) a
-    quantized file of WHEEL_MODELS with --allow-requantize."""
+    quantized file of WHEEL_MODELS with --allow-requantize; with the importance matrix
+    (importance_matrix) where imatrix or the type needs one (IMATRIX_QTYPES)."""
 
     file: str
     qtype: str
     source: str | None = None
+    imatrix: bool = False
 
 
 QWEN_1_5B = "qwen2.5-coder-1.5b-instruct-q4_k_m.gguf"
@@ -100,13 +102,19 @@ WHEEL_MODELS = (
 # (in the quant table's order: benchmarks/quant_rows.py).
 DEFAULT_QTYPES = ("Q4_K_M", "Q8_0", "F16", "BF16", "Q4_0", "Q5_0", "Q5_1", "IQ4_NL")
 QWEN_1_5B_QTYPES = ("Q2_K", "Q3_K_M", "Q5_K_M", "Q6_K", "IQ4_XS", "IQ3_M", "IQ3_XXS", "IQ2_M")
+# llama.cpp's own 4-bit types of the Qwen 0.5B Q4_K_M file, beside kvserve's GPTQ / AWQ / RTN
+# rows of the same weights: each made with an importance matrix over the same calibration
+# text as kvserve's GPTQ and AWQ, so that both sides' calibrated 4 bits meet.
+QWEN_0_5B_QTYPES = ("Q4_0", "IQ4_XS")
 
 
 def requantized_file(qtype: str, source: str | None = None) -> str:
     """The file name of llama-quantize's `qtype` of the default model (source None) or of
-    the wheel model `source` (QWEN_1_5B)."""
+    the wheel model `source` (QWEN_1_5B, QWEN_0_5B: an importance matrix's, "-imat")."""
     if source is None:
         return f"smollm2-135m-instruct-{qtype.lower()}.gguf"
+    if source == QWEN_0_5B:
+        return f"qwen2.5-coder-0.5b-instruct-{qtype.lower()}-imat.gguf"
     assert source == QWEN_1_5B, source
     return f"qwen2.5-coder-1.5b-instruct-{qtype.lower()}.gguf"
 
@@ -114,6 +122,8 @@ def requantized_file(qtype: str, source: str | None = None) -> str:
 REQUANTIZED = (
     *(Requantized(requantized_file(t), t) for t in DEFAULT_QTYPES),
     *(Requantized(requantized_file(t, QWEN_1_5B), t, QWEN_1_5B) for t in QWEN_1_5B_QTYPES),
+    *(Requantized(requantized_file(t, QWEN_0_5B), t, QWEN_0_5B, imatrix=True)
+      for t in QWEN_0_5B_QTYPES),
 )
 NAMES = [m.file for m in (*WHEEL_MODELS, *REQUANTIZED)]
 
@@ -215,10 +225,10 @@ def requantize(r: Requantized, out: Path, threads: int) -> None:
         log(f"writing {F32_GGUF.name} from the default model")
         convert(resolve_model(None), str(F32_GGUF))
     partial = out.with_name(f".{out.name}.partial")
-    logf = CACHE / "logs" / f"llama-quantize-{r.qtype}.log"
+    logf = CACHE / "logs" / f"llama-quantize-{Path(r.file).stem}.log"
     logf.parent.mkdir(parents=True, exist_ok=True)
     requant = ["--allow-requantize"] if r.source else []
-    if r.qtype in IMATRIX_QTYPES:
+    if r.imatrix or r.qtype in IMATRIX_QTYPES:
         requant += ["--imatrix", str(importance_matrix(source, threads))]
     log(f"{r.file}: llama-quantize {' '.join(requant)} {source.name} {r.qtype} (log: {logf})")
     with open(logf, "w") as f:

@@ -16,7 +16,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from models import DEFAULT_QTYPES, QWEN_0_5B, QWEN_1_5B, QWEN_1_5B_QTYPES, requantized_file
+from models import (
+    DEFAULT_QTYPES,
+    QWEN_0_5B,
+    QWEN_0_5B_QTYPES,
+    QWEN_1_5B,
+    QWEN_1_5B_QTYPES,
+    requantized_file,
+)
 
 DEFAULT_FAMILY = "smollm2-135m"
 QWEN05_FAMILY = "qwen2.5-coder-0.5b"
@@ -122,6 +129,11 @@ def quant_rows(default_gguf: str, f32_gguf: str, models: Path, quantized: Path,
         quantized_row("qwen0.5b_awq4", "Qwen2.5-Coder-0.5B AWQ 4-bit g128 (`kvserve "
                       "quantize`)", "awq", ("--group-size", "128", *calib_args), qwen05,
                       QWEN05_FAMILY),
+        *(gguf_row(f"qwen0.5b_{t.lower()}", f"Qwen2.5-Coder-0.5B-Instruct {t} (llama-quantize "
+                   "--allow-requantize --imatrix of the Q4_K_M file, the matrix over the "
+                   "GPTQ / AWQ rows' calibration text)",
+                   str(models / requantized_file(t, QWEN_0_5B)), QWEN05_FAMILY)
+          for t in QWEN_0_5B_QTYPES),
         QuantRow(F32_KEY, "SmolLM2-135M float32 (`--quantization none`)", DEFAULT_FAMILY,
                  default_gguf, ("--quantization", "none", *f16kv), peer_gguf=f32_gguf),
         QuantRow("int8", "SmolLM2-135M int8 RTN at load (`--quantization int8`)",

@@ -76,19 +76,29 @@ HALF_DTYPES = {F16: torch.float16, BF16: torch.bfloat16}
 _HALF_WTYPES = {dtype: wtype for wtype, dtype in HALF_DTYPES.items()}
 
 
+def exact_half(w: torch.Tensor) -> torch.Tensor | None:
+    """A float32 tensor as float16 when every value is a float16 value, else as bfloat16
+    when every one is a bfloat16 value (widening gives w back exactly); else None."""
+    if w.dtype != torch.float32:
+        return None
+    for dtype in HALF_DTYPES.values():
+        narrow = w.to(dtype)
+        if torch.equal(narrow.float(), w):
+            return narrow
+    return None
+
+
 def keep_exact_halves(layer: Linear) -> None:
     """A float32 weight whose every value is a float16 value (else a bfloat16 one) is kept at
     that width: ops.linear widens it exactly, so results are float32's bit for bit, and a
     decode step streams half the bytes. A new parameter: a tied lm_head leaves the float32
     embedding (looked up row by row) as it is."""
     w = layer.weight
-    if w.dtype != torch.float32 or w.dim() != 2 or w.shape[1] % 16:
+    if w.dim() != 2 or w.shape[1] % 16:
         return
-    for dtype in HALF_DTYPES.values():
-        narrow = w.to(dtype)
-        if torch.equal(narrow.float(), w):
-            layer.weight = nn.Parameter(narrow, requires_grad=False)
-            return
+    narrow = exact_half(w)
+    if narrow is not None:
+        layer.weight = nn.Parameter(narrow, requires_grad=False)
 
 
 def float_wtype(weight: torch.Tensor) -> int:

@@ -212,7 +212,7 @@ def lm_head_weight(model: Any, chunk: int = 1024) -> torch.Tensor:
     in: its logits for the unit vectors (exact for float and row-quantized weights)."""
     hidden = model.config.hidden_size
     dev = model.embed_tokens.device
-    dtype = model.embed_tokens.dtype
+    dtype = model.act_dtype
     rows = []
     with torch.inference_mode():
         for s in range(0, hidden, chunk):
@@ -242,7 +242,7 @@ class MedusaProposer(KVFreeProposer):
         assert spec is not None and spec.model is not None
         mc = config.model_config
         heads = MedusaHeads.load(spec.model, lm_head_weight(target),
-                                 target.embed_tokens.dtype)
+                                 target.act_dtype)
         if (heads.hidden_size, heads.vocab_size) != (mc.hidden_size, mc.vocab_size):
             raise ValueError(
                 f"speculative_config.model {spec.model!r}: Medusa heads of hidden size "

@@ -79,3 +79,35 @@ def test_a_tied_block_embedding_is_held_once(tmp_path: Path, embd: Q) -> None:
         runs.append([runner.forward({seq: prompt})[0], runner.forward({seq: [vocab - 1]})[0]])
     for a, b in zip(*runs, strict=True):
         assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_an_untied_16_bit_embedding_is_kept_at_16_bits(tmp_path: Path, dtype: torch.dtype
+                                                       ) -> None:
+    """An HF checkpoint stored in bfloat16 / float16 (untied): the loader hands its floats over
+    as float32, and the model keeps the table at the stored width; each lookup widens its
+    rows exactly, so the logits are those of the float32 table, bit for bit. A table whose
+    values are not all 16-bit ones stays float32."""
+    from tests.helpers import kvserve_model_from_hf, tiny_hf_model
+
+    hf = tiny_hf_model("llama")  # untied
+    assert not hf.config.tie_word_embeddings
+    with torch.no_grad():
+        for p in hf.parameters():
+            p.copy_(p.to(dtype).float())  # the values a 16-bit checkpoint holds
+    model = kvserve_model_from_hf(hf, "LlamaForCausalLM", CpuOps())
+    assert model.embed_tokens.dtype == dtype and model.embed_stored is None
+    assert torch.equal(model.embed_tokens.float(), hf.model.embed_tokens.weight)
+    prompt = list(range(3, 40))
+
+    def logits() -> torch.Tensor:
+        runner = PagedSequence(model)
+        return runner.forward({runner.new_seq(): prompt})[0]
+
+    narrow = logits()
+    model.embed_tokens = torch.nn.Parameter(model.embed_tokens.float(), requires_grad=False)
+    assert torch.equal(narrow, logits())
+    with torch.no_grad():
+        hf.model.embed_tokens.weight[5, 0] += 1e-6  # one value no 16-bit float holds
+    full = kvserve_model_from_hf(hf, "LlamaForCausalLM", CpuOps())
+    assert full.embed_tokens.dtype == torch.float32

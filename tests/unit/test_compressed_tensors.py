@@ -29,9 +29,8 @@ from kvserve.loader import load_checkpoint
 from kvserve.models import build_model
 from kvserve.ops import get_ops
 from kvserve.quant import detect_quantization
-from kvserve.quant.block_pack import Q4_1, Q8_0, unpack
-from kvserve.quant.int4_checkpoints import Int4CheckpointLinearMethod
 from tests.helpers import PagedSequence, kvserve_model_from_hf, tiny_hf_model
+from tests.unit.test_int4_checkpoints import repacked_qkv
 
 ARCH = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}
 METHOD = "compressed-tensors"
@@ -129,13 +128,7 @@ def test_checkpoint_loads_to_the_decompressed_model(tmp_path: Path, arch: str, b
     model = build_model(ckpt, get_ops("auto"), torch.float32, METHOD)
     # The repacked blocks hold the library's dequantized weights (m = -s z rounded to
     # float16, the only change).
-    lin = model.layers[1].self_attn.qkv_proj
-    method = lin.quant_method
-    wtype = Q4_1 if bits == 4 else Q8_0
-    assert isinstance(method, Int4CheckpointLinearMethod) and method.wtype == wtype
-    q, d, m = unpack(lin.weight, wtype)
-    got = (d[..., None] * q.float() + (m[..., None] if m is not None else 0)).reshape(
-        -(-lin.out_features // 16) * 16, -1)[:lin.out_features]
+    _, got = repacked_qkv(model, bits)
     want = torch.cat([deq[f"model.layers.1.self_attn.{p}.weight"]
                       for p in ("q_proj", "k_proj", "v_proj")])
     assert torch.allclose(got, want, rtol=0, atol=2e-3 * want.abs().max())

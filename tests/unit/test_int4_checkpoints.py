@@ -139,6 +139,19 @@ def write_checkpoint(path: Path, hf: Any, fmt: str, act_order: bool = False, bit
     return deq
 
 
+def repacked_qkv(model: Any, bits: int) -> tuple[Any, torch.Tensor]:
+    """Layer 1's qkv_proj, loaded from a 4- or 8-bit checkpoint, and its repacked Q4_1 / Q8_0
+    blocks as floats [out, in]: d q + m per block."""
+    lin = model.layers[1].self_attn.qkv_proj
+    wtype = Q4_1 if bits == 4 else Q8_0
+    assert isinstance(lin.quant_method, Int4CheckpointLinearMethod)
+    assert lin.quant_method.wtype == wtype
+    q, d, m = unpack(lin.weight, wtype)
+    got = (d[..., None] * q.float() + (m[..., None] if m is not None else 0)).reshape(
+        -(-lin.out_features // 16) * 16, -1)
+    return lin, got[:lin.out_features]
+
+
 def _logits(model: Any, prompt: list[int]) -> torch.Tensor:
     runner = PagedSequence(model)
     return runner.forward({runner.new_seq(): prompt})[0]
@@ -157,19 +170,14 @@ def test_checkpoint_loads_to_the_dequantized_model(tmp_path: Path, fmt: str, act
     model = build_model(ckpt, ops, torch.float32, fmt)
     # The repacked blocks are the checkpoint's weights: d = scale, m = -scale * zero (m
     # rounded to float16, the only change), in the layer's own input order.
-    lin = model.layers[1].self_attn.qkv_proj
+    lin, got = repacked_qkv(model, bits)
     method = lin.quant_method
-    wtype = Q4_1 if bits == 4 else Q8_0
-    assert isinstance(method, Int4CheckpointLinearMethod) and method.wtype == wtype
-    q, d, m = unpack(lin.weight, wtype)
-    got = (d[..., None] * q.float() + (m[..., None] if m is not None else 0)).reshape(
-        -(-lin.out_features // 16) * 16, -1)
     want = torch.cat([deq[f"model.layers.1.self_attn.{p}.weight"]
                       for p in ("q_proj", "k_proj", "v_proj")])
     if act_order:
         assert method.perm is not None and method.kernel_weights(lin) is None
         want = want[:, method.perm]
-    assert torch.allclose(got[:lin.out_features], want, rtol=0, atol=2e-3 * want.abs().max())
+    assert torch.allclose(got, want, rtol=0, atol=2e-3 * want.abs().max())
     # The float output layer stays at the checkpoint's float16 (half the bytes a decode
     # step streams), its values as written.
     head = hf.state_dict().get("lm_head.weight", hf.state_dict()["model.embed_tokens.weight"])

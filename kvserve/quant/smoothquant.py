@@ -266,9 +266,10 @@ class W8A8QuantMethod(QuantMethod):
     @classmethod
     def detect(cls, model_path: str, device: str, dtype: str, ops_backend: str,
                quantization_config: dict[str, Any] | None = None) -> bool:
-        qc = quantization_config or {}  # pack-quantized (weight-only) is compressed-tensors'
-        return qc.get("quant_method") == "compressed-tensors" and qc.get("format") != \
-            "pack-quantized"
+        qc = quantization_config or {}
+        # compressed-tensors' weight-only "pack-quantized" format is CompressedTensorsWNA16's
+        return (qc.get("quant_method") == "compressed-tensors"
+                and qc.get("format") != "pack-quantized")
 
     @classmethod
     def validate(cls, config: EngineConfig) -> None:

@@ -1,6 +1,6 @@
 """compressed-tensors "pack-quantized" checkpoints: llm-compressor's weight-only exports
-(W4A16 / W8A16, from its GPTQ, AWQ or round-to-nearest recipes), the format vLLM serves under
-`--quantization compressed-tensors` and most 4-bit HF checkpoints made for it use.
+(W4A16 / W8A16, from its GPTQ, AWQ or round-to-nearest recipes), which vLLM serves under
+`--quantization compressed-tensors`: the layout of the W4A16 checkpoints published for it.
 
 What this module knows is the checkpoint's quantization_config (flattened by the loader):
 which settings kvserve runs, and which modules its `targets` and `ignore` lists quantize. The

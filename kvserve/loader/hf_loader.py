@@ -198,23 +198,23 @@ def tokenizer_from_hf_dir(path: str, cfg: dict[str, Any]) -> Tokenizer:
                      pad_token_id=token_id("pad_token"))
 
 
-# What a GPTQ / AWQ / compressed-tensors pack-quantized checkpoint stores for each quantized
-# linear instead of its weight (the optional tensors left out: GPTQ's g_idx, which some exports
-# omit, an asymmetric zero point); the layer's LinearMethod checks the rest.
-_QUANTIZED_NAMES = {"gptq": ("qweight", "qzeros", "scales"),
-                    "awq": ("qweight", "qzeros", "scales"),
-                    "compressed-tensors/pack-quantized": ("weight_packed", "weight_scale",
-                                                          "weight_shape")}
+def _linear_names(qc: dict[str, Any]) -> tuple[str, ...]:
+    """What a checkpoint stores for each linear: a weight, or a GPTQ / AWQ / compressed-tensors
+    pack-quantized layout's tensors instead, those every such checkpoint has (its format's
+    TENSORS; the layer's LinearMethod checks the optional ones and the rest)."""
+    from kvserve.quant.int4_checkpoints import COMPRESSED_TENSORS, TENSORS
+
+    method = qc.get("quant_method")
+    if method == COMPRESSED_TENSORS and qc.get("format") != "pack-quantized":
+        return ("weight",)  # int-quantized W8A8: an int8 weight beside its scale
+    return TENSORS[method][0] if method in TENSORS else ("weight",)
 
 
 def expected_hf_names(c: ModelConfig) -> list[str]:
     names = ["model.embed_tokens.weight", "model.norm.weight"]
     if not c.tie_word_embeddings:
         names.append("lm_head.weight")
-    qc = c.quantization_dict or {}
-    method = qc.get("quant_method")
-    linear_names = _QUANTIZED_NAMES.get(method, _QUANTIZED_NAMES.get(
-        f"{method}/{qc.get('format')}", ("weight",)))
+    linear_names = _linear_names(c.quantization_dict or {})
     for i in range(c.num_hidden_layers):
         p = f"model.layers.{i}."
         names += [p + n + ".weight" for n in ("input_layernorm", "post_attention_layernorm")]

@@ -49,11 +49,11 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-METHODS = ("int8", "int4", "gptq", "awq", "smoothquant")
-# --format: the layouts each method can be written in, its default first
-FORMATS = {"gptq": ("gptq", "compressed-tensors"), "int4": ("gptq", "compressed-tensors"),
-           "int8": ("gptq", "compressed-tensors"), "awq": ("awq", "compressed-tensors"),
+# --method -> the --format layouts it can be written in, its default first
+FORMATS = {"int8": ("gptq", "compressed-tensors"), "int4": ("gptq", "compressed-tensors"),
+           "gptq": ("gptq", "compressed-tensors"), "awq": ("awq", "compressed-tensors"),
            "smoothquant": ("compressed-tensors",)}
+METHODS = tuple(FORMATS)
 CALIBRATED = ("gptq", "awq", "smoothquant")
 BLOCK_INPUTS = 32  # W8A8 runs on Q8_0 blocks: every linear's inputs must divide by 32
 ATTN = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")

@@ -17,9 +17,9 @@ Routing, decided per call here and never inside the kernels:
   variable KVSERVE_CPU_ISA (or CpuOps(isa=...)) names a lower one. "amx" is "avx512" plus
   AMX tiles for qlinear_kquant at 32+ rows.
 - linear's kernel: the AVX-512 one when the ISA is "avx512" or "amx", else the AVX2 one.
-- qlinear (packed GGUF Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q8_0 / IQ4_NL weights, or W8A8, x int8
-  activations): the kernel at every M, the VNNI one where the AVX-512 ISA is chosen and the
-  CPU has VNNI, else the AVX2 one (the same bits either way).
+- qlinear (packed GGUF Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q8_0 / IQ4_NL weights, or W8A8 and
+  Q4_1_128, x int8 activations): the kernel at every M, the VNNI one where the AVX-512 ISA
+  is chosen and the CPU has VNNI, else the AVX2 one (the same bits either way).
 - qlinear_kquant (packed GGUF K-quants and the IQ4_XS-layout types x Q8_K activations,
   KQUANT_KERNEL_WTYPES):
   the kernel at every M, VNNI or AVX2 as qlinear; under "amx", Q4_K / Q5_K / Q6_K at 32+ rows
@@ -54,7 +54,17 @@ from kvserve.ops.build import (
 )
 from kvserve.ops.reference import ReferenceOps
 from kvserve.quant.base import BF16, F16, HALF_DTYPES, KernelWeight
-from kvserve.quant.block_pack import F32, IQ4_NL, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, W8A8
+from kvserve.quant.block_pack import (
+    F32,
+    IQ4_NL,
+    Q4_0,
+    Q4_1,
+    Q4_1_128,
+    Q5_0,
+    Q5_1,
+    Q8_0,
+    W8A8,
+)
 from kvserve.quant.ggml_kquants import IQ4_FAMILY, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K
 
 logger = logging.getLogger("kvserve.ops")
@@ -91,7 +101,7 @@ KV_CACHE_DTYPES = (torch.float32, torch.float16, torch.int8, torch.uint8)
 ROW_WTYPES = (F32, F16, BF16, Q4_1, Q8_0)
 # qlinear's int8-activation kernels (csrc/qlinear*.cpp) read these packed (block_pack.pack; W8A8:
 # Q8_0 records against per-token activations):
-PACKED_WTYPES = (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, IQ4_NL, W8A8)
+PACKED_WTYPES = (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, IQ4_NL, W8A8, Q4_1_128)
 # K-quant formats (ggml type ids) the packed qlinear_kquant kernels read.
 KQUANT_KERNEL_WTYPES = (Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, *IQ4_FAMILY)
 
@@ -289,8 +299,9 @@ class CpuOps(ReferenceOps):
     def qlinear(self, x: torch.Tensor, weight: torch.Tensor, n: int,
                 bias: torch.Tensor | None = None, *, wtype: int) -> torch.Tensor:
         """weight: packed GGUF groups (kvserve/quant/gguf.py pack) of the format wtype names
-        (PACKED_WTYPES: Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, IQ4_NL); x is quantized to int8 per 32
-        values and the kernels (csrc/qlinear*.cpp) give qlinear_reference's bits at any M."""
+        (PACKED_WTYPES: Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, IQ4_NL, W8A8, Q4_1_128); x is quantized
+        to int8 per 32 values and the kernels (csrc/qlinear*.cpp) give qlinear_reference's
+        bits at any M."""
         if not self._packed_kernel_takes(x, bias, wtype, PACKED_WTYPES):
             return super().qlinear(x, weight, n, bias, wtype=wtype)
         x2 = self._rows(x)

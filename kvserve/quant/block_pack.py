@@ -14,10 +14,11 @@ import torch
 from kvserve.quant import ggml_kquants
 
 F32, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, IQ4_NL = 0, 2, 3, 6, 7, 8, 20  # ggml type ids
+Q4_1_128 = 263  # kvserve's own: Q4_1 with d and m per 128 inputs (below)
 BLOCK = 32
 BLOCK_BYTES = {Q4_0: 18, Q4_1: 20, Q5_0: 22, Q5_1: 24, Q8_0: 34, IQ4_NL: 18}  # a stored block
 TYPE_NAMES = {Q4_0: "Q4_0", Q4_1: "Q4_1", Q5_0: "Q5_0", Q5_1: "Q5_1", Q8_0: "Q8_0",
-              IQ4_NL: "IQ4_NL"}
+              IQ4_NL: "IQ4_NL", Q4_1_128: "Q4_1_128"}
 # The packed layout: weight rows in groups of GROUP; per (group, block) one record of
 # GROUP * BLOCK_BYTES bytes, so packing costs no memory and the ceiling stays the same.
 # Offsets [lo, hi) in a record; r < 16 a row, j < 4, c < 4 a chunk; d, m fp16[16] (row r's at
@@ -44,6 +45,14 @@ OFFSET = {Q4_0: 8, Q5_0: 16}
 # row's scale (per output channel), against activations quantized per token
 # (quantize_activations_per_token): SmoothQuant's W8A8 (kvserve/quant/smoothquant.py).
 W8A8 = 256
+# kvserve's own id (past the K-quant layouts' 257..262): Q4_1 blocks whose d and m hold for
+# 4 blocks in a row, as a GPTQ / AWQ / int4 group of 128 (or a row's one group) gives them.
+# One record per (16 rows, 4 blocks), the scales once (`share_scales`):
+#   Q4_1_128 (1088):  [0, 32) d  [32, 64) m  [64 + 256 j, 320 + 256 j) block j's 4 chunks
+# 4.25 bits a weight against Q4_1's 5.0. The kernels compute each block as Q4_1's, so a
+# weight gives the bits of its Q4_1 packing (`widen` is the way back).
+SHARED_SPAN = 4  # blocks per Q4_1_128 record
+RECORD_BYTES = {**PACKED_BYTES, Q4_1_128: 64 + SHARED_SPAN * 256}
 
 
 # Where each stored block keeps its fields: (d, m or None, qh or None, qs), byte offsets.
@@ -53,7 +62,10 @@ _STORED_AT = {Q4_0: (0, None, None, 2), Q4_1: (0, 2, None, 4), Q5_0: (0, None, 2
 
 def pack(data: torch.Tensor, qtype: int, k: int) -> torch.Tensor:
     """uint8 blocks [N, K // 32 * block bytes] -> the packed layout [ceil(N / 16), K // 32,
-    packed bytes]. Rows past N (to fill the last group) are zero blocks: they compute zeros."""
+    packed bytes]. Rows past N (to fill the last group) are zero blocks: they compute zeros.
+    Q4_1_128 takes Q4_1 blocks and gives [ceil(N / 16), K // 128, 1088] (`share_scales`)."""
+    if qtype == Q4_1_128:
+        return share_scales(pack(data, Q4_1, k))
     if qtype not in PACKED_BYTES:
         raise ValueError(f"qtype must be one of {sorted(TYPE_NAMES.values())}, got {qtype}")
     n, nb = data.shape[0], k // BLOCK
@@ -83,15 +95,43 @@ def pack(data: torch.Tensor, qtype: int, k: int) -> torch.Tensor:
                      + [qs.transpose(2, 3).reshape(groups, nb, -1)], dim=-1).contiguous()
 
 
+def share_scales(packed: torch.Tensor) -> torch.Tensor:
+    """Packed Q4_1 [G, nb, 320] whose d and m repeat over each 4 blocks in a row -> Q4_1_128
+    [G, nb / 4, 1088]: each run's scales once, then its 4 blocks' chunks. ValueError if nb is
+    no multiple of 4 or a run's scales differ."""
+    check_packed(packed, Q4_1)
+    groups, nb = packed.shape[:2]
+    if nb % SHARED_SPAN:
+        raise ValueError(f"Q4_1_128 needs K a multiple of {BLOCK * SHARED_SPAN}, "
+                         f"got K={nb * BLOCK}")
+    runs = packed.reshape(groups, nb // SHARED_SPAN, SHARED_SPAN, -1)
+    scales = runs[:, :, :1, :64]
+    if not torch.equal(runs[..., :64], scales.expand(-1, -1, SHARED_SPAN, -1)):
+        raise ValueError(f"Q4_1_128 needs each {BLOCK * SHARED_SPAN} inputs of a row to share "
+                         f"one d and m")
+    return torch.cat([scales[:, :, 0], runs[..., 64:].reshape(groups, nb // SHARED_SPAN, -1)],
+                     dim=-1).contiguous()
+
+
+def widen(packed: torch.Tensor) -> torch.Tensor:
+    """Q4_1_128 [G, nb / 4, 1088] -> the packed Q4_1 [G, nb, 320] of the same blocks."""
+    check_packed(packed, Q4_1_128)
+    groups, runs = packed.shape[:2]
+    scales = packed[..., None, :64].expand(-1, -1, SHARED_SPAN, -1)
+    chunks = packed[..., 64:].reshape(groups, runs, SHARED_SPAN, -1)
+    return torch.cat([scales, chunks], dim=-1).reshape(groups, runs * SHARED_SPAN, -1)
+
+
 def check_packed(packed: torch.Tensor, qtype: int) -> int:
-    """ValueError unless packed is uint8 [groups, nb, record bytes] of the named format;
-    returns the block format of its records (W8A8's are Q8_0's)."""
+    """ValueError unless packed is uint8 [groups, K / 32 (K / 128 for Q4_1_128), record
+    bytes] of the named format; returns the block format of its records (W8A8's are Q8_0's)."""
     qtype = Q8_0 if qtype == W8A8 else qtype
-    if qtype not in PACKED_BYTES:
+    if qtype not in RECORD_BYTES:
         raise ValueError(f"qtype must be one of {sorted(TYPE_NAMES.values())}, got {qtype}")
-    if packed.dtype != torch.uint8 or packed.dim() != 3 or packed.shape[-1] != PACKED_BYTES[qtype]:
-        raise ValueError(f"packed {TYPE_NAMES[qtype]} weights are uint8 [groups, K / 32, "
-                         f"{PACKED_BYTES[qtype]}], got {packed.dtype} {tuple(packed.shape)}")
+    if packed.dtype != torch.uint8 or packed.dim() != 3 or packed.shape[-1] != RECORD_BYTES[qtype]:
+        per = BLOCK * (SHARED_SPAN if qtype == Q4_1_128 else 1)
+        raise ValueError(f"packed {TYPE_NAMES[qtype]} weights are uint8 [groups, K / {per}, "
+                         f"{RECORD_BYTES[qtype]}], got {packed.dtype} {tuple(packed.shape)}")
     return qtype
 
 
@@ -100,6 +140,8 @@ def unpack(packed: torch.Tensor, qtype: int
     """packed (of the format qtype) -> (quants int32 [G*16, nb, 32], d float32 [G*16, nb],
     m float32 or None): the integers and scales the kernels compute with, signed again where
     the format is (Q4_0 q - 8, Q5_0 q - 16, Q8_0; IQ4_NL the values its nibbles index)."""
+    if qtype == Q4_1_128:
+        return unpack(widen(packed), Q4_1)
     qtype = check_packed(packed, qtype)
     groups, nb = packed.shape[:2]
 

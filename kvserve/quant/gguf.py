@@ -70,6 +70,7 @@ from kvserve.quant.block_pack import (
     PACKED_BYTES,
     Q4_0,
     Q4_1,
+    Q4_1_128,
     Q8_0,
     TYPE_NAMES,
     pack,
@@ -233,7 +234,10 @@ def _row_gather(qtype: int, k: int) -> tuple[torch.Tensor, torch.Tensor | None] 
     moves bytes and flips fixed bits (Q8_0's + 128 is a flip of bit 7; the K-quants and the
     4-bit types only move them): (at int64 [16, row bytes], flip uint8 [16, row bytes]) with
     stored row r = packed group flattened [at[r]] ^ flip[r]. Found by packing each byte's
-    position (three byte planes of it), checked on random bytes; None for any other format."""
+    position (three byte planes of it), checked on random bytes; None for any other format
+    (Q4_1_128, which keeps one of 4 blocks' repeated scales, among them)."""
+    if qtype == Q4_1_128:
+        return None
     block, nbytes = block_bytes(qtype)
     row = k // block * nbytes
 
@@ -404,14 +408,14 @@ class GGUFLinearMethod:
 
 def int4_runs(parts: list[KernelWeight], k: int, perm: torch.Tensor | None = None
               ) -> Int4Groups | None:
-    """A weight held as packed Q4_0 / Q4_1 / Q4_K runs as 4-bit groups of 32 in torch's int4
-    convention, w = (q - 8) * scale + zero: Q4_1's d q + m is scale d, zero m + 8 d; Q4_0's
-    d (q - 8) is scale d, zero 0; a Q4_K sub-block's dl q - dm (dl = d * scale, dm = dmin *
-    min) is scale dl, zero 8 dl - dm. None if any run is another format. perm: act-order's
-    input order, which the runs' columns follow."""
+    """A weight held as packed Q4_0 / Q4_1 (or Q4_1_128) / Q4_K runs as 4-bit groups of 32 in
+    torch's int4 convention, w = (q - 8) * scale + zero: Q4_1's d q + m is scale d, zero
+    m + 8 d; Q4_0's d (q - 8) is scale d, zero 0; a Q4_K sub-block's dl q - dm (dl = d *
+    scale, dm = dmin * min) is scale dl, zero 8 dl - dm. None if any run is another format.
+    perm: act-order's input order, which the runs' columns follow."""
     qs, scales, zeros = [], [], []
     for p in parts:
-        if p.weight.dim() != 3 or p.wtype not in (Q4_0, Q4_1, Q4_K):
+        if p.weight.dim() != 3 or p.wtype not in (Q4_0, Q4_1, Q4_1_128, Q4_K):
             return None
         if p.wtype == Q4_K:
             from kvserve.quant.kquant_pack import unpack as unpack_kquant_rows

@@ -31,6 +31,7 @@ from kvserve.quant.block_pack import (
     PACKED_BYTES,
     Q4_0,
     Q4_1,
+    Q4_1_128,
     Q5_0,
     Q5_1,
     Q8_0,
@@ -236,15 +237,15 @@ def test_kernels_name_the_formats_they_read() -> None:
     per-token activations); the row kernels (ops.linear, gguf_exact) still only Q4_1 / Q8_0,
     and say so."""
     assert ROW_WTYPES == (0, 1, 30, Q4_1, Q8_0)  # F32, F16, BF16 and two block formats
-    assert set(PACKED_WTYPES) == {Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, IQ4_NL, W8A8}
+    assert set(PACKED_WTYPES) == {Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, IQ4_NL, W8A8, Q4_1_128}
     ops = CpuOps()
     raw = random_blocks(Q5_0, 20, 64, seed=7)
     x = torch.randn(2, 64)
     with pytest.raises(RuntimeError, match=r"wtype must be 0 \(F32\), 1 \(F16\), 3 \(Q4_1\), "
                                            r"8 \(Q8_0\) or 30 \(BF16\) for a weight read "
                                            r"as rows, got 6 \(Q4_0 / Q5_0 / "
-                                           r"Q5_1 / IQ4_NL / W8A8 run packed only: "
-                                           r"qlinear\)"):
+                                           r"Q5_1 / IQ4_NL / W8A8 / Q4_1_128 run packed "
+                                           r"only: qlinear\)"):
         ops._ext.linear(x, raw, Q5_0, None, False)
     with pytest.raises(RuntimeError, match="got 7"):
         ops._ext.dequantize(random_blocks(Q5_1, 4, 64), Q5_1, 64)
@@ -257,8 +258,8 @@ def test_kernels_name_the_formats_they_read() -> None:
         ops._ext.qlinear(x, packed, Q5_1, 20, None, False)
     with pytest.raises(RuntimeError, match=r"wtype must be 0 \(F32\), 1 \(F16\), 2 \(Q4_0\), "
                                            r"3 \(Q4_1\), 6 \(Q5_0\), 7 \(Q5_1\), 8 \(Q8_0\), "
-                                           r"20 \(IQ4_NL\), 30 \(BF16\) or 256 \(W8A8\), "
-                                           r"got 5"):
+                                           r"20 \(IQ4_NL\), 30 \(BF16\), 256 \(W8A8\) or "
+                                           r"263 \(Q4_1_128\), got 5"):
         ops._ext.qlinear(x, packed, 5, 20, None, False)
 
 

@@ -21,9 +21,11 @@ namespace kvs {
 // scale (per output channel), run against activations quantized per token (one scale per
 // row, quantize_acts_per_token): SmoothQuant's W8A8 on the Q8_0 kernels.
 // F16 and BF16 are float rows of half the bytes, widened exactly to float32 in registers.
+// Q4_1_128 (kvserve's own, past the KType ids) is Q4_1 packed with one d and m per 4 blocks
+// (128 weights), as a GPTQ / AWQ / int4 group of 128 has them: packed only.
 enum class WType : int {
   F32 = 0, F16 = 1, Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q8_0 = 8, IQ4_NL = 20, BF16 = 30,
-  W8A8 = 256
+  W8A8 = 256, Q4_1_128 = 263
 };
 // IQ4_NL's and IQ4_XS's 16 weight values (ggml's kvalues_iq4nl), indexed by a stored nibble.
 // The kernels look them up with a byte shuffle; VNNI takes them + 128 (1..241, unsigned:
@@ -92,24 +94,42 @@ void quantize_acts_per_token(const float* x, int64_t ldx, int64_t M, int64_t K, 
 //   lookup (IQ4_NL): a nibble is an index; the quant is kIQ4Values[nibble], and offset the
 //     128 VNNI adds to it (the AVX2 kernel multiplies the signed values)
 //   else (Q8_0): 8 chunks at qs, chunk c = quant 4c + j + 128 as uint8
+//   span > 1 (Q4_1_128): one record holds span blocks, their d and m once and block j's
+//     chunks at qs + 256 j; block_record() finds a block's
 struct PackedFormat {
   int64_t record, m, qh, qs;
   int32_t offset;
   bool nibbles, lookup;
+  int64_t span = 1;
 };
 constexpr PackedFormat packed_format(WType wt) {
   switch (wt) {
     case WType::Q4_0: return {288, -1, -1, 32, 8, true, false};
     case WType::Q4_1: return {320, 32, -1, 64, 0, true, false};
+    case WType::Q4_1_128: return {1088, 32, -1, 64, 0, true, false, 4};
     case WType::Q5_0: return {352, -1, 32, 96, 16, true, false};
     case WType::Q5_1: return {384, 32, 64, 128, 0, true, false};
     case WType::IQ4_NL: return {288, -1, -1, 32, 128, true, true};
     default: return {544, -1, -1, 32, 128, false, false};  // Q8_0
   }
 }
+// Bytes of one group's records (16 rows x K weights).
+constexpr int64_t packed_group_bytes(const PackedFormat& f, int64_t K) {
+  return K / (32 * f.span) * f.record;
+}
+// Block b of a group whose records start at gw: (its record's start, where its d / m are;
+// the pointer its chunks are at + f.qs from). The same for span 1.
+struct BlockRecord {
+  const uint8_t *scales, *quants;
+};
+constexpr BlockRecord block_record(const PackedFormat& f, const uint8_t* gw, int64_t b) {
+  const uint8_t* rec = gw + b / f.span * f.record;
+  return {rec, rec + b % f.span * 256};
+}
 
 // out[m, n] (n < N; out [M, N] contiguous) from a packed weight w of a block format:
-// ceil(N / 16) groups of 16 rows, each K / 32 records of packed_format(wt).record bytes.
+// ceil(N / 16) groups of 16 rows, each K / 32 records of packed_format(wt).record bytes
+// (K / 128 for Q4_1_128, which computes as Q4_1 on its blocks).
 // Per (m, n), over blocks b in order, one fp32 rounding per op:
 //   isum = sum_i qw[n, b, i] * q[m, b, i]   (exact, int32; qw signed: stored - offset)
 //   acc  = acc + (float)isum * (dw[n, b] * d[m, b])

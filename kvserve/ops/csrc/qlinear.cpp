@@ -6,6 +6,8 @@
 // its fields at kernels.h packed_format(wt):
 //
 //   Q4_1, RB = 320:  d fp16[16] | m fp16[16] | chunk 0 | chunk 1 | chunk 2 | chunk 3
+//   Q4_1_128, RB = 1088 (4 blocks):  d fp16[16] | m fp16[16] | block 0's chunks 0 .. 3 | ..
+//     | block 3's; each block computed as Q4_1's with the record's d and m
 //   Q4_0, RB = 288:  d fp16[16] | chunk 0 .. 3   (IQ4_NL the same)
 //   Q5_0, RB = 352:  d fp16[16] | qh plane | chunk 0 .. 3
 //   Q5_1, RB = 384:  d fp16[16] | m fp16[16] | qh plane | chunk 0 .. 3
@@ -56,7 +58,7 @@ constexpr int64_t kPrefetchBytes = 8192;
 template <WType W>
 struct Nibbles {
   static constexpr PackedFormat F = packed_format(W);
-  static constexpr int64_t kRecord = F.record, kMin = F.m;
+  static constexpr int64_t kRecord = F.record, kMin = F.m, kSpan = F.span;
   static constexpr int32_t kOffset = F.offset;
   static constexpr bool kFive = F.qh >= 0;
   template <int MT>
@@ -120,7 +122,8 @@ struct Nibbles {
 // x). A maddubs pair is up to 2 * 127 * 127, so each is widened at once (madd), not summed
 // in int16 as the linear 4-bit types are.
 struct NonLinear {
-  static constexpr int64_t kRecord = packed_format(WType::IQ4_NL).record, kMin = -1;
+  static constexpr PackedFormat F = packed_format(WType::IQ4_NL);
+  static constexpr int64_t kRecord = F.record, kMin = -1, kSpan = 1;
   static constexpr int64_t kQs = packed_format(WType::IQ4_NL).qs;
   static constexpr int32_t kOffset = 0;  // signed values: nothing to take back
   template <int MT>
@@ -148,7 +151,8 @@ struct NonLinear {
 };
 
 struct Q80 {
-  static constexpr int64_t kRecord = 544, kMin = -1;
+  static constexpr PackedFormat F = packed_format(WType::Q8_0);
+  static constexpr int64_t kRecord = F.record, kMin = -1, kSpan = 1;
   static constexpr int32_t kOffset = 0;  // multiplied signed (below): nothing to take back
   template <int MT>
   static inline void dot(const uint8_t* rec, const int8_t* const* x, __m256i (*isum)[2]) {
@@ -181,9 +185,11 @@ inline void tile(const QActs& a, int64_t m0, const uint8_t* gw, const float* bia
   __m256 acc[MT][2];
   for (int m = 0; m < MT; ++m) acc[m][0] = acc[m][1] = _mm256_setzero_ps();
   for (int64_t b = 0; b < nb; ++b) {
-    const uint8_t* rec = gw + b * Fmt::kRecord;
-    if constexpr (kPrefetchW)
-      for (int64_t off = 0; off < Fmt::kRecord; off += 64)
+    // A record of several blocks (Q4_1_128) holds their scales once: `rec` is where this
+    // block's chunks are read from (at + qs), `sc` where its d and m are.
+    const auto [sc, rec] = block_record(Fmt::F, gw, b);
+    if constexpr (kPrefetchW)  // the stream advances kRecord / kSpan bytes a block
+      for (int64_t off = 0; off < (Fmt::kRecord + Fmt::kSpan - 1) / Fmt::kSpan; off += 64)
         _mm_prefetch(reinterpret_cast<const char*>(rec) + kPrefetchBytes + off, _MM_HINT_T0);
     const int8_t* x[MT];
     for (int m = 0; m < MT; ++m) x[m] = a.q + (m0 + m) * K + b * 32;
@@ -195,7 +201,7 @@ inline void tile(const QActs& a, int64_t m0, const uint8_t* gw, const float* bia
         isum[m][0] = _mm256_sub_epi32(isum[m][0], off);
         isum[m][1] = _mm256_sub_epi32(isum[m][1], off);
       }
-    const __m256 dw[2] = {load_halves8(rec), load_halves8(rec + 16)};
+    const __m256 dw[2] = {load_halves8(sc), load_halves8(sc + 16)};
     for (int m = 0; m < MT; ++m) {
       const __m256 dx = _mm256_set1_ps(a.d[(m0 + m) * nb + b]);
       for (int h = 0; h < 2; ++h)
@@ -203,7 +209,7 @@ inline void tile(const QActs& a, int64_t m0, const uint8_t* gw, const float* bia
                                                            _mm256_mul_ps(dw[h], dx)));
     }
     if constexpr (Fmt::kMin >= 0) {
-      const __m256 mw[2] = {load_halves8(rec + Fmt::kMin), load_halves8(rec + Fmt::kMin + 16)};
+      const __m256 mw[2] = {load_halves8(sc + Fmt::kMin), load_halves8(sc + Fmt::kMin + 16)};
       for (int m = 0; m < MT; ++m) {
         const __m256 s = _mm256_set1_ps(a.s[(m0 + m) * nb + b]);
         for (int h = 0; h < 2; ++h)
@@ -253,7 +259,7 @@ void run(const QActs& a, const uint8_t* w, const float* bias, float* out, int64_
          int nthreads) {
   const int64_t M = a.M, K = a.K, groups = (N + kGroup - 1) / kGroup;
   if (M == 0 || groups == 0) return;
-  const int64_t group_bytes = K / 32 * Fmt::kRecord;
+  const int64_t group_bytes = packed_group_bytes(Fmt::F, K);
   const int64_t row_tiles = (M + MT - 1) / MT;
   // Rows per pass over the slab: ~256 KB of int8 activations stay in L2 while it streams.
   const int64_t m_block = std::max<int64_t>(MT, (1 << 18) / std::max<int64_t>(K, 1) / MT * MT);
@@ -308,6 +314,8 @@ void qlinear(const QActs& a, const uint8_t* w, WType wt, const float* bias, floa
   switch (wt) {
     case WType::Q4_0: return run_fmt<Nibbles<WType::Q4_0>>(a, w, bias, out, N, nthreads);
     case WType::Q4_1: return run_fmt<Nibbles<WType::Q4_1>>(a, w, bias, out, N, nthreads);
+    case WType::Q4_1_128:
+      return run_fmt<Nibbles<WType::Q4_1_128>>(a, w, bias, out, N, nthreads);
     case WType::Q5_0: return run_fmt<Nibbles<WType::Q5_0>>(a, w, bias, out, N, nthreads);
     case WType::Q5_1: return run_fmt<Nibbles<WType::Q5_1>>(a, w, bias, out, N, nthreads);
     case WType::IQ4_NL: return run_fmt<NonLinear>(a, w, bias, out, N, nthreads);
@@ -316,14 +324,14 @@ void qlinear(const QActs& a, const uint8_t* w, WType wt, const float* bias, floa
 #else
   // Scalar: the same integers and the same float operations in the same order.
   const PackedFormat f = packed_format(wt);
-  const int64_t M = a.M, K = a.K, nb = K / 32, rb = f.record;
+  const int64_t M = a.M, K = a.K, nb = K / 32, gb = packed_group_bytes(f, K);
 #pragma omp parallel for schedule(static) num_threads(nthreads)
   for (int64_t n = 0; n < N; ++n) {
     const int64_t g = n / kGroup, r = n % kGroup;
     for (int64_t m = 0; m < M; ++m) {
       float acc = 0.f;
       for (int64_t b = 0; b < nb; ++b) {
-        const uint8_t* rec = w + (g * nb + b) * rb;
+        const auto [sc, rec] = block_record(f, w + g * gb, b);
         const int8_t* x = a.q + m * K + b * 32;
         int32_t isum = 0;
         for (int64_t i = 0; i < 32; ++i) {
@@ -334,8 +342,8 @@ void qlinear(const QActs& a, const uint8_t* w, WType wt, const float* bias, floa
           isum += (f.lookup ? kIQ4Values[q] : q - f.offset) * x[i];
         }
         acc = acc + static_cast<float>(isum) *
-                        (half_to_float(load_u16(rec + 2 * r)) * a.d[m * nb + b]);
-        if (f.m >= 0) acc = acc + half_to_float(load_u16(rec + f.m + 2 * r)) * a.s[m * nb + b];
+                        (half_to_float(load_u16(sc + 2 * r)) * a.d[m * nb + b]);
+        if (f.m >= 0) acc = acc + half_to_float(load_u16(sc + f.m + 2 * r)) * a.s[m * nb + b];
       }
       out[m * N + n] = bias ? acc + bias[n] : acc;
     }

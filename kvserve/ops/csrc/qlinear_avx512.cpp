@@ -62,10 +62,10 @@ inline void tile(const QActs& a, int64_t m0, const uint8_t* w, int64_t gbytes,
       for (int m = 0; m < MT; ++m) lo[g][m] = hi[g][m] = _mm512_setzero_si512();
     const int8_t* xq = a.q + m0 * K + b * 32;
     for (int g = 0; g < G; ++g) {
-      const uint8_t* r = w + g * gbytes + b * kRB;
-      if constexpr (kPf)
-        for (int64_t o = 0; o < kRB; o += 64) _mm_prefetch(reinterpret_cast<const char*>(r) +
-                                                           kPrefetchBytes + o, _MM_HINT_T0);
+      const uint8_t* r = block_record(F, w + g * gbytes, b).quants;  // its chunks at + F.qs
+      if constexpr (kPf)  // the stream advances kRB / F.span bytes a block
+        for (int64_t o = 0; o < (kRB + F.span - 1) / F.span; o += 64)
+          _mm_prefetch(reinterpret_cast<const char*>(r) + kPrefetchBytes + o, _MM_HINT_T0);
       if constexpr (F.nibbles) {
         [[maybe_unused]] const __m512i plane =
             F.qh >= 0 ? _mm512_loadu_si512(r + F.qh) : _mm512_setzero_si512();
@@ -100,7 +100,7 @@ inline void tile(const QActs& a, int64_t m0, const uint8_t* w, int64_t gbytes,
       }
     }
     for (int g = 0; g < G; ++g) {
-      const uint8_t* r = w + g * gbytes + b * kRB;
+      const uint8_t* r = block_record(F, w + g * gbytes, b).scales;  // d (and m): Q4_1_128's
       const __m512 dw = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(r)));
       for (int m = 0; m < MT; ++m) {
         const int64_t mb = (m0 + m) * nb + b;
@@ -154,8 +154,7 @@ inline void row_tiles(const QActs& a, int64_t m0, int64_t rows, const uint8_t* w
 template <WType W, int G, int MT>
 void run(const QActs& a, const uint8_t* w, const float* bias, float* out, int64_t N,
          int nthreads) {
-  constexpr int64_t kRB = packed_format(W).record;
-  const int64_t M = a.M, K = a.K, gbytes = K / 32 * kRB;
+  const int64_t M = a.M, K = a.K, gbytes = packed_group_bytes(packed_format(W), K);
   const int64_t groups = (N + 15) / 16, tiles = (groups + G - 1) / G;
   // Activation rows per pass over a thread's weight slab: ~256 KB of quants stay in L2.
   const int64_t m_block = max64(MT, (262144 / max64(K, 1)) / MT * MT);
@@ -198,6 +197,7 @@ void qlinear_avx512(const QActs& a, const uint8_t* w, WType wt, const float* bia
   switch (wt) {
     case WType::Q4_0: return run_fmt<WType::Q4_0>(a, w, bias, out, N, nthreads);
     case WType::Q4_1: return run_fmt<WType::Q4_1>(a, w, bias, out, N, nthreads);
+    case WType::Q4_1_128: return run_fmt<WType::Q4_1_128>(a, w, bias, out, N, nthreads);
     case WType::Q5_0: return run_fmt<WType::Q5_0>(a, w, bias, out, N, nthreads);
     case WType::Q5_1: return run_fmt<WType::Q5_1>(a, w, bias, out, N, nthreads);
     case WType::IQ4_NL: return run_fmt<WType::IQ4_NL>(a, w, bias, out, N, nthreads);

@@ -78,9 +78,9 @@ inline torch::Tensor as_int64(const torch::Tensor& t) {
 // The ggml type id the caller names -> a format the kernels take.
 inline kvs::WType weight_format(int64_t wtype) {
   TORCH_CHECK(wtype == 0 || wtype == 1 || wtype == 2 || wtype == 3 || wtype == 6 || wtype == 7 ||
-                  wtype == 8 || wtype == 20 || wtype == 30 || wtype == 256,
+                  wtype == 8 || wtype == 20 || wtype == 30 || wtype == 256 || wtype == 263,
               "wtype must be 0 (F32), 1 (F16), 2 (Q4_0), 3 (Q4_1), 6 (Q5_0), 7 (Q5_1), 8 (Q8_0), "
-              "20 (IQ4_NL), 30 (BF16) or 256 (W8A8), got ", wtype);
+              "20 (IQ4_NL), 30 (BF16), 256 (W8A8) or 263 (Q4_1_128), got ", wtype);
   return static_cast<kvs::WType>(wtype);
 }
 
@@ -90,9 +90,11 @@ inline kvs::WType checked_weight_type(const torch::Tensor& weight, int64_t wtype
   TORCH_CHECK(kvs::is_row_format(static_cast<kvs::WType>(wtype)),
               "wtype must be 0 (F32), 1 (F16), 3 (Q4_1), 8 (Q8_0) or 30 (BF16) for a weight "
               "read as rows, got ",
-              wtype, wtype == 2 || wtype == 6 || wtype == 7 || wtype == 20 || wtype == 256
-                         ? " (Q4_0 / Q5_0 / Q5_1 / IQ4_NL / W8A8 run packed only: qlinear)"
-                         : "");
+              wtype,
+              wtype == 2 || wtype == 6 || wtype == 7 || wtype == 20 || wtype == 256 ||
+                      wtype == 263
+                  ? " (Q4_0 / Q5_0 / Q5_1 / IQ4_NL / W8A8 / Q4_1_128 run packed only: qlinear)"
+                  : "");
   const kvs::WType wt = weight_format(wtype);
   if (wt == kvs::WType::F32 || kvs::is_half_format(wt)) {  // float rows [N, K]
     const bool f16 = wt == kvs::WType::F16, f32 = wt == kvs::WType::F32;
@@ -116,21 +118,23 @@ inline kvs::WType checked_weight_type(const torch::Tensor& weight, int64_t wtype
 }
 
 // A packed weight [ceil(N / 16), K / 32, 16 x block bytes] (kvserve/quant/block_pack.py pack) in
-// the named block format (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, IQ4_NL), for K inputs and N outputs.
+// the named block format (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, IQ4_NL; Q4_1_128's records hold 4
+// blocks), for K inputs and N outputs.
 inline kvs::WType checked_packed_type(const torch::Tensor& weight, int64_t wtype, int64_t K,
                                       int64_t N) {
   TORCH_CHECK(weight.device().is_cpu() && weight.scalar_type() == torch::kUInt8 &&
                   weight.dim() == 3 && weight.is_contiguous(),
-              "a packed weight is a contiguous uint8 [groups, K / 32, record bytes] tensor, got ",
+              "a packed weight is a contiguous uint8 [groups, K / 32 (K / 128: Q4_1_128), "
+              "record bytes] tensor, got ",
               weight.scalar_type(), " ", weight.sizes());
   const kvs::WType wt = weight_format(wtype);
   TORCH_CHECK(wt != kvs::WType::F32 && !kvs::is_half_format(wt),
               "a packed weight needs a block format, got wtype ", wtype);
-  const int64_t rb = kvs::packed_format(wt).record;
-  TORCH_CHECK(weight.size(2) == rb, "packed wtype ", wtype, " records take ", rb,
+  const kvs::PackedFormat f = kvs::packed_format(wt);
+  TORCH_CHECK(weight.size(2) == f.record, "packed wtype ", wtype, " records take ", f.record,
               " bytes, the weight's have ", weight.size(2));
-  TORCH_CHECK(K == weight.size(1) * 32, "x [M, K] must have K = ", weight.size(1) * 32,
-              " for this packed weight, got K=", K);
+  TORCH_CHECK(K == weight.size(1) * 32 * f.span, "x [M, K] must have K = ",
+              weight.size(1) * 32 * f.span, " for this packed weight, got K=", K);
   TORCH_CHECK(N > 16 * (weight.size(0) - 1) && N <= 16 * weight.size(0), "N=", N,
               " does not fit ", weight.size(0), " groups of 16 rows");
   return wt;

@@ -30,8 +30,10 @@ at 8 bits, one byte per field, 4 per int32 word, instead of a nibble).
 
 They run as GGUF blocks (kvserve/quant/gguf.py), on the int8-activation kernels. 4-bit: Q4_1,
 w = d * q + m with d = s and m = -s * z per 32-input block (each block repeats its group's
-pair; m is rounded to float16, the blocks' type). 8-bit: Q8_0, w = d * (q - z) with d = s,
-which needs q - z in [-128, 127] (a symmetric export's zero of 128 always is). With act-order
+pair; m is rounded to float16, the blocks' type), packed as Q4_1_128 (the pair once per 4
+blocks) where the groups are 128 inputs or a multiple (rtn.q4_1_format). 8-bit: Q8_0,
+w = d * (q - z) with d = s, which needs q - z in [-128, 127] (a symmetric export's zero of
+128 always is). With act-order
 the inputs are permuted so that each group's inputs are contiguous, and each call gathers x in
 that order (such a layer is not fused into the C++ layer stack).
 """
@@ -53,10 +55,10 @@ from kvserve.quant.base import (
     dense,
     require_float32,
 )
-from kvserve.quant.block_pack import BLOCK, F32, Q4_1, Q8_0, pack
+from kvserve.quant.block_pack import BLOCK, F32, Q8_0, pack
 from kvserve.quant.gguf import dequantize_runs, int4_runs
 from kvserve.quant.int4_groups import Int4Groups
-from kvserve.quant.rtn import int4_to_q4_1, int8_to_q8_0
+from kvserve.quant.rtn import int4_to_q4_1, int8_to_q8_0, q4_1_format
 
 if TYPE_CHECKING:
     from kvserve.config import EngineConfig
@@ -125,7 +127,7 @@ TENSORS = {
 
 class Int4CheckpointLinearMethod:
     """A Linear loaded from GPTQ / AWQ / compressed-tensors tensors (per output shard),
-    repacked as Q4_1 (Q8_0 at 8 bits) groups."""
+    repacked as Q4_1 / Q4_1_128 (Q8_0 at 8 bits) groups."""
 
     def __init__(self, fmt: str, group_size: int, zero_offset: int, prefix: str,
                  bits: int = 4, sym: bool = False) -> None:
@@ -187,7 +189,8 @@ class Int4CheckpointLinearMethod:
             q = q[:, perm]
             self.perm = perm
         if self.bits == 4:
-            blocks, self.wtype = int4_to_q4_1(q.to(torch.uint8), s, -s * z, g), Q4_1
+            blocks = int4_to_q4_1(q.to(torch.uint8), s, -s * z, g)
+            self.wtype = q4_1_format(g)
         else:
             v = q - z.repeat_interleave(g, dim=1).long()
             if int(v.min()) < -128 or int(v.max()) > 127:

@@ -11,11 +11,13 @@ files (int8-quantized activations, exact integer dot products, kvserve/quant/ggu
 
     int8 -> Q8_0 blocks: each 32-weight block of row n carries d = s[n]
     int4 -> Q4_1 blocks: each 32-weight block of group g carries (d[n, g], m[n, g]);
-            a group of 64 or 128 is 2 or 4 blocks with the same pair
+            a group of 64 or 128 is 2 or 4 blocks with the same pair, and groups of
+            128 are packed as Q4_1_128, the pair once per 4 blocks
 
 The scales are rounded to float16 (the blocks' type) before the weights are quantized
 against them, so the stored quants are the nearest ones for the scales actually used. Per
-channel, int8 keeps 8.5 bits per weight (the per-block scale repeats); int4 keeps 5.
+channel, int8 keeps 8.5 bits per weight (the per-block scale repeats); int4 keeps 5 (4.25
+in groups of 128).
 """
 
 from __future__ import annotations
@@ -36,7 +38,7 @@ from kvserve.quant.base import (
     dense_names,
     require_float32,
 )
-from kvserve.quant.block_pack import BLOCK, F32, Q4_1, Q8_0, pack
+from kvserve.quant.block_pack import BLOCK, F32, Q4_1, Q4_1_128, Q8_0, SHARED_SPAN, pack
 from kvserve.quant.gguf import dequantize_runs, int4_runs
 from kvserve.quant.int4_groups import Int4Groups
 
@@ -108,6 +110,13 @@ def int4_to_q4_1(q: torch.Tensor, d: torch.Tensor, m: torch.Tensor, group_size: 
     return torch.cat([d_b, m_b, qs], dim=-1).reshape(n, -1)
 
 
+def q4_1_format(group_size: int) -> int:
+    """The packed format int4_to_q4_1's blocks run as: Q4_1_128 where every 4 blocks in a row
+    repeat one group's (d, m) (groups of 128 or a multiple: 4.25 bits a weight), else Q4_1
+    (5.0). The kernels give the same bits either way."""
+    return Q4_1_128 if group_size % (BLOCK * SHARED_SPAN) == 0 else Q4_1
+
+
 class RTNLinearMethod:
     """A Linear whose float weight is quantized once loaded (process_weights_after_loading)
     into GGUF blocks and packed for the int8-activation kernels (ops.qlinear)."""
@@ -138,7 +147,8 @@ class RTNLinearMethod:
         else:
             assert self.group_size is not None
             q, d, m = quantize_int4(w, self.group_size)
-            blocks, qtype = int4_to_q4_1(q, d, m, self.group_size), Q4_1
+            blocks = int4_to_q4_1(q, d, m, self.group_size)
+            qtype = q4_1_format(self.group_size)
         layer.weight = nn.Parameter(pack(blocks, qtype, layer.in_features),
                                     requires_grad=False)
         self.wtype = qtype

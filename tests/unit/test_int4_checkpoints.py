@@ -18,7 +18,7 @@ from safetensors.torch import save_file
 from kvserve.loader import load_checkpoint
 from kvserve.models import build_model
 from kvserve.ops import get_ops
-from kvserve.quant.block_pack import Q4_1, Q8_0, unpack
+from kvserve.quant.block_pack import Q4_1, Q4_1_128, Q8_0, unpack, widen
 from kvserve.quant.int4_checkpoints import Int4CheckpointLinearMethod
 from tests.helpers import PagedSequence, kvserve_model_from_hf, tiny_hf_model
 
@@ -92,8 +92,10 @@ def awq_pack(q: torch.Tensor, zeros: torch.Tensor) -> tuple[torch.Tensor, torch.
 
 
 def write_checkpoint(path: Path, hf: Any, fmt: str, act_order: bool = False, bits: int = 4,
-                     qc_overrides: dict[str, Any] | None = None) -> dict[str, torch.Tensor]:
-    """The tiny model as a GPTQ / AWQ directory; returns the dequantized weights by name."""
+                     qc_overrides: dict[str, Any] | None = None, group: int = GROUP
+                     ) -> dict[str, torch.Tensor]:
+    """The tiny model as a GPTQ / AWQ directory (group -1: one group per row); returns the
+    dequantized weights by name."""
     rng = torch.Generator().manual_seed(7)
     tensors: dict[str, torch.Tensor] = {}
     deq: dict[str, torch.Tensor] = {}
@@ -102,13 +104,14 @@ def write_checkpoint(path: Path, hf: Any, fmt: str, act_order: bool = False, bit
             tensors[name] = t.detach().half()
             continue
         k = t.shape[1]
-        g_idx = torch.arange(k) // GROUP
+        size = k if group == -1 else group
+        g_idx = torch.arange(k) // size
         if act_order:  # AutoGPTQ's desc_act: column perm[j] joins group j // G
             layer_in = name.rsplit(".", 2)[0].rsplit(".", 1)[0]  # q/k/v share their inputs
             perm = torch.randperm(k, generator=torch.Generator().manual_seed(
                 hash(layer_in + str(k)) % 1000))
             g_idx = torch.empty(k, dtype=torch.long)
-            g_idx[perm] = torch.arange(k) // GROUP
+            g_idx[perm] = torch.arange(k) // size
         q, zeros, scales, w = quantize_groups(t.detach().float(), g_idx, bits, sym=bits == 8)
         base = name.removesuffix(".weight")
         deq[name] = w
@@ -123,11 +126,11 @@ def write_checkpoint(path: Path, hf: Any, fmt: str, act_order: bool = False, bit
     path.mkdir(parents=True, exist_ok=True)
     save_file(tensors, str(path / "model.safetensors"))
     cfg = hf.config.to_dict()
-    qc: dict[str, Any] = ({"quant_method": "gptq", "bits": bits, "group_size": GROUP,
+    qc: dict[str, Any] = ({"quant_method": "gptq", "bits": bits, "group_size": group,
                            "desc_act": act_order, "sym": bits == 8,
                            "checkpoint_format": "gptq"}
                           if fmt == "gptq" else
-                          {"quant_method": "awq", "bits": 4, "group_size": GROUP,
+                          {"quant_method": "awq", "bits": 4, "group_size": group,
                            "zero_point": True, "version": "gemm"})
     cfg["quantization_config"] = {**qc, **(qc_overrides or {})}
     (path / "config.json").write_text(json.dumps(cfg))
@@ -191,6 +194,33 @@ def test_checkpoint_loads_to_the_dequantized_model(tmp_path: Path, fmt: str, act
     ours, theirs = _logits(model, prompt), _logits(ref, prompt)
     err = (ours - theirs).abs().max() / theirs.abs().max()
     assert err < 0.02, err  # int8 activations and float16 m: ~0.5% here
+
+
+def test_groups_of_128_run_with_their_scales_once(tmp_path: Path) -> None:
+    """A per-channel GPTQ checkpoint (group_size -1): the linears of 128 inputs (down_proj)
+    are held as Q4_1_128, one (d, m) per 4 blocks, those of 64 as Q4_1. The model gives the
+    dequantized float model's logits within the int8 activations' error, and the very bits of
+    the same model with those weights widened back to Q4_1 (fused layer stack included)."""
+    hf = tiny_hf_model("llama")
+    deq = write_checkpoint(tmp_path, hf, "gptq", group=-1)
+    ckpt = load_checkpoint(str(tmp_path))
+    model, widened = (build_model(ckpt, get_ops("auto"), torch.float32, "gptq")
+                      for _ in range(2))
+    for layer in model.layers:
+        assert layer.mlp.down_proj.quant_method.wtype == Q4_1_128
+        assert layer.mlp.gate_up_proj.quant_method.wtype == Q4_1
+        assert layer.self_attn.qkv_proj.quant_method.wtype == Q4_1
+    hf_deq = tiny_hf_model("llama")
+    hf_deq.load_state_dict({**hf.state_dict(), **deq})
+    ref = kvserve_model_from_hf(hf_deq, "LlamaForCausalLM", get_ops("reference"))
+    prompt = list(range(5, 45))
+    ours, theirs = _logits(model, prompt), _logits(ref, prompt)
+    assert (ours - theirs).abs().max() / theirs.abs().max() < 0.02
+    for layer in widened.layers:
+        lin = layer.mlp.down_proj
+        lin.weight = torch.nn.Parameter(widen(lin.weight), requires_grad=False)
+        lin.quant_method.wtype = Q4_1
+    assert torch.equal(_logits(widened, prompt), ours)
 
 
 @pytest.mark.parametrize("fmt, overrides, match", [

@@ -19,7 +19,7 @@ from kvserve.models import build_model
 from kvserve.ops import get_ops
 from kvserve.ops.reference import ReferenceOps
 from kvserve.quant import get_quant_method, quant_config
-from kvserve.quant.block_pack import Q4_1, Q8_0, qlinear_reference
+from kvserve.quant.block_pack import Q4_1, Q4_1_128, Q8_0, qlinear_reference
 from kvserve.quant.rtn import (
     RTNLinearMethod,
     int4_to_q4_1,
@@ -81,7 +81,8 @@ def test_linear_equals_its_dequantize_then_int8_matmul_oracle(bits: int, group: 
     lin.load_shard("bias", 0, torch.zeros(24))
     lin.load_shard("bias", 1, torch.ones(16))
     lin.process_weights_after_loading()
-    wtype = Q8_0 if bits == 8 else Q4_1
+    # groups of 128 keep their one (d, m) once per 4 blocks (Q4_1_128); smaller ones per block
+    wtype = Q8_0 if bits == 8 else Q4_1_128 if group == 128 else Q4_1
     assert lin.quant_method.wtype == wtype and lin.weight.dtype == torch.uint8
     x = torch.randn(5, k, generator=torch.Generator().manual_seed(bits))
     assert torch.equal(lin(x), qlinear_reference(x, lin.weight, wtype, n, lin.bias))

@@ -210,11 +210,27 @@ def _linear_names(qc: dict[str, Any]) -> tuple[str, ...]:
     return TENSORS[method][0] if method in TENSORS else ("weight",)
 
 
+
+def _lm_head_quantized(qc: dict[str, Any]) -> bool:
+    """Whether a GPTQ / AWQ / pack-quantized checkpoint quantizes lm_head too (its method's
+    `quantizes_lm_head`)."""
+    from kvserve.quant import get_quant_method_class
+    from kvserve.quant.int4_checkpoints import TENSORS, Int4CheckpointMethod
+
+    method = qc.get("quant_method")
+    if method not in TENSORS or _linear_names(qc) == ("weight",):
+        return False
+    cls = get_quant_method_class(method)
+    return issubclass(cls, Int4CheckpointMethod) and cls.quantizes_lm_head(qc)
+
+
 def expected_hf_names(c: ModelConfig) -> list[str]:
+    qc = c.quantization_dict or {}
+    linear_names = _linear_names(qc)
     names = ["model.embed_tokens.weight", "model.norm.weight"]
     if not c.tie_word_embeddings:
-        names.append("lm_head.weight")
-    linear_names = _linear_names(c.quantization_dict or {})
+        names += [f"lm_head.{t}" for t in (linear_names if _lm_head_quantized(qc)
+                                           else ("weight",))]
     for i in range(c.num_hidden_layers):
         p = f"model.layers.{i}."
         names += [p + n + ".weight" for n in ("input_layernorm", "post_attention_layernorm")]

@@ -34,6 +34,12 @@ def _matches(entry: str, name: str) -> bool:
     return entry in ("Linear", name)
 
 
+def _targets(qc: dict[str, Any]) -> tuple[str, ...]:
+    """The targets of the (flattened) quantization_config's config groups."""
+    return tuple(t for k, v in qc.items()
+                 if k.startswith("config_groups.") and k.endswith(".targets") for t in v or ())
+
+
 def wna16_settings(qc: dict[str, Any]) -> tuple[int, int, bool]:
     """(bits, group_size (-1: a channel, one group of all inputs), symmetric) of a
     compressed-tensors pack-quantized quantization_config (flattened), with a ValueError
@@ -51,7 +57,7 @@ def wna16_settings(qc: dict[str, Any]) -> tuple[int, int, bool]:
         raise ValueError(f"compressed-tensors checkpoint quantizes input_activations "
                          f"(num_bits={qc.get(g + 'input_activations.num_bits')!r}); kvserve "
                          f"loads pack-quantized weights with float activations (WNA16)")
-    targets = qc.get(g + "targets") or ()
+    targets = _targets(qc)
     missing = [n for n in DECODER_LINEARS if not any(_matches(t, n) for t in targets)]
     if missing:
         raise ValueError(f"compressed-tensors checkpoint has targets={list(targets)!r}, which "
@@ -94,16 +100,24 @@ class CompressedTensorsWNA16Method(Int4CheckpointMethod):
         bits, group, _ = wna16_settings(qc)
         return bits, group, 0
 
+    @classmethod
+    def quantizes_lm_head(cls, qc: dict[str, Any]) -> bool:
+        """lm_head is quantized where a target names it (the class target "Linear" does) and
+        the ignore list does not, as llm-compressor decides; its W4A16 / W8A16 recipes
+        ignore it."""
+        ignore = qc.get("ignore") or ()
+        return (any(_matches(t, "lm_head") for t in _targets(qc))
+                and not any(_matches(e, "lm_head") for e in ignore))
+
     def linear_method(self, prefix: str) -> LinearMethod:
         assert self.config is not None and self.config.checkpoint_config is not None
         qc = dict(self.config.checkpoint_config)
         ignore = qc.get("ignore") or ()
+        bits, group, sym = wna16_settings(qc)
         if prefix == "lm_head":
-            if not any(_matches(e, "lm_head") for e in ignore):
-                raise ValueError("compressed-tensors checkpoint quantizes lm_head (not in its "
-                                 "ignore list); kvserve loads it with lm_head in float, as "
-                                 "llm-compressor's W4A16 / W8A16 recipes write it")
-            return UnquantizedLinearMethod(half=True)
+            if not self.quantizes_lm_head(qc):
+                return UnquantizedLinearMethod(half=True)
+            return Int4CheckpointLinearMethod(self.fmt, group, 0, prefix, bits, sym)
         # The model holds no float decoder linears: none of this layer's may be ignored.
         layer = re.match(r"model\.layers\.\d+\.", prefix)
         for name in (f"{layer.group(0) if layer else ''}{lin}" for lin in DECODER_LINEARS):
@@ -112,5 +126,4 @@ class CompressedTensorsWNA16Method(Int4CheckpointMethod):
                 raise ValueError(f"compressed-tensors checkpoint's ignore list keeps {name} in "
                                  f"float ({kept[0]!r}); kvserve loads checkpoints whose every "
                                  f"decoder linear is quantized")
-        bits, group, sym = wna16_settings(qc)
         return Int4CheckpointLinearMethod(self.fmt, group, 0, prefix, bits, sym)

@@ -263,7 +263,9 @@ class Int4CheckpointLinearMethod:
                 else [KernelWeight(layer.weight, self.wtype, 0, layer.out_features)])
 
     def weight_rows(self, layer: Any) -> None:
-        return None  # an int4 linear is never a tied embedding
+        # A quantized lm_head has no embedding's values: a tied model looks tokens up in the
+        # checkpoint's float table.
+        return None
 
     def dense_weight(self, layer: Any) -> torch.Tensor:
         kw = KernelWeight(layer.weight, self.wtype, 0, layer.out_features)
@@ -329,13 +331,20 @@ class Int4CheckpointMethod(QuantMethod):
                              f"gptq and gptq_v2")
         return bits, group, 1 if fmt == "gptq" else 0
 
+    @classmethod
+    def quantizes_lm_head(cls, qc: dict[str, Any]) -> bool:
+        """Whether the checkpoint's lm_head is quantized too: GPTQModel's `lm_head: true`,
+        the key vLLM reads for GPTQ and AWQ alike. Most exports keep it in float."""
+        return qc.get("lm_head") is True
+
     def linear_method(self, prefix: str) -> LinearMethod:
-        if prefix == "lm_head":  # GPTQ and AWQ exports keep the output layer in float
+        assert self.config is not None and self.config.checkpoint_config is not None
+        qc = dict(self.config.checkpoint_config)
+        if prefix == "lm_head" and not self.quantizes_lm_head(qc):
             from kvserve.quant.base import UnquantizedLinearMethod
 
             return UnquantizedLinearMethod(half=True)
-        assert self.config is not None and self.config.checkpoint_config is not None
-        bits, group, offset = self.settings(dict(self.config.checkpoint_config))
+        bits, group, offset = self.settings(qc)
         return Int4CheckpointLinearMethod(self.fmt, group, offset, prefix, bits)
 
 

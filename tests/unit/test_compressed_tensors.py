@@ -45,16 +45,17 @@ def _tokenizer(path: Path, vocab_size: int) -> None:
 
 
 def write_checkpoint(path: Path, hf: Any, args: QuantizationArgs,
-                     qc_overrides: dict[str, Any] | None = None) -> dict[str, torch.Tensor]:
+                     qc_overrides: dict[str, Any] | None = None,
+                     ignore: tuple[str, ...] = ("lm_head",)) -> dict[str, torch.Tensor]:
     """hf quantized by compressed-tensors as `args` say (min / max qparams), compressed to
     pack-quantized and written to path with its config, every float tensor (scales, norms,
-    embeddings, lm_head) in bfloat16, as a bfloat16 model's export holds them. Returns the
-    state dict of the library's own decompression of the same model: the weights the
-    checkpoint stands for."""
+    embeddings, lm_head) in bfloat16, as a bfloat16 model's export holds them; lm_head too is
+    quantized where `ignore` leaves it out. Returns the state dict of the library's own
+    decompression of the same model: the weights the checkpoint stands for."""
     model = copy.deepcopy(hf)
     config = QuantizationConfig(
         config_groups={"group_0": QuantizationScheme(targets=["Linear"], weights=args)},
-        ignore=["lm_head"], format="pack-quantized")
+        ignore=list(ignore), format="pack-quantized")
     apply_quantization_config(model, config)
     with torch.no_grad():
         for m in model.modules():
@@ -161,6 +162,37 @@ def test_transformers_reads_the_same_checkpoint_to_the_same_logits(tmp_path: Pat
     assert ((ours - ref).abs().max() / ref.abs().max()) < 0.02
 
 
+@pytest.mark.parametrize("sym", [True, False])
+def test_a_quantized_lm_head_loads_to_the_decompressed_model(tmp_path: Path, sym: bool
+                                                             ) -> None:
+    """A checkpoint whose ignore list leaves lm_head out: the library quantizes lm_head too
+    (the "Linear" target takes it); kvserve holds it 4-bit and gives the logits of the model
+    holding the library's decompressed weights, and (symmetric) transformers' own."""
+    from kvserve.quant.int4_checkpoints import Int4CheckpointLinearMethod
+
+    hf = tiny_hf_model("llama")
+    args = QuantizationArgs(num_bits=4, type="int", symmetric=sym, strategy="group",
+                            group_size=32)
+    deq = write_checkpoint(tmp_path, hf, args, ignore=())
+    stored = load_file(str(tmp_path / "model.safetensors"))
+    assert "lm_head.weight_packed" in stored and "lm_head.weight" not in stored
+    assert not torch.equal(deq["lm_head.weight"], hf.state_dict()["lm_head.weight"])
+    model = build_model(load_checkpoint(str(tmp_path)), get_ops("auto"), torch.float32, METHOD)
+    assert isinstance(model.lm_head.quant_method, Int4CheckpointLinearMethod)
+    assert model.lm_head.weight.dtype == torch.uint8
+    prompt = list(range(5, 45))
+    ours, theirs = _logits(model, prompt), _logits(_reference("llama", deq), prompt)
+    assert (ours - theirs).abs().max() / theirs.abs().max() < 0.02
+    if sym:
+        import transformers
+
+        hf_theirs = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path),
+                                                                      dtype=torch.float32)
+        with torch.no_grad():
+            ref = hf_theirs(torch.tensor([prompt])).logits[0]
+        assert (ours - ref).abs().max() / ref.abs().max() < 0.02
+
+
 def test_actorder_group_index_is_followed(tmp_path: Path) -> None:
     """An export with actorder "group" (older llm-compressor) stores weight_g_idx, the group
     of each input column. Made here from a plain export by moving columns: with q'[:, j] =
@@ -208,7 +240,8 @@ G0 = "config_groups.group_0."
     ({G0 + "targets": ["re:.*self_attn.*"]}, r"leave mlp.gate_proj in float"),
     ({"ignore": ["lm_head", "re:.*layers.1.mlp.down_proj"]},
      r"ignore list keeps model.layers.1.mlp.down_proj in float"),
-    ({"ignore": []}, r"quantizes lm_head \(not in its ignore list\)"),
+    # lm_head said quantized (left out of the ignore list) but stored in float
+    ({"ignore": []}, r"lm_head.weight_packed"),
 ])
 def test_unsupported_configs_name_what_was_found(tmp_path: Path, overrides: dict[str, Any],
                                                  match: str) -> None:

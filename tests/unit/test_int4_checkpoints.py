@@ -92,15 +92,16 @@ def awq_pack(q: torch.Tensor, zeros: torch.Tensor) -> tuple[torch.Tensor, torch.
 
 
 def write_checkpoint(path: Path, hf: Any, fmt: str, act_order: bool = False, bits: int = 4,
-                     qc_overrides: dict[str, Any] | None = None, group: int = GROUP
-                     ) -> dict[str, torch.Tensor]:
-    """The tiny model as a GPTQ / AWQ directory (group -1: one group per row); returns the
-    dequantized weights by name."""
+                     qc_overrides: dict[str, Any] | None = None, group: int = GROUP,
+                     lm_head: bool = False) -> dict[str, torch.Tensor]:
+    """The tiny model as a GPTQ / AWQ directory (group -1: one group per row; lm_head:
+    quantized too, GPTQModel's `lm_head: true`); returns the dequantized weights by name."""
     rng = torch.Generator().manual_seed(7)
     tensors: dict[str, torch.Tensor] = {}
     deq: dict[str, torch.Tensor] = {}
     for name, t in hf.state_dict().items():
-        if not any(f".{lin}." in name for lin in LINEARS):
+        if not (any(f".{lin}." in name for lin in LINEARS)
+                or lm_head and name == "lm_head.weight"):
             tensors[name] = t.detach().half()
             continue
         k = t.shape[1]
@@ -132,6 +133,8 @@ def write_checkpoint(path: Path, hf: Any, fmt: str, act_order: bool = False, bit
                           if fmt == "gptq" else
                           {"quant_method": "awq", "bits": 4, "group_size": group,
                            "zero_point": True, "version": "gemm"})
+    if lm_head:
+        qc["lm_head"] = True
     cfg["quantization_config"] = {**qc, **(qc_overrides or {})}
     (path / "config.json").write_text(json.dumps(cfg))
     vocab = {f"t{i}": i for i in range(hf.config.vocab_size)}
@@ -221,6 +224,25 @@ def test_groups_of_128_run_with_their_scales_once(tmp_path: Path) -> None:
         lin.weight = torch.nn.Parameter(widen(lin.weight), requires_grad=False)
         lin.quant_method.wtype = Q4_1
     assert torch.equal(_logits(widened, prompt), ours)
+
+
+@pytest.mark.parametrize("fmt", ["gptq", "awq"])
+def test_a_quantized_lm_head_loads_to_the_dequantized_model(tmp_path: Path, fmt: str) -> None:
+    """`lm_head: true` (GPTQModel's; vLLM reads it for GPTQ and AWQ): lm_head's tensors are in
+    the format's layout, held 4-bit, and the model gives the dequantized model's logits."""
+    hf = tiny_hf_model("llama")
+    deq = write_checkpoint(tmp_path, hf, fmt, lm_head=True)
+    assert "lm_head.weight" in deq  # quantized: the dequantized values differ from hf's
+    assert not torch.equal(deq["lm_head.weight"], hf.state_dict()["lm_head.weight"])
+    model = build_model(load_checkpoint(str(tmp_path)), get_ops("auto"), torch.float32, fmt)
+    assert isinstance(model.lm_head.quant_method, Int4CheckpointLinearMethod)
+    assert model.lm_head.quant_method.wtype == Q4_1 and model.lm_head.weight.dtype == torch.uint8
+    hf_deq = tiny_hf_model("llama")
+    hf_deq.load_state_dict({**hf.state_dict(), **deq})
+    ref = kvserve_model_from_hf(hf_deq, "LlamaForCausalLM", get_ops("reference"))
+    prompt = list(range(5, 45))
+    ours, theirs = _logits(model, prompt), _logits(ref, prompt)
+    assert (ours - theirs).abs().max() / theirs.abs().max() < 0.02
 
 
 @pytest.mark.parametrize("fmt, overrides, match", [

@@ -19,9 +19,12 @@ GGUF) checkpoint written as a quantized safetensors checkpoint in a standard lay
 weight-only "pack-quantized" layout (W4A16 / W8A16), which vLLM serves as it serves
 llm-compressor's own.
 
-Every linear of every decoder layer is quantized; embeddings, norms, biases and an untied
-lm_head stay float, written as float16 (the layouts' scale type, and what AutoGPTQ /
-AutoAWQ checkpoints hold).
+Every linear of every decoder layer is quantized; embeddings, norms, biases and lm_head
+stay float, written as float16 (the layouts' scale type, and what AutoGPTQ / AutoAWQ
+checkpoints hold). `--lm-head` (gptq, int4, int8; GPTQModel's lm_head=True) quantizes
+lm_head too, GPTQ from the final norm's calibration outputs: the checkpoint then holds an
+untied lm_head (`tie_word_embeddings` false, the embedding kept in float16) and says so
+(`lm_head: true`, or no lm_head in compressed-tensors' ignore list), as vLLM reads it.
 
 GPTQ quantizes sequentially, as AutoGPTQ with true_sequential: within a layer q/k/v, then
 o, then gate/up, then down, each from inputs computed with everything before it already
@@ -55,6 +58,7 @@ FORMATS = {"int8": ("gptq", "compressed-tensors"), "int4": ("gptq", "compressed-
            "smoothquant": ("compressed-tensors",)}
 METHODS = tuple(FORMATS)
 CALIBRATED = ("gptq", "awq", "smoothquant")
+LM_HEAD_METHODS = ("gptq", "int4", "int8")
 BLOCK_INPUTS = 32  # W8A8 runs on Q8_0 blocks: every linear's inputs must divide by 32
 ATTN = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")
 MLP_IN = ("mlp.gate_proj", "mlp.up_proj")
@@ -83,6 +87,7 @@ class QuantizeArgs:
     awq_clip: bool = False  # awq: AutoAWQ's clip search after the scale search
     awq_duo_scaling: bool = True  # awq: AutoAWQ's scale candidates (else the paper's)
     format: str | None = None  # the checkpoint layout (FORMATS); None: the method's own
+    lm_head: bool = False  # quantize lm_head too (gptq, int4, int8)
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:
@@ -119,6 +124,10 @@ class QuantizeArgs:
             if given and self.method != only:
                 raise ValueError(f"{flag} is {_OPTION_OF[only]} option; --method is "
                                  f"{self.method}")
+        if self.lm_head and self.method not in LM_HEAD_METHODS:
+            raise ValueError(f"--lm-head quantizes the output layer with "
+                             f"{', '.join(LM_HEAD_METHODS)}; --method {self.method} keeps it in "
+                             f"float (AutoAWQ's GEMM layout and W8A8 have no quantized lm_head)")
         if self.mse < 0:
             raise ValueError(f"--mse must be >= 0 (0: the plain min / max range), got "
                              f"{self.mse}")
@@ -163,6 +172,8 @@ class QuantizeArgs:
                                  f"{name} ({k}), the input width of some linear layers")
         per = 32 // self.bits
         outs = {**ins, "num_key_value_heads * head_dim": mc.num_key_value_heads * mc.head_dim}
+        if self.lm_head:
+            outs["vocab_size (--lm-head)"] = mc.vocab_size
         for name, n in outs.items():
             if n % per:
                 raise ValueError(f"{self.bits}-bit packing needs widths divisible by {per}; the "
@@ -212,6 +223,23 @@ def _gptq_layer(lw: dict[str, torch.Tensor], x: torch.Tensor, mc: ModelConfig,
     d_in = mlp_core(h, lw)
     run(("mlp.down_proj",), d_in)
     return result, x + F.linear(d_in, lw["mlp.down_proj.weight"])
+
+
+def _lm_head(weights: dict[str, torch.Tensor], x: torch.Tensor | None, mc: ModelConfig,
+             a: QuantizeArgs) -> QuantizedLinear:
+    """lm_head (a tied model's: the embedding) quantized as the layers were: GPTQ from the
+    final norm of the last layer's calibration outputs (x), else round to nearest."""
+    from kvserve.quant.calibration import rms_norm
+    from kvserve.quant.gptq import gptq_quantize, hessian, rtn_quantize
+
+    assert a.group_size is not None
+    w = weights.get("lm_head.weight", weights["model.embed_tokens.weight"])
+    if a.method != "gptq":
+        return rtn_quantize(w, a.bits, a.group_size, a.sym, a.mse)
+    assert x is not None
+    h = rms_norm(x, weights["model.norm.weight"], mc.rms_norm_eps)
+    return gptq_quantize(w, hessian(h), a.bits, a.group_size, a.sym, a.act_order,
+                         static_groups=a.static_groups, mse=a.mse)
 
 
 def _smoothquant(weights: dict[str, torch.Tensor], x: torch.Tensor, mc: ModelConfig,
@@ -326,21 +354,28 @@ def quantize_checkpoint(model: str, out_dir: str, a: QuantizeArgs) -> None:
                 out[f"{prefix}{name}.{suffix}"] = tensor
         log.info("layer %d/%d quantized (%.1fs)", i + 1, mc.num_hidden_layers,
                  time.perf_counter() - t0)
+    if a.lm_head:
+        for suffix, tensor in pack(_lm_head(weights, x, mc, a)).items():
+            out[f"lm_head.{suffix}"] = tensor
+        log.info("lm_head quantized (%.1fs)", time.perf_counter() - t0)
     for name, tensor in weights.items():
-        if not name.startswith("model.layers."):
-            out[name] = tensor.to(torch.float16)  # embeddings, final norm, lm_head
+        if not name.startswith("model.layers.") and not (a.lm_head and name == "lm_head.weight"):
+            out[name] = tensor.to(torch.float16)  # embeddings, final norm, a float lm_head
 
     if a.format == "compressed-tensors":
-        qcfg = export.compressed_tensors_wna16_config(a.bits, a.group_size, sym, a.act_order)
+        qcfg = export.compressed_tensors_wna16_config(a.bits, a.group_size, sym, a.act_order,
+                                                      lm_head=a.lm_head)
     elif a.method == "awq":
         qcfg = export.awq_quantization_config(a.group_size)
     else:
         qcfg = export.gptq_quantization_config(a.bits, a.group_size, a.sym, a.act_order,
-                                               a.static_groups, mse=a.mse)
-    export.write_checkpoint(out_dir, out, export.hf_config(mc, source_cfg), qcfg,
-                            ckpt.tokenizer)
-    log.info("wrote %s (%s, %d bits, group %d, %s layout)", out_dir, a.method, a.bits,
-             a.group_size, a.format)
+                                               a.static_groups, mse=a.mse, lm_head=a.lm_head)
+    config = export.hf_config(mc, source_cfg)
+    if a.lm_head:  # its own quantized tensor; the embedding stays float
+        config["tie_word_embeddings"] = False
+    export.write_checkpoint(out_dir, out, config, qcfg, ckpt.tokenizer)
+    log.info("wrote %s (%s, %d bits, group %d, %s layout%s)", out_dir, a.method, a.bits,
+             a.group_size, a.format, ", lm_head quantized" if a.lm_head else "")
 
 
 def _run(ns: argparse.Namespace) -> int:
@@ -354,7 +389,7 @@ def _run(ns: argparse.Namespace) -> int:
                      calib=ns.calib,
                      calib_tokens=ns.calib_tokens, seq_len=ns.seq_len, alpha=ns.alpha,
                      awq_clip=ns.awq_clip, awq_duo_scaling=ns.awq_duo_scaling,
-                     format=ns.format)
+                     format=ns.format, lm_head=ns.lm_head)
     with torch.inference_mode():
         quantize_checkpoint(ns.model, ns.output, a)
     return 0
@@ -398,6 +433,11 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="awq: scale candidates from the activations' and the weights' "
                    "magnitudes (AutoAWQ's duo_scaling, the default); --no-awq-duo-scaling: "
                    "from the activations' alone (the paper's)")
+    p.add_argument("--lm-head", action="store_true",
+                   help="gptq, int4, int8: quantize lm_head too (GPTQModel's lm_head=True), "
+                   "written untied beside a float16 embedding. A decode step reads the "
+                   "output layer in full: on Qwen2.5-Coder-0.5B at group 128 it is most of "
+                   "the step (BENCHMARKS.md)")
     p.add_argument("--calib", default=None,
                    help="calibration text file (gptq, awq, smoothquant)")
     p.add_argument("--alpha", type=float, default=0.5,

@@ -118,13 +118,14 @@ def pack_compressed_tensors(ql: QuantizedLinear, sym: bool) -> dict[str, torch.T
 
 def gptq_quantization_config(bits: int, group_size: int, sym: bool, desc_act: bool,
                              static_groups: bool = False, damp_percent: float = 0.01,
-                             mse: float = 0.0) -> dict[str, Any]:
+                             mse: float = 0.0, lm_head: bool = False) -> dict[str, Any]:
     """config.json's quantization_config (and quantize_config.json), AutoGPTQ's keys (and
-    GPTQModel's `mse`, the grid search's norm, 0 for none)."""
+    GPTQModel's `mse`, the grid search's norm, 0 for none, and `lm_head`, whether lm_head is
+    quantized too)."""
     return {"quant_method": "gptq", "bits": bits, "group_size": group_size,
             "desc_act": desc_act, "sym": sym, "damp_percent": damp_percent,
             "static_groups": static_groups, "true_sequential": True, "checkpoint_format": "gptq",
-            "mse": mse, "model_file_base_name": "model"}
+            "mse": mse, "lm_head": lm_head, "model_file_base_name": "model"}
 
 
 def awq_quantization_config(group_size: int) -> dict[str, Any]:
@@ -133,13 +134,14 @@ def awq_quantization_config(group_size: int) -> dict[str, Any]:
             "version": "gemm", "modules_to_not_convert": None}
 
 
-def compressed_tensors_wna16_config(bits: int, group_size: int, sym: bool, act_order: bool
-                                    ) -> dict[str, Any]:
+def compressed_tensors_wna16_config(bits: int, group_size: int, sym: bool, act_order: bool,
+                                    lm_head: bool = False) -> dict[str, Any]:
     """compressed-tensors' quantization_config for weight-only int weights per group
-    ("pack-quantized"), lm_head left in float, as llm-compressor's W4A16 / W8A16 recipes
-    write it. act_order: GPTQ ran in activation order with static groups ("weight")."""
+    ("pack-quantized"), lm_head left in float (ignored) as llm-compressor's W4A16 / W8A16
+    recipes write it, unless lm_head (then the "Linear" target takes it too). act_order:
+    GPTQ ran in activation order with static groups ("weight")."""
     return {"quant_method": "compressed-tensors", "format": "pack-quantized",
-            "quantization_status": "compressed", "ignore": ["lm_head"],
+            "quantization_status": "compressed", "ignore": [] if lm_head else ["lm_head"],
             "kv_cache_scheme": None,
             "config_groups": {"group_0": {
                 "targets": ["Linear"],

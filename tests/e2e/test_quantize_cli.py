@@ -54,6 +54,17 @@ def tiny_dir(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Any]:
     return path, hf
 
 
+@pytest.fixture(scope="module")
+def tied_dir(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Any]:
+    """tiny_dir's model with its lm_head tied to the embedding (as SmolLM2's and Qwen2.5's)."""
+    hf = tiny_hf_model("llama", seed=4, tie_word_embeddings=True)
+    path = tmp_path_factory.mktemp("tiny_tied")
+    hf.save_pretrained(str(path), safe_serialization=True)
+    _byte_tokenizer().save(str(path / "tokenizer.json"))
+    (path / "tokenizer_config.json").write_text(json.dumps({"eos_token": _byte_symbols()[0]}))
+    return path, hf
+
+
 def _quantize(*args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run([sys.executable, "-m", "kvserve.cli", "quantize", *args],
                           capture_output=True, text=True, timeout=300)
@@ -286,6 +297,71 @@ def test_compressed_tensors_format_holds_the_same_quantization(
         assert (ours - ref).abs().max() / ref.abs().max() < 0.02
 
 
+@pytest.mark.parametrize("method, extra", [("gptq", []), ("int4", []), ("gptq", ["--sym"])])
+def test_lm_head_is_quantized_with_the_layers(tied_dir: tuple[Path, Any], tmp_path: Path,
+                                              method: str, extra: list[str]) -> None:
+    """--lm-head on a tied model: lm_head written in the layout (the embedding's values,
+    quantized: int4 within half a grid step) beside the float16 embedding, untied, with
+    `lm_head: true`; kvserve holds it 4-bit and gives the logits of the float model holding
+    the unpacked weights. --format compressed-tensors of the same run holds the same
+    integers (kvserve: the same logits bit for bit), and transformers reads a symmetric one
+    to them too."""
+    src, hf = tied_dir
+    calib = ["--calib", str(CALIB), "--calib-tokens", "512", "--seq-len", "128"]
+    dirs = {}
+    for fmt in ("gptq", "compressed-tensors"):
+        dirs[fmt] = tmp_path / fmt
+        r = _quantize(str(src), "--method", method, "--group-size", "32", "--lm-head",
+                      "--format", fmt, "-o", str(dirs[fmt]),
+                      *(calib if method == "gptq" else []), *extra)
+        assert r.returncode == 0, r.stderr
+    cfg = json.loads((dirs["gptq"] / "config.json").read_text())
+    assert cfg["tie_word_embeddings"] is False and cfg["quantization_config"]["lm_head"] is True
+    ct_cfg = json.loads((dirs["compressed-tensors"] / "config.json").read_text())
+    assert ct_cfg["quantization_config"]["ignore"] == []
+    t = _tensors(dirs["gptq"])
+    assert "lm_head.weight" not in t
+    assert {k: t[f"lm_head.{k}"].dtype for k in ("qweight", "qzeros", "scales", "g_idx")} == {
+        "qweight": torch.int32, "qzeros": torch.int32, "scales": torch.float16,
+        "g_idx": torch.int32}
+    embed = hf.state_dict()["model.embed_tokens.weight"]
+    assert torch.equal(t["model.embed_tokens.weight"], embed.half())
+    head = _dequantize(t, "lm_head", "gptq", 4)
+    if method == "int4":
+        step = t["lm_head.scales"].float().max()
+        assert (head - embed).abs().max() <= 0.51 * step
+
+    ckpt = load_checkpoint(str(dirs["gptq"]))
+    model = build_model(ckpt, get_ops("auto"), torch.float32, "gptq")
+    assert model.lm_head.weight.dtype == torch.uint8  # 4-bit blocks, not the embedding
+    deq_sd = {k: v.float() for k, v in t.items() if not k.rsplit(".", 1)[0].endswith(
+        LINEARS) and not k.startswith("lm_head.")}
+    for i in range(2):
+        for lin in LINEARS:
+            p = f"model.layers.{i}.{lin}"
+            deq_sd[p + ".weight"] = _dequantize(t, p, "gptq", 4)
+    deq_sd["lm_head.weight"] = head
+    hf_deq = tiny_hf_model("llama", seed=4)  # untied, as the checkpoint now is
+    hf_deq.load_state_dict(deq_sd)
+    ref = kvserve_model_from_hf(hf_deq, "LlamaForCausalLM", get_ops("reference"))
+    prompt = list(b"Everyone is permitted to copy")
+    ours = _logits(model, prompt)
+    theirs = _logits(ref, prompt)
+    assert (ours - theirs).abs().max() / theirs.abs().max() < 0.02
+
+    ct_model = build_model(load_checkpoint(str(dirs["compressed-tensors"])), get_ops("auto"),
+                           torch.float32, "compressed-tensors")
+    assert torch.equal(_logits(ct_model, prompt), ours)
+    if "--sym" in extra:
+        import transformers
+
+        hf_ct = transformers.AutoModelForCausalLM.from_pretrained(
+            str(dirs["compressed-tensors"]), dtype=torch.float32)
+        with torch.no_grad():
+            got = hf_ct(torch.tensor([prompt])).logits[0]
+        assert (ours - got).abs().max() / got.abs().max() < 0.02
+
+
 def test_smoothquant_writes_compressed_tensors_w8a8(tiny_dir: tuple[Path, Any],
                                                    tmp_path: Path) -> None:
     """--method smoothquant: compressed-tensors "int-quantized" tensors and config; the
@@ -366,6 +442,9 @@ def test_smoothquant_writes_compressed_tensors_w8a8(tiny_dir: tuple[Path, Any],
     (["--method", "gptq", "--act-order", "--format", "compressed-tensors", "--calib",
       str(CALIB)], "--act-order needs --static-groups there"),
     (["--method", "int4", "--mse", "-1"], "--mse must be >= 0"),
+    (["--method", "awq", "--lm-head", "--calib", str(CALIB)],
+     "--lm-head quantizes the output layer with gptq, int4, int8; --method awq keeps it in "
+     "float"),
 ])
 def test_bad_flags_are_refused_by_name(tiny_dir: tuple[Path, Any], tmp_path: Path,
                                        args: list[str], message: str) -> None:

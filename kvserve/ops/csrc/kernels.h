@@ -95,7 +95,7 @@ void quantize_acts_per_token(const float* x, int64_t ldx, int64_t M, int64_t K, 
 //     128 VNNI adds to it (the AVX2 kernel multiplies the signed values)
 //   else (Q8_0): 8 chunks at qs, chunk c = quant 4c + j + 128 as uint8
 //   span > 1 (Q4_1_128): one record holds span blocks, their d and m once and block j's
-//     chunks at qs + 256 j; block_record() finds a block's
+//     4 chunks at qs + 256 j; block_record() finds where block b's scales and chunks are
 struct PackedFormat {
   int64_t record, m, qh, qs;
   int32_t offset;
@@ -124,7 +124,7 @@ struct BlockRecord {
 };
 constexpr BlockRecord block_record(const PackedFormat& f, const uint8_t* gw, int64_t b) {
   const uint8_t* rec = gw + b / f.span * f.record;
-  return {rec, rec + b % f.span * 256};
+  return {rec, rec + b % f.span * 4 * 64};  // a nibble block's 4 chunks of 64 bytes
 }
 
 // out[m, n] (n < N; out [M, N] contiguous) from a packed weight w of a block format:

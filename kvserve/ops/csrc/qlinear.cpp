@@ -124,7 +124,7 @@ struct Nibbles {
 struct NonLinear {
   static constexpr PackedFormat F = packed_format(WType::IQ4_NL);
   static constexpr int64_t kRecord = F.record, kMin = -1, kSpan = 1;
-  static constexpr int64_t kQs = packed_format(WType::IQ4_NL).qs;
+  static constexpr int64_t kQs = F.qs;
   static constexpr int32_t kOffset = 0;  // signed values: nothing to take back
   template <int MT>
   static inline void dot(const uint8_t* rec, const int8_t* const* x, __m256i (*isum)[2]) {

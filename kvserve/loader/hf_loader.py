@@ -210,7 +210,6 @@ def _linear_names(qc: dict[str, Any]) -> tuple[str, ...]:
     return TENSORS[method][0] if method in TENSORS else ("weight",)
 
 
-
 def _lm_head_quantized(qc: dict[str, Any]) -> bool:
     """Whether a GPTQ / AWQ / pack-quantized checkpoint quantizes lm_head too (its method's
     `quantizes_lm_head`)."""

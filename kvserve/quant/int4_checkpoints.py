@@ -33,9 +33,10 @@ w = d * q + m with d = s and m = -s * z per 32-input block (each block repeats i
 pair; m is rounded to float16, the blocks' type), packed as Q4_1_128 (the pair once per 4
 blocks) where the groups are 128 inputs or a multiple (rtn.q4_1_format). 8-bit: Q8_0,
 w = d * (q - z) with d = s, which needs q - z in [-128, 127] (a symmetric export's zero of
-128 always is). With act-order
-the inputs are permuted so that each group's inputs are contiguous, and each call gathers x in
-that order (such a layer is not fused into the C++ layer stack).
+128 always is). With act-order the inputs are permuted so that each group's inputs are
+contiguous, and each call gathers x in that order (such a layer is not fused into the C++
+layer stack). lm_head stays float16 unless the checkpoint quantizes it
+(`Int4CheckpointMethod.quantizes_lm_head`).
 """
 
 from __future__ import annotations

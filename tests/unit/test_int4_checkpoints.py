@@ -163,6 +163,22 @@ def _logits(model: Any, prompt: list[int]) -> torch.Tensor:
     return runner.forward({runner.new_seq(): prompt})[0]
 
 
+PROMPT = list(range(5, 45))
+
+
+def near_dequantized(model: Any, hf: Any, deq: dict[str, torch.Tensor]) -> torch.Tensor:
+    """The loaded model's logits on PROMPT, asserted within 2% (of the largest) of the tiny
+    llama's float model holding hf's weights with `deq` in place (int8 activations and
+    float16 m: ~0.5% here)."""
+    hf_deq = tiny_hf_model("llama")
+    hf_deq.load_state_dict({**hf.state_dict(), **deq})
+    ref = kvserve_model_from_hf(hf_deq, "LlamaForCausalLM", get_ops("reference"))
+    ours, theirs = _logits(model, PROMPT), _logits(ref, PROMPT)
+    err = (ours - theirs).abs().max() / theirs.abs().max()
+    assert err < 0.02, err
+    return ours
+
+
 @pytest.mark.parametrize("fmt, act_order, bits", [("gptq", False, 4), ("gptq", True, 4),
                                                  ("awq", False, 4), ("gptq", False, 8),
                                                  ("gptq", True, 8)])
@@ -190,13 +206,7 @@ def test_checkpoint_loads_to_the_dequantized_model(tmp_path: Path, fmt: str, act
     assert model.lm_head.weight.dtype == torch.float16
     assert torch.equal(model.lm_head.weight, head.half())
     # The whole model: the logits of the float model holding the dequantized weights.
-    hf_deq = tiny_hf_model("llama")
-    hf_deq.load_state_dict({**hf.state_dict(), **deq})
-    ref = kvserve_model_from_hf(hf_deq, "LlamaForCausalLM", get_ops("reference"))
-    prompt = list(range(5, 45))
-    ours, theirs = _logits(model, prompt), _logits(ref, prompt)
-    err = (ours - theirs).abs().max() / theirs.abs().max()
-    assert err < 0.02, err  # int8 activations and float16 m: ~0.5% here
+    near_dequantized(model, hf, deq)
 
 
 def test_groups_of_128_run_with_their_scales_once(tmp_path: Path) -> None:
@@ -213,17 +223,12 @@ def test_groups_of_128_run_with_their_scales_once(tmp_path: Path) -> None:
         assert layer.mlp.down_proj.quant_method.wtype == Q4_1_128
         assert layer.mlp.gate_up_proj.quant_method.wtype == Q4_1
         assert layer.self_attn.qkv_proj.quant_method.wtype == Q4_1
-    hf_deq = tiny_hf_model("llama")
-    hf_deq.load_state_dict({**hf.state_dict(), **deq})
-    ref = kvserve_model_from_hf(hf_deq, "LlamaForCausalLM", get_ops("reference"))
-    prompt = list(range(5, 45))
-    ours, theirs = _logits(model, prompt), _logits(ref, prompt)
-    assert (ours - theirs).abs().max() / theirs.abs().max() < 0.02
+    ours = near_dequantized(model, hf, deq)
     for layer in widened.layers:
         lin = layer.mlp.down_proj
         lin.weight = torch.nn.Parameter(widen(lin.weight), requires_grad=False)
         lin.quant_method.wtype = Q4_1
-    assert torch.equal(_logits(widened, prompt), ours)
+    assert torch.equal(_logits(widened, PROMPT), ours)
 
 
 @pytest.mark.parametrize("fmt", ["gptq", "awq"])
@@ -237,12 +242,7 @@ def test_a_quantized_lm_head_loads_to_the_dequantized_model(tmp_path: Path, fmt:
     model = build_model(load_checkpoint(str(tmp_path)), get_ops("auto"), torch.float32, fmt)
     assert isinstance(model.lm_head.quant_method, Int4CheckpointLinearMethod)
     assert model.lm_head.quant_method.wtype == Q4_1 and model.lm_head.weight.dtype == torch.uint8
-    hf_deq = tiny_hf_model("llama")
-    hf_deq.load_state_dict({**hf.state_dict(), **deq})
-    ref = kvserve_model_from_hf(hf_deq, "LlamaForCausalLM", get_ops("reference"))
-    prompt = list(range(5, 45))
-    ours, theirs = _logits(model, prompt), _logits(ref, prompt)
-    assert (ours - theirs).abs().max() / theirs.abs().max() < 0.02
+    near_dequantized(model, hf, deq)
 
 
 @pytest.mark.parametrize("fmt, overrides, match", [

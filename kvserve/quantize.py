@@ -26,6 +26,9 @@ lm_head too, GPTQ from the final norm's calibration outputs: the checkpoint then
 untied lm_head (`tie_word_embeddings` false, the embedding kept in float16) and says so
 (`lm_head: true`, or no lm_head in compressed-tensors' ignore list), as vLLM reads it.
 
+The flags' rules (which method writes which layout, what each option needs) are
+kvserve/quant/quantize_args.py's `QuantizeArgs`.
+
 GPTQ quantizes sequentially, as AutoGPTQ with true_sequential: within a layer q/k/v, then
 o, then gate/up, then down, each from inputs computed with everything before it already
 quantized, and each layer from the quantized layers before it.
@@ -34,151 +37,26 @@ quantized, and each layer from the quantized layers before it.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import logging
 import os
 import time
-from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 
 from kvserve.config import ModelConfig
+from kvserve.quant.quantize_args import CALIBRATED, METHODS, QuantizeArgs
 
 if TYPE_CHECKING:
     from kvserve.quant.gptq import QuantizedLinear
 
 log = logging.getLogger(__name__)
 
-# --method -> the --format layouts it can be written in, its default first
-FORMATS = {"int8": ("gptq", "compressed-tensors"), "int4": ("gptq", "compressed-tensors"),
-           "gptq": ("gptq", "compressed-tensors"), "awq": ("awq", "compressed-tensors"),
-           "smoothquant": ("compressed-tensors",)}
-METHODS = tuple(FORMATS)
-CALIBRATED = ("gptq", "awq", "smoothquant")
-LM_HEAD_METHODS = ("gptq", "int4", "int8")
-BLOCK_INPUTS = 32  # W8A8 runs on Q8_0 blocks: every linear's inputs must divide by 32
 ATTN = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")
 MLP_IN = ("mlp.gate_proj", "mlp.up_proj")
 LINEARS = (*ATTN, "self_attn.o_proj", *MLP_IN, "mlp.down_proj")
-
-
-# The methods with options of their own, as their refusals name them.
-_OPTION_OF = {"gptq": "a GPTQ", "awq": "an AWQ"}
-
-
-@dataclass(frozen=True)
-class QuantizeArgs:
-    """The knobs of one quantization run; ValueError naming the flag when out of range."""
-
-    method: str
-    bits: int = 4
-    group_size: int | None = None  # None: the largest of 128, 64, 32 the model allows
-    sym: bool = False
-    act_order: bool = False
-    static_groups: bool = False  # gptq: every group's grid fixed before any update
-    mse: float = 0.0  # gptq / int4 / int8: > 0 searches each group's range (this norm)
-    calib: str | None = None
-    calib_tokens: int | None = None  # None: calibration.DEFAULT_TOKENS, or the text's all
-    seq_len: int = 512
-    alpha: float = 0.5  # smoothquant's migration strength
-    awq_clip: bool = False  # awq: AutoAWQ's clip search after the scale search
-    awq_duo_scaling: bool = True  # awq: AutoAWQ's scale candidates (else the paper's)
-    format: str | None = None  # the checkpoint layout (FORMATS); None: the method's own
-    lm_head: bool = False  # quantize lm_head too (gptq, int4, int8)
-
-    def __post_init__(self) -> None:
-        if self.method not in METHODS:
-            raise ValueError(f"--method must be one of {', '.join(METHODS)}, got "
-                             f"{self.method!r}")
-        if self.format is None:
-            object.__setattr__(self, "format", FORMATS[self.method][0])
-        if self.format not in FORMATS[self.method]:
-            raise ValueError(f"--method {self.method} writes --format "
-                             f"{' or '.join(FORMATS[self.method])}, got {self.format!r}")
-        if (self.format == "compressed-tensors" and self.act_order
-                and not self.static_groups):
-            raise ValueError("--format compressed-tensors keeps groups of consecutive inputs "
-                             "(no g_idx): --act-order needs --static-groups there")
-        if self.bits not in (4, 8):
-            raise ValueError(f"--bits must be 4 or 8, got {self.bits}")
-        if self.method == "int4" and self.bits != 4 or self.method == "int8" and self.bits != 8:
-            raise ValueError(f"--method {self.method} writes {self.method[3:]}-bit weights; "
-                             f"--bits {self.bits} contradicts it")
-        if self.method == "smoothquant" and self.bits != 8:
-            raise ValueError(f"--method smoothquant writes 8-bit weights (W8A8); --bits must "
-                             f"be 8, got {self.bits}")
-        if not 0 <= self.alpha <= 1:
-            raise ValueError(f"--alpha must be in [0, 1], got {self.alpha}")
-        if self.method == "awq" and self.bits != 4:
-            raise ValueError(f"--method awq writes the 4-bit AWQ GEMM layout; --bits must be 4, "
-                             f"got {self.bits}")
-        if self.group_size is not None and self.group_size < 1:
-            raise ValueError(f"--group-size must be >= 1, got {self.group_size}")
-        for flag, given, only in (("--act-order (desc_act)", self.act_order, "gptq"),
-                                  ("--static-groups", self.static_groups, "gptq"),
-                                  ("--awq-clip", self.awq_clip, "awq"),
-                                  ("--no-awq-duo-scaling", not self.awq_duo_scaling, "awq")):
-            if given and self.method != only:
-                raise ValueError(f"{flag} is {_OPTION_OF[only]} option; --method is "
-                                 f"{self.method}")
-        if self.lm_head and self.method not in LM_HEAD_METHODS:
-            raise ValueError(f"--lm-head quantizes the output layer with "
-                             f"{', '.join(LM_HEAD_METHODS)}; --method {self.method} keeps it in "
-                             f"float (AutoAWQ's GEMM layout and W8A8 have no quantized lm_head)")
-        if self.mse < 0:
-            raise ValueError(f"--mse must be >= 0 (0: the plain min / max range), got "
-                             f"{self.mse}")
-        if self.mse > 0 and self.method not in ("gptq", "int4", "int8"):
-            raise ValueError(f"--mse is a gptq / int4 / int8 option (their grids' range "
-                             f"search); --method is {self.method}")
-        if self.method in CALIBRATED:
-            if self.calib is None:
-                raise ValueError(f"--method {self.method} needs calibration text: --calib FILE")
-            if not os.path.isfile(self.calib):
-                raise ValueError(f"--calib file {self.calib!r} does not exist")
-            if self.seq_len < 2:
-                raise ValueError(f"--seq-len must be >= 2, got {self.seq_len}")
-            if self.calib_tokens is not None and self.calib_tokens < self.seq_len:
-                raise ValueError(f"--calib-tokens must be >= --seq-len ({self.seq_len}), got "
-                                 f"{self.calib_tokens}")
-
-    def for_model(self, mc: ModelConfig) -> QuantizeArgs:
-        """These args with the group size settled for the model; ValueError unless every
-        linear's inputs divide into groups and its outputs into packed int32s (W8A8: blocks
-        of 32 inputs)."""
-        ins = {"hidden_size": mc.hidden_size, "intermediate_size": mc.intermediate_size,
-               "num_attention_heads * head_dim": mc.num_attention_heads * mc.head_dim}
-        if mc.sliding_window is not None and self.seq_len > mc.sliding_window:
-            raise ValueError(f"--seq-len {self.seq_len} exceeds the model's sliding window "
-                             f"({mc.sliding_window})")
-        if self.method == "smoothquant":
-            for name, k in ins.items():
-                if k % BLOCK_INPUTS:
-                    raise ValueError(f"W8A8 runs on blocks of {BLOCK_INPUTS} inputs; the "
-                                     f"model's {name} ({k}) does not divide by {BLOCK_INPUTS}")
-            return self
-        if self.group_size is None:
-            fits = [g for g in (128, 64, 32) if all(k % g == 0 for k in ins.values())]
-            if not fits:
-                raise ValueError(f"no group size of 128, 64 or 32 divides the model's linear "
-                                 f"input widths {sorted(set(ins.values()))}; give --group-size")
-            return dataclasses.replace(self, group_size=fits[0]).for_model(mc)
-        for name, k in ins.items():
-            if k % self.group_size:
-                raise ValueError(f"--group-size {self.group_size} does not divide the model's "
-                                 f"{name} ({k}), the input width of some linear layers")
-        per = 32 // self.bits
-        outs = {**ins, "num_key_value_heads * head_dim": mc.num_key_value_heads * mc.head_dim}
-        if self.lm_head:
-            outs["vocab_size (--lm-head)"] = mc.vocab_size
-        for name, n in outs.items():
-            if n % per:
-                raise ValueError(f"{self.bits}-bit packing needs widths divisible by {per}; the "
-                                 f"model's {name} is {n}")
-        return self
 
 
 def _split_rows(ql: QuantizedLinear, sizes: tuple[int, ...]) -> list[QuantizedLinear]:

@@ -64,14 +64,18 @@ _DRAFT_SEED_SALT = 0x5DEECE66D
 
 
 def _lm_head_rows(model: Any, ckpt: Any, quant: Any, ids: torch.Tensor,
-                  dtype: torch.dtype) -> Linear:
-    """A new lm_head over the checkpoint's rows ids only, in the model's format for it."""
+                  dtype: torch.dtype) -> Linear | None:
+    """A new lm_head over the checkpoint's rows ids only, in the model's format for it; None
+    where the checkpoint stores lm_head in a quantized layout (GPTQ's `lm_head: true`: its
+    packed columns and zero points do not cut by row), whose whole 4-bit vocabulary costs
+    about what a float16 cut to 32k rows does."""
     mc = ckpt.model_config
     name = "model.embed_tokens.weight" if mc.tie_word_embeddings else "lm_head.weight"
     weight = next((t for n, t in ckpt.weights(keep_quantized=quant.keeps_quantized)
                    if n == name), None)
     if weight is None:
-        raise ValueError(f"the draft checkpoint has no {name}")
+        # The checkpoint loaded, so its lm_head came as other tensors: a quantized layout.
+        return None
     rows = (GGUFWeight(weight.data.index_select(0, ids), weight.qtype, weight.k)
             if isinstance(weight, GGUFWeight) else weight.index_select(0, ids))
     head = Linear(mc.hidden_size, len(ids), bias=False, ops=model.ops, dtype=dtype,
@@ -171,8 +175,11 @@ class DraftModelProposer:
                        if target_tokenizer is not None else set())
             vocab_ids = torch.tensor(sorted(set(range(n)) | {i for i in special
                                                              if 0 <= i < target_vocab}))
-            model.lm_head = _lm_head_rows(model, ckpt, quant, vocab_ids,
-                                          torch_dtype(draft_config.dtype))
+            head = _lm_head_rows(model, ckpt, quant, vocab_ids, torch_dtype(draft_config.dtype))
+            if head is None:
+                vocab_ids = None  # its quantized lm_head, whole
+            else:
+                model.lm_head = head
         logger.info("draft model %s (%s, quantization=%s, lm_head over %d of %d tokens) for "
                     "speculative decoding, K=%d", path, ckpt.model_config.architecture,
                     draft_config.quantization,

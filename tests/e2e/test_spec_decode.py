@@ -218,6 +218,31 @@ def test_a_draft_lm_head_over_part_of_the_vocabulary_drafts_as_the_whole_row_wou
     assert engine.runner.spec_stats.num_accepted_tokens > 0
 
 
+def test_a_draft_whose_lm_head_is_quantized_keeps_its_whole_vocabulary(
+        make_engine: Any, smollm2: Any, gpl_text: str, tmp_path: Any) -> None:
+    # A `kvserve quantize --lm-head` export holds no float lm_head rows to cut: the draft keeps
+    # its 4-bit lm_head over the whole vocabulary (draft_vocab_size asked for less) and still
+    # drafts toward the target's own output.
+    from kvserve.quant.quantize_args import QuantizeArgs
+    from kvserve.quantize import quantize_checkpoint
+
+    out = str(tmp_path / "draft")
+    with torch.inference_mode():
+        quantize_checkpoint(resolve_model(None), out,
+                            QuantizeArgs(method="int4", group_size=32, lm_head=True))
+    spec = {**_spec("draft_model"), "model": out, "draft_vocab_size": 20000}
+    del spec["quantization"]  # found from the export's config: gptq
+    engine = make_engine(speculative_config=spec)
+    proposer = engine.runner.proposer
+    assert proposer.vocab_ids is None
+    assert proposer.model.lm_head.weight.dtype == torch.uint8  # its packed 4-bit blocks
+    prompt = _chat(smollm2[1].tokenizer, "Repeat this text exactly:\n" + gpl_text[3000:3300])
+    sp = [SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)]
+    plain = _outputs(make_engine(), [prompt], sp)["0"].outputs[0].token_ids
+    assert _outputs(engine, [prompt], sp)["0"].outputs[0].token_ids == plain
+    assert engine.runner.spec_stats.num_accepted_tokens > 0
+
+
 def test_a_draft_model_reads_every_position_once_but_rejected_drafts(
         make_engine: Any, smollm2: Any, gpl_text: str) -> None:
     # The drafts a proposal fed have their KV in the draft's cache: as far as the target

@@ -211,16 +211,12 @@ def _linear_names(qc: dict[str, Any]) -> tuple[str, ...]:
 
 
 def _lm_head_quantized(qc: dict[str, Any]) -> bool:
-    """Whether a GPTQ / AWQ / pack-quantized checkpoint quantizes lm_head too (its method's
-    `quantizes_lm_head`)."""
+    """Whether a GPTQ / AWQ / pack-quantized checkpoint (one whose linears are not stored as
+    weights) quantizes lm_head too: its method's `quantizes_lm_head`."""
     from kvserve.quant import get_quant_method_class
-    from kvserve.quant.int4_checkpoints import TENSORS, Int4CheckpointMethod
 
-    method = qc.get("quant_method")
-    if method not in TENSORS or _linear_names(qc) == ("weight",):
-        return False
-    cls = get_quant_method_class(method)
-    return issubclass(cls, Int4CheckpointMethod) and cls.quantizes_lm_head(qc)
+    return (_linear_names(qc) != ("weight",)
+            and get_quant_method_class(qc["quant_method"]).quantizes_lm_head(qc))
 
 
 def expected_hf_names(c: ModelConfig) -> list[str]:

@@ -75,10 +75,15 @@ inline torch::Tensor as_int64(const torch::Tensor& t) {
   return t.scalar_type() == torch::kInt64 ? t.contiguous() : t.to(torch::kInt64).contiguous();
 }
 
+// Whether a ggml type id names a format the kernels take (kernels.h WType).
+inline bool known_wtype(int64_t wtype) {
+  return wtype == 0 || wtype == 1 || wtype == 2 || wtype == 3 || wtype == 6 || wtype == 7 ||
+         wtype == 8 || wtype == 20 || wtype == 30 || wtype == 256 || wtype == 263;
+}
+
 // The ggml type id the caller names -> a format the kernels take.
 inline kvs::WType weight_format(int64_t wtype) {
-  TORCH_CHECK(wtype == 0 || wtype == 1 || wtype == 2 || wtype == 3 || wtype == 6 || wtype == 7 ||
-                  wtype == 8 || wtype == 20 || wtype == 30 || wtype == 256 || wtype == 263,
+  TORCH_CHECK(known_wtype(wtype),
               "wtype must be 0 (F32), 1 (F16), 2 (Q4_0), 3 (Q4_1), 6 (Q5_0), 7 (Q5_1), 8 (Q8_0), "
               "20 (IQ4_NL), 30 (BF16), 256 (W8A8) or 263 (Q4_1_128), got ", wtype);
   return static_cast<kvs::WType>(wtype);
@@ -91,8 +96,7 @@ inline kvs::WType checked_weight_type(const torch::Tensor& weight, int64_t wtype
               "wtype must be 0 (F32), 1 (F16), 3 (Q4_1), 8 (Q8_0) or 30 (BF16) for a weight "
               "read as rows, got ",
               wtype,
-              wtype == 2 || wtype == 6 || wtype == 7 || wtype == 20 || wtype == 256 ||
-                      wtype == 263
+              known_wtype(wtype)  // a kernel format, but not a row one
                   ? " (Q4_0 / Q5_0 / Q5_1 / IQ4_NL / W8A8 / Q4_1_128 run packed only: qlinear)"
                   : "");
   const kvs::WType wt = weight_format(wtype);

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import tokenizers
@@ -210,28 +210,30 @@ def _linear_names(qc: dict[str, Any]) -> tuple[str, ...]:
     return TENSORS[method][0] if method in TENSORS else ("weight",)
 
 
-def _lm_head_quantized(qc: dict[str, Any]) -> bool:
-    """Whether a GPTQ / AWQ / pack-quantized checkpoint (one whose linears are not stored as
-    weights) quantizes lm_head too: its method's `quantizes_lm_head`."""
+def _stored_tensors(qc: dict[str, Any]) -> Callable[[str], tuple[str, ...]]:
+    """Checkpoint module name -> the tensors stored for that linear: _linear_names where its
+    method quantizes the module (`quantizes`: lm_head only where the checkpoint says so, and
+    not the modules its per-module settings keep in float), else a float weight."""
     from kvserve.quant import get_quant_method_class
 
-    return (_linear_names(qc) != ("weight",)
-            and get_quant_method_class(qc["quant_method"]).quantizes_lm_head(qc))
+    linear_names = _linear_names(qc)
+    if linear_names == ("weight",):
+        return lambda module: linear_names
+    method = get_quant_method_class(qc["quant_method"])
+    return lambda module: linear_names if method.quantizes(qc, module) else ("weight",)
 
 
 def expected_hf_names(c: ModelConfig) -> list[str]:
-    qc = c.quantization_dict or {}
-    linear_names = _linear_names(qc)
+    stored = _stored_tensors(c.quantization_dict or {})
     names = ["model.embed_tokens.weight", "model.norm.weight"]
     if not c.tie_word_embeddings:
-        names += [f"lm_head.{t}" for t in (linear_names if _lm_head_quantized(qc)
-                                           else ("weight",))]
+        names += [f"lm_head.{t}" for t in stored("lm_head")]
     for i in range(c.num_hidden_layers):
         p = f"model.layers.{i}."
         names += [p + n + ".weight" for n in ("input_layernorm", "post_attention_layernorm")]
         names += [p + n + "." + t for n in (
             "self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
-            "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj") for t in linear_names]
+            "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj") for t in stored(p + n)]
         if c.attention_bias:
             names += [p + f"self_attn.{n}.bias" for n in ("q_proj", "k_proj", "v_proj")]
     return names

@@ -18,6 +18,7 @@ from kvserve.layers.linear import Linear
 from kvserve.layers.rotary import rope_cos_sin
 from kvserve.outputs import ModelInput
 from kvserve.quant.base import (
+    FUSED_LINEARS,
     NoQuantization,
     QuantizedTensor,
     QuantMethod,
@@ -133,11 +134,8 @@ class LlamaDecoderLayer(nn.Module):
 
 class LlamaForCausalLM(nn.Module):
     # checkpoint name fragment -> (our fused module fragment, shard index)
-    stacked_params = {
-        ".q_proj.": (".qkv_proj.", 0), ".k_proj.": (".qkv_proj.", 1),
-        ".v_proj.": (".qkv_proj.", 2), ".gate_proj.": (".gate_up_proj.", 0),
-        ".up_proj.": (".gate_up_proj.", 1),
-    }
+    stacked_params = {f".{part}.": (f".{fused}.", shard) for fused, parts in FUSED_LINEARS.items()
+                      for shard, part in enumerate(parts)}
 
     def __init__(self, cfg: ModelConfig, ops: Any, dtype: torch.dtype = torch.float32,
                  max_positions: int | None = None, quant: QuantMethod = _NONE,

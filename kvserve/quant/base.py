@@ -337,6 +337,26 @@ class DequantizedLinearMethod:
         return None  # already placed: nothing wraps this method again
 
 
+# The model file's fused linears -> the checkpoint modules each holds, in shard order. The
+# model loads q / k / v into qkv_proj's shards 0-2 and gate / up into gate_up_proj's 0-1 by
+# this map; a method that configures modules by their checkpoint names (GPTQModel's
+# `dynamic`, AutoAWQ's `modules_to_not_convert`, compressed-tensors' `ignore`) reads a fused
+# layer's parts through checkpoint_modules.
+FUSED_LINEARS = {"qkv_proj": ("q_proj", "k_proj", "v_proj"),
+                 "gate_up_proj": ("gate_proj", "up_proj")}
+
+
+def checkpoint_modules(prefix: str) -> tuple[str, ...]:
+    """The checkpoint modules of the linear layer `prefix` (linear_method's argument):
+    "model.layers.0.self_attn.qkv_proj" -> its q_proj, k_proj and v_proj; any other layer
+    is its own module."""
+    head, _, last = prefix.rpartition(".")
+    parts = FUSED_LINEARS.get(last)
+    if parts is None:
+        return (prefix,)
+    return tuple(f"{head}.{p}" if head else p for p in parts)
+
+
 class QuantMethod:
     """One quantization method: a registry entry (kvserve.quant), built from a QuantConfig.
 

@@ -36,7 +36,8 @@ w = d * (q - z) with d = s, which needs q - z in [-128, 127] (a symmetric export
 128 always is). With act-order the inputs are permuted so that each group's inputs are
 contiguous, and each call gathers x in that order (such a layer is not fused into the C++
 layer stack). lm_head stays float16 unless the checkpoint quantizes it
-(`Int4CheckpointMethod.quantizes_lm_head`).
+(`Int4CheckpointMethod.quantizes_lm_head`), and so does any layer the checkpoint keeps in
+float by its per-module settings (`module_config`).
 """
 
 from __future__ import annotations
@@ -51,6 +52,8 @@ from kvserve.quant.base import (
     LinearMethod,
     QuantizedTensor,
     QuantMethod,
+    UnquantizedLinearMethod,
+    checkpoint_modules,
     copy_shard,
     create_dense_weight,
     dense,
@@ -338,13 +341,42 @@ class Int4CheckpointMethod(QuantMethod):
         the key vLLM reads for GPTQ and AWQ alike. Most exports keep it in float."""
         return qc.get("lm_head") is True
 
+    @classmethod
+    def module_config(cls, qc: dict[str, Any], name: str) -> dict[str, Any] | None:
+        """quantization_config as it applies to the checkpoint module `name`
+        ("model.layers.0.self_attn.q_proj", "lm_head"), or None where the checkpoint keeps
+        that module in float; each format's per-module settings override this."""
+        return qc
+
+    @classmethod
+    def quantizes(cls, qc: dict[str, Any], name: str) -> bool:
+        """Whether the checkpoint stores the linear module `name` in the format's layout
+        (else as a float `weight`)."""
+        if name == "lm_head" and not cls.quantizes_lm_head(qc):
+            return False
+        return cls.module_config(qc, name) is not None
+
     def linear_method(self, prefix: str) -> LinearMethod:
+        """The layer's method from its checkpoint modules' settings, which must agree: kvserve
+        runs q / k / v, and gate / up, as one layer each (base.checkpoint_modules). A layer
+        the checkpoint keeps in float is held at its float16 / bfloat16 width."""
         assert self.config is not None and self.config.checkpoint_config is not None
         qc = dict(self.config.checkpoint_config)
-        if prefix == "lm_head" and not self.quantizes_lm_head(qc):
-            from kvserve.quant.base import UnquantizedLinearMethod
-
+        names = checkpoint_modules(prefix)
+        configs = [self.module_config(qc, n) if self.quantizes(qc, n) else None for n in names]
+        settings = [None if c is None else self.settings(c) for c in configs]
+        if len(set(settings)) > 1:
+            shown = ", ".join(f"{n.rsplit('.', 1)[-1]} "
+                              f"{'float' if s is None else f'{s[0]}-bit group {s[1]}'}"
+                              for n, s in zip(names, settings, strict=True))
+            raise ValueError(f"{prefix}: kvserve runs {len(names)} checkpoint modules as this "
+                             f"one layer, and the checkpoint stores them differently ({shown})")
+        if configs[0] is None:
             return UnquantizedLinearMethod(half=True)
+        return self.layer_method(prefix, configs[0])
+
+    def layer_method(self, prefix: str, qc: dict[str, Any]) -> LinearMethod:
+        """The LinearMethod of a quantized layer whose modules' settings are qc."""
         bits, group, offset = self.settings(qc)
         return Int4CheckpointLinearMethod(self.fmt, group, offset, prefix, bits)
 

@@ -125,21 +125,33 @@ def model_config_from_hf(cfg: dict[str, Any], path: str,
 def _quantization_config(cfg: dict[str, Any]) -> tuple[tuple[str, Any], ...] | None:
     """config.json's quantization_config frozen as sorted items: its scalar entries (bits,
     group_size, desc_act, sym, zero_point, version, checkpoint_format, ...), nested dicts
-    flattened to dotted keys (compressed-tensors' config_groups.group_0.weights.num_bits)
-    and lists of scalars as tuples (its ignore list)."""
+    flattened to dotted keys (compressed-tensors' config_groups.group_0.weights.num_bits),
+    lists of scalars as tuples (its ignore list; GPTQ's modules_in_block_to_quantize, a
+    list of lists, as tuples of tuples), and GPTQModel's `dynamic`, whose keys are regular
+    expressions tried in order, as (pattern, sorted overrides) pairs in the file's order."""
     qc = cfg.get("quantization_config")
     if not isinstance(qc, dict) or not qc:
         return None
     items: list[tuple[str, Any]] = []
 
+    def scalar(v: Any) -> bool:
+        return v is None or isinstance(v, (str, int, float, bool))
+
     def walk(prefix: str, d: dict[str, Any]) -> None:
         for k, v in d.items():
-            if isinstance(v, dict):
+            if k == "dynamic" and not prefix and isinstance(v, dict):
+                items.append((k, tuple((str(p), tuple(sorted((ok, ov) for ok, ov in o.items()
+                                                             if scalar(ov))))
+                                       for p, o in v.items() if isinstance(o, dict))))
+            elif isinstance(v, dict):
                 walk(f"{prefix}{k}.", v)
-            elif v is None or isinstance(v, (str, int, float, bool)):
+            elif scalar(v):
                 items.append((prefix + k, v))
-            elif isinstance(v, list) and all(isinstance(e, (str, int, float, bool)) for e in v):
+            elif isinstance(v, list) and all(scalar(e) for e in v):
                 items.append((prefix + k, tuple(v)))
+            elif isinstance(v, list) and all(isinstance(e, list) and all(map(scalar, e))
+                                             for e in v):
+                items.append((prefix + k, tuple(tuple(e) for e in v)))
 
     walk("", qc)
     return tuple(sorted(items))

@@ -42,6 +42,7 @@ float by its per-module settings (`module_config`).
 
 from __future__ import annotations
 
+import re
 from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
@@ -382,14 +383,43 @@ class Int4CheckpointMethod(QuantMethod):
 
 
 class GPTQQuantMethod(Int4CheckpointMethod):
-    """4- and 8-bit GPTQ checkpoints (AutoGPTQ / GPTQModel layout, act-order, sym or asym)."""
+    """4- and 8-bit GPTQ checkpoints (AutoGPTQ / GPTQModel layout, act-order, sym or asym).
+
+    Per module, as GPTQModel writes them and vLLM reads them: `modules_in_block_to_quantize`
+    (transformers' GPTQConfig: the decoder modules quantized, by name or name fragment; the
+    others are float) and GPTQModel's `dynamic`, regular expressions matched at the start of
+    a module's name, tried in order, the first that matches deciding: "-:<regex>" keeps the
+    module in float, "+:<regex>" (or no prefix) overrides the config's keys (bits,
+    group_size, ...) with its own."""
 
     name = "gptq"
     fmt = "gptq"
 
+    @classmethod
+    def module_config(cls, qc: dict[str, Any], name: str) -> dict[str, Any] | None:
+        blocks = qc.get("modules_in_block_to_quantize")
+        if blocks and name != "lm_head" and not any(
+                m in name for block in blocks
+                for m in ((block,) if isinstance(block, str) else block)):
+            return None
+        for pattern, overrides in qc.get("dynamic") or ():
+            if pattern.startswith("-:"):
+                if re.match(pattern[2:], name):
+                    return None
+            elif re.match(pattern.removeprefix("+:"), name):
+                return {**qc, **dict(overrides)}
+        return qc
+
 
 class AWQQuantMethod(Int4CheckpointMethod):
-    """4-bit AWQ checkpoints (AutoAWQ GEMM layout)."""
+    """4-bit AWQ checkpoints (AutoAWQ GEMM layout). A module whose name contains an entry of
+    `modules_to_not_convert` is kept in float, as AutoAWQ and vLLM skip it."""
 
     name = "awq"
     fmt = "awq"
+
+    @classmethod
+    def module_config(cls, qc: dict[str, Any], name: str) -> dict[str, Any] | None:
+        if any(m in name for m in qc.get("modules_to_not_convert") or ()):
+            return None
+        return qc

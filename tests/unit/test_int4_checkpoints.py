@@ -6,6 +6,7 @@ errors that name what was found."""
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -93,19 +94,29 @@ def awq_pack(q: torch.Tensor, zeros: torch.Tensor) -> tuple[torch.Tensor, torch.
 
 def write_checkpoint(path: Path, hf: Any, fmt: str, act_order: bool = False, bits: int = 4,
                      qc_overrides: dict[str, Any] | None = None, group: int = GROUP,
-                     lm_head: bool = False) -> dict[str, torch.Tensor]:
+                     lm_head: bool = False,
+                     stored: Callable[[str], tuple[int, int] | None] | None = None
+                     ) -> dict[str, torch.Tensor]:
     """The tiny model as a GPTQ / AWQ directory (group -1: one group per row; lm_head:
-    quantized too, GPTQModel's `lm_head: true`); returns the dequantized weights by name."""
+    quantized too, GPTQModel's `lm_head: true`; stored: a linear module's name -> the (bits,
+    group) it is written with instead, None for a float16 weight); returns the dequantized
+    weights by name (a float16 weight's values too)."""
     rng = torch.Generator().manual_seed(7)
     tensors: dict[str, torch.Tensor] = {}
     deq: dict[str, torch.Tensor] = {}
     for name, t in hf.state_dict().items():
-        if not (any(f".{lin}." in name for lin in LINEARS)
-                or lm_head and name == "lm_head.weight"):
+        module = name.removesuffix(".weight")
+        quantized = (any(f".{lin}." in name for lin in LINEARS)
+                     or lm_head and name == "lm_head.weight")
+        setting = (bits, group) if stored is None or not quantized else stored(module)
+        if quantized and setting is None:
+            deq[name] = t.detach().half().float()
+        if not quantized or setting is None:
             tensors[name] = t.detach().half()
             continue
+        mbits, mgroup = setting
         k = t.shape[1]
-        size = k if group == -1 else group
+        size = k if mgroup == -1 else mgroup
         g_idx = torch.arange(k) // size
         if act_order:  # AutoGPTQ's desc_act: column perm[j] joins group j // G
             layer_in = name.rsplit(".", 2)[0].rsplit(".", 1)[0]  # q/k/v share their inputs
@@ -113,16 +124,16 @@ def write_checkpoint(path: Path, hf: Any, fmt: str, act_order: bool = False, bit
                 hash(layer_in + str(k)) % 1000))
             g_idx = torch.empty(k, dtype=torch.long)
             g_idx[perm] = torch.arange(k) // size
-        q, zeros, scales, w = quantize_groups(t.detach().float(), g_idx, bits, sym=bits == 8)
-        base = name.removesuffix(".weight")
+        q, zeros, scales, w = quantize_groups(t.detach().float(), g_idx, mbits,
+                                              sym=mbits == 8)
         deq[name] = w
         if fmt == "gptq":
-            qweight, qzeros = gptq_pack(q, zeros, bits)
-            tensors[base + ".g_idx"] = g_idx.to(torch.int32)
+            qweight, qzeros = gptq_pack(q, zeros, mbits)
+            tensors[module + ".g_idx"] = g_idx.to(torch.int32)
         else:
             qweight, qzeros = awq_pack(q, zeros)
-        tensors[base + ".qweight"], tensors[base + ".qzeros"] = qweight, qzeros
-        tensors[base + ".scales"] = scales.half()
+        tensors[module + ".qweight"], tensors[module + ".qzeros"] = qweight, qzeros
+        tensors[module + ".scales"] = scales.half()
     del rng
     path.mkdir(parents=True, exist_ok=True)
     save_file(tensors, str(path / "model.safetensors"))
@@ -243,6 +254,96 @@ def test_a_quantized_lm_head_loads_to_the_dequantized_model(tmp_path: Path, fmt:
     assert isinstance(model.lm_head.quant_method, Int4CheckpointLinearMethod)
     assert model.lm_head.quant_method.wtype == Q4_1 and model.lm_head.weight.dtype == torch.uint8
     near_dequantized(model, hf, deq)
+
+
+# GPTQModel's `dynamic`: the first pattern that matches a module's name decides.
+DYNAMIC = {r"-:.*\.0\.self_attn\.o_proj": {},  # float
+           r"+:.*\.1\.mlp\.": {"bits": 8},  # layer 1's MLP at 8 bits (its down_proj too)
+           r".*down_proj": {"group_size": 64}}  # no prefix: positive
+
+
+def _dynamic_as_written(module: str) -> tuple[int, int] | None:
+    """DYNAMIC read by hand for the tiny llama's modules: what each is written with."""
+    if module == "model.layers.0.self_attn.o_proj":
+        return None
+    if module.startswith("model.layers.1.mlp."):
+        return 8, GROUP
+    return (4, 64) if module.endswith("down_proj") else (4, GROUP)
+
+
+def _held(model: Any) -> dict[str, tuple[str, int] | torch.dtype]:
+    """Each decoder layer's linears as held: (format, group) quantized, else the float dtype."""
+    from kvserve.quant.base import UnquantizedLinearMethod
+
+    held: dict[str, tuple[str, int] | torch.dtype] = {}
+    for i, layer in enumerate(model.layers):
+        for name, lin in (("qkv_proj", layer.self_attn.qkv_proj),
+                          ("o_proj", layer.self_attn.o_proj),
+                          ("gate_up_proj", layer.mlp.gate_up_proj),
+                          ("down_proj", layer.mlp.down_proj)):
+            m = lin.quant_method
+            if isinstance(m, UnquantizedLinearMethod):
+                held[f"{i}.{name}"] = lin.weight.dtype
+            else:
+                assert isinstance(m, Int4CheckpointLinearMethod)
+                held[f"{i}.{name}"] = ({Q4_1: "Q4_1", Q8_0: "Q8_0"}[m.wtype], m.group_size)
+    return held
+
+
+def test_gptqmodel_dynamic_overrides_are_followed(tmp_path: Path) -> None:
+    """A GPTQModel checkpoint whose `dynamic` keeps one module in float and quantizes others
+    at other bits and group sizes, in pattern order (vLLM reads it the same way): each layer
+    is held as written, the float one at float16, and the model gives the logits of the float
+    model holding the dequantized weights, through the fused layer stack."""
+    hf = tiny_hf_model("llama")
+    deq = write_checkpoint(tmp_path, hf, "gptq", qc_overrides={"dynamic": DYNAMIC},
+                           stored=_dynamic_as_written)
+    model = build_model(load_checkpoint(str(tmp_path)), get_ops("auto"), torch.float32, "gptq")
+    assert _held(model) == {
+        "0.qkv_proj": ("Q4_1", 32), "0.o_proj": torch.float16, "0.gate_up_proj": ("Q4_1", 32),
+        "0.down_proj": ("Q4_1", 64), "1.qkv_proj": ("Q4_1", 32), "1.o_proj": ("Q4_1", 32),
+        "1.gate_up_proj": ("Q8_0", 32), "1.down_proj": ("Q8_0", 32)}
+    o_proj = model.layers[0].self_attn.o_proj.weight
+    assert torch.equal(o_proj.float(), deq["model.layers.0.self_attn.o_proj.weight"])
+    near_dequantized(model, hf, deq)
+
+
+@pytest.mark.parametrize("fmt, overrides, floats, held_float", [
+    # transformers' GPTQConfig: only the modules named (whole names or fragments) quantized
+    ("gptq", {"modules_in_block_to_quantize": [["self_attn.k_proj", "self_attn.v_proj",
+                                                "self_attn.q_proj"], ["mlp.down_proj"]]},
+     ("self_attn.o_proj", "mlp.gate_proj", "mlp.up_proj"),
+     {"0.o_proj", "1.o_proj", "0.gate_up_proj", "1.gate_up_proj"}),
+    # AutoAWQ: a module whose name contains an entry stays float
+    ("awq", {"modules_to_not_convert": ["layers.1.self_attn"]},
+     ("1.self_attn.q_proj", "1.self_attn.k_proj", "1.self_attn.v_proj", "1.self_attn.o_proj"),
+     {"1.qkv_proj", "1.o_proj"}),
+])
+def test_modules_a_checkpoint_keeps_in_float_load_as_float(
+        tmp_path: Path, fmt: str, overrides: dict[str, Any], floats: tuple[str, ...],
+        held_float: set[str]) -> None:
+    hf = tiny_hf_model("llama")
+    deq = write_checkpoint(tmp_path, hf, fmt, qc_overrides=overrides, stored=lambda m: (
+        None if m.endswith(floats) else (4, GROUP)))
+    model = build_model(load_checkpoint(str(tmp_path)), get_ops("auto"), torch.float32, fmt)
+    held = _held(model)
+    assert {k for k, v in held.items() if v == torch.float16} == held_float
+    assert all(v == ("Q4_1", GROUP) for k, v in held.items() if k not in held_float)
+    near_dequantized(model, hf, deq)
+
+
+def test_a_fused_layer_whose_modules_differ_is_named(tmp_path: Path) -> None:
+    """kvserve runs q / k / v as one layer: a checkpoint that keeps only q_proj in float is
+    refused, naming the layer and what each module is."""
+    write_checkpoint(tmp_path, tiny_hf_model("llama"), "gptq",
+                     qc_overrides={"dynamic": {r"-:.*\.1\.self_attn\.q_proj": {}}},
+                     stored=lambda m: None if m == "model.layers.1.self_attn.q_proj"
+                     else (4, GROUP))
+    with pytest.raises(ValueError, match=r"model.layers.1.self_attn.qkv_proj: kvserve runs 3 "
+                                         r"checkpoint modules as this one layer, and the "
+                                         r"checkpoint stores them differently \(q_proj float, "
+                                         r"k_proj 4-bit group 32, v_proj 4-bit group 32\)"):
+        build_model(load_checkpoint(str(tmp_path)), get_ops("reference"), torch.float32, "gptq")
 
 
 @pytest.mark.parametrize("fmt, overrides, match", [

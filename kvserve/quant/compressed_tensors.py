@@ -14,16 +14,13 @@ from __future__ import annotations
 import re
 from typing import Any
 
-from kvserve.quant.base import LinearMethod, UnquantizedLinearMethod
+from kvserve.quant.base import LinearMethod
 from kvserve.quant.block_pack import BLOCK
 from kvserve.quant.int4_checkpoints import (
     COMPRESSED_TENSORS,
     Int4CheckpointLinearMethod,
     Int4CheckpointMethod,
 )
-
-DECODER_LINEARS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj",
-                   "self_attn.o_proj", "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
 
 
 def _matches(entry: str, name: str) -> bool:
@@ -57,12 +54,6 @@ def wna16_settings(qc: dict[str, Any]) -> tuple[int, int, bool]:
         raise ValueError(f"compressed-tensors checkpoint quantizes input_activations "
                          f"(num_bits={qc.get(g + 'input_activations.num_bits')!r}); kvserve "
                          f"loads pack-quantized weights with float activations (WNA16)")
-    targets = _targets(qc)
-    missing = [n for n in DECODER_LINEARS if not any(_matches(t, n) for t in targets)]
-    if missing:
-        raise ValueError(f"compressed-tensors checkpoint has targets={list(targets)!r}, which "
-                         f"leave {missing[0]} in float; kvserve needs every decoder linear "
-                         f"quantized (targets ['Linear'])")
     w = g + "weights."
     # key -> (what kvserve runs, as the error says it); dynamic may be left out (None)
     wanted = {"type": (("int",), "'int'"), "num_bits": ((4, 8), "4 or 8"),
@@ -103,27 +94,20 @@ class CompressedTensorsWNA16Method(Int4CheckpointMethod):
     @classmethod
     def quantizes_lm_head(cls, qc: dict[str, Any]) -> bool:
         """lm_head is quantized where a target names it (the class target "Linear" does) and
-        the ignore list does not, as llm-compressor decides; its W4A16 / W8A16 recipes
+        the ignore list does not, as for any module; llm-compressor's W4A16 / W8A16 recipes
         ignore it."""
-        ignore = qc.get("ignore") or ()
-        return (any(_matches(t, "lm_head") for t in _targets(qc))
-                and not any(_matches(e, "lm_head") for e in ignore))
+        return cls.module_config(qc, "lm_head") is not None
 
-    def linear_method(self, prefix: str) -> LinearMethod:
-        assert self.config is not None and self.config.checkpoint_config is not None
-        qc = dict(self.config.checkpoint_config)
-        ignore = qc.get("ignore") or ()
+    @classmethod
+    def module_config(cls, qc: dict[str, Any], name: str) -> dict[str, Any] | None:
+        """A module is quantized where a target names it and the ignore list does not, as
+        llm-compressor decides; the others stay float."""
+        if not any(_matches(t, name) for t in _targets(qc)):
+            return None
+        if any(_matches(e, name) for e in qc.get("ignore") or ()):
+            return None
+        return qc
+
+    def layer_method(self, prefix: str, qc: dict[str, Any]) -> LinearMethod:
         bits, group, sym = wna16_settings(qc)
-        if prefix == "lm_head":
-            if not self.quantizes_lm_head(qc):
-                return UnquantizedLinearMethod(half=True)
-            return Int4CheckpointLinearMethod(self.fmt, group, 0, prefix, bits, sym)
-        # The model holds no float decoder linears: none of this layer's may be ignored.
-        layer = re.match(r"model\.layers\.\d+\.", prefix)
-        for name in (f"{layer.group(0) if layer else ''}{lin}" for lin in DECODER_LINEARS):
-            kept = [e for e in ignore if _matches(e, name)]
-            if kept:
-                raise ValueError(f"compressed-tensors checkpoint's ignore list keeps {name} in "
-                                 f"float ({kept[0]!r}); kvserve loads checkpoints whose every "
-                                 f"decoder linear is quantized")
         return Int4CheckpointLinearMethod(self.fmt, group, 0, prefix, bits, sym)

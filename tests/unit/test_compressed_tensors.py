@@ -46,7 +46,8 @@ def _tokenizer(path: Path, vocab_size: int) -> None:
 
 def write_checkpoint(path: Path, hf: Any, args: QuantizationArgs,
                      qc_overrides: dict[str, Any] | None = None,
-                     ignore: tuple[str, ...] = ("lm_head",)) -> dict[str, torch.Tensor]:
+                     ignore: tuple[str, ...] = ("lm_head",),
+                     targets: tuple[str, ...] = ("Linear",)) -> dict[str, torch.Tensor]:
     """hf quantized by compressed-tensors as `args` say (min / max qparams), compressed to
     pack-quantized and written to path with its config, every float tensor (scales, norms,
     embeddings, lm_head) in bfloat16, as a bfloat16 model's export holds them; lm_head too is
@@ -54,7 +55,7 @@ def write_checkpoint(path: Path, hf: Any, args: QuantizationArgs,
     decompression of the same model: the weights the checkpoint stands for."""
     model = copy.deepcopy(hf)
     config = QuantizationConfig(
-        config_groups={"group_0": QuantizationScheme(targets=["Linear"], weights=args)},
+        config_groups={"group_0": QuantizationScheme(targets=list(targets), weights=args)},
         ignore=list(ignore), format="pack-quantized")
     apply_quantization_config(model, config)
     with torch.no_grad():
@@ -193,6 +194,61 @@ def test_a_quantized_lm_head_loads_to_the_decompressed_model(tmp_path: Path, sym
         assert (ours - ref).abs().max() / ref.abs().max() < 0.02
 
 
+@pytest.mark.parametrize("targets, ignore, held_float", [
+    (("re:.*self_attn.*",), ("lm_head",), {"mlp.gate_up_proj", "mlp.down_proj"}),
+    (("Linear",), ("lm_head", "re:.*layers.1.mlp.down_proj"), {"1.mlp.down_proj"}),
+])
+def test_modules_the_checkpoint_keeps_in_float_load_as_float(
+        tmp_path: Path, targets: tuple[str, ...], ignore: tuple[str, ...],
+        held_float: set[str]) -> None:
+    """Linears that no target names, or that the ignore list names, are written in float by
+    the library; kvserve holds them at their bfloat16 width and quantizes the rest, to the
+    decompressed model's logits and transformers' own."""
+    import transformers
+
+    from kvserve.quant.base import UnquantizedLinearMethod
+
+    hf = tiny_hf_model("llama")
+    args = QuantizationArgs(num_bits=4, type="int", symmetric=True, strategy="group",
+                            group_size=32)
+    deq = write_checkpoint(tmp_path, hf, args, ignore=ignore, targets=targets)
+    model = build_model(load_checkpoint(str(tmp_path)), get_ops("auto"), torch.float32, METHOD)
+    floats = set()
+    for i, layer in enumerate(model.layers):
+        for name in ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj",
+                     "mlp.down_proj"):
+            lin = layer.get_submodule(name)
+            if isinstance(lin.quant_method, UnquantizedLinearMethod):
+                assert lin.weight.dtype == torch.bfloat16
+                floats.add(name if name in held_float else f"{i}.{name}")
+    assert floats == held_float
+    down = model.layers[1].mlp.down_proj.weight
+    if "mlp.down_proj" in held_float or "1.mlp.down_proj" in held_float:
+        assert torch.equal(down.float(), deq["model.layers.1.mlp.down_proj.weight"])
+    prompt = list(range(5, 45))
+    ours, theirs = _logits(model, prompt), _logits(_reference("llama", deq), prompt)
+    assert (ours - theirs).abs().max() / theirs.abs().max() < 0.02
+    hf_theirs = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path),
+                                                                  dtype=torch.float32)
+    with torch.no_grad():
+        ref = hf_theirs(torch.tensor([prompt])).logits[0]
+    assert (ours - ref).abs().max() / ref.abs().max() < 0.02
+
+
+def test_a_fused_layer_whose_modules_differ_is_named(tmp_path: Path) -> None:
+    """kvserve runs gate / up as one layer: an export that ignores up_proj alone is refused,
+    naming the layer and what each module is."""
+    args = QuantizationArgs(num_bits=4, type="int", symmetric=True, strategy="group",
+                            group_size=32)
+    write_checkpoint(tmp_path, tiny_hf_model("llama"), args,
+                     ignore=("lm_head", "re:.*layers.1.mlp.up_proj"))
+    with pytest.raises(ValueError, match=r"model.layers.1.mlp.gate_up_proj: kvserve runs 2 "
+                                         r"checkpoint modules as this one layer, and the "
+                                         r"checkpoint stores them differently \(gate_proj "
+                                         r"4-bit group 32, up_proj float\)"):
+        build_model(load_checkpoint(str(tmp_path)), get_ops("reference"), torch.float32, METHOD)
+
+
 def test_actorder_group_index_is_followed(tmp_path: Path) -> None:
     """An export with actorder "group" (older llm-compressor) stores weight_g_idx, the group
     of each input column. Made here from a plain export by moving columns: with q'[:, j] =
@@ -237,9 +293,6 @@ G0 = "config_groups.group_0."
                                       r"multiple of 32"),
     ({G0 + "input_activations": {"num_bits": 8, "type": "int"}},
      r"quantizes input_activations \(num_bits=8\)"),
-    ({G0 + "targets": ["re:.*self_attn.*"]}, r"leave mlp.gate_proj in float"),
-    ({"ignore": ["lm_head", "re:.*layers.1.mlp.down_proj"]},
-     r"ignore list keeps model.layers.1.mlp.down_proj in float"),
     # lm_head said quantized (left out of the ignore list) but stored in float
     ({"ignore": []}, r"lm_head.weight_packed"),
 ])

@@ -13,7 +13,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvserve.kv.layout import KV_CACHE_DTYPES
+from kvserve.kv.layout import KV_CACHE_DTYPE_ALIASES, KV_CACHE_DTYPES
 
 _DTYPES = ("float32", "bfloat16", "float16")
 
@@ -97,8 +97,8 @@ class CacheConfig:
     # Exact block count, for tests and debugging; overrides the memory budget.
     num_blocks_override: int | None = None
     enable_prefix_caching: bool = True
-    # "auto" = the model dtype; int8 / fp8_e4m3: quantized with a float32 scale per token, K/V
-    # and kv head (kvserve/kv/layout.py), about half float16's bytes per token.
+    # "auto" = the model dtype; int8 / fp8_e4m3 (vLLM's "fp8"): quantized with a float32 scale
+    # per token, K/V and kv head (kvserve/kv/layout.py), about half float16's bytes per token.
     kv_cache_dtype: str = "auto"
 
     def __post_init__(self) -> None:
@@ -112,9 +112,11 @@ class CacheConfig:
         _require(self.num_blocks_override is None or self.num_blocks_override >= 2,
                  f"num_blocks_override must be >= 2 (block 0 is the null block), "
                  f"got {self.num_blocks_override}")
+        canonical = KV_CACHE_DTYPE_ALIASES.get(self.kv_cache_dtype, self.kv_cache_dtype)
+        object.__setattr__(self, "kv_cache_dtype", canonical)
         _require(self.kv_cache_dtype in KV_CACHE_DTYPES,
-                 f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, "
-                 f"got {self.kv_cache_dtype!r}")
+                 f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)} (fp8: "
+                 f"fp8_e4m3), got {self.kv_cache_dtype!r}")
 
 
 @dataclass(frozen=True)

@@ -21,7 +21,7 @@ from kvserve.config import (
     parse_memory,
     parse_tiers,
 )
-from kvserve.kv.layout import KV_CACHE_DTYPES
+from kvserve.kv.layout import KV_CACHE_DTYPE_ALIASES, KV_CACHE_DTYPES
 from kvserve.platform import default_device
 from kvserve.quant import (
     check_engine_config,
@@ -152,8 +152,9 @@ class EngineArgs:
                        action="store_false")
         p.add_argument("--no-enable-chunked-prefill", dest="enable_chunked_prefill",
                        action="store_false")
-        p.add_argument("--kv-cache-dtype", default=None, choices=list(KV_CACHE_DTYPES),
-                       help="auto: the model dtype; int8 / fp8_e4m3: quantized, one float32 "
+        p.add_argument("--kv-cache-dtype", default=None,
+                       choices=[*KV_CACHE_DTYPES, *KV_CACHE_DTYPE_ALIASES],
+                       help="auto: the model dtype; int8 / fp8_e4m3 (fp8): quantized, one float32 "
                        "scale per token, K/V and kv head (about 2x float16's tokens in the "
                        "same memory); default: float16 for the quantizations the CPU kernels "
                        "run (gguf, int8, int4, gptq, awq, w8a8: as llama.cpp), else auto")

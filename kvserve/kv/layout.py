@@ -48,6 +48,8 @@ PAD_SLOT_ID = -1
 FLOAT_KV_DTYPES = ("float32", "float16", "bfloat16")
 QUANTIZED_KV_DTYPES = ("int8", "fp8_e4m3")
 KV_CACHE_DTYPES = ("auto",) + FLOAT_KV_DTYPES + QUANTIZED_KV_DTYPES
+# Other names taken for them: vLLM's "fp8" is e4m3 (on NVIDIA GPUs, and so here).
+KV_CACHE_DTYPE_ALIASES = {"fp8": "fp8_e4m3"}
 SCALE_BYTES = 4  # one float32 scale per K / V row per kv head of a quantized cache
 
 

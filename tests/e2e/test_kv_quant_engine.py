@@ -103,9 +103,18 @@ def test_prefix_cache_hit_reads_what_was_written(make_engine: Any, kind: str) ->
 
 
 def test_bad_kv_cache_dtype_is_refused(make_engine: Any) -> None:
-    with pytest.raises(ValueError, match="kv_cache_dtype must be one of auto, float32, "
-                                         "float16, bfloat16, int8, fp8_e4m3, got 'fp8'"):
-        make_engine(kv_cache_dtype="fp8")
+    with pytest.raises(ValueError, match=r"kv_cache_dtype must be one of auto, float32, "
+                                         r"float16, bfloat16, int8, fp8_e4m3 \(fp8: "
+                                         r"fp8_e4m3\), got 'fp8_e5m2'"):
+        make_engine(kv_cache_dtype="fp8_e5m2")
+
+
+def test_vllms_fp8_is_e4m3(make_engine: Any) -> None:
+    """vLLM's `--kv-cache-dtype fp8` (e4m3 on NVIDIA GPUs) runs the fp8_e4m3 cache here."""
+    engine = make_engine(kv_cache_dtype="fp8")
+    assert engine.config.cache.kv_cache_dtype == "fp8_e4m3"
+    assert isinstance(engine.runner.kv_cache, QuantizedKVCache)
+    assert engine.runner.kv_cache.kv_dtype == "fp8_e4m3"
 
 
 def test_start_up_reports_blocks_and_tokens(caplog: pytest.LogCaptureFixture) -> None:

@@ -343,11 +343,13 @@ def test_fused_stack_equals_per_op_layers_on_quantized_cache(isa_ops: CpuOps,
 
 
 def test_bad_kv_cache_dtype_is_refused_naming_the_allowed() -> None:
-    with pytest.raises(ValueError, match="kv_cache_dtype must be one of auto, float32, float16, "
-                                         "bfloat16, int8, fp8_e4m3, got 'int4'"):
+    with pytest.raises(ValueError, match=r"kv_cache_dtype must be one of auto, float32, "
+                                         r"float16, bfloat16, int8, fp8_e4m3 \(fp8: fp8_e4m3\), "
+                                         r"got 'int4'"):
         CacheConfig(kv_cache_dtype="int4")
     for name in KV_CACHE_DTYPES:
         assert CacheConfig(kv_cache_dtype=name).kv_cache_dtype == name
+    assert CacheConfig(kv_cache_dtype="fp8").kv_cache_dtype == "fp8_e4m3"  # vLLM's name
 
 
 def test_cli_offers_the_kv_cache_dtypes() -> None:
@@ -359,8 +361,11 @@ def test_cli_offers_the_kv_cache_dtypes() -> None:
     EngineArgs.add_cli_args(p)
     ns = p.parse_args(["--kv-cache-dtype", "fp8_e4m3"])
     assert EngineArgs.from_cli(ns).kv_cache_dtype == "fp8_e4m3"
+    ns = p.parse_args(["--kv-cache-dtype", "fp8"])  # vLLM's spelling
+    assert CacheConfig(kv_cache_dtype=EngineArgs.from_cli(ns).kv_cache_dtype).kv_cache_dtype \
+        == "fp8_e4m3"
     with pytest.raises(SystemExit):
-        p.parse_args(["--kv-cache-dtype", "fp8"])
+        p.parse_args(["--kv-cache-dtype", "fp8_e5m2"])
 
 
 def test_block_bytes_count_the_scales() -> None:

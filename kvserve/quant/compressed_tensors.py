@@ -31,20 +31,39 @@ def _matches(entry: str, name: str) -> bool:
     return entry in ("Linear", name)
 
 
-def _targets(qc: dict[str, Any]) -> tuple[str, ...]:
-    """The targets of the (flattened) quantization_config's config groups."""
-    return tuple(t for k, v in qc.items()
-                 if k.startswith("config_groups.") and k.endswith(".targets") for t in v or ())
+def _groups(qc: dict[str, Any]) -> list[str]:
+    """The names of the (flattened) quantization_config's config groups."""
+    return sorted({k.split(".")[1] for k in qc if k.startswith("config_groups.")})
+
+
+def _group_view(qc: dict[str, Any], group: str) -> dict[str, Any]:
+    """qc with config group `group` alone: the settings of the modules it quantizes."""
+    others = tuple(f"config_groups.{g}." for g in _groups(qc) if g != group)
+    return {k: v for k, v in qc.items() if not k.startswith(others)}
+
+
+def _group_of(qc: dict[str, Any], name: str) -> str | None:
+    """The config group that quantizes module `name`, as compressed-tensors picks it where
+    several targets match (its match_targets): the group of an exact name first, then of a
+    regular expression (in the targets' sorted order), then of the class "Linear"; None
+    where no target matches or the ignore list names the module."""
+    if any(_matches(e, name) for e in qc.get("ignore") or ()):
+        return None
+    found = [((0 if t == name else 1 if t.startswith("re:") else 2), t, g)
+             for g in _groups(qc) for t in qc.get(f"config_groups.{g}.targets") or ()
+             if _matches(t, name)]
+    return min(found)[2] if found else None
 
 
 def wna16_settings(qc: dict[str, Any]) -> tuple[int, int, bool]:
     """(bits, group_size (-1: a channel, one group of all inputs), symmetric) of a
-    compressed-tensors pack-quantized quantization_config (flattened), with a ValueError
-    naming the first setting kvserve does not run and what was found."""
-    groups = sorted({k.split(".")[1] for k in qc if k.startswith("config_groups.")})
+    compressed-tensors pack-quantized quantization_config (flattened) with one config group
+    (a module's _group_view), with a ValueError naming the first setting kvserve does not
+    run and what was found."""
+    groups = _groups(qc)
     if len(groups) != 1:
         raise ValueError(f"compressed-tensors checkpoint has {len(groups)} config_groups "
-                         f"{groups}; kvserve loads one weight-only group")
+                         f"{groups}; kvserve reads each weight-only group alone")
     g = f"config_groups.{groups[0]}."
     fmt = qc.get(g + "format", qc.get("format"))
     if fmt != "pack-quantized":
@@ -88,7 +107,9 @@ class CompressedTensorsWNA16Method(Int4CheckpointMethod):
 
     @classmethod
     def settings(cls, qc: dict[str, Any]) -> tuple[int, int, int]:
-        bits, group, _ = wna16_settings(qc)
+        """Every config group's settings checked; the first's (a module's view holds its
+        own group alone)."""
+        bits, group, _ = [wna16_settings(_group_view(qc, g)) for g in _groups(qc)][0]
         return bits, group, 0
 
     @classmethod
@@ -100,13 +121,10 @@ class CompressedTensorsWNA16Method(Int4CheckpointMethod):
 
     @classmethod
     def module_config(cls, qc: dict[str, Any], name: str) -> dict[str, Any] | None:
-        """A module is quantized where a target names it and the ignore list does not, as
-        llm-compressor decides; the others stay float."""
-        if not any(_matches(t, name) for t in _targets(qc)):
-            return None
-        if any(_matches(e, name) for e in qc.get("ignore") or ()):
-            return None
-        return qc
+        """A module is quantized by the config group whose target names it (_group_of) where
+        the ignore list does not name it, as llm-compressor decides; the others stay float."""
+        group = _group_of(qc, name)
+        return None if group is None else _group_view(qc, group)
 
     def layer_method(self, prefix: str, qc: dict[str, Any]) -> LinearMethod:
         bits, group, sym = wna16_settings(qc)

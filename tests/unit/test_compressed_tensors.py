@@ -47,7 +47,9 @@ def _tokenizer(path: Path, vocab_size: int) -> None:
 def write_checkpoint(path: Path, hf: Any, args: QuantizationArgs,
                      qc_overrides: dict[str, Any] | None = None,
                      ignore: tuple[str, ...] = ("lm_head",),
-                     targets: tuple[str, ...] = ("Linear",)) -> dict[str, torch.Tensor]:
+                     targets: tuple[str, ...] = ("Linear",),
+                     more_groups: dict[str, QuantizationScheme] | None = None
+                     ) -> dict[str, torch.Tensor]:
     """hf quantized by compressed-tensors as `args` say (min / max qparams), compressed to
     pack-quantized and written to path with its config, every float tensor (scales, norms,
     embeddings, lm_head) in bfloat16, as a bfloat16 model's export holds them; lm_head too is
@@ -55,16 +57,18 @@ def write_checkpoint(path: Path, hf: Any, args: QuantizationArgs,
     decompression of the same model: the weights the checkpoint stands for."""
     model = copy.deepcopy(hf)
     config = QuantizationConfig(
-        config_groups={"group_0": QuantizationScheme(targets=list(targets), weights=args)},
+        config_groups={"group_0": QuantizationScheme(targets=list(targets), weights=args),
+                       **(more_groups or {})},
         ignore=list(ignore), format="pack-quantized")
     apply_quantization_config(model, config)
     with torch.no_grad():
         for m in model.modules():
             if not hasattr(m, "weight_scale"):
                 continue
-            g = args.group_size if args.strategy == "group" else m.weight.shape[1]
+            a = m.quantization_scheme.weights  # its config group's
+            g = a.group_size if a.strategy == "group" else m.weight.shape[1]
             w = m.weight.reshape(m.weight.shape[0], -1, g)
-            s, z = calculate_qparams(w.amin(-1), w.amax(-1), args)
+            s, z = calculate_qparams(w.amin(-1), w.amax(-1), a)
             m.weight_scale.copy_(s.to(torch.bfloat16))
             if hasattr(m, "weight_zero_point"):
                 m.weight_zero_point.copy_(z)
@@ -225,6 +229,36 @@ def test_modules_the_checkpoint_keeps_in_float_load_as_float(
     down = model.layers[1].mlp.down_proj.weight
     if "mlp.down_proj" in held_float or "1.mlp.down_proj" in held_float:
         assert torch.equal(down.float(), deq["model.layers.1.mlp.down_proj.weight"])
+    prompt = list(range(5, 45))
+    ours, theirs = _logits(model, prompt), _logits(_reference("llama", deq), prompt)
+    assert (ours - theirs).abs().max() / theirs.abs().max() < 0.02
+    hf_theirs = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path),
+                                                                  dtype=torch.float32)
+    with torch.no_grad():
+        ref = hf_theirs(torch.tensor([prompt])).logits[0]
+    assert (ours - ref).abs().max() / ref.abs().max() < 0.02
+
+
+def test_config_groups_quantize_their_own_modules(tmp_path: Path) -> None:
+    """Two config groups: attention 8-bit per channel (a regular expression's target), the
+    rest 4-bit in groups of 32 ("Linear", which compressed-tensors ranks after a regular
+    expression). Each layer is held as its group says, and the model gives the decompressed
+    model's logits and transformers' own."""
+    import transformers
+
+    hf = tiny_hf_model("llama")
+    # symmetric: transformers reads asymmetric pack-quantized zero points at the wrong shape
+    four = QuantizationArgs(num_bits=4, type="int", symmetric=True, strategy="group",
+                            group_size=32)
+    eight = QuantizationArgs(num_bits=8, type="int", symmetric=True, strategy="channel")
+    deq = write_checkpoint(tmp_path, hf, four, more_groups={"group_1": QuantizationScheme(
+        targets=["re:.*self_attn.*"], weights=eight)})
+    model = build_model(load_checkpoint(str(tmp_path)), get_ops("auto"), torch.float32, METHOD)
+    for layer in model.layers:
+        for lin in (layer.self_attn.qkv_proj, layer.self_attn.o_proj):
+            assert (lin.quant_method.bits, lin.quant_method.group_size) == (8, -1)
+        for lin in (layer.mlp.gate_up_proj, layer.mlp.down_proj):
+            assert (lin.quant_method.bits, lin.quant_method.group_size) == (4, 32)
     prompt = list(range(5, 45))
     ours, theirs = _logits(model, prompt), _logits(_reference("llama", deq), prompt)
     assert (ours - theirs).abs().max() / theirs.abs().max() < 0.02

@@ -24,7 +24,9 @@ stay float, written as float16 (the layouts' scale type, and what AutoGPTQ / Aut
 checkpoints hold). `--lm-head` (gptq, int4, int8; GPTQModel's lm_head=True) quantizes
 lm_head too, GPTQ from the final norm's calibration outputs: the checkpoint then holds an
 untied lm_head (`tie_word_embeddings` false, the embedding kept in float16) and says so
-(`lm_head: true`, or no lm_head in compressed-tensors' ignore list), as vLLM reads it.
+(`lm_head: true`, or no lm_head in compressed-tensors' ignore list), as vLLM reads it;
+`--lm-head-bits` quantizes it at other bits than the layers (GPTQModel's `dynamic`
+override for lm_head, or a compressed-tensors config group targeting it).
 
 The flags' rules (which method writes which layout, what each option needs) are
 kvserve/quant/quantize_args.py's `QuantizeArgs`.
@@ -113,10 +115,10 @@ def _lm_head(weights: dict[str, torch.Tensor], x: torch.Tensor | None, mc: Model
     assert a.group_size is not None
     w = weights.get("lm_head.weight", weights["model.embed_tokens.weight"])
     if a.method != "gptq":
-        return rtn_quantize(w, a.bits, a.group_size, a.sym, a.mse)
+        return rtn_quantize(w, a.head_bits, a.group_size, a.head_sym, a.mse)
     assert x is not None
     h = rms_norm(x, weights["model.norm.weight"], mc.rms_norm_eps)
-    return gptq_quantize(w, hessian(h), a.bits, a.group_size, a.sym, a.act_order,
+    return gptq_quantize(w, hessian(h), a.head_bits, a.group_size, a.head_sym, a.act_order,
                          static_groups=a.static_groups, mse=a.mse)
 
 
@@ -199,9 +201,15 @@ def quantize_checkpoint(model: str, out_dir: str, a: QuantizeArgs) -> None:
     assert a.group_size is not None
 
     sym = a.sym and a.method != "awq"  # AWQ's grid always has zero points
-    pack = {"awq": export.pack_awq, "gptq": export.pack_gptq,
-            "compressed-tensors": lambda ql: export.pack_compressed_tensors(ql, sym)
-            }[a.format]
+
+    def pack(ql: QuantizedLinear, sym: bool = sym) -> dict[str, torch.Tensor]:
+        """One linear's tensors in the layout (sym: its grid's, compressed-tensors)."""
+        if a.format == "awq":
+            return export.pack_awq(ql)
+        if a.format == "gptq":
+            return export.pack_gptq(ql)
+        return export.pack_compressed_tensors(ql, sym)
+
     out: dict[str, torch.Tensor] = {}
     t0 = time.perf_counter()
     for i in range(mc.num_hidden_layers):
@@ -233,7 +241,7 @@ def quantize_checkpoint(model: str, out_dir: str, a: QuantizeArgs) -> None:
         log.info("layer %d/%d quantized (%.1fs)", i + 1, mc.num_hidden_layers,
                  time.perf_counter() - t0)
     if a.lm_head:
-        for suffix, tensor in pack(_lm_head(weights, x, mc, a)).items():
+        for suffix, tensor in pack(_lm_head(weights, x, mc, a), a.head_sym).items():
             out[f"lm_head.{suffix}"] = tensor
         log.info("lm_head quantized (%.1fs)", time.perf_counter() - t0)
     for name, tensor in weights.items():
@@ -248,12 +256,15 @@ def quantize_checkpoint(model: str, out_dir: str, a: QuantizeArgs) -> None:
     else:
         qcfg = export.gptq_quantization_config(a.bits, a.group_size, a.sym, a.act_order,
                                                a.static_groups, mse=a.mse, lm_head=a.lm_head)
+    if a.lm_head and a.head_bits != a.bits:
+        export.set_lm_head_grid(qcfg, a.head_bits, a.head_sym)
     config = export.hf_config(mc, source_cfg)
     if a.lm_head:  # its own quantized tensor; the embedding stays float
         config["tie_word_embeddings"] = False
     export.write_checkpoint(out_dir, out, config, qcfg, ckpt.tokenizer)
     log.info("wrote %s (%s, %d bits, group %d, %s layout%s)", out_dir, a.method, a.bits,
-             a.group_size, a.format, ", lm_head quantized" if a.lm_head else "")
+             a.group_size, a.format,
+             f", lm_head quantized ({a.head_bits} bits)" if a.lm_head else "")
 
 
 def _run(ns: argparse.Namespace) -> int:
@@ -267,7 +278,8 @@ def _run(ns: argparse.Namespace) -> int:
                      calib=ns.calib,
                      calib_tokens=ns.calib_tokens, seq_len=ns.seq_len, alpha=ns.alpha,
                      awq_clip=ns.awq_clip, awq_duo_scaling=ns.awq_duo_scaling,
-                     format=ns.format, lm_head=ns.lm_head)
+                     format=ns.format, lm_head=ns.lm_head or ns.lm_head_bits is not None,
+                     lm_head_bits=ns.lm_head_bits)
     with torch.inference_mode():
         quantize_checkpoint(ns.model, ns.output, a)
     return 0
@@ -316,6 +328,12 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    "written untied beside a float16 embedding. A decode step reads the "
                    "output layer in full: on Qwen2.5-Coder-0.5B at group 128 it is most of "
                    "the step (BENCHMARKS.md)")
+    p.add_argument("--lm-head-bits", type=int, default=None, choices=(4, 8),
+                   help="--lm-head at these bits instead of --bits (implies --lm-head): "
+                   "GPTQModel's `dynamic` override for lm_head, or a compressed-tensors "
+                   "config group of its own. Qwen2.5-Coder-0.5B, 4-bit layers: lm_head at 8 "
+                   "bits adds 0.04%% perplexity to the float16 lm_head's, at 4 bits 1%% "
+                   "(BENCHMARKS.md)")
     p.add_argument("--calib", default=None,
                    help="calibration text file (gptq, awq, smoothquant)")
     p.add_argument("--alpha", type=float, default=0.5,

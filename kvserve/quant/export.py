@@ -128,6 +128,20 @@ def gptq_quantization_config(bits: int, group_size: int, sym: bool, desc_act: bo
             "mse": mse, "lm_head": lm_head, "model_file_base_name": "model"}
 
 
+def set_lm_head_grid(qcfg: dict[str, Any], bits: int, sym: bool) -> None:
+    """A GPTQ or compressed-tensors quantization_config with lm_head quantized at `bits`
+    (symmetric or not) instead of the layers' own: GPTQModel's `dynamic` override for the
+    module (vLLM and kvserve read it), or a config group targeting lm_head by name, which
+    compressed-tensors ranks above the "Linear" target."""
+    if qcfg["quant_method"] == "gptq":
+        qcfg["dynamic"] = {"+:lm_head$": {"bits": bits, "sym": sym}}
+        return
+    layers = qcfg["config_groups"]["group_0"]
+    qcfg["config_groups"]["group_1"] = {
+        **layers, "targets": ["lm_head"],
+        "weights": {**layers["weights"], "num_bits": bits, "symmetric": sym}}
+
+
 def awq_quantization_config(group_size: int) -> dict[str, Any]:
     """AutoAWQ's AwqConfig.to_transformers_dict for GEMM."""
     return {"quant_method": "awq", "bits": 4, "group_size": group_size, "zero_point": True,

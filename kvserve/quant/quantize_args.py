@@ -43,6 +43,18 @@ class QuantizeArgs:
     awq_duo_scaling: bool = True  # awq: AutoAWQ's scale candidates (else the paper's)
     format: str | None = None  # the checkpoint layout (FORMATS); None: the method's own
     lm_head: bool = False  # quantize lm_head too (gptq, int4, int8)
+    lm_head_bits: int | None = None  # lm_head's bits where they are not --bits's
+
+    @property
+    def head_bits(self) -> int:
+        """lm_head's bits (with lm_head)."""
+        return self.lm_head_bits if self.lm_head_bits is not None else self.bits
+
+    @property
+    def head_sym(self) -> bool:
+        """Whether lm_head's grid is symmetric: 8 bits always are (kvserve runs them as int8
+        blocks, which an asymmetric grid's q - zero overflows)."""
+        return self.sym or self.head_bits == 8
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:
@@ -83,6 +95,12 @@ class QuantizeArgs:
             raise ValueError(f"--lm-head quantizes the output layer with "
                              f"{', '.join(LM_HEAD_METHODS)}; --method {self.method} keeps it in "
                              f"float (AutoAWQ's GEMM layout and W8A8 have no quantized lm_head)")
+        if self.lm_head_bits is not None:
+            if self.lm_head_bits not in (4, 8):
+                raise ValueError(f"--lm-head-bits must be 4 or 8, got {self.lm_head_bits}")
+            if not self.lm_head:
+                raise ValueError("--lm-head-bits sets the bits of a quantized lm_head: give "
+                                 "--lm-head too")
         if self.mse < 0:
             raise ValueError(f"--mse must be >= 0 (0: the plain min / max range), got "
                              f"{self.mse}")
@@ -125,12 +143,12 @@ class QuantizeArgs:
             if k % self.group_size:
                 raise ValueError(f"--group-size {self.group_size} does not divide the model's "
                                  f"{name} ({k}), the input width of some linear layers")
-        per = 32 // self.bits
         outs = {**ins, "num_key_value_heads * head_dim": mc.num_key_value_heads * mc.head_dim}
+        widths = [(self.bits, name, n) for name, n in outs.items()]
         if self.lm_head:
-            outs["vocab_size (--lm-head)"] = mc.vocab_size
-        for name, n in outs.items():
-            if n % per:
-                raise ValueError(f"{self.bits}-bit packing needs widths divisible by {per}; the "
-                                 f"model's {name} is {n}")
+            widths.append((self.head_bits, "vocab_size (--lm-head)", mc.vocab_size))
+        for bits, name, n in widths:
+            if n % (32 // bits):
+                raise ValueError(f"{bits}-bit packing needs widths divisible by {32 // bits}; "
+                                 f"the model's {name} is {n}")
         return self

@@ -362,6 +362,65 @@ def test_lm_head_is_quantized_with_the_layers(tied_dir: tuple[Path, Any], tmp_pa
         assert (ours - got).abs().max() / got.abs().max() < 0.02
 
 
+def test_lm_head_at_8_bits_beside_4_bit_layers(tied_dir: tuple[Path, Any], tmp_path: Path
+                                               ) -> None:
+    """--lm-head-bits 8 with 4-bit GPTQ layers: lm_head written as a symmetric 8-bit GPTQ
+    linear under GPTQModel's `dynamic` override (compressed-tensors: a config group of its
+    own that targets lm_head); kvserve holds it as int8 blocks, the layers 4-bit, and gives
+    the logits of the float model holding the unpacked weights, the same bits from both
+    layouts; transformers reads the compressed-tensors one to them too."""
+    import transformers
+
+    src, hf = tied_dir
+    calib = ["--calib", str(CALIB), "--calib-tokens", "512", "--seq-len", "128"]
+    dirs = {}
+    for fmt in ("gptq", "compressed-tensors"):
+        dirs[fmt] = tmp_path / fmt
+        r = _quantize(str(src), "--method", "gptq", "--group-size", "32", "--sym",
+                      "--lm-head-bits", "8", "--format", fmt, "-o", str(dirs[fmt]), *calib)
+        assert r.returncode == 0, r.stderr
+    qc = json.loads((dirs["gptq"] / "config.json").read_text())["quantization_config"]
+    assert qc["bits"] == 4 and qc["lm_head"] is True
+    assert qc["dynamic"] == {"+:lm_head$": {"bits": 8, "sym": True}}
+    groups = json.loads((dirs["compressed-tensors"] / "config.json").read_text())[
+        "quantization_config"]["config_groups"]
+    assert groups["group_1"]["targets"] == ["lm_head"]
+    assert groups["group_1"]["weights"]["num_bits"] == 8
+    t = _tensors(dirs["gptq"])
+    vocab, hidden = hf.config.vocab_size, hf.config.hidden_size
+    assert t["lm_head.qweight"].shape == (hidden // 4, vocab)  # 4 fields a word: 8 bits
+    head = _dequantize(t, "lm_head", "gptq", 8)
+    embed = hf.state_dict()["model.embed_tokens.weight"]
+    assert (head - embed).abs().max() < 0.03 * embed.abs().max()  # a step: ~0.8% of it
+
+    model = build_model(load_checkpoint(str(dirs["gptq"])), get_ops("auto"), torch.float32,
+                        "gptq")
+    assert (model.lm_head.quant_method.bits, model.layers[0].mlp.down_proj.quant_method.bits
+            ) == (8, 4)
+    deq_sd = {k: v.float() for k, v in t.items() if not k.rsplit(".", 1)[0].endswith(
+        LINEARS) and not k.startswith("lm_head.")}
+    for i in range(2):
+        for lin in LINEARS:
+            p = f"model.layers.{i}.{lin}"
+            deq_sd[p + ".weight"] = _dequantize(t, p, "gptq", 4)
+    deq_sd["lm_head.weight"] = head
+    hf_deq = tiny_hf_model("llama", seed=4)  # untied, as the checkpoint now is
+    hf_deq.load_state_dict(deq_sd)
+    ref = kvserve_model_from_hf(hf_deq, "LlamaForCausalLM", get_ops("reference"))
+    prompt = list(b"Everyone is permitted to copy")
+    ours = _logits(model, prompt)
+    theirs = _logits(ref, prompt)
+    assert (ours - theirs).abs().max() / theirs.abs().max() < 0.02
+    ct_model = build_model(load_checkpoint(str(dirs["compressed-tensors"])), get_ops("auto"),
+                           torch.float32, "compressed-tensors")
+    assert torch.equal(_logits(ct_model, prompt), ours)
+    hf_ct = transformers.AutoModelForCausalLM.from_pretrained(str(dirs["compressed-tensors"]),
+                                                              dtype=torch.float32)
+    with torch.no_grad():
+        got = hf_ct(torch.tensor([prompt])).logits[0]
+    assert (ours - got).abs().max() / got.abs().max() < 0.02
+
+
 def test_smoothquant_writes_compressed_tensors_w8a8(tiny_dir: tuple[Path, Any],
                                                    tmp_path: Path) -> None:
     """--method smoothquant: compressed-tensors "int-quantized" tensors and config; the
@@ -442,6 +501,8 @@ def test_smoothquant_writes_compressed_tensors_w8a8(tiny_dir: tuple[Path, Any],
     (["--method", "gptq", "--act-order", "--format", "compressed-tensors", "--calib",
       str(CALIB)], "--act-order needs --static-groups there"),
     (["--method", "int4", "--mse", "-1"], "--mse must be >= 0"),
+    (["--method", "int4", "--lm-head-bits", "3"],
+     "argument --lm-head-bits: invalid choice: 3 (choose from 4, 8)"),
     (["--method", "awq", "--lm-head", "--calib", str(CALIB)],
      "--lm-head quantizes the output layer with gptq, int4, int8; --method awq keeps it in "
      "float"),

@@ -129,6 +129,10 @@ def quant_rows(default_gguf: str, f32_gguf: str, models: Path, quantized: Path,
         quantized_row("qwen0.5b_gptq4_head", "Qwen2.5-Coder-0.5B GPTQ 4-bit g128, lm_head too "
                       "(`kvserve quantize --lm-head`)", "gptq",
                       ("--group-size", "128", "--lm-head", *calib_args), qwen05, QWEN05_FAMILY),
+        quantized_row("qwen0.5b_gptq4_head8", "Qwen2.5-Coder-0.5B GPTQ 4-bit g128, lm_head "
+                      "at 8 bits (`kvserve quantize --lm-head-bits 8`)", "gptq",
+                      ("--group-size", "128", "--lm-head-bits", "8", *calib_args), qwen05,
+                      QWEN05_FAMILY),
         quantized_row("qwen0.5b_awq4", "Qwen2.5-Coder-0.5B AWQ 4-bit g128 (`kvserve "
                       "quantize`)", "awq", ("--group-size", "128", *calib_args), qwen05,
                       QWEN05_FAMILY),

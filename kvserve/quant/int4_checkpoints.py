@@ -365,7 +365,8 @@ class Int4CheckpointMethod(QuantMethod):
         qc = dict(self.config.checkpoint_config)
         names = checkpoint_modules(prefix)
         configs = [self.module_config(qc, n) if self.quantizes(qc, n) else None for n in names]
-        settings = [None if c is None else self.settings(c) for c in configs]
+        settings = [None if c is None else self._module_settings(n, c)
+                    for n, c in zip(names, configs, strict=True)]
         if len(set(settings)) > 1:
             shown = ", ".join(f"{n.rsplit('.', 1)[-1]} "
                               f"{'float' if s is None else f'{s[0]}-bit group {s[1]}'}"
@@ -375,6 +376,14 @@ class Int4CheckpointMethod(QuantMethod):
         if configs[0] is None:
             return UnquantizedLinearMethod(half=True)
         return self.layer_method(prefix, configs[0])
+
+    def _module_settings(self, name: str, qc: dict[str, Any]) -> tuple[int, int, int]:
+        """settings(qc) of module `name`, whose name a refusal leads with (a per-module
+        override, not the checkpoint's own settings, may be what kvserve does not run)."""
+        try:
+            return self.settings(qc)
+        except ValueError as e:
+            raise ValueError(f"{name}: {e}") from None
 
     def layer_method(self, prefix: str, qc: dict[str, Any]) -> LinearMethod:
         """The LinearMethod of a quantized layer whose modules' settings are qc."""

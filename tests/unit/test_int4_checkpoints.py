@@ -353,6 +353,9 @@ def test_a_fused_layer_whose_modules_differ_is_named(tmp_path: Path) -> None:
     ("gptq", {"checkpoint_format": "marlin"}, "checkpoint_format='marlin'"),
     ("awq", {"version": "gemv"}, "version='gemv'; kvserve loads the GEMM layout"),
     ("awq", {"zero_point": False}, "zero_point=false"),
+    # a per-module override kvserve does not run is named with its module
+    ("gptq", {"dynamic": {r"+:.*\.1\.mlp\.down_proj": {"bits": 2}}},
+     r"model.layers.1.mlp.down_proj: GPTQ checkpoint has bits=2; kvserve loads 4 and 8-bit"),
 ])
 def test_unsupported_settings_name_what_was_found(tmp_path: Path, fmt: str,
                                                   overrides: dict[str, Any], match: str) -> None:

@@ -297,6 +297,25 @@ def test_compressed_tensors_format_holds_the_same_quantization(
         assert (ours - ref).abs().max() / ref.abs().max() < 0.02
 
 
+def _near_unpacked(model: Any, t: dict[str, torch.Tensor], head: torch.Tensor,
+                   prompt: list[int]) -> torch.Tensor:
+    """The model's logits on prompt, asserted within 2% of the untied float model holding
+    the GPTQ export t's unpacked 4-bit layers and `head` as its lm_head."""
+    deq_sd = {k: v.float() for k, v in t.items() if not k.rsplit(".", 1)[0].endswith(
+        LINEARS) and not k.startswith("lm_head.")}
+    for i in range(2):
+        for lin in LINEARS:
+            p = f"model.layers.{i}.{lin}"
+            deq_sd[p + ".weight"] = _dequantize(t, p, "gptq", 4)
+    deq_sd["lm_head.weight"] = head
+    hf_deq = tiny_hf_model("llama", seed=4)  # untied, as the checkpoint now is
+    hf_deq.load_state_dict(deq_sd)
+    ref = kvserve_model_from_hf(hf_deq, "LlamaForCausalLM", get_ops("reference"))
+    ours, theirs = _logits(model, prompt), _logits(ref, prompt)
+    assert (ours - theirs).abs().max() / theirs.abs().max() < 0.02
+    return ours
+
+
 @pytest.mark.parametrize("method, extra", [("gptq", []), ("int4", []), ("gptq", ["--sym"])])
 def test_lm_head_is_quantized_with_the_layers(tied_dir: tuple[Path, Any], tmp_path: Path,
                                               method: str, extra: list[str]) -> None:
@@ -334,20 +353,8 @@ def test_lm_head_is_quantized_with_the_layers(tied_dir: tuple[Path, Any], tmp_pa
     ckpt = load_checkpoint(str(dirs["gptq"]))
     model = build_model(ckpt, get_ops("auto"), torch.float32, "gptq")
     assert model.lm_head.weight.dtype == torch.uint8  # 4-bit blocks, not the embedding
-    deq_sd = {k: v.float() for k, v in t.items() if not k.rsplit(".", 1)[0].endswith(
-        LINEARS) and not k.startswith("lm_head.")}
-    for i in range(2):
-        for lin in LINEARS:
-            p = f"model.layers.{i}.{lin}"
-            deq_sd[p + ".weight"] = _dequantize(t, p, "gptq", 4)
-    deq_sd["lm_head.weight"] = head
-    hf_deq = tiny_hf_model("llama", seed=4)  # untied, as the checkpoint now is
-    hf_deq.load_state_dict(deq_sd)
-    ref = kvserve_model_from_hf(hf_deq, "LlamaForCausalLM", get_ops("reference"))
     prompt = list(b"Everyone is permitted to copy")
-    ours = _logits(model, prompt)
-    theirs = _logits(ref, prompt)
-    assert (ours - theirs).abs().max() / theirs.abs().max() < 0.02
+    ours = _near_unpacked(model, t, head, prompt)
 
     ct_model = build_model(load_checkpoint(str(dirs["compressed-tensors"])), get_ops("auto"),
                            torch.float32, "compressed-tensors")
@@ -397,20 +404,8 @@ def test_lm_head_at_8_bits_beside_4_bit_layers(tied_dir: tuple[Path, Any], tmp_p
                         "gptq")
     assert (model.lm_head.quant_method.bits, model.layers[0].mlp.down_proj.quant_method.bits
             ) == (8, 4)
-    deq_sd = {k: v.float() for k, v in t.items() if not k.rsplit(".", 1)[0].endswith(
-        LINEARS) and not k.startswith("lm_head.")}
-    for i in range(2):
-        for lin in LINEARS:
-            p = f"model.layers.{i}.{lin}"
-            deq_sd[p + ".weight"] = _dequantize(t, p, "gptq", 4)
-    deq_sd["lm_head.weight"] = head
-    hf_deq = tiny_hf_model("llama", seed=4)  # untied, as the checkpoint now is
-    hf_deq.load_state_dict(deq_sd)
-    ref = kvserve_model_from_hf(hf_deq, "LlamaForCausalLM", get_ops("reference"))
     prompt = list(b"Everyone is permitted to copy")
-    ours = _logits(model, prompt)
-    theirs = _logits(ref, prompt)
-    assert (ours - theirs).abs().max() / theirs.abs().max() < 0.02
+    ours = _near_unpacked(model, t, head, prompt)
     ct_model = build_model(load_checkpoint(str(dirs["compressed-tensors"])), get_ops("auto"),
                            torch.float32, "compressed-tensors")
     assert torch.equal(_logits(ct_model, prompt), ours)

@@ -198,6 +198,22 @@ def test_a_quantized_lm_head_loads_to_the_decompressed_model(tmp_path: Path, sym
         assert (ours - ref).abs().max() / ref.abs().max() < 0.02
 
 
+def _near_library_and_transformers(model: Any, deq: dict[str, torch.Tensor], path: Path
+                                   ) -> None:
+    """The model's logits within 2% of the reference model holding the library's
+    decompressed weights, and of transformers' own read of the checkpoint at path."""
+    import transformers
+
+    prompt = list(range(5, 45))
+    ours, theirs = _logits(model, prompt), _logits(_reference("llama", deq), prompt)
+    assert (ours - theirs).abs().max() / theirs.abs().max() < 0.02
+    hf_theirs = transformers.AutoModelForCausalLM.from_pretrained(str(path),
+                                                                  dtype=torch.float32)
+    with torch.no_grad():
+        ref = hf_theirs(torch.tensor([prompt])).logits[0]
+    assert (ours - ref).abs().max() / ref.abs().max() < 0.02
+
+
 @pytest.mark.parametrize("targets, ignore, held_float", [
     (("re:.*self_attn.*",), ("lm_head",), {"mlp.gate_up_proj", "mlp.down_proj"}),
     (("Linear",), ("lm_head", "re:.*layers.1.mlp.down_proj"), {"1.mlp.down_proj"}),
@@ -208,7 +224,6 @@ def test_modules_the_checkpoint_keeps_in_float_load_as_float(
     """Linears that no target names, or that the ignore list names, are written in float by
     the library; kvserve holds them at their bfloat16 width and quantizes the rest, to the
     decompressed model's logits and transformers' own."""
-    import transformers
 
     from kvserve.quant.base import UnquantizedLinearMethod
 
@@ -229,14 +244,7 @@ def test_modules_the_checkpoint_keeps_in_float_load_as_float(
     down = model.layers[1].mlp.down_proj.weight
     if "mlp.down_proj" in held_float or "1.mlp.down_proj" in held_float:
         assert torch.equal(down.float(), deq["model.layers.1.mlp.down_proj.weight"])
-    prompt = list(range(5, 45))
-    ours, theirs = _logits(model, prompt), _logits(_reference("llama", deq), prompt)
-    assert (ours - theirs).abs().max() / theirs.abs().max() < 0.02
-    hf_theirs = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path),
-                                                                  dtype=torch.float32)
-    with torch.no_grad():
-        ref = hf_theirs(torch.tensor([prompt])).logits[0]
-    assert (ours - ref).abs().max() / ref.abs().max() < 0.02
+    _near_library_and_transformers(model, deq, tmp_path)
 
 
 def test_config_groups_quantize_their_own_modules(tmp_path: Path) -> None:
@@ -244,7 +252,6 @@ def test_config_groups_quantize_their_own_modules(tmp_path: Path) -> None:
     rest 4-bit in groups of 32 ("Linear", which compressed-tensors ranks after a regular
     expression). Each layer is held as its group says, and the model gives the decompressed
     model's logits and transformers' own."""
-    import transformers
 
     hf = tiny_hf_model("llama")
     # symmetric: transformers reads asymmetric pack-quantized zero points at the wrong shape
@@ -259,14 +266,7 @@ def test_config_groups_quantize_their_own_modules(tmp_path: Path) -> None:
             assert (lin.quant_method.bits, lin.quant_method.group_size) == (8, -1)
         for lin in (layer.mlp.gate_up_proj, layer.mlp.down_proj):
             assert (lin.quant_method.bits, lin.quant_method.group_size) == (4, 32)
-    prompt = list(range(5, 45))
-    ours, theirs = _logits(model, prompt), _logits(_reference("llama", deq), prompt)
-    assert (ours - theirs).abs().max() / theirs.abs().max() < 0.02
-    hf_theirs = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path),
-                                                                  dtype=torch.float32)
-    with torch.no_grad():
-        ref = hf_theirs(torch.tensor([prompt])).logits[0]
-    assert (ours - ref).abs().max() / ref.abs().max() < 0.02
+    _near_library_and_transformers(model, deq, tmp_path)
 
 
 def test_a_fused_layer_whose_modules_differ_is_named(tmp_path: Path) -> None:

@@ -286,6 +286,14 @@ class Int4CheckpointLinearMethod:
         return int4_runs([kw], layer.in_features, self.perm)  # None at 8 bits
 
 
+def _shown(settings: tuple[int, int, int] | None) -> str:
+    """A module's (bits, group, offset) as a refusal names them."""
+    if settings is None:
+        return "float"
+    bits, group, _ = settings
+    return f"{bits}-bit {'per channel' if group == -1 else f'group {group}'}"
+
+
 class Int4CheckpointMethod(QuantMethod):
     """A checkpoint whose config.json names this method in quantization_config."""
 
@@ -368,8 +376,7 @@ class Int4CheckpointMethod(QuantMethod):
         settings = [None if c is None else self._module_settings(n, c)
                     for n, c in zip(names, configs, strict=True)]
         if len(set(settings)) > 1:
-            shown = ", ".join(f"{n.rsplit('.', 1)[-1]} "
-                              f"{'float' if s is None else f'{s[0]}-bit group {s[1]}'}"
+            shown = ", ".join(f"{n.rsplit('.', 1)[-1]} {_shown(s)}"
                               for n, s in zip(names, settings, strict=True))
             raise ValueError(f"{prefix}: kvserve runs {len(names)} checkpoint modules as this "
                              f"one layer, and the checkpoint stores them differently ({shown})")

@@ -140,18 +140,18 @@ def _quantization_config(cfg: dict[str, Any]) -> tuple[tuple[str, Any], ...] | N
     def walk(prefix: str, d: dict[str, Any]) -> None:
         for k, v in d.items():
             if k == "dynamic" and not prefix and isinstance(v, dict):
-                items.append((k, tuple((str(p), tuple(sorted((ok, ov) for ok, ov in o.items()
-                                                             if scalar(ov))))
-                                       for p, o in v.items() if isinstance(o, dict))))
+                # a rule's overrides: its scalar entries (a "-:" rule's may be {} or null)
+                items.append((k, tuple((str(p), tuple(sorted(
+                    (ok, ov) for ok, ov in (o if isinstance(o, dict) else {}).items()
+                    if scalar(ov)))) for p, o in v.items())))
             elif isinstance(v, dict):
                 walk(f"{prefix}{k}.", v)
             elif scalar(v):
                 items.append((prefix + k, v))
-            elif isinstance(v, list) and all(scalar(e) for e in v):
-                items.append((prefix + k, tuple(v)))
-            elif isinstance(v, list) and all(isinstance(e, list) and all(map(scalar, e))
-                                             for e in v):
-                items.append((prefix + k, tuple(tuple(e) for e in v)))
+            elif isinstance(v, list) and all(scalar(e) or isinstance(e, list)
+                                             and all(map(scalar, e)) for e in v):
+                items.append((prefix + k, tuple(tuple(e) if isinstance(e, list) else e
+                                                for e in v)))
 
     walk("", qc)
     return tuple(sorted(items))

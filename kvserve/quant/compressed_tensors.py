@@ -49,10 +49,13 @@ def _group_of(qc: dict[str, Any], name: str) -> str | None:
     where no target matches or the ignore list names the module."""
     if any(_matches(e, name) for e in qc.get("ignore") or ()):
         return None
-    found = [((0 if t == name else 1 if t.startswith("re:") else 2), t, g)
-             for g in _groups(qc) for t in qc.get(f"config_groups.{g}.targets") or ()
-             if _matches(t, name)]
-    return min(found)[2] if found else None
+    # (rank, target, -i): where two groups name the same target, the later one's scheme is
+    # the target's (compressed-tensors maps each target to a scheme, the last one written;
+    # the groups are in their names' order here, group_0 before group_1).
+    found = [((0 if t == name else 1 if t.startswith("re:") else 2), t, -i, g)
+             for i, g in enumerate(_groups(qc))
+             for t in qc.get(f"config_groups.{g}.targets") or () if _matches(t, name)]
+    return min(found)[3] if found else None
 
 
 def wna16_settings(qc: dict[str, Any]) -> tuple[int, int, bool]:
@@ -109,8 +112,15 @@ class CompressedTensorsWNA16Method(Int4CheckpointMethod):
     def settings(cls, qc: dict[str, Any]) -> tuple[int, int, int]:
         """Every config group's settings checked; the first's (a module's view holds its
         own group alone)."""
-        bits, group, _ = [wna16_settings(_group_view(qc, g)) for g in _groups(qc)][0]
+        views = [_group_view(qc, g) for g in _groups(qc)] or [qc]  # none: named below
+        bits, group, _ = [wna16_settings(v) for v in views][0]
         return bits, group, 0
+
+    @classmethod
+    def scheme(cls, qc: dict[str, Any]) -> tuple[Any, ...]:
+        """settings(qc) and whether the group is symmetric (its layers store no zero
+        points): modules of one layer from a symmetric and an asymmetric group differ."""
+        return (*cls.settings(qc), wna16_settings(qc)[2])
 
     @classmethod
     def quantizes_lm_head(cls, qc: dict[str, Any]) -> bool:

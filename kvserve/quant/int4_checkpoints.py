@@ -286,12 +286,16 @@ class Int4CheckpointLinearMethod:
         return int4_runs([kw], layer.in_features, self.perm)  # None at 8 bits
 
 
-def _shown(settings: tuple[int, int, int] | None) -> str:
-    """A module's (bits, group, offset) as a refusal names them."""
-    if settings is None:
+def _shown(scheme: tuple[Any, ...] | None, offsets: bool) -> str:
+    """A module's scheme (Int4CheckpointMethod.scheme) as a refusal names it; offsets: with
+    its zeros' storage offset (where that is what differs)."""
+    if scheme is None:
         return "float"
-    bits, group, _ = settings
-    return f"{bits}-bit {'per channel' if group == -1 else f'group {group}'}"
+    bits, group, offset, *sym = scheme
+    text = f"{bits}-bit {'per channel' if group == -1 else f'group {group}'}"
+    if sym:
+        text += " symmetric" if sym[0] else " with zero points"
+    return text + (f" (zeros stored {offset} below)" if offsets else "")
 
 
 class Int4CheckpointMethod(QuantMethod):
@@ -373,22 +377,29 @@ class Int4CheckpointMethod(QuantMethod):
         qc = dict(self.config.checkpoint_config)
         names = checkpoint_modules(prefix)
         configs = [self.module_config(qc, n) if self.quantizes(qc, n) else None for n in names]
-        settings = [None if c is None else self._module_settings(n, c)
-                    for n, c in zip(names, configs, strict=True)]
-        if len(set(settings)) > 1:
-            shown = ", ".join(f"{n.rsplit('.', 1)[-1]} {_shown(s)}"
-                              for n, s in zip(names, settings, strict=True))
+        schemes = [None if c is None else self._module_scheme(n, c)
+                   for n, c in zip(names, configs, strict=True)]
+        if len(set(schemes)) > 1:
+            offsets = len({s[2] for s in schemes if s is not None}) > 1
+            shown = ", ".join(f"{n.rsplit('.', 1)[-1]} {_shown(s, offsets)}"
+                              for n, s in zip(names, schemes, strict=True))
             raise ValueError(f"{prefix}: kvserve runs {len(names)} checkpoint modules as this "
                              f"one layer, and the checkpoint stores them differently ({shown})")
         if configs[0] is None:
             return UnquantizedLinearMethod(half=True)
         return self.layer_method(prefix, configs[0])
 
-    def _module_settings(self, name: str, qc: dict[str, Any]) -> tuple[int, int, int]:
-        """settings(qc) of module `name`, whose name a refusal leads with (a per-module
+    @classmethod
+    def scheme(cls, qc: dict[str, Any]) -> tuple[Any, ...]:
+        """What the modules of one layer must share to run as one: settings(qc), (bits,
+        group, zero offset)."""
+        return cls.settings(qc)
+
+    def _module_scheme(self, name: str, qc: dict[str, Any]) -> tuple[Any, ...]:
+        """scheme(qc) of module `name`, whose name a refusal leads with (a per-module
         override, not the checkpoint's own settings, may be what kvserve does not run)."""
         try:
-            return self.settings(qc)
+            return self.scheme(qc)
         except ValueError as e:
             raise ValueError(f"{name}: {e}") from None
 
@@ -401,12 +412,20 @@ class Int4CheckpointMethod(QuantMethod):
 class GPTQQuantMethod(Int4CheckpointMethod):
     """4- and 8-bit GPTQ checkpoints (AutoGPTQ / GPTQModel layout, act-order, sym or asym).
 
-    Per module, as GPTQModel writes them and vLLM reads them: `modules_in_block_to_quantize`
-    (transformers' GPTQConfig: the decoder modules quantized, by name or name fragment; the
-    others are float) and GPTQModel's `dynamic`, regular expressions matched at the start of
-    a module's name, tried in order, the first that matches deciding: "-:<regex>" keeps the
-    module in float, "+:<regex>" (or no prefix) overrides the config's keys (bits,
-    group_size, ...) with its own."""
+    Per module, as GPTQModel writes them: `modules_in_block_to_quantize` (transformers'
+    GPTQConfig: the decoder modules quantized, by name or name fragment; the others are
+    float; lm_head, outside the blocks, is not held to it) and GPTQModel's `dynamic`,
+    regular expressions matched at the start of a module's name, tried in order, the first
+    that matches deciding: "-:<regex>" keeps the module in float, "+:<regex>" (or no prefix)
+    overrides bits / group_size (ints) and desc_act / sym (bools), other keys ignored, as
+    vLLM's override_config takes them. The names matched are the checkpoint's own
+    (q_proj, up_proj), as GPTQModel applies them; vLLM matches its fused layers' names
+    (`+:.*up_proj` takes all of gate_up_proj there), and kvserve refuses a fused layer whose
+    modules come out differently."""
+
+    # The keys a dynamic override may set, and their types (vLLM's override_config).
+    OVERRIDES: ClassVar[dict[str, type]] = {"bits": int, "group_size": int, "desc_act": bool,
+                                            "sym": bool}
 
     name = "gptq"
     fmt = "gptq"
@@ -423,7 +442,8 @@ class GPTQQuantMethod(Int4CheckpointMethod):
                 if re.match(pattern[2:], name):
                     return None
             elif re.match(pattern.removeprefix("+:"), name):
-                return {**qc, **dict(overrides)}
+                return {**qc, **{k: v for k, v in overrides if k in cls.OVERRIDES
+                                 and isinstance(v, cls.OVERRIDES[k])}}
         return qc
 
 

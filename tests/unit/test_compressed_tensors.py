@@ -215,7 +215,8 @@ def _near_library_and_transformers(model: Any, deq: dict[str, torch.Tensor], pat
 
 
 @pytest.mark.parametrize("targets, ignore, held_float", [
-    (("re:.*self_attn.*",), ("lm_head",), {"mlp.gate_up_proj", "mlp.down_proj"}),
+    (("re:.*self_attn.*",), ("lm_head",), {"0.mlp.gate_up_proj", "0.mlp.down_proj",
+                                           "1.mlp.gate_up_proj", "1.mlp.down_proj"}),
     (("Linear",), ("lm_head", "re:.*layers.1.mlp.down_proj"), {"1.mlp.down_proj"}),
 ])
 def test_modules_the_checkpoint_keeps_in_float_load_as_float(
@@ -239,11 +240,11 @@ def test_modules_the_checkpoint_keeps_in_float_load_as_float(
             lin = layer.get_submodule(name)
             if isinstance(lin.quant_method, UnquantizedLinearMethod):
                 assert lin.weight.dtype == torch.bfloat16
-                floats.add(name if name in held_float else f"{i}.{name}")
+                floats.add(f"{i}.{name}")
     assert floats == held_float
     down = model.layers[1].mlp.down_proj.weight
-    if "mlp.down_proj" in held_float or "1.mlp.down_proj" in held_float:
-        assert torch.equal(down.float(), deq["model.layers.1.mlp.down_proj.weight"])
+    assert "1.mlp.down_proj" in held_float  # float in both cases, as written
+    assert torch.equal(down.float(), deq["model.layers.1.mlp.down_proj.weight"])
     _near_library_and_transformers(model, deq, tmp_path)
 
 
@@ -269,6 +270,23 @@ def test_config_groups_quantize_their_own_modules(tmp_path: Path) -> None:
     _near_library_and_transformers(model, deq, tmp_path)
 
 
+def test_a_fused_layer_from_a_symmetric_and_an_asymmetric_group_is_named(tmp_path: Path
+                                                                         ) -> None:
+    """q_proj from a symmetric group (no zero points stored), k / v from an asymmetric one of
+    the same bits and group size: one qkv layer cannot hold both, and the refusal says so."""
+    asym = QuantizationArgs(num_bits=4, type="int", symmetric=False, strategy="group",
+                            group_size=32)
+    sym = QuantizationArgs(num_bits=4, type="int", symmetric=True, strategy="group",
+                           group_size=32)
+    write_checkpoint(tmp_path, tiny_hf_model("llama"), asym, more_groups={
+        "group_1": QuantizationScheme(targets=["re:.*self_attn.q_proj"], weights=sym)})
+    with pytest.raises(ValueError, match=r"model.layers.0.self_attn.qkv_proj: .* stores them "
+                                         r"differently \(q_proj 4-bit group 32 symmetric, "
+                                         r"k_proj 4-bit group 32 with zero points, v_proj "
+                                         r"4-bit group 32 with zero points\)"):
+        build_model(load_checkpoint(str(tmp_path)), get_ops("reference"), torch.float32, METHOD)
+
+
 def test_a_fused_layer_whose_modules_differ_is_named(tmp_path: Path) -> None:
     """kvserve runs gate / up as one layer: an export that ignores up_proj alone is refused,
     naming the layer and what each module is."""
@@ -279,7 +297,7 @@ def test_a_fused_layer_whose_modules_differ_is_named(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match=r"model.layers.1.mlp.gate_up_proj: kvserve runs 2 "
                                          r"checkpoint modules as this one layer, and the "
                                          r"checkpoint stores them differently \(gate_proj "
-                                         r"4-bit group 32, up_proj float\)"):
+                                         r"4-bit group 32 symmetric, up_proj float\)"):
         build_model(load_checkpoint(str(tmp_path)), get_ops("reference"), torch.float32, METHOD)
 
 

@@ -257,8 +257,10 @@ def test_a_quantized_lm_head_loads_to_the_dequantized_model(tmp_path: Path, fmt:
 
 
 # GPTQModel's `dynamic`: the first pattern that matches a module's name decides.
-DYNAMIC = {r"-:.*\.0\.self_attn\.o_proj": {},  # float
-           r"+:.*\.1\.mlp\.": {"bits": 8},  # layer 1's MLP at 8 bits (its down_proj too)
+DYNAMIC = {r"-:.*\.0\.self_attn\.o_proj": None,  # float (GPTQModel writes {}: below)
+           # layer 1's MLP at 8 bits (its down_proj too); keys vLLM's override_config does not
+           # take, or of another type, are ignored as there
+           r"+:.*\.1\.mlp\.": {"bits": 8, "group_size": None, "damp_percent": 0.1},
            r".*down_proj": {"group_size": 64}}  # no prefix: positive
 
 

@@ -256,7 +256,7 @@ def quantize_checkpoint(model: str, out_dir: str, a: QuantizeArgs) -> None:
     else:
         qcfg = export.gptq_quantization_config(a.bits, a.group_size, a.sym, a.act_order,
                                                a.static_groups, mse=a.mse, lm_head=a.lm_head)
-    if a.lm_head and a.head_bits != a.bits:
+    if a.lm_head and (a.head_bits, a.head_sym) != (a.bits, sym):
         export.set_lm_head_grid(qcfg, a.head_bits, a.head_sym)
     config = export.hf_config(mc, source_cfg)
     if a.lm_head:  # its own quantized tensor; the embedding stays float
@@ -270,10 +270,7 @@ def quantize_checkpoint(model: str, out_dir: str, a: QuantizeArgs) -> None:
 def _run(ns: argparse.Namespace) -> int:
     bits = ns.bits if ns.bits is not None else (8 if ns.method in ("int8", "smoothquant")
                                                  else 4)
-    # 8 bits are symmetric: q - zero must fit the int8 blocks kvserve runs them as (an
-    # asymmetric 8-bit grid's q - zero spans up to [-255, 255]).
-    sym = ns.sym or bits == 8
-    a = QuantizeArgs(method=ns.method, bits=bits, group_size=ns.group_size, sym=sym,
+    a = QuantizeArgs(method=ns.method, bits=bits, group_size=ns.group_size, sym=ns.sym,
                      act_order=ns.act_order, static_groups=ns.static_groups, mse=ns.mse,
                      calib=ns.calib,
                      calib_tokens=ns.calib_tokens, seq_len=ns.seq_len, alpha=ns.alpha,

@@ -52,14 +52,18 @@ class QuantizeArgs:
 
     @property
     def head_sym(self) -> bool:
-        """Whether lm_head's grid is symmetric: 8 bits always are (kvserve runs them as int8
-        blocks, which an asymmetric grid's q - zero overflows)."""
+        """Whether lm_head's grid is symmetric: as the layers' (sym), and at 8 bits always
+        (see __post_init__)."""
         return self.sym or self.head_bits == 8
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:
             raise ValueError(f"--method must be one of {', '.join(METHODS)}, got "
                              f"{self.method!r}")
+        if self.bits == 8:
+            # 8 bits are symmetric: q - zero must fit the int8 blocks kvserve runs them as
+            # (an asymmetric 8-bit grid's q - zero spans up to [-255, 255]).
+            object.__setattr__(self, "sym", True)
         if self.format is None:
             object.__setattr__(self, "format", FORMATS[self.method][0])
         if self.format not in FORMATS[self.method]:

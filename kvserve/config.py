@@ -114,9 +114,10 @@ class CacheConfig:
                  f"got {self.num_blocks_override}")
         canonical = KV_CACHE_DTYPE_ALIASES.get(self.kv_cache_dtype, self.kv_cache_dtype)
         object.__setattr__(self, "kv_cache_dtype", canonical)
+        aliases = ", ".join(f"{a}: {c}" for a, c in KV_CACHE_DTYPE_ALIASES.items())
         _require(self.kv_cache_dtype in KV_CACHE_DTYPES,
-                 f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)} (fp8: "
-                 f"fp8_e4m3), got {self.kv_cache_dtype!r}")
+                 f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)} ({aliases}), "
+                 f"got {self.kv_cache_dtype!r}")
 
 
 @dataclass(frozen=True)

@@ -1,8 +1,9 @@
 """Quantized checkpoints on a backend without kvserve's CPU kernels: the torch backend here,
 CUDA in tests/cuda/test_cuda_quant.py, which runs these same tests on the GPU.
 
-GPTQ (4 and 8 bits, act-order) and AWQ checkpoints, written by `kvserve quantize` in their
-standard layouts, load in float32 and in bfloat16 and give the logits of an HF model holding
+GPTQ (4 and 8 bits, act-order, lm_head at 8 bits, a layer kept in float by `dynamic`) and
+AWQ checkpoints, written by `kvserve quantize` in their standard layouts, load in float32
+and in bfloat16 and give the logits of an HF model holding
 the weights this file unpacks on its own (tests/e2e/test_quantize_cli.py's reader). A W8A8
 (compressed-tensors) checkpoint stays int8 there: ops.int8_linear, which equals the packed
 kernels' integer oracle to float rounding.
@@ -10,6 +11,8 @@ kernels' integer oracle to float rounding.
 
 from __future__ import annotations
 
+import json
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -17,6 +20,7 @@ import gguf
 import numpy as np
 import pytest
 import torch
+from safetensors.torch import save_file
 
 from kvserve import LLM
 from kvserve.ops import get_ops
@@ -33,6 +37,7 @@ from tests.e2e.test_quantize_cli import (
 from tests.helpers import tiny_hf_model
 
 CALIB = Path(__file__).resolve().parents[2] / "README.md"  # any text will do; it travels
+FLOAT_LAYER = "model.layers.0.self_attn.o_proj"  # kept in float by gptq-float-layer
 PROMPT = list(b"Everyone is permitted to copy and distribute verbatim copies")
 
 
@@ -50,6 +55,7 @@ def checkpoints(tiny_dir: tuple[Path, Any],  # noqa: F811
     for name, args in {"gptq": ["--method", "gptq"],
                        "gptq-act-order-sym": ["--method", "gptq", "--act-order", "--sym"],
                        "gptq-8bit": ["--method", "gptq", "--bits", "8"],
+                       "gptq-head8": ["--method", "gptq", "--lm-head-bits", "8"],
                        "awq": ["--method", "awq"],
                        "w8a8": ["--method", "smoothquant"]}.items():
         path = tmp_path_factory.mktemp(name)
@@ -57,6 +63,19 @@ def checkpoints(tiny_dir: tuple[Path, Any],  # noqa: F811
                       "--calib-tokens", "512", "--seq-len", "128", "-o", str(path / "q"))
         assert r.returncode == 0, r.stderr
         out[name] = path / "q"
+    # A layer the checkpoint keeps in float (GPTQModel's `dynamic` "-:" rule): the GPTQ
+    # export with layer 0's o_proj as its float16 values.
+    out["gptq-float-layer"] = tmp_path_factory.mktemp("gptq-float-layer") / "q"
+    shutil.copytree(out["gptq"], out["gptq-float-layer"])
+    t = _tensors(out["gptq-float-layer"])
+    t[f"{FLOAT_LAYER}.weight"] = _dequantize(t, FLOAT_LAYER, "gptq", 4).half().contiguous()
+    for k in ("qweight", "qzeros", "scales", "g_idx"):
+        del t[f"{FLOAT_LAYER}.{k}"]
+    save_file(t, str(out["gptq-float-layer"] / "model.safetensors"))
+    cfg_path = out["gptq-float-layer"] / "config.json"
+    cfg = json.loads(cfg_path.read_text())
+    cfg["quantization_config"]["dynamic"] = {r"-:.*\.0\.self_attn\.o_proj": {}}
+    cfg_path.write_text(json.dumps(cfg))
     return out
 
 
@@ -69,9 +88,11 @@ def _reference(path: Path, name: str) -> Any:
             p = f"model.layers.{i}.{lin}"
             if name == "w8a8":
                 sd[p + ".weight"] = t[p + ".weight"].float() * t[p + ".weight_scale"].float()
-            else:
+            elif p + ".qweight" in t:  # not a layer kept in float
                 bits = 8 if name == "gptq-8bit" else 4
                 sd[p + ".weight"] = _dequantize(t, p, name.split("-")[0], bits)
+    if "lm_head.qweight" in t:
+        sd["lm_head.weight"] = _dequantize(t, "lm_head", "gptq", 8)
     hf = tiny_hf_model("llama", seed=3)
     hf.load_state_dict(sd)
     return hf
@@ -100,7 +121,8 @@ def _reference_logprobs(hf: Any) -> torch.Tensor:
                                                   torch.tensor(PROMPT[1:])]
 
 
-@pytest.mark.parametrize("name", ["gptq", "gptq-act-order-sym", "gptq-8bit", "awq", "w8a8"])
+@pytest.mark.parametrize("name", ["gptq", "gptq-act-order-sym", "gptq-8bit", "gptq-head8",
+                                  "gptq-float-layer", "awq", "w8a8"])
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_a_quantized_checkpoint_runs_without_the_cpu_kernels(
         checkpoints: dict[str, Path], target: tuple[str, str], name: str, dtype: str) -> None:
@@ -109,7 +131,7 @@ def test_a_quantized_checkpoint_runs_without_the_cpu_kernels(
     # float32, measured: 4e-7 for the symmetric formats; ~3e-4 for the asymmetric ones, whose
     # Q4_1 repacking rounds each group's minimum -s * z to float16 (the CPU kernels' values
     # too); ~3e-3 for W8A8's int8 activations. bfloat16 (its cache too): ~2-4e-3.
-    asym = name in ("gptq", "awq")
+    asym = name in ("gptq", "gptq-head8", "gptq-float-layer", "awq")
     limit = {"float32": 2e-2 if name == "w8a8" else 1e-3 if asym else 1e-5,
              "bfloat16": 2e-2}[dtype]
     assert err < limit, err

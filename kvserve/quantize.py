@@ -329,7 +329,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="--lm-head at these bits instead of --bits (implies --lm-head): "
                    "GPTQModel's `dynamic` override for lm_head, or a compressed-tensors "
                    "config group of its own. Qwen2.5-Coder-0.5B, 4-bit layers: lm_head at 8 "
-                   "bits adds 0.04%% perplexity to the float16 lm_head's, at 4 bits 1%% "
+                   "bits adds 0.03%% perplexity to the float16 lm_head's, at 4 bits 1%% "
                    "(BENCHMARKS.md)")
     p.add_argument("--calib", default=None,
                    help="calibration text file (gptq, awq, smoothquant)")

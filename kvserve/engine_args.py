@@ -24,6 +24,7 @@ from kvserve.config import (
 from kvserve.kv.layout import KV_CACHE_DTYPE_ALIASES, KV_CACHE_DTYPES
 from kvserve.platform import default_device
 from kvserve.quant import (
+    QUANT_METHOD_ALIASES,
     check_engine_config,
     detect_quantization,
     get_quant_method_class,
@@ -167,7 +168,7 @@ class EngineArgs:
                        help="bound of the compiled response_format grammars kept for reuse, "
                             "in bytes or with a unit (default 256MiB; 0: no cache)")
         p.add_argument("--quantization", "-q", default=d.quantization,
-                       choices=quant_method_names(),
+                       choices=[*quant_method_names(), *QUANT_METHOD_ALIASES],
                        help="for a GGUF file's Q4_1 / Q8_0 weights. gguf (default for .gguf "
                        "files on the CPU): keep their bytes and multiply them by activations "
                        "quantized to int8 per 32 values, as llama.cpp does; gguf_exact: keep "

@@ -9,7 +9,7 @@ seam they implement; models never mention a format).
                 written as Q8_0 / Q4_1 blocks for the same kernels (kvserve/quant/rtn.py)
     gptq, awq   4-bit GPTQ / AWQ checkpoints (GPTQ also 8-bit), repacked at load as Q4_1
                 blocks (Q8_0) (kvserve/quant/int4_checkpoints.py); found by config.json's
-                quantization_config
+                quantization_config; vLLM's gptq_marlin / awq_marlin are aliases
     compressed-tensors
                 llm-compressor's weight-only "pack-quantized" checkpoints (W4A16, W8A16),
                 repacked the same way (kvserve/quant/compressed_tensors.py)
@@ -45,14 +45,26 @@ _METHODS: dict[str, str] = {
 }
 
 
+# Other names of these methods: vLLM's GPTQ and AWQ on its Marlin GPU kernels, which vLLM
+# picks for such checkpoints and scripts name; here they load the same checkpoints.
+QUANT_METHOD_ALIASES = {"awq_marlin": "awq", "gptq_marlin": "gptq"}
+
+
 def quant_method_names() -> list[str]:
     return sorted(_METHODS)
 
 
+def canonical_quant_method(name: str) -> str:
+    """The registry's name of a method named by an alias (QUANT_METHOD_ALIASES), else name."""
+    return QUANT_METHOD_ALIASES.get(name, name)
+
+
 def get_quant_method_class(name: str) -> type[QuantMethod]:
+    name = canonical_quant_method(name)
     if name not in _METHODS:
-        raise ValueError(f"quantization must be one of {', '.join(quant_method_names())}, "
-                         f"got {name!r}")
+        aliases = ", ".join(f"{a}: {m}" for a, m in QUANT_METHOD_ALIASES.items())
+        raise ValueError(f"quantization must be one of {', '.join(quant_method_names())} "
+                         f"({aliases}), got {name!r}")
     mod, cls = _METHODS[name].split(":")
     return getattr(importlib.import_module(mod), cls)
 
@@ -61,6 +73,7 @@ def quant_config(method: str = "none", group_size: int | None = None,
                  checkpoint_config: tuple[tuple[str, Any], ...] | None = None) -> QuantConfig:
     """A QuantConfig checked by its method (ValueError naming the method or the knob), with
     the method's default group size filled in."""
+    method = canonical_quant_method(method)
     cls = get_quant_method_class(method)
     if group_size is None:
         group_size = cls.default_group_size

@@ -50,8 +50,9 @@ def test_impossible_quantizations_name_the_field() -> None:
     with pytest.raises(ValueError, match="quantization 'gguf_exact' needs a .gguf model"):
         config("hf_dir", device="cpu", quantization="gguf_exact")
     with pytest.raises(ValueError, match="quantization must be one of awq, compressed-tensors, "
-                                         "gguf, gguf_exact, gptq, int4, int8, none, w8a8, got "
-                                         "'squeezellm'"):
+                                         r"gguf, gguf_exact, gptq, int4, int8, none, w8a8 "
+                                         r"\(awq_marlin: awq, gptq_marlin: gptq\), got "
+                                         r"'squeezellm'"):
         config(device="cpu", quantization="squeezellm")
     with pytest.raises(ValueError, match="quantization 'awq' needs a checkpoint whose "
                                          "config.json quantization_config has quant_method "

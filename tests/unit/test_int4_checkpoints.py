@@ -348,6 +348,28 @@ def test_a_fused_layer_whose_modules_differ_is_named(tmp_path: Path) -> None:
         build_model(load_checkpoint(str(tmp_path)), get_ops("reference"), torch.float32, "gptq")
 
 
+@pytest.mark.parametrize("fmt, alias", [("gptq", "gptq_marlin"), ("awq", "awq_marlin")])
+def test_vllms_marlin_names_run_the_checkpoint(tmp_path: Path, fmt: str, alias: str) -> None:
+    """vLLM's names for GPTQ / AWQ on its Marlin kernels, which scripts pass, run the
+    checkpoint as the method's own name does (CLI and API)."""
+    import argparse
+
+    from kvserve import LLM, SamplingParams
+    from kvserve.engine_args import EngineArgs
+
+    write_checkpoint(tmp_path, tiny_hf_model("llama"), fmt)
+    params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+    tokens = {}
+    for name in (alias, fmt):
+        llm = LLM(model=str(tmp_path), quantization=name, max_model_len=64)
+        assert llm.llm_engine.config.quant.method == fmt
+        tokens[name] = llm.generate(["t5 t6 t7"], params)[0].outputs[0].token_ids
+    assert tokens[alias] == tokens[fmt] and len(tokens[fmt]) == 6
+    p = argparse.ArgumentParser()
+    EngineArgs.add_cli_args(p)
+    assert p.parse_args(["--quantization", alias]).quantization == alias
+
+
 @pytest.mark.parametrize("fmt, overrides, match", [
     ("gptq", {"bits": 3}, "kvserve loads 4 and 8-bit GPTQ"),
     ("awq", {"bits": 8}, "AWQ checkpoint has bits=8; kvserve loads 4-bit AWQ"),

@@ -30,8 +30,9 @@ def test_registry_names_and_errors() -> None:
     assert isinstance(lm, GGUFLinearMethod) and lm.int8_activations
     assert not exact.linear_method("lm_head").int8_activations  # type: ignore[attr-defined]
     with pytest.raises(ValueError, match="quantization must be one of awq, compressed-tensors, "
-                                         "gguf, gguf_exact, gptq, int4, int8, none, w8a8, got "
-                                         "'marlin'"):
+                                         r"gguf, gguf_exact, gptq, int4, int8, none, w8a8 "
+                                         r"\(awq_marlin: awq, gptq_marlin: gptq\), got "
+                                         r"'marlin'"):
         get_quant_method(QuantConfig(method="marlin"))
 
 

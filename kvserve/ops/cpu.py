@@ -375,8 +375,8 @@ class CpuOps(ReferenceOps):
     def _fusable(self, layer: Any, cos_sin: torch.Tensor) -> Any:
         """The fused kernel's LayerWeights (named fields; each linear as its LinearMethod's
         kernel_weights, the runs of output rows with their formats), or None when a piece of
-        the layer is not something the kernels read (half-precision weights, an act-order
-        permutation, a format without a kernel) or has an odd head_dim."""
+        the layer is not something the kernels read (a format without a kernel, runs of one
+        linear in different input orders) or has an odd head_dim."""
         attn, mlp = layer.self_attn, layer.mlp
         linears = {"qkv": attn.qkv_proj, "o": attn.o_proj, "gate_up": mlp.gate_up_proj,
                    "down": mlp.down_proj}
@@ -389,7 +389,8 @@ class CpuOps(ReferenceOps):
         tensors = [layer.input_layernorm.weight, layer.post_attention_layernorm.weight, cos_sin]
         if attn.qkv_proj.bias is not None:
             tensors.append(attn.qkv_proj.bias)
-        if (any(r is None or not all(map(_kernels_read, r)) for r in runs.values())
+        if (any(r is None or not all(map(_kernels_read, r))
+                or any(p.perm is not r[0].perm for p in r) for r in runs.values())
                 or any(linears[n].bias is not None for n in ("o", "gate_up", "down"))
                 or any(t.dtype != torch.float32 or not t.is_contiguous() for t in tensors)
                 or attn.head_dim % 8 != 0
@@ -400,7 +401,7 @@ class CpuOps(ReferenceOps):
         w.eps = layer.input_layernorm.eps
         for name, r in runs.items():
             setattr(w, name, self._ext.LinearWeights([p.weight for p in r], [p.wtype for p in r],
-                                                     [p.rows for p in r]))
+                                                     [p.rows for p in r], r[0].perm))
         w.qkv_bias = attn.qkv_proj.bias
         w.heads, w.kv_heads, w.head_dim, w.scale = (attn.num_heads, attn.num_kv_heads,
                                                     attn.head_dim, attn.scale)

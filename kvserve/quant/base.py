@@ -143,12 +143,15 @@ class KernelWeight(NamedTuple):
     read it: float rows [rows, K] (wtype 0), GGUF rows [rows, row bytes] (ops.linear), or
     16-row groups [groups, K / block, record bytes] (3-D: ops.qlinear, or ops.qlinear_kquant
     for a K-quant). wtype is a ggml type id: the kernels are told the format rather than
-    guess it from a row length."""
+    guess it from a row length. perm: the order of the inputs the weight's columns hold
+    (GPTQ act-order: column j is input perm[j]), int64 [K], the same for every run of a
+    linear; the kernels gather x in it first. None: the inputs in order."""
 
     weight: torch.Tensor
     wtype: int
     start: int
     rows: int
+    perm: torch.Tensor | None = None
 
 
 class LinearMethod(Protocol):
@@ -170,9 +173,10 @@ class LinearMethod(Protocol):
 
     def kernel_weights(self, layer: Linear) -> list[KernelWeight] | None:
         """The loaded weight as runs of output rows in one format each, in order (one run
-        unless a fused projection mixes formats, as a Q4_K_M file's qkv does), which the CPU
-        backend's fused layer stack reads directly; None when apply does more than that (an
-        input permutation) and the layer must run in Python."""
+        unless a fused projection mixes formats, as a Q4_K_M file's qkv does), with the input
+        order its columns hold (KernelWeight.perm), which the CPU backend's fused layer stack
+        reads directly; None when apply does more than that and the layer must run in
+        Python."""
         ...
 
     def weight_rows(self, layer: Linear) -> QuantizedTensor | None:

@@ -34,8 +34,8 @@ pair; m is rounded to float16, the blocks' type), packed as Q4_1_128 (the pair o
 blocks) where the groups are 128 inputs or a multiple (rtn.q4_1_format). 8-bit: Q8_0,
 w = d * (q - z) with d = s, which needs q - z in [-128, 127] (a symmetric export's zero of
 128 always is). With act-order the inputs are permuted so that each group's inputs are
-contiguous, and each call gathers x in that order (such a layer is not fused into the C++
-layer stack). lm_head stays float16 unless the checkpoint quantizes it
+contiguous, and each call gathers x in that order (the C++ layer stack too:
+KernelWeight.perm). lm_head stays float16 unless the checkpoint quantizes it
 (`Int4CheckpointMethod.quantizes_lm_head`), and so does any layer the checkpoint keeps in
 float by its per-module settings (`module_config`).
 """
@@ -263,9 +263,8 @@ class Int4CheckpointLinearMethod:
                                  wtype=self.wtype)
 
     def kernel_weights(self, layer: Any) -> list[KernelWeight] | None:
-        # The fused stack cannot gather an act-order layer's inputs.
-        return (None if self.perm is not None
-                else [KernelWeight(layer.weight, self.wtype, 0, layer.out_features)])
+        # An act-order layer's columns hold its inputs in perm's order: the stack gathers x so.
+        return [KernelWeight(layer.weight, self.wtype, 0, layer.out_features, self.perm)]
 
     def weight_rows(self, layer: Any) -> None:
         # A quantized lm_head has no embedding's values: a tied model looks tokens up in the

@@ -208,7 +208,7 @@ def test_checkpoint_loads_to_the_dequantized_model(tmp_path: Path, fmt: str, act
     want = torch.cat([deq[f"model.layers.1.self_attn.{p}.weight"]
                       for p in ("q_proj", "k_proj", "v_proj")])
     if act_order:
-        assert method.perm is not None and method.kernel_weights(lin) is None
+        assert method.perm is not None and method.kernel_weights(lin)[0].perm is method.perm
         want = want[:, method.perm]
     assert torch.allclose(got, want, rtol=0, atol=2e-3 * want.abs().max())
     # The float output layer stays at the checkpoint's float16 (half the bytes a decode
@@ -218,6 +218,29 @@ def test_checkpoint_loads_to_the_dequantized_model(tmp_path: Path, fmt: str, act
     assert torch.equal(model.lm_head.weight, head.half())
     # The whole model: the logits of the float model holding the dequantized weights.
     near_dequantized(model, hf, deq)
+
+
+@pytest.mark.parametrize("isa", ["avx2", None], ids=["avx2", "native"])
+def test_act_order_layers_run_in_the_fused_stack(tmp_path: Path, isa: str | None) -> None:
+    """An act-order checkpoint's layers gather their inputs in group order inside the C++
+    layer stack (KernelWeight.perm) as in the Python layers (index_select): the same logits
+    bit for bit, on each ISA, a prefill and a decode step."""
+    from kvserve.ops.cpu import CpuOps
+
+    hf = tiny_hf_model("llama")
+    write_checkpoint(tmp_path, hf, "gptq", act_order=True)
+    ckpt = load_checkpoint(str(tmp_path))
+    fused_ops, plain_ops = CpuOps(isa=isa), CpuOps(isa=isa, fuse_layers=False)
+    logits = []
+    for ops in (fused_ops, plain_ops):
+        model = build_model(ckpt, ops, torch.float32, "gptq")
+        assert model.layers[0].mlp.down_proj.quant_method.perm is not None
+        runner = PagedSequence(model)
+        seq = runner.new_seq()
+        logits.append((runner.forward({seq: PROMPT})[0], runner.forward({seq: [7]})[0]))
+    assert [s for s in fused_ops._stacks.values() if s is not None]  # the stack ran them
+    assert not plain_ops._stacks
+    assert all(torch.equal(a, b) for a, b in zip(*logits))
 
 
 def test_groups_of_128_run_with_their_scales_once(tmp_path: Path) -> None:

@@ -266,10 +266,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   py::class_<LinW>(m, "LinearWeights", py::module_local(),
                    "one linear's weight for LlamaStack: runs of output rows, a format each")
       .def(py::init([](std::vector<torch::Tensor> parts, std::vector<int64_t> wtypes,
-                       std::vector<int64_t> rows) {
-             return LinW{std::move(parts), std::move(wtypes), std::move(rows)};
+                       std::vector<int64_t> rows, c10::optional<torch::Tensor> perm) {
+             return LinW{std::move(parts), std::move(wtypes), std::move(rows), std::move(perm)};
            }),
-           py::arg("parts"), py::arg("wtypes"), py::arg("rows"));
+           py::arg("parts"), py::arg("wtypes"), py::arg("rows"), py::arg("perm") = py::none());
   using LW = LlamaStack::LayerWeights;
   py::class_<LW>(m, "LayerWeights", py::module_local(),
                  "one decoder layer's weights and shape for LlamaStack (fields by name)")

@@ -62,6 +62,16 @@ LlamaStack::Linear LlamaStack::make_linear(const LinearWeights& lw,
   }
   TORCH_CHECK(start == N, name, "'s parts hold ", start, " rows, the layer has ", N);
   bias_ptr(b, N);  // checks it
+  if (lw.perm.has_value()) {
+    const torch::Tensor& perm = *lw.perm;
+    TORCH_CHECK(perm.device().is_cpu() && perm.scalar_type() == torch::kInt64 &&
+                    perm.dim() == 1 && perm.numel() == K && perm.is_contiguous(),
+                name, "'s perm must be a contiguous int64 CPU tensor [", K, "], got ",
+                perm.scalar_type(), " ", perm.sizes());
+    TORCH_CHECK(perm.min().item<int64_t>() >= 0 && perm.max().item<int64_t>() < K, name,
+                "'s perm must hold input indices in [0, ", K, ")");
+    l.perm = perm;
+  }
   return l;
 }
 
@@ -152,6 +162,17 @@ void LlamaStack::run_part(const Part& p, int64_t K, const float* x, int64_t M,
 
 void LlamaStack::linear(const Linear& l, const float* x, int64_t M, float* out, float* tmp,
                         int nthreads) const {
+  if (l.perm.has_value()) {  // act-order: x [m, perm[k]] -> [m, k], as index_select does
+    thread_local std::vector<float> gathered;
+    gathered.resize(static_cast<size_t>(M * l.K));
+    const int64_t* perm = l.perm->data_ptr<int64_t>();
+    float* g = gathered.data();
+    at::parallel_for(0, M, 16, [&](int64_t m0, int64_t m1) {
+      for (int64_t m = m0; m < m1; ++m)
+        for (int64_t k = 0; k < l.K; ++k) g[m * l.K + k] = x[m * l.K + perm[k]];
+    });
+    x = g;
+  }
   const float* b = l.bias.has_value() ? l.bias->data_ptr<float>() : nullptr;
   for (const Part& p : l.parts) {
     const float* pb = b != nullptr ? b + p.start : nullptr;

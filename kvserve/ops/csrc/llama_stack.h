@@ -15,10 +15,13 @@ class LlamaStack {
   // formats, as a Q4_K_M file's qkv does). A run is float32 rows [rows, K] (wtype 0), GGUF
   // rows (uint8 [rows, row bytes]), packed groups (uint8 [groups, K / 32, record bytes]) or
   // packed K-quant groups (uint8 [groups, K / 256, record bytes]) in the format its wtype
-  // names (a ggml type id: kvs::WType or kvs::KType).
+  // names (a ggml type id: kvs::WType or kvs::KType). perm: the order of the inputs the
+  // weight's columns hold (GPTQ act-order, KernelWeight.perm): int64 [K], x gathered in it
+  // first; none for the inputs in order.
   struct LinearWeights {
     std::vector<torch::Tensor> parts;
     std::vector<int64_t> wtypes, rows;
+    c10::optional<torch::Tensor> perm;
   };
   // One layer, as CpuOps._fusable fills it (bound to Python as LayerWeights, by name). The
   // weights are checked here, once, and kept alive.
@@ -64,6 +67,7 @@ class LlamaStack {
     std::vector<Part> parts;
     c10::optional<torch::Tensor> bias;
     int64_t N, K;
+    c10::optional<torch::Tensor> perm;  // LinearWeights.perm, checked
   };
   struct Layer {
     torch::Tensor in_norm, post_norm;
@@ -75,7 +79,8 @@ class LlamaStack {
   static Linear make_linear(const LinearWeights& w, const c10::optional<torch::Tensor>& b,
                             int64_t N, int64_t K, const char* name);
   // out [M, l.N] = x [M, l.K] times the linear; a run of several parts writes each part's
-  // rows through tmp ([M, widest part]) unless M is 1.
+  // rows through tmp ([M, widest part]) unless M is 1. With a perm, x's columns are gathered
+  // in its order first (into a buffer of this thread's).
   void linear(const Linear& l, const float* x, int64_t M, float* out, float* tmp,
               int nthreads) const;
   void run_part(const Part& p, int64_t K, const float* x, int64_t M, const float* bias,

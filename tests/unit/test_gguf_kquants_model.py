@@ -115,7 +115,7 @@ def test_k_m_file_runs_packed_and_near_the_float_model(tmp_path: Path, kind: str
         assert isinstance(qkv, GGUFLinearMethod)
         # q and k pack together, v with them where it is of their type, rows in order
         q_rows, kv = layer.self_attn.q_size, layer.self_attn.kv_size
-        assert [(wt, start, rows) for _w, wt, start, rows in qkv.parts] == _runs(
+        assert [(p.wtype, p.start, p.rows) for p in qkv.parts] == _runs(
             [t["attn_q"], t["attn_k"], t["attn_v"]], [q_rows, kv, kv])
         assert _wtypes(layer.mlp.gate_up_proj) == [t["ffn_gate"]]
         assert layer.mlp.gate_up_proj.weight.dim() == 3  # packed 16-row groups
@@ -135,9 +135,9 @@ def test_k_m_file_runs_packed_and_near_the_float_model(tmp_path: Path, kind: str
         y, want = ours(x), ref(x)
         assert (y - want).abs().max() < 0.02 * want.abs().max(), name
         parts = ours.quant_method.kernel_weights(ours)
-        oracle = torch.cat([(ReferenceOps.qlinear_kquant if wt in KQUANT_TYPES
-                             else ReferenceOps.qlinear)(x, w, rows, wtype=wt)
-                            for w, wt, _start, rows in parts], dim=-1)
+        oracle = torch.cat([(ReferenceOps.qlinear_kquant if p.wtype in KQUANT_TYPES
+                             else ReferenceOps.qlinear)(x, p.weight, p.rows, wtype=p.wtype)
+                            for p in parts], dim=-1)
         assert torch.equal(y, oracle), name
     # The whole (random-weight) model: errors add up over the layers (measured 0.068 Q4_K_M,
     # 0.094 Q5_K_M, 0.067 Q3_K_M, 0.026 Q2_K, 0.145 IQ4_XS, 0.039 IQ4_NL; each linear alone is

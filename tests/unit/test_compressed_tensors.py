@@ -270,34 +270,33 @@ def test_config_groups_quantize_their_own_modules(tmp_path: Path) -> None:
     _near_library_and_transformers(model, deq, tmp_path)
 
 
-def test_a_fused_layer_from_a_symmetric_and_an_asymmetric_group_is_named(tmp_path: Path
-                                                                         ) -> None:
-    """q_proj from a symmetric group (no zero points stored), k / v from an asymmetric one of
-    the same bits and group size: one qkv layer cannot hold both, and the refusal says so."""
-    asym = QuantizationArgs(num_bits=4, type="int", symmetric=False, strategy="group",
-                            group_size=32)
-    sym = QuantizationArgs(num_bits=4, type="int", symmetric=True, strategy="group",
-                           group_size=32)
-    write_checkpoint(tmp_path, tiny_hf_model("llama"), asym, more_groups={
-        "group_1": QuantizationScheme(targets=["re:.*self_attn.q_proj"], weights=sym)})
-    with pytest.raises(ValueError, match=r"model.layers.0.self_attn.qkv_proj: .* stores them "
-                                         r"differently \(q_proj 4-bit group 32 symmetric, "
-                                         r"k_proj 4-bit group 32 with zero points, v_proj "
-                                         r"4-bit group 32 with zero points\)"):
-        build_model(load_checkpoint(str(tmp_path)), get_ops("reference"), torch.float32, METHOD)
+SYM4 = QuantizationArgs(num_bits=4, type="int", symmetric=True, strategy="group",
+                        group_size=32)
+ASYM4 = QuantizationArgs(num_bits=4, type="int", symmetric=False, strategy="group",
+                         group_size=32)
 
 
-def test_a_fused_layer_whose_modules_differ_is_named(tmp_path: Path) -> None:
-    """kvserve runs gate / up as one layer: an export that ignores up_proj alone is refused,
-    naming the layer and what each module is."""
-    args = QuantizationArgs(num_bits=4, type="int", symmetric=True, strategy="group",
-                            group_size=32)
-    write_checkpoint(tmp_path, tiny_hf_model("llama"), args,
-                     ignore=("lm_head", "re:.*layers.1.mlp.up_proj"))
-    with pytest.raises(ValueError, match=r"model.layers.1.mlp.gate_up_proj: kvserve runs 2 "
-                                         r"checkpoint modules as this one layer, and the "
-                                         r"checkpoint stores them differently \(gate_proj "
-                                         r"4-bit group 32 symmetric, up_proj float\)"):
+@pytest.mark.parametrize("args, written, match", [
+    # an export that ignores up_proj alone
+    (SYM4, {"ignore": ("lm_head", "re:.*layers.1.mlp.up_proj")},
+     r"model.layers.1.mlp.gate_up_proj: kvserve runs 2 checkpoint modules as this one layer, "
+     r"and the checkpoint stores them differently \(gate_proj 4-bit group 32 symmetric, "
+     r"up_proj float\)"),
+    # q_proj from a symmetric group (no zero points stored), k / v from an asymmetric one of
+    # the same bits and group size
+    (ASYM4, {"more_groups": {"group_1": QuantizationScheme(targets=["re:.*self_attn.q_proj"],
+                                                           weights=SYM4)}},
+     r"model.layers.0.self_attn.qkv_proj: .* stores them differently \(q_proj 4-bit group 32 "
+     r"symmetric, k_proj 4-bit group 32 with zero points, v_proj 4-bit group 32 with zero "
+     r"points\)"),
+])
+def test_a_fused_layer_whose_modules_differ_is_named(tmp_path: Path, args: QuantizationArgs,
+                                                      written: dict[str, Any], match: str
+                                                      ) -> None:
+    """kvserve runs gate / up, and q / k / v, as one layer each: a checkpoint that stores the
+    modules of one differently is refused, naming the layer and what each module is."""
+    write_checkpoint(tmp_path, tiny_hf_model("llama"), args, **written)
+    with pytest.raises(ValueError, match=match):
         build_model(load_checkpoint(str(tmp_path)), get_ops("reference"), torch.float32, METHOD)
 
 

@@ -6,8 +6,10 @@ LinearMethod (kvserve/quant/), the layer keeps its name and its place in the mod
 Under tensor parallelism (kvserve/distributed/group.py) a layer is column-parallel (each
 rank keeps its slice of every output shard: its heads of q, k and v) or row-parallel (its
 slice of the input columns, then an all-reduce). The checkpoint's whole tensors arrive and
-the layer cuts its slice before its LinearMethod sees it, so a method quantizes, repacks or
-keeps only the rank's part (a GGUF matrix is cut along whole blocks, as stored).
+the layer cuts its slice of weight and bias before its LinearMethod sees them, so a method
+quantizes, repacks or keeps only the rank's part (a GGUF matrix is cut along whole blocks, as
+stored). Any other checkpoint tensor (a GPTQ layer's qweight, scales, ...) arrives whole: its
+method knows its layout and cuts it (int4_checkpoints.py after unpacking), or refuses.
 """
 
 from __future__ import annotations
@@ -68,9 +70,7 @@ class Linear(nn.Module):
     def _rank_slice(self, name: str, shard: int, tensor: torch.Tensor | QuantizedTensor
                     ) -> torch.Tensor | QuantizedTensor:
         if name not in ("weight", "bias"):
-            raise ValueError(f"tensor parallelism cuts weight and bias tensors; a checkpoint "
-                             f"tensor {name!r} (GPTQ / AWQ / compressed-tensors / W8A8 layouts) "
-                             f"is not cut yet: run it with tensor_parallel_size 1")
+            return tensor  # a layout of the method's own: it cuts (module docstring)
         r = self.tp.rank
         if self.parallel == "column":  # this rank's rows of the shard
             dim, n = 0, self.shard_sizes[shard]

@@ -168,14 +168,22 @@ class Int4CheckpointLinearMethod:
                              f"{', '.join(required + optional)} tensors, found {name!r}")
 
     def process_weights_after_loading(self, layer: Any) -> None:
-        k = layer.in_features
+        # Under tensor parallelism the tensors arrive whole (Linear cuts only weight and bias):
+        # unpacked at the whole layer's size, then cut to this rank's output rows (column-
+        # parallel) or input columns (row-parallel: whole groups, in order).
+        tp, rank = layer.tp.size, layer.tp.rank
+        column, row = layer.parallel == "column", layer.parallel == "row"
+        k = layer.in_features * (tp if row else 1)
         g = self.group_size if self.group_size > 0 else k
         if k % g or g % BLOCK:
             raise ValueError(f"{self.prefix}: group_size {g} must divide the {k} inputs and be "
                              f"a multiple of {BLOCK}")
         qs, zs, ss, gidx = [], [], [], []
         for i, n in enumerate(layer.shard_sizes):
-            q, z, s, gi = self._unpack(self.parts.get(i, {}), n, k, g, f"{self.prefix} shard {i}")
+            q, z, s, gi = self._unpack(self.parts.get(i, {}), n * (tp if column else 1), k, g,
+                                       f"{self.prefix} shard {i}")
+            if column:
+                q, z, s = (t[rank * n:(rank + 1) * n] for t in (q, z, s))
             qs.append(q)
             zs.append(z)
             ss.append(s)
@@ -186,6 +194,21 @@ class Int4CheckpointLinearMethod:
         if any(not torch.equal(gi, gidx[0]) for gi in gidx):
             raise ValueError(f"{self.prefix}: the fused shards' g_idx differ; kvserve needs "
                              f"one input order per layer")
+        if row:
+            if not torch.equal(gidx[0], trivial):
+                raise ValueError(f"{self.prefix}: an act-order layer's groups (g_idx) mix "
+                                 f"inputs that tensor parallelism gives to different ranks: "
+                                 f"run it with tensor_parallel_size 1")
+            kr = layer.in_features
+            if self.group_size > 0:
+                if kr % g:
+                    raise ValueError(f"{self.prefix}: tensor parallelism gives each rank {kr} "
+                                     f"of the {k} inputs, not whole groups of {g}")
+                z, s = (t[:, rank * kr // g:(rank + 1) * kr // g] for t in (z, s))
+            else:
+                g = kr  # one group a row: each rank keeps the row's pair
+            q, k = q[:, rank * kr:(rank + 1) * kr], kr
+            gidx[0] = trivial = torch.arange(k) // g
         if not torch.equal(gidx[0], trivial):  # act-order: inputs grouped by permutation
             perm = torch.sort(gidx[0], stable=True).indices
             if not torch.equal(gidx[0][perm], trivial):

@@ -166,6 +166,9 @@ class W8A8LinearMethod:
 
     def load_shard(self, layer: Any, name: str, shard: int,
                    tensor: torch.Tensor | QuantizedTensor) -> None:
+        if name == "weight_scale" and layer.parallel != "none":
+            raise ValueError(f"{self.prefix}: W8A8 checkpoints do not run under tensor "
+                             f"parallelism yet: run it with tensor_parallel_size 1")
         if self.from_checkpoint and name in ("weight", "weight_scale"):
             self.shards.setdefault(shard, {})[name] = dense(tensor)
         else:

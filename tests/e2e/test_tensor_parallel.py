@@ -75,6 +75,49 @@ def test_tp2_tiny_model_is_tp1_and_hf(tmp_path: Path, arch: str, all_reduce: str
             assert max(abs(a - b) for a, b in zip(ours, theirs)) < 1e-4
 
 
+def test_tp2_gptq_checkpoint_is_tp1(tmp_path: Path) -> None:
+    """A GPTQ checkpoint (AutoGPTQ's packing, groups of 32, lm_head quantized too) at TP=2:
+    each rank unpacks the whole tensors and keeps its output rows (q / k / v, gate / up,
+    lm_head's vocabulary) or its input columns in whole groups (o_proj, down_proj). The
+    int8-activation blocks are TP=1's (each rank's inputs are whole blocks), so only the
+    all-reduce's order of summing differs: greedy tokens and prompt logprobs as TP=1's, and
+    the logprobs near those of the float model holding the dequantized weights."""
+    from tests.unit.test_int4_checkpoints import write_checkpoint
+
+    hf = tiny_hf_model("llama", seed=3, vocab_size=V)
+    deq = write_checkpoint(tmp_path, hf, "gptq", lm_head=True)
+    want_tokens, want = _run(_llm(str(tmp_path), 1, kv_cache_memory="16MiB"), PROMPTS)
+    two = _llm(str(tmp_path), 2, kv_cache_memory="16MiB")
+    try:
+        assert two.llm_engine.config.quant.method == "gptq"
+        tokens, got = _run(two, PROMPTS)
+    finally:
+        two.llm_engine.shutdown()
+    assert tokens == want_tokens
+    diffs = [abs(x - y) for a, b in zip(got, want) for x, y in zip(a, b)]
+    assert max(diffs) < 1e-3, max(diffs)
+    hf_deq = tiny_hf_model("llama", seed=3, vocab_size=V)
+    hf_deq.load_state_dict({**hf.state_dict(), **deq})
+    with torch.no_grad():
+        for p, ours in zip(PROMPTS, got):
+            logp = torch.log_softmax(hf_deq(torch.tensor([p])).logits[0].double(), -1)
+            theirs = [float(logp[i, p[i + 1]]) for i in range(len(p) - 1)]
+            assert max(abs(a - b) for a, b in zip(ours, theirs)) < 0.05
+
+
+def test_tp2_refuses_an_act_order_checkpoint_by_name(tmp_path: Path) -> None:
+    """An act-order layer's groups gather inputs from every rank's share of a row-parallel
+    split: refused, naming the layer, not run wrong."""
+    from tests.unit.test_int4_checkpoints import write_checkpoint
+
+    write_checkpoint(tmp_path, tiny_hf_model("llama", seed=3, vocab_size=V), "gptq",
+                     act_order=True)
+    with pytest.raises(Exception, match=r"self_attn.o_proj: an act-order layer's groups "
+                                        r"\(g_idx\) mix inputs that tensor parallelism gives "
+                                        r"to different ranks"):
+        _llm(str(tmp_path), 2, kv_cache_memory="16MiB")
+
+
 @pytest.fixture(scope="module")
 def default_tp1() -> LLM:
     # Small blocks and budget: prefix hits, chunked prefill and (below) preemption happen.

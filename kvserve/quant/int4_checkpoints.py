@@ -205,6 +205,9 @@ class Int4CheckpointLinearMethod:
                     raise ValueError(f"{self.prefix}: tensor parallelism gives each rank {kr} "
                                      f"of the {k} inputs, not whole groups of {g}")
                 z, s = (t[:, rank * kr // g:(rank + 1) * kr // g] for t in (z, s))
+            elif kr % BLOCK:
+                raise ValueError(f"{self.prefix}: tensor parallelism gives each rank {kr} of "
+                                 f"the {k} inputs, not whole blocks of {BLOCK}")
             else:
                 g = kr  # one group a row: each rank keeps the row's pair
             q, k = q[:, rank * kr:(rank + 1) * kr], kr

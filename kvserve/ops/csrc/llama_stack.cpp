@@ -115,9 +115,11 @@ LlamaStack::LlamaStack(const std::vector<LayerWeights>& layers, bool avx512, int
     l.o = make_linear(t.o, c10::nullopt, l.hidden, q_size, "o_proj");
     l.gate_up = make_linear(t.gate_up, c10::nullopt, 2 * l.inter, l.hidden, "gate_up_proj");
     l.down = make_linear(t.down, c10::nullopt, l.hidden, l.inter, "down_proj");
-    for (const Linear* lin : {&l.qkv, &l.o, &l.gate_up, &l.down})
+    for (const Linear* lin : {&l.qkv, &l.o, &l.gate_up, &l.down}) {
       if (lin->parts.size() > 1)
         for (const Part& p : lin->parts) w_part_ = std::max(w_part_, p.N);
+      if (lin->perm.has_value()) w_perm_ = std::max(w_perm_, lin->K);
+    }
     TORCH_CHECK(layers_.empty() || l.hidden == layers_[0].hidden, "layers disagree on hidden");
     w_qkv_ = std::max(w_qkv_, l.qkv.N);
     w_q_ = std::max(w_q_, q_size);
@@ -161,17 +163,14 @@ void LlamaStack::run_part(const Part& p, int64_t K, const float* x, int64_t M,
 }
 
 void LlamaStack::linear(const Linear& l, const float* x, int64_t M, float* out, float* tmp,
-                        int nthreads) const {
+                        float* gathered, int nthreads) const {
   if (l.perm.has_value()) {  // act-order: x [m, perm[k]] -> [m, k], as index_select does
-    thread_local std::vector<float> gathered;
-    gathered.resize(static_cast<size_t>(M * l.K));
     const int64_t* perm = l.perm->data_ptr<int64_t>();
-    float* g = gathered.data();
     at::parallel_for(0, M, 16, [&](int64_t m0, int64_t m1) {
       for (int64_t m = m0; m < m1; ++m)
-        for (int64_t k = 0; k < l.K; ++k) g[m * l.K + k] = x[m * l.K + perm[k]];
+        for (int64_t k = 0; k < l.K; ++k) gathered[m * l.K + k] = x[m * l.K + perm[k]];
     });
-    x = g;
+    x = gathered;
   }
   const float* b = l.bias.has_value() ? l.bias->data_ptr<float>() : nullptr;
   for (const Part& p : l.parts) {
@@ -233,21 +232,23 @@ std::tuple<torch::Tensor, torch::Tensor> LlamaStack::forward(
   // The last layer's outputs are the results: mlp out and the residual after the second
   // norm live there for every layer. Scratch for the rest, the widest layer's sizes: h, h2
   // [T, hidden]; qkv; q and k rotated; attention out; o; gate_up; its SiLU product; the
-  // residual after the first norm.
+  // residual after the first norm; a multi-part linear's part; act-order inputs gathered.
   const int64_t sizes[] = {hidden, hidden, w_qkv_, w_q_, w_k_, w_q_, hidden, 2 * w_i_, w_i_,
-                           hidden, w_part_};
+                           hidden, w_part_, w_perm_};
+  constexpr int kBufs = sizeof(sizes) / sizeof(sizes[0]);
   int64_t total = 0;
   for (int64_t n : sizes) total += aligned(T * n);
   auto scratch = torch::empty({total}, x.options());
-  float* bufs[11];
+  float* bufs[kBufs];
   float* p = scratch.data_ptr<float>();
-  for (int i = 0; i < 11; ++i) {
+  for (int i = 0; i < kBufs; ++i) {
     bufs[i] = p;
     p += aligned(T * sizes[i]);
   }
   float *h = bufs[0], *h2 = bufs[1], *qkv = bufs[2], *qr = bufs[3], *kr = bufs[4];
   float *att = bufs[5], *o = bufs[6], *gu = bufs[7], *act = bufs[8], *res_a = bufs[9];
   float* tmp = bufs[10];  // a multi-part linear's part, before its rows go into place
+  float* gathered = bufs[11];
   float *mlp = out.data_ptr<float>(), *res_b = res_out.data_ptr<float>();
 
   const int nthreads = at::get_num_threads();
@@ -276,7 +277,7 @@ std::tuple<torch::Tensor, torch::Tensor> LlamaStack::forward(
                         hidden, eps, nthreads);
       res = res_a;
     }
-    linear(l.qkv, h, T, qkv, tmp, nthreads);
+    linear(l.qkv, h, T, qkv, tmp, gathered, nthreads);
     const int64_t* pp = pos.data_ptr<int64_t>();
     kvs::rotary(qkv, nq, D, qr, T, H, D, pp, cos_sin.data_ptr<float>(), cos_sin.size(0),
                 nthreads);
@@ -291,13 +292,13 @@ std::tuple<torch::Tensor, torch::Tensor> LlamaStack::forward(
     const auto a = attention_args(qr, q_size, D, k_cache, v_cache, kv_type, meta, att, H, Hkv,
                                   D, bs, l.scale, {k_sc, v_sc});
     kvs::paged_attention(a, nthreads);
-    linear(l.o, att, T, o, tmp, nthreads);
+    linear(l.o, att, T, o, tmp, gathered, nthreads);
     if (reduce) all_reduce(o);
     kvs::add_rms_norm(o, hidden, res, hidden, l.post_norm.data_ptr<float>(), h2, res_b, T,
                       hidden, eps, nthreads);
-    linear(l.gate_up, h2, T, gu, tmp, nthreads);
+    linear(l.gate_up, h2, T, gu, tmp, gathered, nthreads);
     kvs::silu_and_mul(gu, 2 * l.inter, act, T, l.inter, nthreads);
-    linear(l.down, act, T, mlp, tmp, nthreads);
+    linear(l.down, act, T, mlp, tmp, gathered, nthreads);
     if (reduce) all_reduce(mlp);
     xin = mlp;
   }

@@ -80,9 +80,9 @@ class LlamaStack {
                             int64_t N, int64_t K, const char* name);
   // out [M, l.N] = x [M, l.K] times the linear; a run of several parts writes each part's
   // rows through tmp ([M, widest part]) unless M is 1. With a perm, x's columns are gathered
-  // in its order first (into a buffer of this thread's).
+  // in its order first, into gathered ([M, widest permuted K]).
   void linear(const Linear& l, const float* x, int64_t M, float* out, float* tmp,
-              int nthreads) const;
+              float* gathered, int nthreads) const;
   void run_part(const Part& p, int64_t K, const float* x, int64_t M, const float* bias,
                 float* out, int nthreads) const;
 
@@ -90,8 +90,9 @@ class LlamaStack {
   pybind11::object all_reduce_;
   // The widest layer's qkv, q, k and MLP widths: the scratch per token.
   int64_t w_qkv_ = 0, w_q_ = 0, w_k_ = 0, w_i_ = 0;
-  // The widest part of a linear that has several (0: none has), for linear's tmp.
-  int64_t w_part_ = 0;
+  // The widest part of a linear that has several (0: none has), for linear's tmp; the
+  // widest K of a linear with a perm (0: none has one), for its gathered inputs.
+  int64_t w_part_ = 0, w_perm_ = 0;
   bool avx512_, vnni_, amx_;
   int64_t small_m_;
 };

@@ -211,8 +211,10 @@ class LlamaForCausalLM(nn.Module):
             if name == "lm_head.weight" and self.config.tie_word_embeddings:
                 continue
             if (name == "model.embed_tokens.weight" and self.config.tie_word_embeddings
-                    and self.tp.size > 1 and not is_quantized(tensor)):
-                # Tied, but lm_head holds only this rank's vocabulary rows: its own copy.
+                    and self.tp.size > 1 and not is_quantized(tensor)
+                    and "weight" in self.lm_head.quant_method.checkpoint_names(self.lm_head)):
+                # Tied, but lm_head holds only this rank's vocabulary rows: its own copy
+                # (unless the checkpoint quantizes lm_head: its own tensors come then).
                 self.lm_head.load_shard("weight", 0, tensor)
             if is_quantized(tensor) and name == "model.embed_tokens.weight":
                 if self.config.tie_word_embeddings:

@@ -75,29 +75,33 @@ def test_tp2_tiny_model_is_tp1_and_hf(tmp_path: Path, arch: str, all_reduce: str
             assert max(abs(a - b) for a, b in zip(ours, theirs)) < 1e-4
 
 
-def test_tp2_gptq_checkpoint_is_tp1(tmp_path: Path) -> None:
-    """A GPTQ checkpoint (AutoGPTQ's packing, groups of 32, lm_head quantized too) at TP=2:
-    each rank unpacks the whole tensors and keeps its output rows (q / k / v, gate / up,
-    lm_head's vocabulary) or its input columns in whole groups (o_proj, down_proj). The
-    int8-activation blocks are TP=1's (each rank's inputs are whole blocks), so only the
-    all-reduce's order of summing differs: greedy tokens and prompt logprobs as TP=1's, and
-    the logprobs near those of the float model holding the dequantized weights."""
+@pytest.mark.parametrize("arch, fmt, group", [("llama", "gptq", 32), ("qwen2", "gptq", -1),
+                                              ("llama", "awq", 32)])
+def test_tp2_int4_checkpoint_is_tp1(tmp_path: Path, arch: str, fmt: str, group: int) -> None:
+    """GPTQ / AWQ checkpoints (AutoGPTQ's / AutoAWQ's packing; groups of 32, or one group a
+    row; lm_head quantized too, and for qwen2 tied to the embedding in the config, with q / k
+    / v biases) at TP=2: each rank unpacks the whole tensors and keeps its output rows (q / k
+    / v, gate / up, lm_head's vocabulary) or its input columns in whole groups (o_proj,
+    down_proj). The int8-activation blocks are TP=1's (each rank's inputs are whole blocks),
+    so only the all-reduce's order of summing differs: greedy tokens and prompt logprobs as
+    TP=1's, and the logprobs near those of the float model holding the dequantized
+    weights."""
     from tests.unit.test_int4_checkpoints import write_checkpoint
 
-    hf = tiny_hf_model("llama", seed=3, vocab_size=V)
-    deq = write_checkpoint(tmp_path, hf, "gptq", lm_head=True)
+    hf = tiny_hf_model(arch, seed=3, vocab_size=V)
+    deq = write_checkpoint(tmp_path, hf, fmt, group=group, lm_head=True)
     want_tokens, want = _run(_llm(str(tmp_path), 1, kv_cache_memory="16MiB"), PROMPTS)
     two = _llm(str(tmp_path), 2, kv_cache_memory="16MiB")
     try:
-        assert two.llm_engine.config.quant.method == "gptq"
+        assert two.llm_engine.config.quant.method == fmt
         tokens, got = _run(two, PROMPTS)
     finally:
         two.llm_engine.shutdown()
     assert tokens == want_tokens
     diffs = [abs(x - y) for a, b in zip(got, want) for x, y in zip(a, b)]
     assert max(diffs) < 1e-3, max(diffs)
-    hf_deq = tiny_hf_model("llama", seed=3, vocab_size=V)
-    hf_deq.load_state_dict({**hf.state_dict(), **deq})
+    hf_deq = tiny_hf_model(arch, seed=3, vocab_size=V, tie_word_embeddings=False)
+    hf_deq.load_state_dict({**hf.state_dict(), **deq})  # its lm_head: the checkpoint's own
     with torch.no_grad():
         for p, ours in zip(PROMPTS, got):
             logp = torch.log_softmax(hf_deq(torch.tensor([p])).logits[0].double(), -1)

@@ -6,6 +6,7 @@ errors that name what was found."""
 from __future__ import annotations
 
 import json
+import zlib
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -106,8 +107,8 @@ def write_checkpoint(path: Path, hf: Any, fmt: str, act_order: bool = False, bit
     deq: dict[str, torch.Tensor] = {}
     for name, t in hf.state_dict().items():
         module = name.removesuffix(".weight")
-        quantized = (any(f".{lin}." in name for lin in LINEARS)
-                     or lm_head and name == "lm_head.weight")
+        quantized = name.endswith(".weight") and (any(f".{lin}." in name for lin in LINEARS)
+                                                  or lm_head and name == "lm_head.weight")
         setting = (bits, group) if stored is None or not quantized else stored(module)
         if quantized and setting is None:
             deq[name] = t.detach().half().float()
@@ -121,7 +122,7 @@ def write_checkpoint(path: Path, hf: Any, fmt: str, act_order: bool = False, bit
         if act_order:  # AutoGPTQ's desc_act: column perm[j] joins group j // G
             layer_in = name.rsplit(".", 2)[0].rsplit(".", 1)[0]  # q/k/v share their inputs
             perm = torch.randperm(k, generator=torch.Generator().manual_seed(
-                hash(layer_in + str(k)) % 1000))
+                zlib.crc32(f"{layer_in}{k}".encode())))
             g_idx = torch.empty(k, dtype=torch.long)
             g_idx[perm] = torch.arange(k) // size
         q, zeros, scales, w = quantize_groups(t.detach().float(), g_idx, mbits,

@@ -119,8 +119,10 @@ class CompressedTensorsWNA16Method(Int4CheckpointMethod):
     @classmethod
     def scheme(cls, qc: dict[str, Any]) -> tuple[Any, ...]:
         """settings(qc) and whether the group is symmetric (its layers store no zero
-        points): modules of one layer from a symmetric and an asymmetric group differ."""
-        return (*cls.settings(qc), wna16_settings(qc)[2])
+        points): modules of one layer from a symmetric and an asymmetric group differ. qc is
+        a module's view, one group."""
+        bits, group, sym = wna16_settings(qc)
+        return bits, group, 0, sym
 
     @classmethod
     def quantizes_lm_head(cls, qc: dict[str, Any]) -> bool:

@@ -387,12 +387,18 @@ class Int4CheckpointMethod(QuantMethod):
         return qc
 
     @classmethod
+    def stored_config(cls, qc: dict[str, Any], name: str) -> dict[str, Any] | None:
+        """module_config of a module the checkpoint stores in the format's layout; None for
+        one stored as a float `weight` (lm_head too unless quantizes_lm_head)."""
+        if name == "lm_head" and not cls.quantizes_lm_head(qc):
+            return None
+        return cls.module_config(qc, name)
+
+    @classmethod
     def quantizes(cls, qc: dict[str, Any], name: str) -> bool:
         """Whether the checkpoint stores the linear module `name` in the format's layout
         (else as a float `weight`)."""
-        if name == "lm_head" and not cls.quantizes_lm_head(qc):
-            return False
-        return cls.module_config(qc, name) is not None
+        return cls.stored_config(qc, name) is not None
 
     def linear_method(self, prefix: str) -> LinearMethod:
         """The layer's method from its checkpoint modules' settings, which must agree: kvserve
@@ -401,7 +407,7 @@ class Int4CheckpointMethod(QuantMethod):
         assert self.config is not None and self.config.checkpoint_config is not None
         qc = dict(self.config.checkpoint_config)
         names = checkpoint_modules(prefix)
-        configs = [self.module_config(qc, n) if self.quantizes(qc, n) else None for n in names]
+        configs = [self.stored_config(qc, n) for n in names]
         schemes = [None if c is None else self._module_scheme(n, c)
                    for n, c in zip(names, configs, strict=True)]
         if len(set(schemes)) > 1:

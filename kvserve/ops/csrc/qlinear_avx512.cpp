@@ -181,12 +181,13 @@ template <WType W>
 void run_fmt(const QActs& a, const uint8_t* w, const float* bias, float* out, int64_t N,
              int nthreads) {
   // Tiles (32 zmm): 3 * G * MT accumulators (two int chains and a float sum per output
-  // vector) + 2 weight vectors. M == 1: one group at a time, so each thread reads one linear
-  // stream (as the float32 kernel at M == 1; 4 groups side by side streamed 12-14% slower
-  // on Zen 5, builds alternated over the default model's linears); M < 8: 2 groups x 4 rows;
-  // otherwise 1 group x 8 rows, its records re-read from L1 for every 8 rows.
+  // vector) + 2 weight vectors. One group at a time at every M, so each thread reads one
+  // linear stream: at M == 1, 4 groups side by side streamed 12-14% slower on Zen 5; at
+  // 2 <= M < 8, 2 groups x 4 rows took 1.12-1.19x the time of 1 group x M rows over the
+  // default model's Q4_1 linears and 1.6-1.8x over its Q8_0 lm_head (Zen 4, builds
+  // alternated in one process). M > 1: 8 rows a tile (fewer: one tile of M), the group's
+  // records re-read from L1 for every 8 rows.
   if (a.M == 1) run<W, 1, 1>(a, w, bias, out, N, nthreads);
-  else if (a.M < 8) run<W, 2, 4>(a, w, bias, out, N, nthreads);
   else run<W, 1, 8>(a, w, bias, out, N, nthreads);
 }
 

@@ -1,5 +1,5 @@
 """Two builds of the CPU kernels in one process, timed in alternating rounds: the working
-tree's csrc/ against another git revision's, on every K-quant linear of a GGUF file.
+tree's csrc/ against another git revision's, on every packed linear of a GGUF file.
 
     python benchmarks/kernel_ab.py [--base HEAD] [--rows 1,5,16,512] [--rounds 9]
                                    [--model FILE.gguf] [--isa avx512|avx2] [-D NAME=VALUE]
@@ -15,6 +15,11 @@ to the working tree's qlinear_kquant*.cpp as a #define: a knob a kernel file rea
 Prints per M the milliseconds of all the linears (median over rounds) for each build and
 the median per-round ratio tree / base: below 1 the tree is faster. The outputs of the two
 builds are compared bit for bit first (the kernels' contract: same sums, same bits).
+
+The linears are the file's K-quant ones (qlinear_kquant*.cpp) and its Q4_0 / Q4_1 / Q5_0 /
+Q5_1 / Q8_0 / IQ4_NL ones (qlinear*.cpp), each packed as kvserve keeps it; a tied model's
+token embedding is its lm_head and streams every step, so it counts as a linear there. The
+default model (`--model` its Q4_1 file) has no K-quant: its 210 Q4_1 linears and Q8_0 lm_head.
 """
 
 from __future__ import annotations
@@ -26,9 +31,20 @@ import time
 from pathlib import Path
 
 import torch
-from kquant_stream import DEFAULT, load  # benchmarks/kquant_stream.py
+from gguf import GGUFReader
+from kquant_stream import DEFAULT  # benchmarks/kquant_stream.py
 
-from kvserve.ops.cpu import KERNEL_FILES, CpuOps, build_extension, read_sources
+from kvserve.ops.cpu import (
+    KERNEL_FILES,
+    KQUANT_KERNEL_WTYPES,
+    PACKED_WTYPES,
+    CpuOps,
+    build_extension,
+    read_sources,
+)
+from kvserve.quant.block_pack import pack
+from kvserve.quant.ggml_kquants import IQ4_REWRITES, rewrite_iq4
+from kvserve.quant.kquant_pack import pack_kquant
 
 ROOT = Path(__file__).resolve().parent.parent
 CSRC = "kvserve/ops/csrc"
@@ -45,6 +61,35 @@ def with_defines(files: dict[str, bytes], defines: list[str]) -> dict[str, bytes
     """files with each NAME=VALUE as a #define at the top of the K-quant kernel files."""
     head = "".join(f"#define {d.replace('=', ' ', 1)}\n" for d in defines).encode()
     return {n: head + b if n.startswith("qlinear_kquant") else b for n, b in files.items()}
+
+
+def load(path: Path) -> list[tuple[int, torch.Tensor, int, int]]:
+    """(qtype, packed weight, rows N, columns K) of each linear a kernel here multiplies, in
+    file order; an i-quant rewritten first as the loader rewrites it. The token embedding is
+    looked up, not streamed, unless the file has no output.weight (tied: it is the lm_head)."""
+    tensors = GGUFReader(path).tensors
+    tied = not any(t.name == "output.weight" for t in tensors)
+    out = []
+    for t in tensors:
+        qt = int(t.tensor_type)
+        if (t.name == "token_embd.weight" and not tied) or len(t.shape) != 2 or not (
+                qt in KQUANT_KERNEL_WTYPES or qt in PACKED_WTYPES or qt in IQ4_REWRITES):
+            continue
+        k, n = (int(d) for d in t.shape)
+        raw = torch.from_numpy(t.data.reshape(n, -1).copy())
+        if qt in IQ4_REWRITES:
+            raw, qt = rewrite_iq4(raw, qt, k), IQ4_REWRITES[qt][1]
+        if qt in KQUANT_KERNEL_WTYPES:
+            out.append((qt, pack_kquant(raw, qt, k), n, k))
+        elif qt in PACKED_WTYPES:
+            out.append((qt, pack(raw, qt, k), n, k))
+    return out
+
+
+def multiply(ops: CpuOps, x: torch.Tensor, w: torch.Tensor, n: int, qt: int) -> torch.Tensor:
+    if qt in KQUANT_KERNEL_WTYPES:
+        return ops.qlinear_kquant(x, w, n, wtype=qt)
+    return ops.qlinear(x, w, n, wtype=qt)
 
 
 def ops_for(files: dict[str, bytes], isa: str | None) -> CpuOps:
@@ -75,13 +120,13 @@ def main() -> None:
 
     for m in ms:  # same sums, same bits: a timing of a wrong kernel means nothing
         for qt, w, n, k in mats[:7]:
-            base, tree = (b.qlinear_kquant(xs[(m, k)], w, n, wtype=qt) for b in builds.values())
+            base, tree = (multiply(b, xs[(m, k)], w, n, qt) for b in builds.values())
             assert torch.equal(base, tree), f"the builds differ at M={m}, wtype {qt}, {n}x{k}"
 
     def timed(ops: CpuOps, m: int) -> float:
         t = time.perf_counter()
         for qt, w, n, k in mats:
-            ops.qlinear_kquant(xs[(m, k)], w, n, wtype=qt)
+            multiply(ops, xs[(m, k)], w, n, qt)
         return (time.perf_counter() - t) * 1e3
 
     times: dict[tuple[str, int], list[float]] = {(b, m): [] for b in builds for m in ms}
@@ -95,7 +140,7 @@ def main() -> None:
                     times[(b, m)].append(t)
                 ratios[m].append(got["tree"] / got["base"])
     isa = builds["tree"].isa
-    print(f"{a.model.name}: {len(mats)} K-quant linears; kernels {isa}, {a.threads} threads; "
+    print(f"{a.model.name}: {len(mats)} linears; kernels {isa}, {a.threads} threads; "
           f"base {a.base}, tree{' ' + ' '.join(a.defines) if a.defines else ''}; ms, median "
           f"of {a.rounds} rounds")
     print(f"{'rows':>5} {'base':>9} {'tree':>9} {'tree/base':>10} {'range':>12}")

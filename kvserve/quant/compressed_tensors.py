@@ -32,8 +32,12 @@ def _matches(entry: str, name: str) -> bool:
 
 
 def _groups(qc: dict[str, Any]) -> list[str]:
-    """The names of the (flattened) quantization_config's config groups."""
-    return sorted({k.split(".")[1] for k in qc if k.startswith("config_groups.")})
+    """The names of the (flattened) quantization_config's config groups, in the order their
+    writers number them (group_2 before group_10): the flattened config keeps no file order,
+    and llm-compressor writes group_0, group_1, ... in order."""
+    return sorted({k.split(".")[1] for k in qc if k.startswith("config_groups.")},
+                  key=lambda g: [(0, int(p), "") if p.isdigit() else (1, 0, p)
+                                 for p in re.split(r"(\d+)", g)])
 
 
 def _group_view(qc: dict[str, Any], group: str) -> dict[str, Any]:
@@ -51,7 +55,7 @@ def _group_of(qc: dict[str, Any], name: str) -> str | None:
         return None
     # (rank, target, -i): where two groups name the same target, the later one's scheme is
     # the target's (compressed-tensors maps each target to a scheme, the last one written;
-    # the groups are in their names' order here, group_0 before group_1).
+    # the groups are in _groups' order here, group_2 before group_10).
     found = [((0 if t == name else 1 if t.startswith("re:") else 2), t, -i, g)
              for i, g in enumerate(_groups(qc))
              for t in qc.get(f"config_groups.{g}.targets") or () if _matches(t, name)]

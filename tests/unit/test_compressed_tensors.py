@@ -395,3 +395,16 @@ def test_the_engine_finds_the_format_and_w8a8_stays_w8a8(tmp_path: Path) -> None
     assert len(out[0].outputs[0].token_ids) == 4
     qc = {"quant_method": "compressed-tensors", "format": "int-quantized"}
     assert detect_quantization(str(tmp_path), "cpu", "float32", "cpu", qc) == "w8a8"
+
+
+def test_a_target_two_groups_name_goes_to_the_later_numbered_one() -> None:
+    """compressed-tensors maps a target to the last config group naming it, in the file's
+    order, which its writers number group_0, group_1, ...: group_10 comes after group_2 (a
+    sort by name put it first), and an exact name outranks "Linear" in any group."""
+    from kvserve.quant.compressed_tensors import _group_of
+
+    qc = {f"config_groups.group_{i}.targets": ("Linear",) for i in (0, 2, 10)}
+    assert _group_of(qc, "model.layers.0.mlp.up_proj") == "group_10"
+    qc["config_groups.group_2.targets"] = ("model.layers.0.mlp.up_proj",)
+    assert _group_of(qc, "model.layers.0.mlp.up_proj") == "group_2"
+    assert _group_of({**qc, "ignore": ("re:.*up_proj",)}, "model.layers.0.mlp.up_proj") is None

@@ -27,6 +27,7 @@ from kvserve import LLM, SamplingParams
 from tests.helpers import tiny_hf_model
 
 V = 256
+CALIB = Path(__file__).resolve().parents[3] / "shared" / "reference" / "GPL-3.txt"
 PROMPTS = [[5, 17, 99, 3, 42, 7, 250, 1], [200, 201, 202, 203, 9, 9, 9], list(range(60, 100))]
 
 
@@ -120,6 +121,24 @@ def test_tp2_refuses_an_act_order_checkpoint_by_name(tmp_path: Path) -> None:
                                         r"\(g_idx\) mix inputs that tensor parallelism gives "
                                         r"to different ranks"):
         _llm(str(tmp_path), 2, kv_cache_memory="16MiB")
+
+
+def test_tp2_refuses_a_w8a8_checkpoint_by_name(tmp_path: Path) -> None:
+    """A SmoothQuant W8A8 checkpoint (`kvserve quantize --method smoothquant`, which TP=1
+    runs) under TP=2: refused naming the layer, not run with scales cut for another split."""
+    from kvserve.quant.quantize_args import QuantizeArgs
+    from kvserve.quantize import quantize_checkpoint
+
+    save_tiny(tmp_path / "float", "llama", seed=3)
+    out = tmp_path / "w8a8"
+    quantize_checkpoint(str(tmp_path / "float"), str(out), QuantizeArgs(
+        method="smoothquant", calib=str(CALIB), calib_tokens=256, seq_len=64))
+    one = _llm(str(out), 1, kv_cache_memory="16MiB")
+    assert one.generate([{"prompt_token_ids": PROMPTS[0]}], SamplingParams(max_tokens=4),
+                        use_tqdm=False)[0].outputs[0].token_ids
+    with pytest.raises(Exception, match=r"model\.layers\.0\.self_attn\.qkv_proj: W8A8 "
+                                        r"checkpoints do not run under tensor parallelism"):
+        _llm(str(out), 2, kv_cache_memory="16MiB")
 
 
 @pytest.fixture(scope="module")

@@ -31,20 +31,15 @@ import time
 from pathlib import Path
 
 import torch
-from gguf import GGUFReader
-from kquant_stream import DEFAULT  # benchmarks/kquant_stream.py
+from kquant_stream import DEFAULT, load  # benchmarks/kquant_stream.py
 
 from kvserve.ops.cpu import (
     KERNEL_FILES,
     KQUANT_KERNEL_WTYPES,
-    PACKED_WTYPES,
     CpuOps,
     build_extension,
     read_sources,
 )
-from kvserve.quant.block_pack import pack
-from kvserve.quant.ggml_kquants import IQ4_REWRITES, rewrite_iq4
-from kvserve.quant.kquant_pack import pack_kquant
 
 ROOT = Path(__file__).resolve().parent.parent
 CSRC = "kvserve/ops/csrc"
@@ -61,29 +56,6 @@ def with_defines(files: dict[str, bytes], defines: list[str]) -> dict[str, bytes
     """files with each NAME=VALUE as a #define at the top of the K-quant kernel files."""
     head = "".join(f"#define {d.replace('=', ' ', 1)}\n" for d in defines).encode()
     return {n: head + b if n.startswith("qlinear_kquant") else b for n, b in files.items()}
-
-
-def load(path: Path) -> list[tuple[int, torch.Tensor, int, int]]:
-    """(qtype, packed weight, rows N, columns K) of each linear a kernel here multiplies, in
-    file order; an i-quant rewritten first as the loader rewrites it. The token embedding is
-    looked up, not streamed, unless the file has no output.weight (tied: it is the lm_head)."""
-    tensors = GGUFReader(path).tensors
-    tied = not any(t.name == "output.weight" for t in tensors)
-    out = []
-    for t in tensors:
-        qt = int(t.tensor_type)
-        if (t.name == "token_embd.weight" and not tied) or len(t.shape) != 2 or not (
-                qt in KQUANT_KERNEL_WTYPES or qt in PACKED_WTYPES or qt in IQ4_REWRITES):
-            continue
-        k, n = (int(d) for d in t.shape)
-        raw = torch.from_numpy(t.data.reshape(n, -1).copy())
-        if qt in IQ4_REWRITES:
-            raw, qt = rewrite_iq4(raw, qt, k), IQ4_REWRITES[qt][1]
-        if qt in KQUANT_KERNEL_WTYPES:
-            out.append((qt, pack_kquant(raw, qt, k), n, k))
-        elif qt in PACKED_WTYPES:
-            out.append((qt, pack(raw, qt, k), n, k))
-    return out
 
 
 def multiply(ops: CpuOps, x: torch.Tensor, w: torch.Tensor, n: int, qt: int) -> torch.Tensor:
@@ -113,7 +85,7 @@ def main() -> None:
     torch.set_num_threads(a.threads)
     tree_files = with_defines(read_sources(ROOT / CSRC, KERNEL_FILES), a.defines)
     builds = {"base": ops_for(revision_files(a.base), a.isa), "tree": ops_for(tree_files, a.isa)}
-    mats = load(a.model)
+    mats = load(a.model, every_packed=True)
     ms = [int(m) for m in a.rows.split(",")]
     g = torch.Generator().manual_seed(0)
     xs = {(m, k): torch.randn(m, k, generator=g) for m in ms for _, _, _, k in mats}

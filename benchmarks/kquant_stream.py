@@ -22,7 +22,8 @@ import torch
 from gguf import GGUFReader
 from models import MODELS  # benchmarks/models.py
 
-from kvserve.ops.cpu import KQUANT_KERNEL_WTYPES, CpuOps
+from kvserve.ops.cpu import KQUANT_KERNEL_WTYPES, PACKED_WTYPES, CpuOps
+from kvserve.quant.block_pack import pack
 from kvserve.quant.ggml_kquants import IQ4_REWRITES, rewrite_iq4
 from kvserve.quant.ggml_kquants import KQUANT_NAMES as NAMES
 from kvserve.quant.kquant_pack import pack_kquant
@@ -30,20 +31,26 @@ from kvserve.quant.kquant_pack import pack_kquant
 DEFAULT = MODELS / "qwen2.5-coder-1.5b-instruct-q4_k_m.gguf"
 
 
-def load(path: Path) -> list[tuple[int, torch.Tensor, int, int]]:
+def load(path: Path, every_packed: bool = False) -> list[tuple[int, torch.Tensor, int, int]]:
     """(qtype, packed weight, rows N, columns K) of each K-quant linear, in file order; an
-    i-quant rewritten first as the loader rewrites it (ggml_kquants.rewrite_iq4)."""
+    i-quant rewritten first as the loader rewrites it (ggml_kquants.rewrite_iq4). The token
+    embedding is looked up, not streamed, so it is left out. every_packed (kernel_ab.py): the
+    Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q8_0 / IQ4_NL linears too (block_pack.pack, ops.qlinear's
+    layout), and a tied model's embedding (no output.weight), which is its lm_head."""
+    tensors = GGUFReader(path).tensors
+    tied = every_packed and not any(t.name == "output.weight" for t in tensors)
     out = []
-    for t in GGUFReader(path).tensors:
+    for t in tensors:
         qt = int(t.tensor_type)
-        if (qt not in KQUANT_KERNEL_WTYPES and qt not in IQ4_REWRITES) \
-                or t.name == "token_embd.weight":
+        kquant = qt in KQUANT_KERNEL_WTYPES or qt in IQ4_REWRITES
+        if (not kquant and not (every_packed and qt in PACKED_WTYPES)) or len(t.shape) != 2 \
+                or (t.name == "token_embd.weight" and not tied):
             continue
         k, n = (int(d) for d in t.shape)
         raw = torch.from_numpy(t.data.reshape(n, -1).copy())
         if qt in IQ4_REWRITES:
             raw, qt = rewrite_iq4(raw, qt, k), IQ4_REWRITES[qt][1]
-        out.append((qt, pack_kquant(raw, qt, k), n, k))
+        out.append((qt, pack_kquant(raw, qt, k) if kquant else pack(raw, qt, k), n, k))
     return out
 
 

@@ -162,13 +162,13 @@ class W8A8LinearMethod:
         if layer.in_features % BLOCK:
             raise ValueError(f"{self.prefix}: W8A8 runs on blocks of {BLOCK} inputs; "
                              f"{layer.in_features} inputs do not divide by {BLOCK}")
+        if self.from_checkpoint and layer.parallel != "none":
+            raise ValueError(f"{self.prefix}: W8A8 checkpoints do not run under tensor "
+                             f"parallelism yet: run it with tensor_parallel_size 1")
         create_dense_weight(layer, dtype)
 
     def load_shard(self, layer: Any, name: str, shard: int,
                    tensor: torch.Tensor | QuantizedTensor) -> None:
-        if name == "weight_scale" and layer.parallel != "none":
-            raise ValueError(f"{self.prefix}: W8A8 checkpoints do not run under tensor "
-                             f"parallelism yet: run it with tensor_parallel_size 1")
         if self.from_checkpoint and name in ("weight", "weight_scale"):
             self.shards.setdefault(shard, {})[name] = dense(tensor)
         else:

@@ -3,6 +3,7 @@ tree's csrc/ against another git revision's, on every packed linear of a GGUF fi
 
     python benchmarks/kernel_ab.py [--base HEAD] [--rows 1,5,16,512] [--rounds 9]
                                    [--model FILE.gguf] [--isa avx512|avx2] [-D NAME=VALUE]
+                                   [--formats Q6_K,...]
 
 A kernel change of a few percent drowns in this machine's drift between runs (its read rate
 moves 30-60 GB/s from minute to minute), so both builds run in the same process, on the same
@@ -20,6 +21,8 @@ The linears are the file's K-quant ones (qlinear_kquant*.cpp) and its Q4_0 / Q4_
 Q5_1 / Q8_0 / IQ4_NL ones (qlinear*.cpp), each packed as kvserve keeps it; a tied model's
 token embedding is its lm_head and streams every step, so it counts as a linear there. The
 default model (`--model` its Q4_1 file) has no K-quant: its 210 Q4_1 linears and Q8_0 lm_head.
+--formats keeps the linears of the named types only (ggml's names), to time one format's
+kernel without the others' time diluting its ratio.
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ import time
 from pathlib import Path
 
 import torch
+from gguf import GGMLQuantizationType
 from kquant_stream import DEFAULT, load  # benchmarks/kquant_stream.py
 
 from kvserve.ops.cpu import (
@@ -81,11 +85,16 @@ def main() -> None:
     ap.add_argument("--isa", choices=("avx512", "avx2"), help="kernel ISA (default: best)")
     ap.add_argument("-D", dest="defines", action="append", default=[], metavar="NAME=VALUE",
                     help="a #define for the working tree's K-quant kernel files (repeatable)")
+    ap.add_argument("--formats", help="comma-separated ggml type names (default: every one)")
     a = ap.parse_args()
     torch.set_num_threads(a.threads)
     tree_files = with_defines(read_sources(ROOT / CSRC, KERNEL_FILES), a.defines)
     builds = {"base": ops_for(revision_files(a.base), a.isa), "tree": ops_for(tree_files, a.isa)}
     mats = load(a.model, every_packed=True)
+    if a.formats:
+        keep = {GGMLQuantizationType[f].value for f in a.formats.split(",")}
+        mats = [mat for mat in mats if mat[0] in keep]
+        assert mats, f"{a.model.name} has no linear of {a.formats}"
     ms = [int(m) for m in a.rows.split(",")]
     g = torch.Generator().manual_seed(0)
     xs = {(m, k): torch.randn(m, k, generator=g) for m in ms for _, _, _, k in mats}

@@ -78,19 +78,34 @@ namespace {
 using kq::kGroup;
 using kq::kQK;
 
-// How far ahead of the record being read its stream is prefetched. Zen 3: 4, 8 and 16 KB
-// within noise of each other; Zen 4 (this file under KVSERVE_CPU_ISA=avx2; every K-quant
-// linear of the Qwen2.5-Coder 1.5B Q4_K_M file, benchmarks/kernel_ab.py, 9 paired rounds):
-// 4 KB 0.80x, 0.88x, 0.95x the time of 8 KB at 1, 2, 5 rows (2 KB 0.92x, 0.79x, 0.91x).
-#ifndef KVS_KQUANT_PREFETCH_BYTES  // a knob for benchmarks/kernel_ab.py -D
+// How far ahead of the record being read its stream is prefetched, and into which cache.
+// Into L1 (T0): Zen 3, 4, 8 and 16 KB within noise of each other; Zen 4 (this file under
+// KVSERVE_CPU_ISA=avx2; every K-quant linear of the Qwen2.5-Coder 1.5B Q4_K_M file,
+// benchmarks/kernel_ab.py, 9 paired rounds): 4 KB 0.80x, 0.88x, 0.95x the time of 8 KB at 1,
+// 2, 5 rows (2 KB 0.92x, 0.79x, 0.91x). A tile's stream then went into L2 (T1) 6 KB ahead:
+// 0.94x, 0.84x, 0.78x, 0.79x the time of L1 4 KB at 1, 2, 5, 8 rows (same file, Zen 4, 31
+// rounds; Q6_K alone 0.71x at 1 and 5 rows, Q4_K 0.99x / 0.77x; 8 KB within noise of 6 KB),
+// as in the VNNI file, which says why. Not measured on an AVX2-only CPU.
+#ifndef KVS_KQUANT_PREFETCH_BYTES  // knobs for benchmarks/kernel_ab.py -D
 #define KVS_KQUANT_PREFETCH_BYTES 4096
 #endif
+#ifndef KVS_KQUANT_L2_PREFETCH_BYTES
+#define KVS_KQUANT_L2_PREFETCH_BYTES 6144
+#endif
 constexpr int64_t kPrefetchBytes = KVS_KQUANT_PREFETCH_BYTES;
+constexpr int64_t kL2PrefetchBytes = KVS_KQUANT_L2_PREFETCH_BYTES;
 
-// The next kPrefetchBytes' lines of a record being streamed, into L1.
+// The lines of a record kPrefetchBytes ahead of the one being streamed, into L1 (the wide
+// passes' unpack_group).
 inline void prefetch_ahead(const uint8_t* rec, int64_t bytes) {
   for (int64_t o = 0; o < bytes; o += 64)
     _mm_prefetch(reinterpret_cast<const char*>(rec) + kPrefetchBytes + o, _MM_HINT_T0);
+}
+
+// A tile's stream of records: the record kL2PrefetchBytes ahead, into L2.
+inline void prefetch_tile_record(const uint8_t* rec, int64_t bytes) {
+  for (int64_t o = 0; o < bytes; o += 64)
+    _mm_prefetch(reinterpret_cast<const char*>(rec) + kL2PrefetchBytes + o, _MM_HINT_T1);
 }
 
 // 16 per-row bytes (rows 0..15) -> int32 lanes of rows 8h .. 8h + 7, zero- or sign-extended.
@@ -491,7 +506,7 @@ inline void tile(const Q8KActs& a, int64_t m0, const uint8_t* gw, const float* b
     for (int h = 0; h < 2; ++h) sums[m][h] = mins[m][h] = _mm256_setzero_ps();
   for (int64_t i = 0; i < nsb; ++i) {
     const uint8_t* rec = gw + i * Fmt::kRecord;
-    if constexpr (kPrefetchW) prefetch_ahead(rec, Fmt::kRecord);
+    if constexpr (kPrefetchW) prefetch_tile_record(rec, Fmt::kRecord);
     const int8_t* x[MT];
     const int16_t* bs[MT];
     for (int m = 0; m < MT; ++m) {

@@ -54,13 +54,25 @@ namespace {
 using kq::kGroup;
 using kq::kQK;
 
-// How far ahead of the record being read its stream is prefetched. Zen 4, every K-quant
-// linear of the Qwen2.5-Coder 1.5B Q4_K_M file, paired rounds: 2 KB ran 0.92x, 0.91x, 0.89x
-// the time of 8 KB at 1, 2, 5 rows (4 KB 0.94x, 0.92x, 0.97x; 16 KB 1.03x at 1 row).
-#ifndef KVS_KQUANT_PREFETCH_BYTES  // a knob for benchmarks/kernel_ab.py -D
+// How far ahead of the record being read its stream is prefetched, and into which cache.
+// Into L1 (T0): 2 KB ran 0.92x, 0.91x, 0.89x the time of 8 KB at 1, 2, 5 rows (Zen 4, every
+// K-quant linear of the Qwen2.5-Coder 1.5B Q4_K_M file, paired rounds; 4 KB 0.94x, 0.92x,
+// 0.97x; 16 KB 1.03x at 1 row). Into L2 (T1) 6 KB ahead then ran (kernel_ab.py --formats,
+// 61 rounds, Zen 4) Q6_K 0.78x / 0.77x the time of L1 2 KB at 1 / 5 rows, Q5_K 0.92x / 0.72x,
+// Q3_K 0.78x / 0.98x, Q4_K 0.78-0.84x at 5 rows, Q2_K and IQ4_XS 0.83-1.05x, the whole
+// Q4_K_M file 0.92x / 0.79x / 0.82x at 1 / 5 / 16 rows: a burst of a record's 36-53 lines
+// into L1 ties up its few miss buffers, while the L1's own prefetcher follows the lines from
+// L2. L2 at 2 KB, or L2 far with a near L1 prefetch beside it, lost 1.06-1.10x at 1 and 5
+// rows; 4-16 KB into L2 read within noise of 6 KB. One exception: Q4_K's one-row tile, the
+// least work per byte, stays with L1 at 2 KB (L2: 1.01-1.13x its time, three runs).
+#ifndef KVS_KQUANT_PREFETCH_BYTES  // knobs for benchmarks/kernel_ab.py -D
 #define KVS_KQUANT_PREFETCH_BYTES 2048
 #endif
+#ifndef KVS_KQUANT_L2_PREFETCH_BYTES
+#define KVS_KQUANT_L2_PREFETCH_BYTES 6144
+#endif
 constexpr int64_t kPrefetchBytes = KVS_KQUANT_PREFETCH_BYTES;
+constexpr int64_t kL2PrefetchBytes = KVS_KQUANT_L2_PREFETCH_BYTES;
 
 #include "vnni.h"  // dpbusd_bcast, dpwssd_bcast
 
@@ -538,10 +550,23 @@ struct WideIQ4 {
   }
 };
 
-// The next kPrefetchBytes' lines of a record being streamed, into L1.
+// The lines of a record kPrefetchBytes ahead of the one being streamed, into L1 (the wide
+// and AMX passes' unpack_group, and Q4_K's one-row tile).
 inline void prefetch_ahead(const uint8_t* rec, int64_t bytes) {
   for (int64_t o = 0; o < bytes; o += 64)
     _mm_prefetch(reinterpret_cast<const char*>(rec) + kPrefetchBytes + o, _MM_HINT_T0);
+}
+
+// A tile's stream of records: the record kL2PrefetchBytes ahead into L2, except for Q4_K's
+// one-row tile (kPrefetchBytes into L1); the measurements are at kL2PrefetchBytes.
+template <class Fmt, int MT>
+inline void prefetch_tile_record(const uint8_t* rec) {
+  if constexpr (std::is_same_v<Fmt, Q4K> && MT == 1) {
+    prefetch_ahead(rec, Fmt::kRecord);
+  } else {
+    for (int64_t o = 0; o < Fmt::kRecord; o += 64)
+      _mm_prefetch(reinterpret_cast<const char*>(rec) + kL2PrefetchBytes + o, _MM_HINT_T1);
+  }
 }
 
 // A group's output columns 0 .. cols - 1 of one row: mins + sums (+ bias), the spec's last
@@ -570,7 +595,7 @@ inline void tile(const Q8KActs& a, int64_t m0, const uint8_t* gw, const float* b
   for (int m = 0; m < MT; ++m) sums[m] = mins[m] = _mm512_setzero_ps();
   for (int64_t i = 0; i < nsb; ++i) {
     const uint8_t* rec = gw + i * Fmt::kRecord;
-    if constexpr (kPf) prefetch_ahead(rec, Fmt::kRecord);
+    if constexpr (kPf) prefetch_tile_record<Fmt, MT>(rec);
     const int8_t* x[MT];
     const int16_t* bs[MT];
     for (int m = 0; m < MT; ++m) {

@@ -33,7 +33,11 @@ namespace kvs {
 namespace {
 
 // Weight-stream prefetch distance (bytes ahead of the record being multiplied), as in
-// linear_avx512.cpp.
+// linear_avx512.cpp, into L2 (T1) rather than L1, as qlinear_kquant_avx512.cpp says why:
+// Zen 4, benchmarks/kernel_ab.py, 41 rounds, tree (L2) / base (L1) at 1, 2, 5, 8 rows: the
+// default model's Q4_1 file 0.95, 0.96, 0.98, 0.98; its Q8_0 requantization 0.95, 0.99,
+// 0.87, 0.82; Q5_1 0.94, 0.95, 0.93, 0.96. (The AVX2 file, qlinear.cpp, read 0.97-1.04x
+// the same way: it stays with L1.)
 constexpr int64_t kPrefetchBytes = 8192;
 
 #include "vnni.h"  // dpbusd_bcast
@@ -65,7 +69,7 @@ inline void tile(const QActs& a, int64_t m0, const uint8_t* w, int64_t gbytes,
       const uint8_t* r = block_record(F, w + g * gbytes, b).quants;  // its chunks at + F.qs
       if constexpr (kPf)  // the stream advances kRB / F.span bytes a block
         for (int64_t o = 0; o < (kRB + F.span - 1) / F.span; o += 64)
-          _mm_prefetch(reinterpret_cast<const char*>(r) + kPrefetchBytes + o, _MM_HINT_T0);
+          _mm_prefetch(reinterpret_cast<const char*>(r) + kPrefetchBytes + o, _MM_HINT_T1);
       if constexpr (F.nibbles) {
         [[maybe_unused]] const __m512i plane =
             F.qh >= 0 ? _mm512_loadu_si512(r + F.qh) : _mm512_setzero_si512();

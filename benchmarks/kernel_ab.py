@@ -17,8 +17,9 @@ Prints per M the milliseconds of all the linears (median over rounds) for each b
 the median per-round ratio tree / base: below 1 the tree is faster. The outputs of the two
 builds are compared bit for bit first (the kernels' contract: same sums, same bits).
 
-The linears are the file's K-quant ones (qlinear_kquant*.cpp) and its Q4_0 / Q4_1 / Q5_0 /
-Q5_1 / Q8_0 / IQ4_NL ones (qlinear*.cpp), each packed as kvserve keeps it; a tied model's
+The linears are the file's K-quant ones (qlinear_kquant*.cpp), its Q4_0 / Q4_1 / Q5_0 /
+Q5_1 / Q8_0 / IQ4_NL ones (qlinear*.cpp), each packed as kvserve keeps it, and its F32 / F16 /
+BF16 ones (linear*.cpp's rows, as kvserve holds a float file's weights); a tied model's
 token embedding is its lm_head and streams every step, so it counts as a linear there. The
 default model (`--model` its Q4_1 file) has no K-quant: its 210 Q4_1 linears and Q8_0 lm_head.
 --formats keeps the linears of the named types only (ggml's names), to time one format's
@@ -35,7 +36,7 @@ from pathlib import Path
 
 import torch
 from gguf import GGMLQuantizationType
-from kquant_stream import DEFAULT, load  # benchmarks/kquant_stream.py
+from kquant_stream import DEFAULT, FLOAT_DTYPES, load  # benchmarks/kquant_stream.py
 
 from kvserve.ops.cpu import (
     KERNEL_FILES,
@@ -63,6 +64,8 @@ def with_defines(files: dict[str, bytes], defines: list[str]) -> dict[str, bytes
 
 
 def multiply(ops: CpuOps, x: torch.Tensor, w: torch.Tensor, n: int, qt: int) -> torch.Tensor:
+    if qt in FLOAT_DTYPES:
+        return ops.linear(x, w, wtype=qt)
     if qt in KQUANT_KERNEL_WTYPES:
         return ops.qlinear_kquant(x, w, n, wtype=qt)
     return ops.qlinear(x, w, n, wtype=qt)

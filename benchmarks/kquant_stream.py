@@ -23,12 +23,14 @@ from gguf import GGUFReader
 from models import MODELS  # benchmarks/models.py
 
 from kvserve.ops.cpu import KQUANT_KERNEL_WTYPES, PACKED_WTYPES, CpuOps
-from kvserve.quant.block_pack import pack
+from kvserve.quant.base import BF16, F16
+from kvserve.quant.block_pack import F32, pack
 from kvserve.quant.ggml_kquants import IQ4_REWRITES, rewrite_iq4
 from kvserve.quant.ggml_kquants import KQUANT_NAMES as NAMES
 from kvserve.quant.kquant_pack import pack_kquant
 
 DEFAULT = MODELS / "qwen2.5-coder-1.5b-instruct-q4_k_m.gguf"
+FLOAT_DTYPES = {F32: torch.float32, F16: torch.float16, BF16: torch.bfloat16}  # ops.linear's
 
 
 def load(path: Path, every_packed: bool = False) -> list[tuple[int, torch.Tensor, int, int]]:
@@ -36,18 +38,24 @@ def load(path: Path, every_packed: bool = False) -> list[tuple[int, torch.Tensor
     i-quant rewritten first as the loader rewrites it (ggml_kquants.rewrite_iq4). The token
     embedding is looked up, not streamed, so it is left out. every_packed (kernel_ab.py): the
     Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q8_0 / IQ4_NL linears too (block_pack.pack, ops.qlinear's
-    layout), and a tied model's embedding (no output.weight), which is its lm_head."""
+    layout), the F32 / F16 / BF16 ones as [N, K] tensors of their dtype (ops.linear's rows),
+    and a tied model's embedding (no output.weight), which is its lm_head."""
     tensors = GGUFReader(path).tensors
     tied = every_packed and not any(t.name == "output.weight" for t in tensors)
     out = []
     for t in tensors:
         qt = int(t.tensor_type)
         kquant = qt in KQUANT_KERNEL_WTYPES or qt in IQ4_REWRITES
-        if (not kquant and not (every_packed and qt in PACKED_WTYPES)) or len(t.shape) != 2 \
+        packed = every_packed and qt in PACKED_WTYPES
+        rows = every_packed and qt in FLOAT_DTYPES
+        if not (kquant or packed or rows) or len(t.shape) != 2 \
                 or (t.name == "token_embd.weight" and not tied):
             continue
         k, n = (int(d) for d in t.shape)
         raw = torch.from_numpy(t.data.reshape(n, -1).copy())
+        if rows:  # GGUFReader hands BF16 out as its bytes
+            out.append((qt, raw.view(torch.uint8).view(FLOAT_DTYPES[qt]).reshape(n, k), n, k))
+            continue
         if qt in IQ4_REWRITES:
             raw, qt = rewrite_iq4(raw, qt, k), IQ4_REWRITES[qt][1]
         out.append((qt, pack_kquant(raw, qt, k) if kquant else pack(raw, qt, k), n, k))

@@ -125,13 +125,16 @@ inline void tile(const float* x, int64_t ldx, const uint8_t* w, int64_t rb, int6
   // row ahead of itself left NT short streams, a 576-wide F16 row being 18 lines, which the
   // hardware prefetcher did not follow: F16 rows streamed at 15 GB/s against 21-27 so, on an
   // AVX2 EPYC; benchmarks/linear_prefetch.cpp.) Prefetching never changes the arithmetic.
+  // Into L2 (T1), as qlinear_kquant_avx512.cpp says why: Zen 4 under KVSERVE_CPU_ISA=avx2,
+  // benchmarks/kernel_ab.py, 31 rounds, tree (L2) / base (L1) at 1, 2, 5, 8, 16 rows: the
+  // default model as float32 0.87, 0.92, 0.79, 0.79, 0.86; as F16 0.90-1.03 (noise).
   const int64_t lines = NT * rb / 64;
   const int64_t steps = std::max<int64_t>(Fmt::kQuant ? K / 32 : K / 8, 1);
   const char* ahead = reinterpret_cast<const char*>(w) + kTilesAhead * NT * rb;
   auto prefetch_share = [&](int64_t s) {
     if constexpr (kPrefetchW)
       for (int64_t l = s * lines / steps; l < (s + 1) * lines / steps; ++l)
-        _mm_prefetch(ahead + 64 * l, _MM_HINT_T0);
+        _mm_prefetch(ahead + 64 * l, _MM_HINT_T1);
   };
 
   int64_t k = 0;

@@ -34,6 +34,10 @@ namespace {
 // fixed distance whatever K and the tile height are.
 // 2 KB .. 16 KB measured within noise of each other on Zen 5 (M = 1: 43-45 GB/s, against
 // ~50 GB/s for a bare 2-thread streaming read); without any prefetch M = 1 loses ~5%.
+// Into L2 (T1), as qlinear_kquant_avx512.cpp says why: Zen 4, benchmarks/kernel_ab.py, 31
+// rounds, tree (L2) / base (L1) at 2, 5, 8 rows: the default model as F16 0.84, 0.78, 0.79,
+// as BF16 0.83, 0.83, 0.78, as float32 0.83, 0.68, 0.72 (0.82-0.87 at 16). The one-row
+// stream below stays with L1 (L2 there: 1.04-1.07x at 2 KB ahead, 0.96x at 6 KB).
 constexpr int64_t kPrefetchBytes = 8192;
 // A float32 tile of one row (M = 1) reads its row alone, the rows one after another: one
 // linear stream per thread, the pattern the hardware prefetchers follow best (and llama.cpp's
@@ -204,7 +208,7 @@ inline void tile(const float* x, int64_t ldx, const uint8_t* w, int64_t rb, int6
       for (int n = 0; n < NT; ++n) {
         if constexpr (kPf) {
           if (((consumed + 2 * Fmt::kStep) >> 6) != (consumed >> 6))
-            _mm_prefetch(pf + (consumed & ~int64_t{63}), _MM_HINT_T0);
+            _mm_prefetch(pf + (consumed & ~int64_t{63}), _MM_HINT_T1);
           consumed += 2 * Fmt::kStep;
         }
         __m512 w0, w1;
@@ -223,7 +227,7 @@ inline void tile(const float* x, int64_t ldx, const uint8_t* w, int64_t rb, int6
                      _MM_HINT_T0);
       } else if constexpr (kPf) {
         if (((consumed + Fmt::kStep) >> 6) != (consumed >> 6))
-          _mm_prefetch(pf + (consumed & ~int64_t{63}), _MM_HINT_T0);
+          _mm_prefetch(pf + (consumed & ~int64_t{63}), _MM_HINT_T1);
         consumed += Fmt::kStep;
       }
       __m512 wv = Fmt::load(w + n * rb, k);
@@ -237,7 +241,7 @@ inline void tile(const float* x, int64_t ldx, const uint8_t* w, int64_t rb, int6
       for (int m = 0; m < MT; ++m) xv[m] = _mm512_maskz_loadu_ps(mask, x + m * ldx + k);
       for (int n = 0; n < NT; ++n) {
         if constexpr (kPf && NT > 1) {
-          _mm_prefetch(pf + consumed, _MM_HINT_T0);
+          _mm_prefetch(pf + consumed, _MM_HINT_T1);
           consumed += 64;
         }
         __m512 wv = _mm512_maskz_loadu_ps(mask, reinterpret_cast<const float*>(w + n * rb) + k);

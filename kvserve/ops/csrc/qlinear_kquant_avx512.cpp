@@ -59,10 +59,10 @@ using kq::kQK;
 // K-quant linear of the Qwen2.5-Coder 1.5B Q4_K_M file, paired rounds; 4 KB 0.94x, 0.92x,
 // 0.97x; 16 KB 1.03x at 1 row). Into L2 (T1) 6 KB ahead then ran (kernel_ab.py --formats,
 // 61 rounds, Zen 4) Q6_K 0.78x / 0.77x the time of L1 2 KB at 1 / 5 rows, Q5_K 0.92x / 0.72x,
-// Q3_K 0.78x / 0.98x, Q4_K 0.78-0.84x at 5 rows, Q2_K and IQ4_XS 0.83-1.05x, the whole
-// Q4_K_M file 0.92x / 0.79x / 0.82x at 1 / 5 / 16 rows: a burst of a record's 36-53 lines
-// into L1 ties up its few miss buffers, while the L1's own prefetcher follows the lines from
-// L2. L2 at 2 KB, or L2 far with a near L1 prefetch beside it, lost 1.06-1.10x at 1 and 5
+// Q3_K 0.78x / 0.98x, Q4_K 0.78-0.84x at 5 rows, Q2_K and IQ4_XS 0.83-1.05x; the whole
+// Q4_K_M file, as below (Q4_K's one-row tile with L1), 0.95x, 0.95x, 0.77x, 0.72x, 0.82x
+// at 1, 2, 5, 8, 16 rows. Why: a burst of a record's 36-53 lines into L1 ties up its few
+// miss buffers, while the L1's own prefetcher follows the lines from L2. L2 at 2 KB, or L2 far with a near L1 prefetch beside it, lost 1.06-1.10x at 1 and 5
 // rows; 4-16 KB into L2 read within noise of 6 KB. One exception: Q4_K's one-row tile, the
 // least work per byte, stays with L1 at 2 KB (L2: 1.01-1.13x its time, three runs).
 #ifndef KVS_KQUANT_PREFETCH_BYTES  // knobs for benchmarks/kernel_ab.py -D

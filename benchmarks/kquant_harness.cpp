@@ -35,7 +35,7 @@ inline void vtile(const Q8KActs& a, const uint8_t* gw, float* out, int64_t cols,
   __m256i acc = _mm256_setzero_si256();
   for (int64_t i = 0; i < nsb; ++i) {
     const uint8_t* rec = gw + i * Fmt::kRecord;
-    if constexpr (kPF) prefetch_ahead(rec, Fmt::kRecord);
+    if constexpr (kPF) prefetch_tile_record(rec, Fmt::kRecord);  // as tile<> does
     if constexpr (kMode == 1) {
       const int8_t* x[1] = {a.q + i * kQK};
       const int16_t* bs[1] = {a.bsums + i * 16};

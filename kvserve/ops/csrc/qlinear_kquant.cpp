@@ -95,17 +95,22 @@ using kq::kQK;
 constexpr int64_t kPrefetchBytes = KVS_KQUANT_PREFETCH_BYTES;
 constexpr int64_t kL2PrefetchBytes = KVS_KQUANT_L2_PREFETCH_BYTES;
 
-// The lines of a record kPrefetchBytes ahead of the one being streamed, into L1 (the wide
-// passes' unpack_group).
-inline void prefetch_ahead(const uint8_t* rec, int64_t bytes) {
+// The lines of the `bytes` at rec + kAhead, into the cache kHint names.
+template <int64_t kAhead, _mm_hint kHint>
+inline void prefetch_lines(const uint8_t* rec, int64_t bytes) {
   for (int64_t o = 0; o < bytes; o += 64)
-    _mm_prefetch(reinterpret_cast<const char*>(rec) + kPrefetchBytes + o, _MM_HINT_T0);
+    _mm_prefetch(reinterpret_cast<const char*>(rec) + kAhead + o, kHint);
+}
+
+// A record kPrefetchBytes ahead of the one being streamed, into L1 (the wide passes'
+// unpack_group).
+inline void prefetch_ahead(const uint8_t* rec, int64_t bytes) {
+  prefetch_lines<kPrefetchBytes, _MM_HINT_T0>(rec, bytes);
 }
 
 // A tile's stream of records: the record kL2PrefetchBytes ahead, into L2.
 inline void prefetch_tile_record(const uint8_t* rec, int64_t bytes) {
-  for (int64_t o = 0; o < bytes; o += 64)
-    _mm_prefetch(reinterpret_cast<const char*>(rec) + kL2PrefetchBytes + o, _MM_HINT_T1);
+  prefetch_lines<kL2PrefetchBytes, _MM_HINT_T1>(rec, bytes);
 }
 
 // 16 per-row bytes (rows 0..15) -> int32 lanes of rows 8h .. 8h + 7, zero- or sign-extended.

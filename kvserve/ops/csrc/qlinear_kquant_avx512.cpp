@@ -62,9 +62,10 @@ using kq::kQK;
 // Q3_K 0.78x / 0.98x, Q4_K 0.78-0.84x at 5 rows, Q2_K and IQ4_XS 0.83-1.05x; the whole
 // Q4_K_M file, as below (Q4_K's one-row tile with L1), 0.95x, 0.95x, 0.77x, 0.72x, 0.82x
 // at 1, 2, 5, 8, 16 rows. Why: a burst of a record's 36-53 lines into L1 ties up its few
-// miss buffers, while the L1's own prefetcher follows the lines from L2. L2 at 2 KB, or L2 far with a near L1 prefetch beside it, lost 1.06-1.10x at 1 and 5
-// rows; 4-16 KB into L2 read within noise of 6 KB. One exception: Q4_K's one-row tile, the
-// least work per byte, stays with L1 at 2 KB (L2: 1.01-1.13x its time, three runs).
+// miss buffers, while the L1's own prefetcher follows the lines from L2. L2 at 2 KB, or L2
+// far with a near L1 prefetch beside it, lost 1.06-1.10x at 1 and 5 rows; 4-16 KB into L2
+// read within noise of 6 KB. One exception: Q4_K's one-row tile, the least work per byte,
+// stays with L1 at 2 KB (L2: 1.01-1.13x its time, three runs).
 #ifndef KVS_KQUANT_PREFETCH_BYTES  // knobs for benchmarks/kernel_ab.py -D
 #define KVS_KQUANT_PREFETCH_BYTES 2048
 #endif
@@ -550,23 +551,25 @@ struct WideIQ4 {
   }
 };
 
-// The lines of a record kPrefetchBytes ahead of the one being streamed, into L1 (the wide
-// and AMX passes' unpack_group, and Q4_K's one-row tile).
-inline void prefetch_ahead(const uint8_t* rec, int64_t bytes) {
+// The lines of the `bytes` at rec + kAhead, into the cache kHint names.
+template <int64_t kAhead, _mm_hint kHint>
+inline void prefetch_lines(const uint8_t* rec, int64_t bytes) {
   for (int64_t o = 0; o < bytes; o += 64)
-    _mm_prefetch(reinterpret_cast<const char*>(rec) + kPrefetchBytes + o, _MM_HINT_T0);
+    _mm_prefetch(reinterpret_cast<const char*>(rec) + kAhead + o, kHint);
+}
+
+// A record kPrefetchBytes ahead of the one being streamed, into L1 (the wide and AMX passes'
+// unpack_group).
+inline void prefetch_ahead(const uint8_t* rec, int64_t bytes) {
+  prefetch_lines<kPrefetchBytes, _MM_HINT_T0>(rec, bytes);
 }
 
 // A tile's stream of records: the record kL2PrefetchBytes ahead into L2, except for Q4_K's
 // one-row tile (kPrefetchBytes into L1); the measurements are at kL2PrefetchBytes.
 template <class Fmt, int MT>
 inline void prefetch_tile_record(const uint8_t* rec) {
-  if constexpr (std::is_same_v<Fmt, Q4K> && MT == 1) {
-    prefetch_ahead(rec, Fmt::kRecord);
-  } else {
-    for (int64_t o = 0; o < Fmt::kRecord; o += 64)
-      _mm_prefetch(reinterpret_cast<const char*>(rec) + kL2PrefetchBytes + o, _MM_HINT_T1);
-  }
+  if constexpr (std::is_same_v<Fmt, Q4K> && MT == 1) prefetch_ahead(rec, Fmt::kRecord);
+  else prefetch_lines<kL2PrefetchBytes, _MM_HINT_T1>(rec, Fmt::kRecord);
 }
 
 // A group's output columns 0 .. cols - 1 of one row: mins + sums (+ bias), the spec's last

@@ -162,15 +162,20 @@ class W8A8LinearMethod:
         if layer.in_features % BLOCK:
             raise ValueError(f"{self.prefix}: W8A8 runs on blocks of {BLOCK} inputs; "
                              f"{layer.in_features} inputs do not divide by {BLOCK}")
-        if self.from_checkpoint and layer.parallel != "none":
-            raise ValueError(f"{self.prefix}: W8A8 checkpoints do not run under tensor "
-                             f"parallelism yet: run it with tensor_parallel_size 1")
         create_dense_weight(layer, dtype)
 
     def load_shard(self, layer: Any, name: str, shard: int,
                    tensor: torch.Tensor | QuantizedTensor) -> None:
+        # Under tensor parallelism the layer has cut `weight` to this rank's rows (column-
+        # parallel) or input columns (row-parallel); `weight_scale` [N, 1] arrives whole. A
+        # column-parallel rank keeps its rows' scales; a row-parallel one keeps every row's,
+        # and quantizes its own share of x per token (as the int8 GGUF kernels do under TP).
         if self.from_checkpoint and name in ("weight", "weight_scale"):
-            self.shards.setdefault(shard, {})[name] = dense(tensor)
+            t, n = dense(tensor), layer.shard_sizes[shard]
+            if (name == "weight_scale" and layer.parallel == "column"
+                    and t.numel() == n * layer.tp.size):  # else _checkpoint_weights names it
+                t = t.reshape(-1).narrow(0, layer.tp.rank * n, n)
+            self.shards.setdefault(shard, {})[name] = t
         else:
             copy_shard(layer, name, shard, dense(tensor))
 

@@ -6,7 +6,8 @@ rounds); engines in one process, run back to back, share the machine's state at 
 Each configuration is one LLM engine (kvserve's own code), all loaded at once; each round
 runs every engine over the same prompts of a task (spec_rows.py's, through the chat
 template), greedy, one request at a time (--streams 1) or all of them at once (--streams 8:
-8 prompts in one batch), the order rotated every round. The suffix proposer's cache of past
+8 prompts in one batch; with --arrive-per-step one joins per engine step, as a server takes
+a burst), the order rotated every round. The suffix proposer's cache of past
 answers starts empty every round, as a server's does for the spec step's fresh API key per
 round (offline, every request is one tenant: round 2 would draft round 1's answers to the
 very same prompts). Printed per round:
@@ -31,6 +32,7 @@ import statistics
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import spec_rows as sr
 from models import MODELS, QWEN_0_5B
@@ -49,6 +51,16 @@ def _policy_class(tree: str) -> type:
     return module.SpecPolicy
 
 
+def _arrive_per_step(engine: Any, prompts: list[str], sp: Any, tag: str) -> None:
+    """Runs prompts to completion, the i-th added before the engine's i-th step."""
+    done = added = 0
+    while done < len(prompts):
+        if added < len(prompts):
+            engine.add_request(f"{tag}{added}", prompts[added], sp)
+            added += 1
+        done += sum(o.finished for o in engine.step())
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -57,6 +69,9 @@ def main() -> int:
     p.add_argument("--rounds", type=int, default=10)
     p.add_argument("--streams", type=int, default=1, choices=list(sr.PROMPTS))
     p.add_argument("--model", default="smollm2-135m", help="the target (the default model)")
+    p.add_argument("--arrive-per-step", action="store_true",
+                   help="--streams 8: one request joins per engine step, as a server takes a "
+                        "burst, instead of all at once")
     p.add_argument("--draft", default=str(MODELS / QWEN_0_5B))
     p.add_argument("--medusa", default=str(MEDUSA))
     ns = p.parse_args()
@@ -99,8 +114,11 @@ def main() -> int:
             if cache is not None:  # suffix: no answers of an earlier round (see above)
                 runner.proposer.cache = type(cache)(cache.max_tokens)
             t0 = time.perf_counter()
-            for batch in ([[p] for p in prompts] if ns.streams == 1 else [prompts]):
-                engines[n].generate(batch, sp, use_tqdm=False)
+            if ns.arrive_per_step and ns.streams > 1:
+                _arrive_per_step(engines[n].llm_engine, prompts, sp, f"{r}-")
+            else:
+                for batch in ([[p] for p in prompts] if ns.streams == 1 else [prompts]):
+                    engines[n].generate(batch, sp, use_tqdm=False)
             seconds[n] = time.perf_counter() - t0
             s = runner.spec_stats
             counts[n] = f"{s.num_drafts} drafts, {s.num_accepted_tokens}/{s.num_draft_tokens}"

@@ -82,11 +82,10 @@ _DECAY = 0.8  # per verify step, of a request's acceptance counts
 # tokens). Qwen2.5-Coder 1.5B + 0.5B, 1 stream, 3 x 4 open prompts on one engine, paired:
 # 375 drafts and 179 s without, 1149 drafts and 162 s with.
 _IDLE_DECAY = 0.9
-# A request's tokens left, which spread a catch-up's price (_tokens_left): the mean excess
-# of the last _LENGTHS requests to finish that ran longer than its own output, over at least
-# _MIN_LONGER of them (the rest counted as ending now); with fewer than _MIN_LONGER finished,
-# it is expected to write as much again, and at least _TYPICAL_ANSWER (a chat answer's
-# length, a guess).
+# A request's tokens left, which spread a catch-up's price (_tokens_left): the output lengths
+# of the last _LENGTHS requests to finish; with fewer than _MIN_LONGER of them longer than a
+# request's own output, it is expected to write as much again, and at least _TYPICAL_ANSWER
+# (a guess: a chat answer's length).
 _LENGTHS, _MIN_LONGER, _TYPICAL_ANSWER = 64, 4, 256
 _SERVER_DECAY = 0.98
 _EMA = 0.2  # of the step-time tables
@@ -347,21 +346,15 @@ class SpecPolicy:
     def _tokens_left(self, req: Request) -> float:
         """The tokens req is expected to write still, which a catch-up's price is spread
         over: the mean excess of the recently finished requests that ran longer than it
-        has so far (over at least _MIN_LONGER), at most max_tokens - its output. Not
-        max_tokens alone: a client that sends none gets the context's room (thousands of
-        tokens), where any catch-up looked free, and a chat answer ends well before its
-        cap."""
+        has so far, at most max_tokens - its output. Not max_tokens alone: a client that
+        sends none gets the context's room (thousands of tokens), where any catch-up looked
+        free, and a chat answer ends well before its cap."""
         n, cap = req.num_output_tokens, req.max_tokens
         room = max(1, cap - n)
         longer = [min(length, cap) - n for length in self._lengths if length > n]
-        if len(self._lengths) < _MIN_LONGER:  # too few finished to say: as much again
+        if len(longer) < _MIN_LONGER:
             return min(room, max(n, _TYPICAL_ANSWER))
-        # Fewer than _MIN_LONGER of them ran longer: the others count as ending here. A
-        # request that outlived every recent answer is near its end on a task whose answers
-        # are bounded (an edit of its prompt): "as much again" there made the last request
-        # of an 8-stream burst, alone at 198 of its 219 tokens, catch a draft model up over
-        # 488 tokens (1.07 s) to draft 6 steps (Qwen2.5-Coder 1.5B + 0.5B, grounded task).
-        return min(room, max(1.0, sum(longer) / max(len(longer), _MIN_LONGER)))
+        return min(room, max(1.0, sum(longer) / len(longer)))
 
     def _catch_up_pays(self, alpha: float, cap: int, tokens: int, req: Request, load: int,
                        draft_prior: float) -> bool:

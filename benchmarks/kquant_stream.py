@@ -23,14 +23,14 @@ from gguf import GGUFReader
 from models import MODELS  # benchmarks/models.py
 
 from kvserve.ops.cpu import KQUANT_KERNEL_WTYPES, PACKED_WTYPES, CpuOps
-from kvserve.quant.base import BF16, F16
+from kvserve.quant.base import HALF_DTYPES
 from kvserve.quant.block_pack import F32, pack
 from kvserve.quant.ggml_kquants import IQ4_REWRITES, rewrite_iq4
 from kvserve.quant.ggml_kquants import KQUANT_NAMES as NAMES
 from kvserve.quant.kquant_pack import pack_kquant
 
 DEFAULT = MODELS / "qwen2.5-coder-1.5b-instruct-q4_k_m.gguf"
-FLOAT_DTYPES = {F32: torch.float32, F16: torch.float16, BF16: torch.bfloat16}  # ops.linear's
+FLOAT_DTYPES = {F32: torch.float32, **HALF_DTYPES}  # ops.linear's rows
 
 
 def load(path: Path, every_packed: bool = False) -> list[tuple[int, torch.Tensor, int, int]]:

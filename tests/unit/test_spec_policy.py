@@ -368,6 +368,31 @@ def test_a_fresh_row_count_keeps_its_own_time() -> None:
     assert c(8) == 0.200
 
 
+def test_a_stale_row_count_restarts_no_dearer_than_the_larger_fresh_ones() -> None:
+    # A burst's last request (Qwen2.5-Coder 1.5B + its 0.5B draft, 8 streams, grounded),
+    # alone at 198 of its 256 tokens after 35 steps of 2-8 rows: one row restarts from one
+    # step. A stall there (60 ms) priced a token at ~86 ms against ~26, and its draft model
+    # caught up over 488 tokens (~1.2 s) to draft the 58 left.
+    p = SpecPolicy(4, draft_forwards="per_depth")
+    p.observe_step(1, 0.026)
+    for _ in range(5):
+        for rows in range(8, 1, -1):
+            p.observe_step(rows, 0.026 + 0.012 * (rows - 1))
+    p.observe_draft([(1, 0.0108)])
+    p.observe_catch_up(488, 488 * 0.00242)
+    tail = Request("tail", list(range(290)), SamplingParams(max_tokens=256), max_tokens=256)
+    for t in range(198):
+        tail.append_output_token(t)
+    _accept(p, [tail], 4, 4)
+    assert p.alpha("tail") > 0.9
+    p.observe_step(1, 0.026 + 0.060)
+    assert p.cost(1) == pytest.approx(0.038)  # the two rows' time, not the stall's
+    assert p.num_drafts([tail], [4], [488], load=1) == [0]
+    # Measured again, it is an average like any other.
+    p.observe_step(1, 0.026)
+    assert p.cost(1) == pytest.approx(0.038 + 0.2 * (0.026 - 0.038))
+
+
 def _catching_up() -> SpecPolicy:
     """A draft model's policy on a CPU-like target (50 ms a step, 5 ms a row more), 20 ms
     draft forwards and 3 ms a token of catch-up."""

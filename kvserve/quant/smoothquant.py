@@ -160,8 +160,12 @@ class W8A8LinearMethod:
 
     def create_weights(self, layer: Any, dtype: torch.dtype) -> None:
         if layer.in_features % BLOCK:
+            inputs = f"{layer.in_features} inputs"
+            if layer.parallel == "row":  # a row-parallel rank quantizes its share of x
+                inputs = (f"this rank's {layer.in_features} of its inputs (tensor parallel "
+                          f"size {layer.tp.size})")
             raise ValueError(f"{self.prefix}: W8A8 runs on blocks of {BLOCK} inputs; "
-                             f"{layer.in_features} inputs do not divide by {BLOCK}")
+                             f"{inputs} do not divide by {BLOCK}")
         create_dense_weight(layer, dtype)
 
     def load_shard(self, layer: Any, name: str, shard: int,

@@ -154,3 +154,25 @@ def test_compressed_tensors_configs_kvserve_does_not_run_are_refused_by_name() -
     for msg, change in bad.items():
         with pytest.raises(ValueError, match=msg.replace("(", r"\(").replace("[", r"\[")):
             checkpoint_settings(_ct_config(**change))
+
+
+def test_inputs_that_do_not_fill_blocks_are_refused_naming_whose() -> None:
+    # W8A8 runs on Q8_0 blocks of 32 inputs. A row-parallel rank quantizes its own share of
+    # x, so under tensor parallelism the share is what must divide, and the error says so.
+    from kvserve.distributed.group import TPGroup
+    from kvserve.layers.linear import Linear
+
+    def make(k: int, parallel: str = "none", tp: TPGroup | None = None) -> Linear:
+        return Linear(k, 64, bias=False, ops=None, dtype=torch.float32, parallel=parallel,
+                      tp=tp, quant_method=W8A8LinearMethod("model.layers.0.mlp.down_proj",
+                                                           from_checkpoint=False))
+
+    with pytest.raises(ValueError, match=r"^model\.layers\.0\.mlp\.down_proj: W8A8 runs on "
+                                         r"blocks of 32 inputs; 48 inputs do not divide"):
+        make(48)
+    rank = TPGroup(1, 2, None, None, 3.0)
+    assert make(128, "row", rank).in_features == 64  # two ranks of two blocks each
+    with pytest.raises(ValueError, match=r"this rank's 48 of its inputs \(tensor parallel "
+                                         r"size 2\) do not divide by 32$"):
+        make(96, "row", rank)
+    assert make(96, "column", rank).in_features == 96  # a column split keeps every input

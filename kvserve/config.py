@@ -414,13 +414,6 @@ class EngineConfig:
 
     def __post_init__(self) -> None:
         self.parallel.check_model(self.model_config)
-        if self.parallel.tensor_parallel_size > 1 and self.speculative is not None:
-            # A draft model runs whole in rank 0's process (vLLM's draft_tensor_parallel_size
-            # 1); self_draft runs the target's own first layers, which the ranks split.
-            _require(self.speculative.method != "self_draft",
-                     "speculative method 'self_draft' runs the target's first layers alone, "
-                     "which tensor parallelism does not split yet; use draft_model, ngram, "
-                     "suffix or medusa with tensor_parallel_size > 1")
         _require(self.grammar_cache_bytes >= 0,
                  f"grammar_cache_bytes must be >= 0, got {self.grammar_cache_bytes}")
         _require(self.dtype in _DTYPES,

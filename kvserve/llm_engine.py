@@ -155,6 +155,8 @@ class LLMEngine:
             num_blocks = executor.agree_blocks(num_blocks)
         engine = cls(config, tokenizer, model, num_blocks, proposer)
         engine.runner.executor = executor
+        if proposer is not None:
+            proposer.executor = executor
         return engine
 
     @staticmethod

@@ -8,6 +8,7 @@
       counts over the pipes                       (the same block ids, its KV heads)
     each step: send_step(ModelInput)  ------>   recv the step (a pipe: idle ranks wait there,
       the same forward, all-reduces paired         never inside a collective)
+      (a self-draft's: its first layers)
       gather_logits -> rank 0 samples           forward; its vocabulary slice to rank 0
     check(): a dead rank is an error            exits when rank 0 says stop or its pipe
     shutdown(): stop, join, kill                  closes (rank 0 died)
@@ -133,8 +134,10 @@ class TPExecutor:
                                    f"{timeout_s:.0f}s")
         return conn.recv()
 
-    def send_step(self, inp: ModelInput) -> None:
-        data = encode_step(inp)
+    def send_step(self, inp: ModelInput, num_layers: int = 0) -> None:
+        """The other ranks run the forward of inp (its first num_layers decoder layers: 0
+        for all) with this one."""
+        data = encode_step(inp, num_layers)
         for rank, conn in enumerate(self.conns, start=1):
             try:
                 conn.send_bytes(data)

@@ -64,6 +64,10 @@ def worker_main(args: Any, rank: int, size: int, port: int, conn: Any, cores: li
     _kind, num_blocks = conn.recv()
     kv_cache = allocate_kv_cache(config, num_blocks)
     device = torch.device(config.device)
+    # A self-draft's forwards run the first n layers in their part of the cache (a view):
+    # one list per n, kept, since the fused layer stack is built once per list (ops/cpu.py's
+    # fused_llama_stack).
+    first_layers: dict[int, tuple[Any, Any]] = {0: (None, kv_cache)}
     with torch.inference_mode():
         while True:
             try:
@@ -72,6 +76,9 @@ def worker_main(args: Any, rank: int, size: int, port: int, conn: Any, cores: li
                 return  # rank 0 is gone
             if data == STOP:
                 return
-            inp = decode_step(data, device)
-            hidden = model(inp, kv_cache)
+            inp, n = decode_step(data, device)
+            if n not in first_layers:
+                first_layers[n] = (model.layers[:n], kv_cache[:n])
+            layers, cache = first_layers[n]
+            hidden = model(inp, cache, layers=layers)
             model.compute_logits(hidden[inp.logits_indices])  # this rank's slice, to rank 0

@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 if TYPE_CHECKING:
     import torch
 
+    from kvserve.executor.tp import TPExecutor
     from kvserve.request import Request
 
 
@@ -72,6 +73,10 @@ class Proposer(Protocol):
     # (tokens, seconds) of the last propose()'s catch-up over tokens it had not read (a new
     # prompt), None if there was none.
     last_catch_up: tuple[int, float] | None
+    # The target's other tensor-parallel ranks (set by the engine; None in one process): a
+    # proposer whose forwards run the target's own split layers (self_draft) sends each
+    # step to them, as the target's steps are. A draft model runs whole on rank 0.
+    executor: TPExecutor | None
 
     def allocate_kv(self, num_blocks: int, target_kv: Any) -> None:
         """Its KV cache, in the target's blocks (nothing for a proposer without a model);
@@ -111,6 +116,7 @@ class KVFreeProposer:
     last_timing: list[tuple[int, float]] | None = None
     last_catch_up: tuple[int, float] | None = None
     needs_hidden_states = False
+    executor: TPExecutor | None = None
 
     def allocate_kv(self, num_blocks: int, target_kv: Any) -> None:
         pass

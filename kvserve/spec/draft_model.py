@@ -26,6 +26,9 @@ badly, never wrongly.
 
 self_draft (early_exit) is the target's own first layers: it runs in the target's cache and
 feeds only the last sampled token at step 0 (nothing to catch up on, no cache of its own).
+Under tensor parallelism those layers are split across the ranks as the target's are, so
+each of its forwards goes to the other ranks with its layer count (the executor's step); a
+draft model runs whole in rank 0's process.
 """
 
 from __future__ import annotations
@@ -56,6 +59,7 @@ from kvserve.spec.base import DraftStops
 
 if TYPE_CHECKING:
     from kvserve.config import EngineConfig
+    from kvserve.executor.tp import TPExecutor
 
 logger = logging.getLogger(__name__)
 
@@ -123,6 +127,7 @@ class DraftModelProposer:
             draft_config.model_config, draft_config.cache.block_size,
             resolve_kv_dtype(draft_config.cache.kv_cache_dtype, draft_config.dtype))
         self.runner: ModelRunner | None = None  # over the draft, once allocate_kv sized it
+        self._executor: TPExecutor | None = None
         self.sampler = Sampler(seed=_draft_seed(config.seed))
         # request -> (N, fed): the draft's KV is written for its first N tokens (its last
         # proposal's start) and for the drafts that proposal fed after them, of which as
@@ -210,6 +215,20 @@ class DraftModelProposer:
                     spec.num_speculative_tokens)
         return cls(config, config.replace(model_config=mc, speculative=None),
                    EarlyExit(target, n), shares_target_kv=True)
+
+    @property
+    def executor(self) -> TPExecutor | None:
+        return self._executor
+
+    @executor.setter
+    def executor(self, executor: TPExecutor | None) -> None:
+        """The target's tensor-parallel ranks (set by the engine after allocate_kv). A
+        self-draft runs the target's own layers, split across them, so its draft runner
+        sends them each forward (and, as the target's runner under TP, replays no CUDA
+        graph); a draft model runs whole on rank 0 and leaves them be."""
+        self._executor = executor
+        if self.shares_target_kv and self.runner is not None:
+            self.runner.executor = executor
 
     def allocate_kv(self, num_blocks: int, target_kv: Any) -> None:
         # A self-draft's: the target's first layers (a view: the same memory).
@@ -303,6 +322,12 @@ class DraftModelProposer:
         assert self.runner is not None, "allocate_kv first"
         so = SchedulerOutput(scheduled, sum(s.num_tokens for s in scheduled))
         inp, _, prompt_lp = self.runner.prepare_inputs(so)
+        if self.runner.executor is not None:
+            # A self-draft under TP: the other ranks run the target's first layers with us
+            # and hand rank 0 their slices of the sampling rows' logits.
+            self.runner.executor.send_step(dataclasses.replace(
+                inp, logits_indices=inp.logits_indices[:len(scheduled)]),
+                self.config.model_config.num_hidden_layers)
         # The sampling rows come first (prompt-logprob rows, which the draft needs not, after).
         _, logits = self.runner.forward(inp, scheduled, prompt_lp, logits_rows=len(scheduled))
         return logits.float()

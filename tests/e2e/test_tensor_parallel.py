@@ -223,7 +223,10 @@ def test_tp3_preemption_gives_the_same_tokens(default_tp3: LLM) -> None:
     # float arithmetic: most drafts accepted, some rejected.
     {"method": "draft_model", "model": "smollm2-135m", "quantization": "gguf",
      "num_speculative_tokens": 3, "adaptive": False},
-    {"method": "ngram", "num_speculative_tokens": 4, "adaptive": False}])
+    {"method": "ngram", "num_speculative_tokens": 4, "adaptive": False},
+    # The target's first layers, split across the ranks as the target's steps are.
+    {"method": "self_draft", "num_speculative_tokens": 3, "num_layers": 20,
+     "adaptive": False}])
 def test_tp3_speculation_gives_tp1_tokens(default_tp1: LLM, spec: dict[str, Any]) -> None:
     """Greedy speculation at TP=3: each verify step's K+1 rows run on every rank, and the
     tokens are TP=1's without speculation, with drafts both accepted and rejected."""
@@ -262,7 +265,3 @@ def test_heads_that_do_not_divide_are_refused() -> None:
     with pytest.raises(ValueError, match=r"tensor_parallel_size 2 does not divide the model's "
                                          r"9 attention heads \(model: 9 attention heads, 3 KV"):
         LLM(model="smollm2-135m", tensor_parallel_size=2)
-    with pytest.raises(ValueError, match="'self_draft' runs the target's first layers alone, "
-                                         "which tensor parallelism does not split"):
-        LLM(model="smollm2-135m", tensor_parallel_size=3, speculative_config={
-            "method": "self_draft", "num_speculative_tokens": 2})

@@ -159,8 +159,7 @@ class StepCosts:
             # catch up over 488 tokens (~1.2 s) with 58 left to write, the 6 drafts of a
             # server round at 0.81x (Qwen2.5-Coder 1.5B + 0.5B, 8 streams, grounded).
             old = None
-            seconds = min([seconds] + [v for n, v in self.table.items()
-                                       if n > rows and not self._stale(n)])
+            seconds = min([seconds] + [v for n, v in self._fresh().items() if n > rows])
         self.table[rows] = _ema(old, seconds)
         self._observations += 1
         self._seen[rows] = self._observations
@@ -188,7 +187,7 @@ class StepCosts:
             # Qwen2.5-Coder 1.5B target's 3 rows (109.8 ms, measured once early, against
             # 66 timed directly and 49 at 2 rows) priced a second draft out for good: one
             # token a step, 227 drafts of 314 tokens on two open prompts.
-            fresh = {n: v for n, v in table.items() if not self._stale(n)}
+            fresh = self._fresh()
             if fresh and rows <= max(fresh) + 1:
                 cost = min(cost, self._estimate(rows, fresh))
         return cost
@@ -202,6 +201,10 @@ class StepCosts:
         aside as a stall); its own entry when it is the only one."""
         others = {n: v for n, v in self.table.items() if n != rows}
         return self._estimate(rows, others) if others else self(rows)
+
+    def _fresh(self) -> dict[int, float]:
+        """The entries measured within the last _STALE observations."""
+        return {n: v for n, v in self.table.items() if not self._stale(n)}
 
     def _stale(self, rows: int) -> bool:
         """Whether the measured row count rows was last measured over _STALE observations

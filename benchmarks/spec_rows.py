@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import json
 import re
+import statistics
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -428,6 +429,35 @@ def add_counts(a: dict[str, Any], b: dict[str, Any]) -> dict[str, Any]:
         n = max(len(x), len(y))
         out["accepted_per_pos"] = [(x[i] if i < len(x) else 0.0) + (y[i] if i < len(y) else 0.0)
                                    for i in range(n)]
+    return out
+
+
+def merge_runs(parts: list[dict[str, Any]]) -> dict[str, Any]:
+    """One round's run of a one-stream cell from its prompts' runs (compare runs each prompt
+    on every server in turn, so a speed-up compares runs seconds apart): requests, tokens
+    and seconds summed, output_throughput their ratio, the latency medians the median of
+    the parts' (one request each: the requests' median), mean_e2el_ms weighted by requests,
+    output_lens joined, the /metrics deltas summed."""
+    out: dict[str, Any] = {"round": parts[0]["round"]}
+    for k in ("duration_s", "completed", "failed", "total_input_tokens", "total_output_tokens"):
+        out[k] = sum(p.get(k) or 0 for p in parts)
+    out["output_throughput"] = (out["total_output_tokens"] / out["duration_s"]
+                                if out["duration_s"] else None)
+    for k in ("median_ttft_ms", "median_tpot_ms", "median_itl_ms"):
+        vals = [p[k] for p in parts if p.get(k) is not None]
+        out[k] = statistics.median(vals) if vals else None
+    done = [(p["mean_e2el_ms"], p.get("completed") or 0) for p in parts
+            if p.get("mean_e2el_ms") is not None]
+    n = sum(c for _, c in done)
+    out["mean_e2el_ms"] = sum(v * c for v, c in done) / n if n else None
+    out["output_lens"] = [x for p in parts for x in p.get("output_lens") or []]
+    spec: dict[str, Any] = {}
+    for p in parts:
+        spec = add_counts(spec, p.get("spec") or {})
+    out["spec"] = spec
+    errors = [e for p in parts for e in p.get("errors") or []]
+    if errors:
+        out["errors"] = errors[:3]
     return out
 
 

@@ -281,6 +281,32 @@ def test_spec_runs_key_file_is_one_the_server_reads(tmp_path: Path, report: Any)
     assert keys == dict.fromkeys(runs | {spec_rows.WARM_UP_KEY}, "default")
 
 
+def test_spec_one_stream_round_is_the_sum_of_its_prompts_runs(report: Any) -> None:
+    """compare runs a one-stream cell's prompts one at a time on every server in turn; a
+    round's run is theirs merged: tokens over seconds summed (not the mean of the parts'
+    rates), the requests' median latency, the /metrics deltas added."""
+    import spec_rows  # benchmarks/, on the path once report.py is loaded
+
+    def part(seconds: float, tokens: int, ttft: float, drafts: float) -> dict[str, Any]:
+        return {"round": 2, "duration_s": seconds, "completed": 1, "failed": 0,
+                "total_input_tokens": 100, "total_output_tokens": tokens,
+                "output_throughput": tokens / seconds, "median_ttft_ms": ttft,
+                "median_tpot_ms": ttft / 10, "median_itl_ms": ttft / 10,
+                "mean_e2el_ms": seconds * 1000, "output_lens": [tokens],
+                "spec": {"drafts": drafts, "draft_tokens": 4 * drafts,
+                         "accepted_tokens": drafts, "accepted_per_pos": [drafts]}}
+
+    got = spec_rows.merge_runs([part(2.0, 100, 50.0, 3), part(6.0, 200, 90.0, 1),
+                                part(4.0, 20, 70.0, 0)])
+    assert got["round"] == 2 and got["completed"] == 3 and got["duration_s"] == 12.0
+    assert got["total_output_tokens"] == 320 and got["output_throughput"] == 320 / 12.0
+    assert got["median_ttft_ms"] == 70.0 and got["mean_e2el_ms"] == 4000.0
+    assert got["output_lens"] == [100, 200, 20]
+    assert got["spec"] == {"drafts": 4, "draft_tokens": 16, "accepted_tokens": 4,
+                           "accepted_per_pos": [4]}
+    assert "errors" not in got
+
+
 def test_spec_best_proposer_counts_only_runs_that_drafted(tmp_path: Path,
                                                           report: Any) -> None:
     """The model-based target quotes the best proposer that made drafts: a configuration

@@ -745,6 +745,14 @@ class Report:
         ll = s.get("llama_server") or {}
         methods = s.get("kvserve_method_configs") or {}
         where = f" on {_machine(s['machine'])}" if s.get("machine") else ""
+        models = s.get("models") or []
+        flagged = [m["key"] for m in models if m.get("one_stream_per_prompt")]
+        some = len(flagged) < len(models)
+        whose = f", for {', '.join(flagged)}," if some else ""
+        others = "; the other models ran their prompts one after another" if some else ""
+        per_prompt = "" if not flagged else (
+            f" (at 1 stream{whose} each prompt on every server in turn and the round's run "
+            f"their sum, so that runs seconds apart are compared{others})")
         lines += [
             (f"Run {s.get('date', '?')}{where}, {s.get('threads')} threads per server. Two "
              f"tasks, the same prompts for every engine (`benchmarks/spec_rows.py`): *grounded*, "
@@ -756,12 +764,13 @@ class Report:
              + ", ".join(f"{n} prompt{'s' if n != 1 else ''} at {c} "
                          f"stream{'s' if str(c) != '1' else ''}"
                          for c, n in per.items())
-             + f". `kvserve bench serve` drives each server (streaming /v1/completions, at "
-             f"most *c* requests in flight); output tok/s = generated tokens / the run's "
-             f"wall time. One engine's servers of a model are up at once (kvserve's, then "
-             f"llama-server's) and each (task, streams, round) runs each of them back to "
-             f"back, the order rotated every round; "
-             f"{s.get('rounds')} round(s), medians. *Speed-up*: the median over rounds of a "
+             + ". `kvserve bench serve` drives each server (streaming /v1/completions, at "
+             "most *c* requests in flight); output tok/s = generated tokens / the run's "
+             "wall time. One engine's servers of a model are up at once (kvserve's, then "
+             "llama-server's) and each (task, streams, round) runs each of them back to "
+             "back, the order rotated every round"
+             + per_prompt
+             + f"; {s.get('rounds')} round(s), medians. *Speed-up*: the median over rounds of a "
              f"run's output tok/s over the same engine's without speculation in the same "
              f"round. *Acceptance*: from each server's Prometheus counters before and after "
              f"the run (kvserve `vllm:spec_decode_num_*`, llama-server `llamacpp:` the same "

@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-import itertools
 import logging
 import queue
 import threading
@@ -35,12 +34,11 @@ from typing import Any, TypeVar
 
 from kvserve.engine_args import EngineArgs
 from kvserve.llm_engine import LLMEngine, PromptType
-from kvserve.outputs import RequestOutput
+from kvserve.outputs import EngineSnapshot, EngineStats, RequestOutput
 from kvserve.platform import configure_threads, pin_thread
 from kvserve.request import DEFAULT_TIER
 from kvserve.sampling_params import SamplingParams
 from kvserve.scheduler import QueueFullError
-from kvserve.spec.base import SpecStats
 
 logger = logging.getLogger("kvserve.async_engine")
 _T = TypeVar("_T")
@@ -61,26 +59,6 @@ class EngineShuttingDown(RuntimeError):
     """The engine is draining for shutdown and takes no new requests."""
 
 
-@dataclass(frozen=True)
-class EngineStats:
-    """Scheduler counters, published by the engine thread after every step."""
-
-    num_running: int = 0
-    num_waiting: int = 0
-    num_waiting_groups: int = 0  # waiting as the queue bound counts them (n children once)
-    kv_cache_usage: float = 0.0  # fraction of usable blocks in use, [0, 1]
-    prefix_cache_queries: int = 0  # tokens looked up in the prefix cache
-    prefix_cache_hits: int = 0  # tokens found there
-    num_preemptions: int = 0
-    # Speculative decoding (None without it): the runner's SpecStats, copied.
-    spec: SpecStats | None = None
-    # Service tiers (only when configured): tier -> (running, waiting, waiting groups: n
-    # children once, as max_waiting counts) requests, and tier ->
-    # requests refused for its full waiting queue (counted on the event loop; in `stats`).
-    tiers: dict[str, tuple[int, int, int]] | None = None
-    tier_rejections: dict[str, int] | None = None
-
-
 @dataclass
 class IterationStats:
     """What one engine step did, for latency histograms and token counters (seconds)."""
@@ -99,32 +77,6 @@ class IterationStats:
 
 
 StatsListener = Callable[[IterationStats], None]
-
-
-@dataclass(frozen=True)
-class RequestInfo:
-    """One request as the engine holds it (token counts only, never text)."""
-
-    request_id: str
-    tenant: str | None
-    status: str  # "running", "waiting" or "preempted"
-    num_prompt_tokens: int
-    num_output_tokens: int
-    max_tokens: int
-    num_computed_tokens: int
-    num_cached_tokens: int  # prefix-cache hit at first scheduling; 0 before
-    num_blocks: int
-
-
-@dataclass(frozen=True)
-class EngineSnapshot:
-    """The engine at one moment between two steps, taken by the engine thread (snapshot())."""
-
-    stats: EngineStats
-    block_states: str  # BlockPool.block_states(): one character per block id
-    block_size: int
-    # Running (schedule order), then waiting (queue order); at most SNAPSHOT_REQUESTS.
-    requests: tuple[RequestInfo, ...]
 
 
 SNAPSHOT_REQUESTS = 64
@@ -685,15 +637,7 @@ class AsyncEngine:
 
     def _take_snapshot(self) -> EngineSnapshot:
         """Engine thread. O(num_blocks + SNAPSHOT_REQUESTS)."""
-        s = self.engine.scheduler
-        held = s.kv_cache_manager.req_to_blocks
-        reqs = s.running[:SNAPSHOT_REQUESTS] + list(itertools.islice(
-            s.waiting, SNAPSHOT_REQUESTS - min(len(s.running), SNAPSHOT_REQUESTS)))
-        return EngineSnapshot(self._stats, s.block_pool.block_states(), s.block_size, tuple(
-            RequestInfo(r.request_id, r.tenant, r.status.name.lower(), len(r.prompt_token_ids),
-                        len(r.output_token_ids), r.max_tokens, r.num_computed_tokens,
-                        max(0, r.num_cached_tokens), len(held.get(r.request_id, ())))
-            for r in reqs))
+        return self.engine.snapshot(self._stats, SNAPSHOT_REQUESTS)
 
     def _dispatch(self, outputs: list[RequestOutput], t_step: float) -> None:
         now = time.monotonic()
@@ -735,12 +679,7 @@ class AsyncEngine:
     def _record_queue_times(self, it: IterationStats, t_step: float, stepped: set[str]) -> None:
         """Queue time = first scheduled - arrival. A request scheduled for the first time in
         this step is now running (or, if it already finished, was scheduled at t_step)."""
-        first_sched: dict[str, float] = {}
-        for req in self.engine.scheduler.running:
-            if req.first_scheduled_time is not None:
-                pid = req.request_id if req.request_id in self._timing else \
-                    req.request_id.rsplit("#", 1)[0]
-                first_sched.setdefault(pid, req.first_scheduled_time)
+        first_sched = self.engine.first_scheduled_times()
         for rid, timing in self._timing.items():
             if timing.queue_time_recorded:
                 continue
@@ -750,17 +689,8 @@ class AsyncEngine:
                 it.queue_times.append(max(0.0, t - timing.arrival))
 
     def _publish_stats(self) -> None:
-        s = self.engine.scheduler
-        runner = self.engine.runner
-        st = runner.spec_stats
-        # A copy: the engine thread goes on counting into the runner's.
-        spec = None if runner.proposer is None else replace(
-            st, accepted_per_pos=list(st.accepted_per_pos))
         # One immutable object, swapped in whole: readers on other threads never see a mix.
-        self._stats = EngineStats(s.num_running, s.num_waiting, s.num_waiting_groups,
-                                  s.kv_cache_usage, s.prefix_cache_queries,
-                                  s.prefix_cache_hits, s.num_preemptions, spec,
-                                  s.tier_counts() if self._tiered else None)
+        self._stats = self.engine.stats(tiers=self._tiered)
 
 
 def in_own_thread(fn: Callable[[], _T]) -> _T:

@@ -11,6 +11,7 @@ KV blocks through the prefix cache; their outputs are gathered into one RequestO
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import logging
 import time
 from dataclasses import dataclass, field
@@ -28,7 +29,14 @@ from kvserve.loader import load_checkpoint, resolve_model
 from kvserve.loader.tokenizer import Tokenizer
 from kvserve.model_runner import ModelRunner
 from kvserve.model_setup import load_model, num_kv_blocks
-from kvserve.outputs import CompletionOutput, PositionLogprobs, RequestOutput
+from kvserve.outputs import (
+    CompletionOutput,
+    EngineSnapshot,
+    EngineStats,
+    PositionLogprobs,
+    RequestInfo,
+    RequestOutput,
+)
 from kvserve.request import Request, RequestStatus
 from kvserve.sampling_params import MAX_LOGPROB_ENTRIES, SamplingParams
 from kvserve.scheduler import Scheduler
@@ -333,6 +341,42 @@ class LLMEngine:
 
     def get_num_unfinished_requests(self) -> int:
         return len(self._parents)
+
+    # ---- what a serving layer reads, between steps (the engine's thread) ----------------
+
+    def stats(self, tiers: bool = False) -> EngineStats:
+        """The scheduler's counters now, and speculation's (a copy: the runner goes on
+        counting into its own); tiers: the per-tier counts too."""
+        s, runner = self.scheduler, self.runner
+        st = runner.spec_stats
+        spec = None if runner.proposer is None else dataclasses.replace(
+            st, accepted_per_pos=list(st.accepted_per_pos))
+        return EngineStats(s.num_running, s.num_waiting, s.num_waiting_groups,
+                           s.kv_cache_usage, s.prefix_cache_queries, s.prefix_cache_hits,
+                           s.num_preemptions, spec, s.tier_counts() if tiers else None)
+
+    def first_scheduled_times(self) -> dict[str, float]:
+        """When each running request was first scheduled, by the id it was added with (an
+        n > 1 request's: its first child's time)."""
+        out: dict[str, float] = {}
+        for req in self.scheduler.running:
+            if req.first_scheduled_time is not None:
+                rid = self._child_to_parent.get(req.request_id, req.request_id)
+                out.setdefault(rid, req.first_scheduled_time)
+        return out
+
+    def snapshot(self, stats: EngineStats, limit: int) -> EngineSnapshot:
+        """stats beside the KV blocks' states and the first `limit` requests: running
+        (schedule order), then waiting (queue order). O(num_blocks + limit)."""
+        s = self.scheduler
+        held = s.kv_cache_manager.req_to_blocks
+        reqs = s.running[:limit] + list(itertools.islice(
+            s.waiting, limit - min(len(s.running), limit)))
+        return EngineSnapshot(stats, s.block_pool.block_states(), s.block_size, tuple(
+            RequestInfo(r.request_id, r.tenant, r.status.name.lower(), len(r.prompt_token_ids),
+                        len(r.output_token_ids), r.max_tokens, r.num_computed_tokens,
+                        max(0, r.num_cached_tokens), len(held.get(r.request_id, ())))
+            for r in reqs))
 
     # ---- the loop -----------------------------------------------------------------------
 

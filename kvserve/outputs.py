@@ -3,6 +3,8 @@
     Scheduler --SchedulerOutput--> ModelRunner --ModelOutput--> Scheduler --RequestOutput--> user
 
 Everything above ModelInput is pure Python; ModelInput holds the device tensors of one step.
+Below RequestOutput, what a serving layer (AsyncEngine) reads from LLMEngine between steps,
+so that it never walks the scheduler itself: EngineStats, RequestInfo, EngineSnapshot.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ if TYPE_CHECKING:
     import torch
 
     from kvserve.request import Request
+    from kvserve.spec.base import SpecStats
 
 
 @dataclass
@@ -131,3 +134,51 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool
     num_cached_tokens: int = 0
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    """Scheduler counters (LLMEngine.stats), published by AsyncEngine's engine thread after
+    every step."""
+
+    num_running: int = 0
+    num_waiting: int = 0
+    num_waiting_groups: int = 0  # waiting as the queue bound counts them (n children once)
+    kv_cache_usage: float = 0.0  # fraction of usable blocks in use, [0, 1]
+    prefix_cache_queries: int = 0  # tokens looked up in the prefix cache
+    prefix_cache_hits: int = 0  # tokens found there
+    num_preemptions: int = 0
+    # Speculative decoding (None without it): the runner's SpecStats, copied.
+    spec: SpecStats | None = None
+    # Service tiers (only when configured): tier -> (running, waiting, waiting groups: n
+    # children once, as max_waiting counts) requests, and tier ->
+    # requests refused for its full waiting queue (counted on the event loop; in `stats`).
+    tiers: dict[str, tuple[int, int, int]] | None = None
+    tier_rejections: dict[str, int] | None = None
+
+
+@dataclass(frozen=True)
+class RequestInfo:
+    """One request as the engine holds it (token counts only, never text)."""
+
+    request_id: str
+    tenant: str | None
+    status: str  # "running", "waiting" or "preempted"
+    num_prompt_tokens: int
+    num_output_tokens: int
+    max_tokens: int
+    num_computed_tokens: int
+    num_cached_tokens: int  # prefix-cache hit at first scheduling; 0 before
+    num_blocks: int
+
+
+@dataclass(frozen=True)
+class EngineSnapshot:
+    """The engine at one moment between two steps, taken by the engine thread
+    (LLMEngine.snapshot)."""
+
+    stats: EngineStats
+    block_states: str  # BlockPool.block_states(): one character per block id
+    block_size: int
+    # Running (schedule order), then waiting (queue order); at most the snapshot's limit.
+    requests: tuple[RequestInfo, ...]

@@ -151,10 +151,9 @@ def spec_summary(engine: Any) -> dict[str, Any] | None:
     """Speculative decoding's counters of an in-process engine (None without it): drafts,
     draft and accepted tokens, acceptance rate (accepted / draft tokens) and mean accepted
     length (tokens per verify step: 1 + accepted / drafts), as vLLM reports them."""
-    spec = engine.config.speculative
-    if spec is None:
+    spec, st = engine.config.speculative, engine.stats().spec
+    if spec is None or st is None:
         return None
-    st = engine.runner.spec_stats
     return {"method": spec.method, "num_speculative_tokens": spec.num_speculative_tokens,
             "num_drafts": st.num_drafts, "num_draft_tokens": st.num_draft_tokens,
             "num_accepted_tokens": st.num_accepted_tokens,

@@ -35,7 +35,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 import kvserve
-from kvserve.async_engine import AsyncEngine, EngineStats, IterationStats
+from kvserve.async_engine import AsyncEngine, IterationStats
+from kvserve.outputs import EngineStats
 from kvserve.server import web
 from kvserve.server.errors import (
     APIError,

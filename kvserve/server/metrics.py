@@ -14,7 +14,8 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from kvserve.async_engine import EngineStats, IterationStats
+from kvserve.async_engine import IterationStats
+from kvserve.outputs import EngineStats
 from kvserve.spec.base import SpecStats
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"

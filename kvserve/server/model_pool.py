@@ -30,10 +30,11 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
-from kvserve.async_engine import AsyncEngine, EngineStats, in_own_thread
+from kvserve.async_engine import AsyncEngine, in_own_thread
 from kvserve.config import CacheConfig, parse_memory
 from kvserve.engine_args import EngineArgs
 from kvserve.llm_engine import LLMEngine, LoadedModel
+from kvserve.outputs import EngineStats
 from kvserve.platform import available_memory, default_device, setup_process, share_cores
 from kvserve.server.errors import APIError, check_can_serve
 from kvserve.server.placement import COLD, HOT, WARM, ModelPlacement

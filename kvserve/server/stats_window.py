@@ -22,7 +22,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvserve.async_engine import EngineStats, IterationStats
+from kvserve.async_engine import IterationStats
+from kvserve.outputs import EngineStats
 
 LOG_BINS = 40  # histogram bins per decade of seconds
 MIN_LATENCY = 1e-4  # seconds: bin 0 holds everything below; the top bin everything above 1e3

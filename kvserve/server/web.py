@@ -21,7 +21,8 @@ from typing import TYPE_CHECKING, Any
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
-from kvserve.async_engine import SNAPSHOT_REQUESTS, AsyncEngine, EngineDeadError, EngineSnapshot
+from kvserve.async_engine import SNAPSHOT_REQUESTS, AsyncEngine, EngineDeadError
+from kvserve.outputs import EngineSnapshot
 from kvserve.server.errors import APIError, bad_request
 
 if TYPE_CHECKING:

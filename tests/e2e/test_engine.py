@@ -129,6 +129,30 @@ def test_n_samples_and_logprobs(make_engine: Any) -> None:
         assert o.cumulative_logprob == pytest.approx(total)
 
 
+def test_first_scheduled_times_name_requests_as_they_were_added(make_engine: Any) -> None:
+    """What a serving layer reads between steps (its queue-time metric): an n > 1 request's
+    children are known by the id it was added with, the earliest child's time; a request
+    not yet scheduled has none, and a finished one is gone."""
+    import time
+
+    engine = make_engine(max_num_seqs=3)
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    engine.add_request("pair", "Tell me a story", SamplingParams(
+        n=2, temperature=0, max_tokens=4, ignore_eos=True))
+    engine.add_request("one", "Hello there", params)
+    engine.add_request("late", "A third request", params)  # max_num_seqs: 3 rows
+    assert engine.first_scheduled_times() == {}
+    t0 = time.monotonic()
+    engine.step()
+    got = engine.first_scheduled_times()
+    assert set(got) == {"pair", "one"} and all(t0 <= t <= time.monotonic()
+                                               for t in got.values())
+    run_all(engine)
+    assert engine.first_scheduled_times() == {}
+    s = engine.stats()
+    assert s.spec is None and s.num_running == s.num_waiting == 0
+
+
 def test_bad_input_is_rejected_without_disturbing_others(make_engine: Any) -> None:
     sp = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
     ref_engine = make_engine(max_model_len=256)

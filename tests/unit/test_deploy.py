@@ -21,11 +21,11 @@ import kubernetes_validate
 import pytest
 import yaml
 
-from kvserve.async_engine import EngineStats
 from kvserve.cli import build_parser
 from kvserve.config import parse_memory
 from kvserve.ops import build
 from kvserve.ops import cpu as cpu_mod
+from kvserve.outputs import EngineStats
 from kvserve.server.cli import allowed_hosts
 from kvserve.server.metrics import ServerMetrics
 

@@ -10,8 +10,8 @@ from typing import Any
 
 import pytest
 
-from kvserve.async_engine import EngineStats
 from kvserve.engine_args import EngineArgs
+from kvserve.outputs import EngineStats
 from kvserve.server.errors import APIError
 from kvserve.server.model_pool import Lease, ModelPool, ModelSpec
 

@@ -8,7 +8,8 @@ import random
 
 import pytest
 
-from kvserve.async_engine import EngineStats, IterationStats
+from kvserve.async_engine import IterationStats
+from kvserve.outputs import EngineStats
 from kvserve.server.stats_window import (
     LOG_BINS,
     NUM_BINS,

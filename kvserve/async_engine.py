@@ -37,7 +37,7 @@ from kvserve.llm_engine import LLMEngine, PromptType
 from kvserve.outputs import EngineSnapshot, EngineStats, RequestOutput
 from kvserve.platform import configure_threads, pin_thread
 from kvserve.request import DEFAULT_TIER
-from kvserve.sampling_params import SamplingParams
+from kvserve.sampling_params import ParamError, SamplingParams
 from kvserve.scheduler import QueueFullError
 
 logger = logging.getLogger("kvserve.async_engine")
@@ -486,9 +486,9 @@ class AsyncEngine:
         """ValueError when n characters of text cannot fit the context, whatever they
         tokenize to (checked before tokenizing them)."""
         if n > self.max_prompt_chars:
-            raise ValueError(f"{field} has {n} characters: more than any {self.max_model_len}-"
-                             f"token context (max_model_len) can hold (at most "
-                             f"{self.max_prompt_chars} characters)")
+            raise ParamError(field, f"{field} has {n} characters: more than any "
+                             f"{self.max_model_len}-token context (max_model_len) can hold (at "
+                             f"most {self.max_prompt_chars} characters)")
 
     async def _compile_grammar(self, params: SamplingParams) -> Any:
         """The request's grammar, compiled in the grammar pool within grammar_timeout."""
@@ -511,8 +511,9 @@ class AsyncEngine:
             return await asyncio.wait_for(asyncio.shield(asyncio.wrap_future(cf)),
                                           self.grammar_timeout)
         except asyncio.TimeoutError:
-            raise ValueError(f"json_schema took longer than {self.grammar_timeout:g}s to "
-                             f"compile; send a simpler schema") from None
+            raise ParamError("response_format", f"json_schema took longer than "
+                             f"{self.grammar_timeout:g}s to compile; send a simpler schema"
+                             ) from None
 
     def _grammar_done(self) -> None:
         self._grammars_pending -= 1

@@ -38,7 +38,7 @@ from kvserve.outputs import (
     RequestOutput,
 )
 from kvserve.request import Request, RequestStatus
-from kvserve.sampling_params import MAX_LOGPROB_ENTRIES, SamplingParams
+from kvserve.sampling_params import MAX_LOGPROB_ENTRIES, ParamError, SamplingParams
 from kvserve.scheduler import Scheduler
 from kvserve.spec.base import Proposer, SpecStats
 from kvserve.spec.registry import build_proposer
@@ -235,8 +235,8 @@ class LLMEngine:
             return prompt, self.tokenizer.encode(prompt)
         if isinstance(prompt, (list, tuple)):
             return None, list(prompt)
-        raise ValueError(f"prompt must be a string, a list of token ids or a dict, got "
-                         f"{type(prompt).__name__}")
+        raise ParamError("prompt", f"prompt must be a string, a list of token ids or a dict, "
+                         f"got {type(prompt).__name__}")
 
     def check_request(self, ids: list[int], params: SamplingParams) -> int:
         """The checks that need no engine state (any thread): ValueError naming the field;
@@ -244,19 +244,21 @@ class LLMEngine:
         vocab = self.config.model_config.vocab_size
         max_len = self.config.scheduler.max_model_len
         if not ids:
-            raise ValueError("prompt must contain at least one token")
+            raise ParamError("prompt", "prompt must contain at least one token")
         bad = next((t for t in ids if not isinstance(t, int) or not 0 <= t < vocab), None)
         if bad is not None:
-            raise ValueError(f"prompt token ids must be integers in [0, {vocab - 1}], got {bad}")
+            raise ParamError("prompt", f"prompt token ids must be integers in [0, {vocab - 1}], "
+                             f"got {bad}")
         if len(ids) >= max_len:
-            raise ValueError(f"prompt has {len(ids)} tokens, but the context (max_model_len) "
-                             f"is {max_len}: at most {max_len - 1} prompt tokens leave room for "
-                             f"one new token")
+            raise ParamError("prompt", f"prompt has {len(ids)} tokens, but the context "
+                             f"(max_model_len) is {max_len}: at most {max_len - 1} prompt tokens "
+                             f"leave room for one new token")
         params.validate_token_ids(vocab)
         max_tokens = params.max_tokens if params.max_tokens is not None else max_len - len(ids)
         if len(ids) + max_tokens > max_len:
-            raise ValueError(f"prompt ({len(ids)} tokens) plus max_tokens ({max_tokens}) is "
-                             f"{len(ids) + max_tokens}, more than max_model_len ({max_len})")
+            raise ParamError("max_tokens", f"prompt ({len(ids)} tokens) plus max_tokens "
+                             f"({max_tokens}) is {len(ids) + max_tokens}, more than "
+                             f"max_model_len ({max_len})")
         if params.logprobs is not None:
             # Every sampled token keeps logprobs + 1 entries until the request ends: bound the
             # product, not each factor (n=128 x 8k tokens x 21 is gigabytes of objects).
@@ -265,8 +267,8 @@ class LLMEngine:
             if entries > MAX_LOGPROB_ENTRIES:
                 omitted = " (omitted: the rest of the context)" if params.max_tokens is None \
                     else ""
-                raise ValueError(
-                    f"n x max_tokens x (logprobs + 1) = {params.n} x {max_tokens}{omitted} x "
+                raise ParamError(
+                    "n", f"n x max_tokens x (logprobs + 1) = {params.n} x {max_tokens}{omitted} x "
                     f"{per_token} = {entries} logprob entries, more than the "
                     f"{MAX_LOGPROB_ENTRIES} one request may hold: lower n, max_tokens or "
                     f"logprobs (top_logprobs in chat)")
@@ -284,7 +286,7 @@ class LLMEngine:
         service tier (Request.tier; None: the default tier)."""
         params = params or SamplingParams()
         if request_id in self._parents:
-            raise ValueError(f"request_id {request_id!r} is already in use")
+            raise ParamError("request_id", f"request_id {request_id!r} is already in use")
         text, ids = self._tokenize(prompt)
         max_tokens = self.check_request(ids, params)
         if params.structured_outputs is not None and grammar is None:

@@ -44,6 +44,7 @@ from kvserve.kv.cache_manager import KVCacheManager
 from kvserve.kv.layout import cdiv
 from kvserve.outputs import ModelOutput, ScheduledRequest, SchedulerOutput
 from kvserve.request import Request, RequestStatus
+from kvserve.sampling_params import ParamError
 
 
 class QueueFullError(RuntimeError):
@@ -94,8 +95,8 @@ class Scheduler:
                 f"({self.config.max_model_len})")
         blocks_needed = cdiv(max_len, self.block_size)
         if blocks_needed > self.num_blocks - 1:
-            raise ValueError(
-                f"request {rid!r}: prompt + max_tokens = {max_len} tokens needs "
+            raise ParamError(
+                "max_tokens", f"request {rid!r}: prompt + max_tokens = {max_len} tokens needs "
                 f"{blocks_needed} KV blocks of {self.block_size} tokens, but the cache holds "
                 f"only {self.num_blocks - 1} usable blocks")
         self.waiting.check(request)

@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from kvserve.sampling_params import StructuredOutputsParams
+from kvserve.sampling_params import ParamError, StructuredOutputsParams
 
 if TYPE_CHECKING:
     from kvserve.loader.tokenizer import Tokenizer
@@ -71,9 +71,9 @@ class StructuredOutputManager:
                 try:
                     import xgrammar as xgr
                 except Exception as e:
-                    raise ValueError("structured output (response_format json_object or "
-                                     "json_schema) is unavailable: xgrammar cannot be imported "
-                                     f"({type(e).__name__})") from None
+                    raise ParamError("response_format", "structured output (response_format "
+                                     "json_object or json_schema) is unavailable: xgrammar "
+                                     f"cannot be imported ({type(e).__name__})") from None
                 info = xgr.TokenizerInfo(_encoded_vocab(self.tokenizer, self.vocab_size),
                                          vocab_type=_vocab_type(self.tokenizer, xgr),
                                          vocab_size=self.vocab_size,
@@ -103,8 +103,8 @@ class StructuredOutputManager:
             return compiler.compile_json_schema(schema, any_whitespace=False)
         except Exception as e:  # xgrammar raises RuntimeError/InvalidJSONError subclasses
             msg = str(e).splitlines()[0][:200] if str(e) else type(e).__name__
-            raise ValueError(f"json_schema is not a valid or supported JSON schema: {msg}"
-                             ) from None
+            raise ParamError("response_format", f"json_schema is not a valid or supported JSON "
+                             f"schema: {msg}") from None
 
     def _compile_structural_tag(self, compiler: Any, tag: str | dict) -> Any:
         self.num_compiled += 1
@@ -114,8 +114,8 @@ class StructuredOutputManager:
         except Exception as e:
             msg = str(e).splitlines()[0][:200] if str(e) else type(e).__name__
             # Structural tags come from tool definitions (tool_calling/grammar.py).
-            raise ValueError(f"tools: a function's parameters is not a valid or supported "
-                             f"JSON schema: {msg}") from None
+            raise ParamError("tools", f"tools: a function's parameters is not a valid or "
+                             f"supported JSON schema: {msg}") from None
 
     # -- per-step use (engine thread) -------------------------------------------------------
 

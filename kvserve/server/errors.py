@@ -12,6 +12,8 @@ from typing import Any
 
 from pydantic import ValidationError
 
+from kvserve.sampling_params import ParamError
+
 # status -> OpenAI error type
 _TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
           404: "not_found_error", 405: "invalid_request_error", 413: "invalid_request_error",
@@ -95,29 +97,13 @@ def from_validation_error(err: ValidationError) -> APIError:
     return bad_request(f"{param or 'body'}: {msg}{detail}", param)
 
 
-# Leading words of engine / SamplingParams ValueErrors -> the request field they are about.
-_PARAM_PREFIXES = [
-    (re.compile(r"^each stop string"), "stop"),
-    (re.compile(r"^prompt \(\d+ tokens\) plus max_tokens"), "max_tokens"),
-    (re.compile(r"^request .*max_tokens = \d+ tokens needs"), "max_tokens"),
-    (re.compile(r"^prompt"), "prompt"),
-    (re.compile(r"^json_schema"), "response_format"),
-    (re.compile(r"^structured output"), "response_format"),
-    (re.compile(r"^([a-z_]+)(\[[^\]]*\])?\b"), None),  # "n must ...", "logit_bias[5] must ..."
-]
-
-
 def from_value_error(err: ValueError, field_names: set[str],
                      renames: dict[str, str] | None = None) -> APIError:
-    """A ValueError from SamplingParams or the engine -> 400 with param = the field named at
-    the start of the message (renamed to the request's own name, e.g. messages for prompt)."""
+    """A ValueError from SamplingParams or the engine -> 400 with param = the field a
+    ParamError names (renamed to the request's own name, e.g. messages for prompt); none
+    for another ValueError, or a field this request does not have."""
     message = str(err) or "invalid request"
-    param: str | None = None
-    for pattern, name in _PARAM_PREFIXES:
-        m = pattern.search(message)
-        if m:
-            param = name if name is not None else m.group(1)
-            break
+    param = err.param if isinstance(err, ParamError) else None
     if param is not None and param not in field_names and param != "prompt":
         param = None
     if param is not None and renames:

@@ -20,7 +20,7 @@ from typing import Any
 import jinja2
 
 from kvserve.outputs import RequestOutput
-from kvserve.sampling_params import SamplingParams
+from kvserve.sampling_params import ParamError, SamplingParams
 from kvserve.server.errors import bad_request
 from kvserve.server.protocol import ChatCompletionRequest, ChatMessage
 from kvserve.server.serving import (
@@ -120,9 +120,9 @@ def _continue_final_text(tok: Any, conv: list[dict[str, Any]],
     assert isinstance(text, str)
     cut = text.find(sentinel)
     if cut < 0 or text.find(sentinel, cut + 1) >= 0:
-        raise ValueError("continue_final_message: the chat template does not render the "
-                         "final message's content once, as written, so there is no place "
-                         "to continue it from")
+        raise ParamError("continue_final_message", "continue_final_message: the chat template "
+                         "does not render the final message's content once, as written, so "
+                         "there is no place to continue it from")
     return text[:cut]
 
 

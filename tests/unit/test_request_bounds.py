@@ -10,8 +10,8 @@ from typing import Any
 import pytest
 from pydantic import ValidationError
 
-from kvserve.sampling_params import SamplingParams, StructuredOutputsParams
-from kvserve.server.errors import from_validation_error
+from kvserve.sampling_params import ParamError, SamplingParams, StructuredOutputsParams
+from kvserve.server.errors import from_validation_error, from_value_error
 from kvserve.server.protocol import (
     MAX_TOKEN_IDS,
     ChatCompletionRequest,
@@ -72,3 +72,30 @@ def test_sampling_combinations_that_would_corrupt_output_are_refused() -> None:
         with pytest.raises(ValueError, match=r"repetition_penalty must be in \[0.01, 2.0\]"):
             SamplingParams(repetition_penalty=bad)
     assert SamplingParams(repetition_penalty=0.01).repetition_penalty == 0.01
+
+
+@pytest.mark.parametrize("kw, param", [
+    ({"top_p": 0.0}, "top_p"),
+    ({"logit_bias": {5: 500.0}}, "logit_bias"),  # logit_bias[5] must be in ...
+    ({"logit_bias": {"x": 1.0}}, "logit_bias"),
+    ({"stop": ["x" * 1000]}, "stop"),  # each stop string must be ...
+    ({"stop_token_ids": [-1]}, "stop_token_ids"),  # stop_token_ids[] must be ...
+    ({"min_tokens": 5, "max_tokens": 2}, "min_tokens"),
+    ({"structured_outputs": StructuredOutputsParams(json_object=True), "ignore_eos": True},
+     "response_format"),
+])
+def test_a_bad_sampling_value_names_its_field(kw: dict[str, Any], param: str) -> None:
+    """The server's error names the field from the error itself (ParamError.param), never
+    from its message's words: a message that starts with another field's name keeps the
+    field it was raised for, and a plain ValueError names none."""
+    with pytest.raises(ParamError) as info:
+        SamplingParams(**kw)
+    assert info.value.param == param
+    fields = {"top_p", "logit_bias", "stop", "stop_token_ids", "min_tokens", "max_tokens",
+              "response_format", "messages"}
+    assert from_value_error(info.value, fields).param == param
+    assert from_value_error(info.value, fields, {param: "x"}).param == "x"
+    assert from_value_error(ParamError("max_tokens", "top_p must be ..."), fields).param \
+        == "max_tokens"
+    assert from_value_error(ValueError(str(info.value)), fields).param is None
+    assert from_value_error(ParamError("seed", "seed must be ..."), fields).param is None

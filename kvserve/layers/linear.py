@@ -14,7 +14,7 @@ method knows its layout and cuts it (int4_checkpoints.py after unpacking), or re
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Literal
 
 import torch
 from torch import nn
@@ -28,6 +28,9 @@ from kvserve.quant.base import (
     is_quantized,
 )
 
+if TYPE_CHECKING:
+    from kvserve.ops.reference import ReferenceOps
+
 Parallel = Literal["none", "column", "row"]
 
 
@@ -36,7 +39,7 @@ class Linear(nn.Module):
     gate_up) so the loader can place each checkpoint tensor at its offset. Sizes are the
     whole model's; with a tensor-parallel group the layer holds its rank's part of them."""
 
-    def __init__(self, in_features: int, out_features: int, *, bias: bool, ops: Any,
+    def __init__(self, in_features: int, out_features: int, *, bias: bool, ops: ReferenceOps,
                  dtype: torch.dtype, shard_sizes: tuple[int, ...] | None = None,
                  quant_method: LinearMethod | None = None, parallel: Parallel = "none",
                  tp: TPGroup | None = None) -> None:

@@ -14,6 +14,7 @@ if TYPE_CHECKING:
     import torch
 
     from kvserve.distributed.group import TPGroup
+    from kvserve.ops.reference import ReferenceOps
     from kvserve.quant.base import QuantMethod
 
 _MODELS: dict[str, str] = {
@@ -27,7 +28,7 @@ def supported_architectures() -> list[str]:
     return sorted(_MODELS)
 
 
-def build_model(ckpt: Any, ops: Any, dtype: torch.dtype, quant: QuantMethod | str = "none",
+def build_model(ckpt: Any, ops: ReferenceOps, dtype: torch.dtype, quant: QuantMethod | str = "none",
                 max_positions: int | None = None, tp: TPGroup | None = None) -> Any:
     """A checkpoint's model with its weights loaded, in eval mode, on the CPU. quant: a
     QuantMethod, or a method name of kvserve.quant's registry ("gguf" keeps a GGUF file's

@@ -7,7 +7,7 @@ cache tensor, and each attention layer reads/writes its own slice through the op
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -27,9 +27,12 @@ from kvserve.quant.base import (
     is_quantized,
 )
 
+if TYPE_CHECKING:
+    from kvserve.ops.reference import ReferenceOps
+
 
 class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float, ops: Any, dtype: torch.dtype) -> None:
+    def __init__(self, dim: int, eps: float, ops: ReferenceOps, dtype: torch.dtype) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim, dtype=dtype), requires_grad=False)
         self.eps = eps
@@ -50,7 +53,7 @@ class LlamaAttention(nn.Module):
     """With a tensor-parallel group: this rank's heads and KV heads (the KV cache it is
     handed holds those), o_proj summing over ranks."""
 
-    def __init__(self, cfg: ModelConfig, layer_idx: int, ops: Any, dtype: torch.dtype,
+    def __init__(self, cfg: ModelConfig, layer_idx: int, ops: ReferenceOps, dtype: torch.dtype,
                  quant: QuantMethod = _NONE, tp: TPGroup | None = None) -> None:
         super().__init__()
         tp = tp or TPGroup.single()
@@ -91,7 +94,7 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaMLP(nn.Module):
-    def __init__(self, cfg: ModelConfig, ops: Any, dtype: torch.dtype,
+    def __init__(self, cfg: ModelConfig, ops: ReferenceOps, dtype: torch.dtype,
                  quant: QuantMethod = _NONE, prefix: str = "model.layers.0.mlp",
                  tp: TPGroup | None = None) -> None:
         super().__init__()
@@ -110,7 +113,7 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer_idx: int, ops: Any, dtype: torch.dtype,
+    def __init__(self, cfg: ModelConfig, layer_idx: int, ops: ReferenceOps, dtype: torch.dtype,
                  quant: QuantMethod = _NONE, tp: TPGroup | None = None) -> None:
         super().__init__()
         self.ops = ops
@@ -137,7 +140,7 @@ class LlamaForCausalLM(nn.Module):
     stacked_params = {f".{part}.": (f".{fused}.", shard) for fused, parts in FUSED_LINEARS.items()
                       for shard, part in enumerate(parts)}
 
-    def __init__(self, cfg: ModelConfig, ops: Any, dtype: torch.dtype = torch.float32,
+    def __init__(self, cfg: ModelConfig, ops: ReferenceOps, dtype: torch.dtype = torch.float32,
                  max_positions: int | None = None, quant: QuantMethod = _NONE,
                  tp: TPGroup | None = None) -> None:
         """quant: hands every linear layer (lm_head included, tied or not) its LinearMethod.

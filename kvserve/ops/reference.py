@@ -46,6 +46,10 @@ def dequantize_kv(q: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
 
 
 class ReferenceOps:
+    """The ops contract: every backend (CpuOps, TorchOps) subclasses it and overrides what
+    it runs faster, so a model and its layers take `ops: ReferenceOps` and call only these
+    methods; each method here is the specification the backends are held to."""
+
     name = "reference"
 
     def fused_llama_layer(self, layer: Any, x: torch.Tensor, residual: torch.Tensor | None,

@@ -457,6 +457,33 @@ def test_a_catch_up_is_spread_over_the_tokens_requests_like_it_write() -> None:
     assert _catching_up().num_drafts([new("b", 300, 10)], [16], [310], load=1) != [0]
 
 
+def test_a_cold_first_catch_up_does_not_price_the_next_ones() -> None:
+    # A draft model's first catch-up runs cold: 4.8 ms a token, the next ones 1.5-2.3
+    # (Qwen2.5-Coder 0.5B, in one process). An EMA took ten requests to fade it, pricing a
+    # 600-token prompt's catch-up at 2.5 s instead of 1 s meanwhile: no drafts for it.
+    def policy(per_token: list[float]) -> SpecPolicy:
+        p = SpecPolicy(4, draft_forwards="per_depth")
+        _cpu_like(p, 0.005)
+        p.observe_draft([(n, 0.020 + 0.001 * n) for n in range(1, 17)])
+        for t in per_token:
+            p.observe_catch_up(250, 250 * t)
+        return p
+
+    req = Request("a", list(range(600)), SamplingParams(max_tokens=256), max_tokens=256)
+    for t in range(CATCH_UP_AFTER):
+        req.append_output_token(t)
+    n = 600 + CATCH_UP_AFTER
+    assert policy([0.0048]).num_drafts([req], [16], [n], load=1) == [0]  # the cold time alone
+    p = policy([0.0048, 0.0016])
+    assert p.catch_up_cost == pytest.approx(0.0016)
+    assert p.num_drafts([req], [16], [n], load=1) != [0]
+    # A cost that really rose is followed within the window's catch-ups.
+    for _ in range(4):
+        p.observe_catch_up(250, 250 * 0.0048)
+    assert p.catch_up_cost == pytest.approx(0.0048)
+    assert p.num_drafts([req], [16], [n], load=1) == [0]
+
+
 def test_a_new_requests_catch_up_waits_for_its_first_tokens() -> None:
     # A burst reaches the engine over its next steps, so a request's first steps may see
     # one row and a load of one; the catch-up waits until CATCH_UP_AFTER tokens are decoded.

@@ -28,6 +28,7 @@ from collections.abc import Callable, Iterator
 
 from kvserve.config import TierConfig
 from kvserve.request import DEFAULT_TIER, Request
+from kvserve.sampling_params import ParamError
 
 # (priority, arrival time or aged arrival, insertion counter): smaller = more important. The
 # counter breaks ties and keeps heap entries from ever comparing Requests.
@@ -62,8 +63,8 @@ class FairQueue:
             raise ValueError(f"unknown tier {req.tier!r}; the tiers are "
                              f"{', '.join(sorted(self.tiers))}")
         if req.priority and not tier.allow_priority:
-            raise ValueError(f"priority: tier {tier.name!r} does not allow request "
-                             f"priorities; omit priority or send 0, got {req.priority}")
+            raise ParamError("priority", f"priority: tier {tier.name!r} does not allow "
+                             f"request priorities; omit priority or send 0, got {req.priority}")
 
     def has_room(self, req: Request, limit: int | None) -> tuple[bool, str | None]:
         """(room overall under limit, the tier whose own max_waiting is reached or None)."""

@@ -80,7 +80,6 @@ from kvserve.quant.int4_groups import Int4Groups
 
 if TYPE_CHECKING:
     from kvserve.config import EngineConfig
-    from kvserve.ops.reference import ReferenceOps
 
 # The formats ops.linear's row kernels read as stored (gguf_exact); the others run packed only.
 ROW_TYPES = (Q4_1, Q8_0)
@@ -453,7 +452,7 @@ def dequantize_runs(parts: list[KernelWeight], k: int) -> torch.Tensor:
     return torch.cat(out)
 
 
-def apply_kernel_weights(ops: ReferenceOps, x: torch.Tensor, parts: list[KernelWeight],
+def apply_kernel_weights(ops: Any, x: torch.Tensor, parts: list[KernelWeight],
                          bias: torch.Tensor | None) -> torch.Tensor:
     """x times a weight held as KernelWeight runs, each on the kernel for its format, the
     runs' outputs side by side: what the fused layer stack computes for such a linear."""

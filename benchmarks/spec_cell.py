@@ -7,7 +7,10 @@ of them back to back with `kvserve bench serve`, the order rotated every round. 
 round: output tok/s, the spec counters' deltas, and each configuration's ratio over the
 first one's in the same round (the machine drifts between rounds; a ratio within a round
 holds still); then the median ratio. Same prompts, server flags and API keys per run as the
-spec step (benchmarks/spec_rows.py).
+spec step (benchmarks/spec_rows.py). --per-prompt (one stream): each prompt on every server
+in turn, a round's tok/s over them all, as the spec step runs its one-stream cells (there a
+draft model drafted 42, 0 and 127 times a round where the four prompts back to back gave
+130 each: a server's requests then come after idle pauses).
 
     python benchmarks/spec_cell.py grounded 8 --rounds 3 none= \\
         'dm={"method": "draft_model", "model": "$DRAFT", "num_speculative_tokens": 4}'
@@ -74,6 +77,9 @@ def main() -> int:
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--model", default=str(MODELS / "qwen2.5-coder-1.5b-instruct-q4_k_m.gguf"))
     p.add_argument("--draft", default=str(MODELS / "qwen2.5-coder-0.5b-instruct-q4_k_m.gguf"))
+    p.add_argument("--per-prompt", action="store_true",
+                   help="one stream: each prompt on every server in turn, a round's tok/s "
+                        "over all of them, as the spec step's one-stream cells run")
     ns = p.parse_args()
     from kvserve.loader import load_checkpoint
 
@@ -82,6 +88,10 @@ def main() -> int:
     tok = load_checkpoint(ns.model).tokenizer
     lines = sr.prompt_lines(tok, ns.task, n, sr.MAX_TOKENS, TEXT)
     prompts = sr.write_jsonl(WORK / f"{ns.task}_{n}x{sr.MAX_TOKENS}.jsonl", lines)
+    if ns.per_prompt and ns.concurrency != 1:
+        p.error("--per-prompt is for one stream")
+    parts = ([sr.write_jsonl(WORK / f"{ns.task}_p{i}.jsonl", [x]) for i, x in enumerate(lines)]
+             if ns.per_prompt else [prompts])
     keys = WORK / "api_keys.txt"
     keys.write_text(sr.api_key_file(list(sr.TASKS), list(sr.PROMPTS), ns.rounds))
     servers: dict[str, tuple[subprocess.Popen, int]] = {}
@@ -109,24 +119,29 @@ def main() -> int:
         first = next(iter(servers))
         for r in range(ns.rounds):
             names = sr.rotated(list(servers), r)
+            runs: dict[str, list[dict]] = {name: [] for name in names}
+            for part in parts:
+                for name in names:
+                    port = servers[name][1]
+                    url, key = f"http://127.0.0.1:{port}", sr.run_key(ns.task, ns.concurrency, r)
+                    time.sleep(1.0)  # the previous server's spinning threads go quiet
+                    before = sr.parse_spec_metrics(_get(url + "/metrics", key).decode())
+                    out = WORK / f"result_{name}.json"
+                    subprocess.run([KVSERVE, "bench", "serve", "--base-url", url, "--tokenizer",
+                                    ns.model, "--dataset-name", "file", "--dataset-path",
+                                    str(part), "--num-prompts", str(n // len(parts)),
+                                    "--max-concurrency", str(ns.concurrency), "--num-warmups",
+                                    "0", "--temperature", "0", "--api-key", key,
+                                    "--result-file", str(out)], check=True, capture_output=True)
+                    delta = sr.metrics_delta(before, sr.parse_spec_metrics(
+                        _get(url + "/metrics", key).decode()))
+                    runs[name].append({**json.loads(out.read_text()), "round": r,
+                                       "spec": delta})
             tps: dict[str, float] = {}
             for name in names:
-                port = servers[name][1]
-                url, key = f"http://127.0.0.1:{port}", sr.run_key(ns.task, ns.concurrency, r)
-                time.sleep(1.0)  # the previous server's spinning threads go quiet
-                before = sr.parse_spec_metrics(_get(url + "/metrics", key).decode())
-                out = WORK / f"result_{name}.json"
-                subprocess.run([KVSERVE, "bench", "serve", "--base-url", url, "--tokenizer",
-                                ns.model, "--dataset-name", "file", "--dataset-path",
-                                str(prompts), "--num-prompts", str(n), "--max-concurrency",
-                                str(ns.concurrency), "--num-warmups", "0", "--temperature",
-                                "0", "--api-key", key, "--result-file", str(out)],
-                               check=True, capture_output=True)
-                delta = sr.metrics_delta(before, sr.parse_spec_metrics(
-                    _get(url + "/metrics", key).decode()))
-                got = json.loads(out.read_text())
+                got = sr.merge_runs(runs[name])
                 tps[name] = got["output_throughput"]
-                counts = {k: int(v) for k, v in delta.items() if not isinstance(v, list)}
+                counts = {k: int(v) for k, v in got["spec"].items() if not isinstance(v, list)}
                 print(f"round {r} {name}: {tps[name]:.2f} tok/s, "
                       f"{got['total_output_tokens']} tokens, {counts}", flush=True)
             for name in servers:

@@ -54,16 +54,6 @@ def _policy_class(tree: str) -> type:
     return module.SpecPolicy
 
 
-def _arrive_per_step(engine: Any, prompts: list[str], sp: Any, tag: str) -> None:
-    """Runs prompts to completion, the i-th added before the engine's i-th step."""
-    done = added = 0
-    while done < len(prompts):
-        if added < len(prompts):
-            engine.add_request(f"{tag}{added}", prompts[added], sp)
-            added += 1
-        done += sum(o.finished for o in engine.step())
-
-
 def _interleaved(engines: dict[str, Any], order: list[str], prompts: list[str], sp: Any,
                  streams: int, per_step: bool, tag: str) -> dict[str, float]:
     """Every engine's run at once, one step of each in turn (in `order`), each step timed
@@ -155,8 +145,8 @@ def main() -> int:
         else:
             for n in sr.rotated(names, r):
                 t0 = time.perf_counter()
-                if ns.arrive_per_step and ns.streams > 1:
-                    _arrive_per_step(engines[n].llm_engine, prompts, sp, f"{r}-")
+                if ns.arrive_per_step and ns.streams > 1:  # one joins per step, alone
+                    _interleaved({n: engines[n]}, [n], prompts, sp, ns.streams, True, f"{r}-")
                 else:
                     for batch in ([[p] for p in prompts] if ns.streams == 1 else [prompts]):
                         engines[n].generate(batch, sp, use_tqdm=False)

@@ -90,8 +90,7 @@ def main() -> int:
     prompts = sr.write_jsonl(WORK / f"{ns.task}_{n}x{sr.MAX_TOKENS}.jsonl", lines)
     if ns.per_prompt and ns.concurrency != 1:
         p.error("--per-prompt is for one stream")
-    parts = ([sr.write_jsonl(WORK / f"{ns.task}_p{i}.jsonl", [x]) for i, x in enumerate(lines)]
-             if ns.per_prompt else [prompts])
+    parts = sr.split_jsonl(prompts) if ns.per_prompt else [prompts]
     keys = WORK / "api_keys.txt"
     keys.write_text(sr.api_key_file(list(sr.TASKS), list(sr.PROMPTS), ns.rounds))
     servers: dict[str, tuple[subprocess.Popen, int]] = {}

@@ -359,6 +359,17 @@ def write_jsonl(path: Path, lines: list[dict[str, Any]]) -> Path:
     return path
 
 
+def split_jsonl(path: Path) -> list[Path]:
+    """A prompt file's lines, each in a file of its own beside it (<stem>_p<i>.jsonl)."""
+    lines = path.read_text(encoding="utf-8").splitlines(keepends=True)
+    out = []
+    for i, line in enumerate(lines):
+        part = path.with_name(f"{path.stem}_p{i}.jsonl")
+        part.write_text(line, encoding="utf-8")
+        out.append(part)
+    return out
+
+
 # ---- /metrics -----------------------------------------------------------------------------
 
 _COUNTER = re.compile(r"^(vllm|llamacpp):spec_decode_num_(drafts|draft_tokens|accepted_tokens)"

@@ -5,6 +5,7 @@ The only engine component that touches device tensors (with layers/, ops/, platf
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from typing import Any
@@ -35,18 +36,22 @@ logger = logging.getLogger(__name__)
 
 class ModelRunner:
     def __init__(self, config: EngineConfig, model: Any, num_blocks: int,
-                 proposer: Proposer | None = None, kv_cache: Any = None) -> None:
+                 proposer: Proposer | None = None, kv_cache: Any = None,
+                 first_layers: int = 0) -> None:
         """kv_cache: a paged cache to run in (a self-draft's: the target's own); None
-        allocates one of num_blocks blocks."""
+        allocates one of num_blocks blocks. first_layers: the model is the target's first
+        this many decoder layers (a self-draft), which the other tensor-parallel ranks run
+        with it; 0: the whole model."""
         self.config = config
         self.model = model
         self.device = torch.device(config.device)
         self.block_size = config.cache.block_size
         self.vocab_size = config.model_config.vocab_size
         self.kv_cache = allocate_kv_cache(config, num_blocks) if kv_cache is None else kv_cache
-        # Tensor parallelism (kvserve/executor/): set by the engine; each step's inputs
-        # go to the other ranks before this rank's forward.
+        # Tensor parallelism (kvserve/executor/): set by the engine; each forward's inputs
+        # go to the other ranks before this rank runs it.
         self.executor: TPExecutor | None = None
+        self.first_layers = first_layers
         # The engine seed feeds the generator of requests without their own seed, so the
         # same requests in the same order sample the same tokens run after run (vLLM's
         # --seed), whatever else the process does with torch's global generator.
@@ -183,8 +188,14 @@ class ModelRunner:
             ran = self.graphs.run(inp)
             if ran is not None:
                 return ran
+        rows = inp.logits_indices[:logits_rows]
+        if self.executor is not None:
+            # The other ranks run the same forward with us (a self-draft's: its first
+            # layers) and hand this rank their slices of the same rows' logits.
+            self.executor.send_step(dataclasses.replace(inp, logits_indices=rows),
+                                    self.first_layers)
         # Logits only for the rows that sample or need prompt logprobs.
-        return self._model_logits(inp, self.kv_cache, inp.logits_indices[:logits_rows])
+        return self._model_logits(inp, self.kv_cache, rows)
 
     def _model_logits(self, inp: ModelInput, kv_cache: Any, rows: torch.Tensor | None = None
                       ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -195,8 +206,6 @@ class ModelRunner:
 
     def _execute(self, so: SchedulerOutput) -> ModelOutput:
         inp, sample_idx, prompt_lp = self.prepare_inputs(so)
-        if self.executor is not None:
-            self.executor.send_step(inp)  # the other ranks run the same forward with us
         hidden, logits = self.forward(inp, so.scheduled, prompt_lp)
         requests = [so.scheduled[b].request for b in sample_idx]
         out = ModelOutput(req_ids=[r.request_id for r in requests], sampled_token_ids=[],

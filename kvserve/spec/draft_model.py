@@ -232,9 +232,10 @@ class DraftModelProposer:
 
     def allocate_kv(self, num_blocks: int, target_kv: Any) -> None:
         # A self-draft's: the target's first layers (a view: the same memory).
-        own = target_kv[:self.config.model_config.num_hidden_layers] \
-            if self.shares_target_kv else None
-        self.runner = ModelRunner(self.config, self.model, num_blocks, kv_cache=own)
+        n = self.config.model_config.num_hidden_layers
+        own = target_kv[:n] if self.shares_target_kv else None
+        self.runner = ModelRunner(self.config, self.model, num_blocks, kv_cache=own,
+                                  first_layers=n if self.shares_target_kv else 0)
 
     def propose(self, requests: list[Request], num_drafts: list[int],
                 block_tables: list[list[int]], stops: DraftStops | None = None
@@ -322,12 +323,6 @@ class DraftModelProposer:
         assert self.runner is not None, "allocate_kv first"
         so = SchedulerOutput(scheduled, sum(s.num_tokens for s in scheduled))
         inp, _, prompt_lp = self.runner.prepare_inputs(so)
-        if self.runner.executor is not None:
-            # A self-draft under TP: the other ranks run the target's first layers with us
-            # and hand rank 0 their slices of the sampling rows' logits.
-            self.runner.executor.send_step(dataclasses.replace(
-                inp, logits_indices=inp.logits_indices[:len(scheduled)]),
-                self.config.model_config.num_hidden_layers)
         # The sampling rows come first (prompt-logprob rows, which the draft needs not, after).
         _, logits = self.runner.forward(inp, scheduled, prompt_lp, logits_rows=len(scheduled))
         return logits.float()

@@ -85,7 +85,9 @@ using kq::kQK;
 // 2, 5 rows (2 KB 0.92x, 0.79x, 0.91x). A tile's stream then went into L2 (T1) 6 KB ahead:
 // 0.94x, 0.84x, 0.78x, 0.79x the time of L1 4 KB at 1, 2, 5, 8 rows (same file, Zen 4, 31
 // rounds; Q6_K alone 0.71x at 1 and 5 rows, Q4_K 0.99x / 0.77x; 8 KB within noise of 6 KB),
-// as in the VNNI file, which says why. Not measured on an AVX2-only CPU.
+// as in the VNNI file, which says why. On Zen 3 (AVX2 only) the two read level: L2 6 KB
+// 1.00x, 1.01x, 1.01x, 1.00x the time of L1 4 KB at 1, 2, 5, 8 rows (Q4_K and Q6_K linears
+// of the same file, 15 rounds, kernel_ab.py --base 1b437d5^ --formats Q4_K,Q6_K).
 #ifndef KVS_KQUANT_PREFETCH_BYTES  // knobs for benchmarks/kernel_ab.py -D
 #define KVS_KQUANT_PREFETCH_BYTES 4096
 #endif

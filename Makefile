@@ -76,7 +76,7 @@ bench-quant: setup
 # benchmarks/models.py where missing), input-grounded and open tasks, 1 and 8 streams, kvserve
 # serve without speculation and with each --speculative-config method beside llama-server
 # without, with -md and with --spec-type ngram-simple. BENCH_ARGS adds flags (--spec-models,
-# --spec-methods, --spec-config NAME=JSON, --spec-rounds, --quick).
+# --spec-methods, --spec-config NAME=JSON, --spec-rounds, --spec-streams 1,8, --quick).
 bench-spec: setup
 	$(PIP) install -q --no-build-isolation -e '.[test,bench]'
 	$(PY) benchmarks/compare --steps peers,spec $(BENCH_ARGS)

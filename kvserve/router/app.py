@@ -38,13 +38,8 @@ from kvserve.router.metrics import CONTENT_TYPE, RouterMetrics
 from kvserve.router.policy import RoutingConfig
 from kvserve.router.pool import BackendPool
 from kvserve.router.prompt import block_hashes, prompt_token_ids
-from kvserve.server.api import (
-    error_response,
-    read_bounded,
-    unless_disconnected,
-    wait_disconnect,
-)
-from kvserve.server.errors import APIError
+from kvserve.server.bodies import read_bounded, unless_disconnected, wait_disconnect
+from kvserve.server.errors import APIError, error_response
 from kvserve.tool_calling.support import ToolSupport
 
 logger = logging.getLogger("kvserve.router")

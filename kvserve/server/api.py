@@ -1,8 +1,9 @@
-"""The FastAPI app: routes, the auth / request-id gate, bounded JSON bodies, errors.
+"""The FastAPI app: its routes, its errors and its lifespan (the model's background load).
 
-    ASGI  -> _Gate (X-Request-Id, Host, API key: 401; the key's tenant) -> FastAPI routes
-          -> read_json (415 not JSON, 413, bad JSON, NaN, depth, lone surrogates, non-object)
-          -> pydantic (-> 400) -> serving.py (engine) -> JSON, or SSE (_SSEResponse)
+    ASGI  -> gate.Gate (X-Request-Id, Host, API key: 401; the key's tenant) -> FastAPI routes
+          -> bodies.parse_body (415 not JSON, 413, bad JSON, NaN, depth, lone surrogates,
+             non-object; pydantic -> 400) -> serving.py (engine) -> JSON, or SSE
+             (sse.SSEResponse)
 
 The model loads in the background after the socket opens, so /health answers 503 while it
 loads, while it drains for shutdown, after the engine dies, and while the engine loop is
@@ -13,37 +14,27 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import hashlib
-import hmac
-import ipaddress
-import json
 import logging
-import re
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from typing import Any
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
-from pydantic import BaseModel, ValidationError
+from fastapi.responses import JSONResponse, Response
+from pydantic import BaseModel
 from pydantic.json_schema import models_json_schema
-from starlette.datastructures import Headers, MutableHeaders
 from starlette.exceptions import HTTPException as StarletteHTTPException
-from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 import kvserve
 from kvserve.async_engine import AsyncEngine, IterationStats
 from kvserve.outputs import EngineStats
 from kvserve.server import web
-from kvserve.server.errors import (
-    APIError,
-    bad_request,
-    check_can_serve,
-    from_validation_error,
-)
+from kvserve.server.bodies import parse_body, unless_disconnected
+from kvserve.server.errors import APIError, bad_request, check_can_serve, error_response
+from kvserve.server.gate import Gate
 from kvserve.server.metrics import CONTENT_TYPE, ServerMetrics, render_merged
 from kvserve.server.model_pool import ModelPool, ServedModel
 from kvserve.server.protocol import (
@@ -52,26 +43,20 @@ from kvserve.server.protocol import (
     DetokenizeRequest,
     TokenizeRequest,
 )
-from kvserve.server.serving import EngineStream, ServingContext, check_model, release_all
+from kvserve.server.serving import ServingContext, check_model
 from kvserve.server.serving_chat import create_chat_completion, render_chat
 from kvserve.server.serving_completion import create_completion
+from kvserve.server.sse import SSEResponse, started
 from kvserve.server.stats_window import StatsWindow
 from kvserve.tool_calling.support import ToolSupport, tool_support
 
 logger = logging.getLogger("kvserve.server")
 
-MAX_JSON_DEPTH = 32
-# Bodies larger than this are parsed and validated in a worker thread, not on the event loop.
-_OFFLOAD_BYTES = 64 << 10
-LOOPBACK_NAMES = ("localhost",)
-_REQUEST_ID = re.compile(r"[A-Za-z0-9._:\-]{1,128}")
-_M = TypeVar("_M", bound=BaseModel)
-
 
 @dataclass
 class ServerConfig:
     model_name: str
-    # One key or several (clients may send any); each key is a tenant (tenant_of).
+    # One key or several (clients may send any); each key is a tenant (gate.tenant_of).
     api_key: str | Sequence[str] | None = None
     # --api-key-file: more keys, each in a service tier (key -> tier name); the keys above
     # are in the default tier.
@@ -130,314 +115,14 @@ class ServerState:
             await self._shutdown
 
 
-# ---- the gate: request ids and the API key (pure ASGI, so streaming is untouched) -----------
-
-def tenant_of(api_key: str) -> str:
-    """The tenant an API key stands for (Request.tenant): a stable hash, never the key, since
-    it reaches the engine's per-tenant state (the suffix proposer's cache of past outputs)."""
-    return "key-" + hashlib.sha256(api_key.encode()).hexdigest()[:16]
-
-
-class _Gate:
-    def __init__(self, app: ASGIApp, api_key: str | Sequence[str] | None,
-                 allowed_hosts: tuple[str, ...] | None = None,
-                 public_paths: Sequence[str] = ("/health",),
-                 key_tiers: Mapping[str, str] | None = None) -> None:
-        """public_paths: exact paths answered without a key (/health; the web page's files,
-        which hold no data and ask for the key themselves). key_tiers: more keys, each with
-        its service tier (the others are in the default tier)."""
-        self.app = app
-        keys = [api_key] if isinstance(api_key, str) else list(api_key or ())
-        tiers: dict[str, str | None] = dict.fromkeys((k for k in keys if k), None)
-        tiers.update(key_tiers or {})
-        self.api_keys = [(k.encode(), tenant_of(k), t) for k, t in tiers.items()]
-        self.allowed_hosts = allowed_hosts
-        self.public_paths = frozenset(public_paths)
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)
-            return
-        headers = Headers(scope=scope)
-        rid = headers.get("x-request-id", "")
-        if not _REQUEST_ID.fullmatch(rid):
-            rid = uuid.uuid4().hex  # absent, or not safe to echo into headers and logs
-        scope.setdefault("state", {})["request_id"] = rid
-
-        async def send_with_id(message: Message) -> None:
-            if message["type"] == "http.response.start":
-                MutableHeaders(scope=message)["X-Request-Id"] = rid
-            await send(message)
-
-        host = headers.get("host")
-        if host is not None and not host_allowed(host, self.allowed_hosts):
-            # Before the key: a rebinding page must learn nothing, not even that a key is due.
-            err = APIError(421, f"the Host header {host[:100]!r} is not one this server "
-                                f"answers to (see --allowed-host)", code="invalid_host")
-            await error_response(err).__call__(scope, receive, send_with_id)
-            return
-        if self.api_keys and scope.get("path") not in self.public_paths:
-            found = self._tenant(headers)
-            if found is None:
-                err = APIError(401, "missing or invalid API key: send 'Authorization: Bearer "
-                                    "<key>'", code="invalid_api_key")
-                await error_response(err).__call__(scope, receive, send_with_id)
-                return
-            scope["state"]["tenant"], scope["state"]["tier"] = found
-        await self.app(scope, receive, send_with_id)
-
-    def _tenant(self, headers: Headers) -> tuple[str, str | None] | None:
-        """(tenant, tier) of the key the request sends; None when it sends none of the
-        keys."""
-        auth = headers.get("authorization", "")
-        scheme, _, token = auth.partition(" ")
-        sent = token.strip().encode()
-        found = None
-        # Constant time in the key, and every key compared: a timing side channel must not
-        # reveal a matching prefix.
-        for key, tenant, tier in self.api_keys:
-            if hmac.compare_digest(sent, key) and found is None:
-                found = tenant, tier
-        return found if scheme.lower() == "bearer" else None
-
-
-def host_allowed(host: str, allowed: tuple[str, ...] | None) -> bool:
-    """host: a Host header ("name", "name:port", "[::1]:port"). allowed: names or IP literals;
-    "loopback" stands for localhost and every loopback address."""
-    if allowed is None:
-        return True
-    name = host.strip().lower()
-    if name.startswith("["):
-        name = name[1:].partition("]")[0]
-    elif name.count(":") == 1:
-        name = name.partition(":")[0]
-    if name in allowed:
-        return True
-    if "loopback" in allowed:
-        if name in LOOPBACK_NAMES:
-            return True
-        try:
-            return ipaddress.ip_address(name).is_loopback
-        except ValueError:
-            return False
-    return False
-
-
-def error_response(err: APIError) -> JSONResponse:
-    return JSONResponse(err.body(), status_code=err.status, headers=err.headers)
-
-
-# ---- bounded JSON bodies -----------------------------------------------------------------
-
-def _reject_constant(name: str) -> Any:
-    raise bad_request(f"the body contains {name}, which is not valid JSON; numbers must be "
-                      f"finite")
-
-
-def _check_depth(value: Any, limit: int) -> None:
-    stack = [(value, 1)]
-    while stack:
-        v, d = stack.pop()
-        if d > limit:
-            raise bad_request(f"the JSON body is nested deeper than {limit} levels")
-        if isinstance(v, dict):
-            stack.extend((x, d + 1) for x in v.values())
-        elif isinstance(v, list):
-            stack.extend((x, d + 1) for x in v)
-
-
-def _check_json_content_type(request: Request) -> None:
-    """JSON bodies only. A web page can POST text/plain (or a form) to a local server without
-    a CORS preflight; application/json needs one, which this server never grants."""
-    ctype = request.headers.get("content-type", "")
-    media = ctype.partition(";")[0].strip().lower()
-    if media != "application/json" and not (media.startswith("application/")
-                                            and media.endswith("+json")):
-        raise APIError(415, f"the body must be JSON with 'Content-Type: application/json', got "
-                            f"{(ctype or 'no Content-Type')[:100]!r}", param="Content-Type")
-
-
-def _find_lone_surrogate(value: Any, path: str = "") -> str | None:
-    """The path of the first string (or key) holding a lone UTF-16 surrogate, which JSON's
-    \\uXXXX escapes can express but no Unicode text (and no tokenizer) accepts."""
-    stack = [(value, path)]
-    while stack:
-        v, p = stack.pop()
-        if isinstance(v, str):
-            try:
-                v.encode("utf-8")
-            except UnicodeEncodeError:
-                return p or "body"
-        elif isinstance(v, dict):
-            for k, x in v.items():
-                kp = f"{p}.{k}" if p else str(k)
-                stack.append((k, kp))
-                stack.append((x, kp))
-        elif isinstance(v, list):
-            stack.extend((x, f"{p}[{i}]") for i, x in enumerate(v))
-    return None
-
-
-def parse_json(body: bytes) -> dict[str, Any]:
-    """The body as a JSON object: 400 for anything else (CPU-bound; any thread)."""
-    if not body.strip():
-        raise bad_request("the body is empty; send a JSON object")
-    try:
-        data = json.loads(body, parse_constant=_reject_constant)
-    except RecursionError:
-        raise bad_request(f"the JSON body is nested deeper than {MAX_JSON_DEPTH} levels"
-                          ) from None
-    except ValueError:  # JSONDecodeError, UnicodeDecodeError
-        raise bad_request("the body is not valid JSON") from None
-    if not isinstance(data, dict):
-        raise bad_request(f"the body must be a JSON object, got a JSON "
-                          f"{type(data).__name__.replace('NoneType', 'null')}")
-    _check_depth(data, MAX_JSON_DEPTH)
-    # Only a \uD800-\uDFFF escape can make one (raw bytes must be valid UTF-8), so the
-    # walk runs only when the body has such an escape.
-    if b"\\ud" in body or b"\\uD" in body:
-        where = _find_lone_surrogate(data)
-        if where is not None:
-            raise bad_request(f"{where} contains a lone UTF-16 surrogate (a \\uD800-\\uDFFF "
-                              f"escape without its pair), which is not valid Unicode text",
-                              where.split("[")[0].split(".")[0] if where != "body" else None)
-    return data
-
-
-async def read_body(request: Request, max_bytes: int) -> bytes:
-    _check_json_content_type(request)
-    return await read_bounded(request, max_bytes)
-
-
-async def read_bounded(request: Request, max_bytes: int) -> bytes:
-    """The body, 413 past max_bytes (announced or sent)."""
-    length = request.headers.get("content-length")
-    if length is not None and length.isdigit() and int(length) > max_bytes:
-        raise APIError(413, f"the body has {length} bytes; at most {max_bytes} are allowed")
-    chunks: list[bytes] = []
-    size = 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > max_bytes:
-            raise APIError(413, f"the body is larger than {max_bytes} bytes")
-        chunks.append(chunk)
-    return b"".join(chunks)
-
-
-def _validate(body: bytes, model: type[_M]) -> _M:
-    data = parse_json(body)
-    try:
-        return model.model_validate(data)
-    except ValidationError as e:
-        raise from_validation_error(e) from None
-
-
-async def parse_body(request: Request, model: type[_M], max_bytes: int) -> _M:
-    """Parsing and validating a large body takes tens of milliseconds: off the event loop, so
-    that streams, /health and /metrics do not stall behind it."""
-    body = await read_body(request, max_bytes)
-    if len(body) <= _OFFLOAD_BYTES:
-        return _validate(body, model)
-    return await asyncio.get_running_loop().run_in_executor(None, _validate, body, model)
-
-
-# ---- client disconnects ------------------------------------------------------------------
-
-async def wait_disconnect(receive: Receive) -> None:
-    """Returns once the client has gone (called once the body is read, so the next
-    message can only be the disconnect)."""
-    while (await receive())["type"] != "http.disconnect":
-        pass
-
-
-async def unless_disconnected(request: Request, work: Awaitable[Any]) -> Any:
-    """Runs work; if the client goes away first, cancels it (which aborts its engine
-    requests and frees their KV blocks) and returns None."""
-    task = asyncio.ensure_future(work)
-    watcher = asyncio.ensure_future(wait_disconnect(request.receive))
-    try:
-        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
-    except BaseException:
-        task.cancel()  # this handler was cancelled itself: the work must not outlive it
-        raise
-    finally:
-        watcher.cancel()
-    if task.done():
-        return task.result()
-    task.cancel()
-    try:
-        await task
-    except (asyncio.CancelledError, Exception):  # noqa: BLE001 - nobody to report to
-        pass
-    return None
-
-
 # ---- the app -----------------------------------------------------------------------------
-
-async def _started(work: Awaitable[dict[str, Any] | EngineStream], engine: AsyncEngine
-                   ) -> dict[str, Any] | EngineStream:
-    """work's answer; a stream only once it has its first output (EngineStream.first_event),
-    so that nothing is sent while its requests wait in the queue."""
-    result = await work
-    if isinstance(result, EngineStream):
-        await result.first_event(engine)
-    return result
-
-
-class _SSEResponse(StreamingResponse):
-    """An SSE body that owns its engine requests: they are released when the response ends,
-    however it ends (finished, client gone before the first byte or mid-stream, cancelled),
-    not in the body generator's finally, which never runs if the body never started."""
-
-    def __init__(self, result: EngineStream, engine: AsyncEngine,
-                 on_close: Callable[[], None] | None = None) -> None:
-        """on_close: called last, once the response has ended (a model tier's lease)."""
-        super().__init__(result.body, media_type="text/event-stream",
-                         headers={"Cache-Control": "no-cache"})
-        self._result = result
-        self._engine = engine
-        self._on_close = on_close
-
-    async def stream_response(self, send: Send) -> None:
-        """Starlette's, but the first chunk is made before the status line goes, and the two
-        are sent back to back, with no await between them that could let the loop run. A
-        process killed between the two would leave a proxy holding a 200 with no byte of
-        body, a request it may no longer retry (deploy/nginx)."""
-        chunks = aiter(self.body_iterator)
-        first = await anext(chunks, None)
-        await send({"type": "http.response.start", "status": self.status_code,
-                    "headers": self.raw_headers})
-        if first is not None:
-            await send({"type": "http.response.body", "body": _encode(first, self.charset),
-                        "more_body": True})
-            async for chunk in chunks:
-                await send({"type": "http.response.body", "body": _encode(chunk, self.charset),
-                            "more_body": True})
-        await send({"type": "http.response.body", "body": b"", "more_body": False})
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        try:
-            await super().__call__(scope, receive, send)
-        finally:
-            release_all(self._engine, self._result.streams)
-            try:
-                await self._result.body.aclose()  # type: ignore[attr-defined]
-            finally:
-                if self._on_close is not None:
-                    self._on_close()
-
 
 def _no_release() -> None:
     """One model's requests hold nothing (acquire)."""
 
-
-def _encode(chunk: str | bytes | memoryview, charset: str) -> bytes | memoryview:
-    return chunk.encode(charset) if isinstance(chunk, str) else chunk
-
-
 def _openapi_bodies(app: FastAPI, bodies: dict[str, type[BaseModel]]) -> Callable[[], Any]:
     """FastAPI's own OpenAPI document, with the request bodies that the routes parse by hand
-    (read_json + pydantic, for OpenAI-shaped errors) declared from the same models."""
+    (bodies.parse_body: pydantic, for OpenAI-shaped errors) declared from the same models."""
 
     def openapi() -> dict[str, Any]:
         if app.openapi_schema is not None:
@@ -567,7 +252,7 @@ def build_app(config: ServerConfig,
             try:
                 c = dataclasses.replace(c, tenant=scope_state.get("tenant"),
                                         tier=scope_state.get("tier"))
-                return await _started(fn(c, body, rid(request)), c.engine), c, release
+                return await started(fn(c, body, rid(request)), c.engine), c, release
             except BaseException:
                 release()
                 raise
@@ -580,7 +265,7 @@ def build_app(config: ServerConfig,
             release()
             return JSONResponse(result)
         # The response releases (a lease) once it has ended, the stream included.
-        return _SSEResponse(result, c.engine, on_close=release)
+        return SSEResponse(result, c.engine, on_close=release)
 
     @app.post("/v1/completions", response_model=None)
     async def completions(request: Request) -> Response:
@@ -685,7 +370,7 @@ def build_app(config: ServerConfig,
         "/v1/completions": CompletionRequest, "/v1/chat/completions": ChatCompletionRequest,
         "/tokenize": TokenizeRequest, "/detokenize": DetokenizeRequest})
     public = ("/health", *web.PAGE_PATHS) if config.web_ui else ("/health",)
-    return _Gate(app, config.api_key, config.allowed_hosts, public,  # type: ignore[return-value]
+    return Gate(app, config.api_key, config.allowed_hosts, public,  # type: ignore[return-value]
                  config.api_key_tiers)
 
 
@@ -758,5 +443,5 @@ async def _start_pool(state: ServerState, pool: ModelPool,
 
 def app_state(app: Any) -> ServerState:
     """The ServerState behind an app from build_app (for the CLI's shutdown hook)."""
-    inner = app.app if isinstance(app, _Gate) else app
+    inner = app.app if isinstance(app, Gate) else app
     return inner.state.kv

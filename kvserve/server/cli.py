@@ -271,7 +271,7 @@ def model_pool(ns: argparse.Namespace, args: EngineArgs,
 
 
 def allowed_hosts(host: str, flags: list[str] | None) -> tuple[str, ...] | None:
-    """The Host values to answer (api.host_allowed): the flags; by default loopback names
+    """The Host values to answer (gate.host_allowed): the flags; by default loopback names
     only when bound to loopback (a keyless local server is what a rebinding page targets)."""
     if flags:
         return None if "*" in flags else tuple(h.strip().lower() for h in flags)

@@ -10,6 +10,7 @@ import json
 import re
 from typing import Any
 
+from fastapi.responses import JSONResponse
 from pydantic import ValidationError
 
 from kvserve.sampling_params import ParamError
@@ -109,3 +110,7 @@ def from_value_error(err: ValueError, field_names: set[str],
     if param is not None and renames:
         param = renames.get(param, param)
     return bad_request(message, param)
+
+
+def error_response(err: APIError) -> JSONResponse:
+    return JSONResponse(err.body(), status_code=err.status, headers=err.headers)

@@ -41,7 +41,7 @@ class ServingContext:
     engine: AsyncEngine
     model_name: str
     max_model_len: int
-    tenant: str | None = None  # the API key's (api.tenant_of); None without keys
+    tenant: str | None = None  # the API key's (gate.tenant_of); None without keys
     tier: str | None = None  # the API key's service tier (--api-key-file); None: default
     tools: ToolSupport | None = None  # the parser and template facts (serving_tools.py)
 
@@ -86,7 +86,7 @@ class PrimedStream:
 @dataclass
 class EngineStream:
     """A streamed answer: the SSE body and the engine requests behind it. The HTTP response
-    that sends the body owns the streams and releases them when it ends (api._SSEResponse)."""
+    that sends the body owns the streams and releases them when it ends (sse.SSEResponse)."""
 
     body: AsyncIterator[str]
     streams: list[PrimedStream]

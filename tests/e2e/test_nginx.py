@@ -304,7 +304,7 @@ def test_a_killed_replica_loses_no_request_that_had_not_started(replicas: Replic
     failed = [s for s in streams if s.error]
     for s in failed:
         # Only a request b had started: b had answered it with its status line (200), which
-        # it sends only with the first event ready (api._SSEResponse), and nginx did not
+        # it sends only with the first event ready (sse.SSEResponse), and nginx did not
         # retry it (it never does once it has passed a status line on to the client). The
         # client has that first event, except where b died between the two writes of the
         # status line and the event, back to back: a window of microseconds, so the test

@@ -17,7 +17,8 @@ import pytest
 
 from kvserve.async_engine import AsyncEngine
 from kvserve.sampling_params import SamplingParams
-from kvserve.server.api import ServerConfig, app_state, build_app, tenant_of
+from kvserve.server.api import ServerConfig, app_state, build_app
+from kvserve.server.gate import tenant_of
 from tests.conftest import run_all
 from tests.e2e.server_process import ServerProcess
 

@@ -29,10 +29,11 @@ import queue
 import threading
 import time
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from typing import Any, TypeVar
 
 from kvserve.engine_args import EngineArgs
+from kvserve.iteration_stats import RequestTimings, StatsListener
 from kvserve.llm_engine import LLMEngine, PromptType
 from kvserve.outputs import EngineSnapshot, EngineStats, RequestOutput
 from kvserve.platform import configure_threads, pin_thread
@@ -57,26 +58,6 @@ class EngineDeadError(RuntimeError):
 
 class EngineShuttingDown(RuntimeError):
     """The engine is draining for shutdown and takes no new requests."""
-
-
-@dataclass
-class IterationStats:
-    """What one engine step did, for latency histograms and token counters (seconds)."""
-
-    num_prompt_tokens: int = 0
-    num_generation_tokens: int = 0
-    time_to_first_tokens: list[float] = field(default_factory=list)
-    inter_token_latencies: list[float] = field(default_factory=list)
-    queue_times: list[float] = field(default_factory=list)
-    e2e_latencies: list[float] = field(default_factory=list)
-    finished_reasons: list[str] = field(default_factory=list)  # one per finished choice
-    # With service tiers configured: (tier, seconds) per first token, (tier, reason) per
-    # finished choice.
-    tier_time_to_first_tokens: list[tuple[str, float]] = field(default_factory=list)
-    tier_finished_reasons: list[tuple[str, str]] = field(default_factory=list)
-
-
-StatsListener = Callable[[IterationStats], None]
 
 
 SNAPSHOT_REQUESTS = 64
@@ -122,19 +103,6 @@ class RequestStream:
                 raise StopAsyncIteration
             self._event.clear()
             await self._event.wait()
-
-
-@dataclass
-class _Timing:
-    """Per-request latency bookkeeping, engine thread only (monotonic seconds)."""
-
-    arrival: float
-    num_prompt_tokens: int
-    tier: str = DEFAULT_TIER
-    first_token: float | None = None
-    last_token: float | None = None
-    num_output_tokens: int = 0
-    queue_time_recorded: bool = False
 
 
 @dataclass
@@ -216,7 +184,7 @@ class AsyncEngine:
         self._thread: threading.Thread | None = None
         # Engine thread only.
         self._streams: dict[str, RequestStream] = {}
-        self._timing: dict[str, _Timing] = {}
+        self._timings = RequestTimings(tiered=self._tiered)
         # Event loop only: requests accepted and not yet finished, for draining.
         self._in_flight: set[str] = set()
         self._idle = asyncio.Event()
@@ -613,26 +581,21 @@ class AsyncEngine:
             cmd.result.set_exception(e)
             return
         self._streams[cmd.request_id] = cmd.stream
-        self._timing[cmd.request_id] = _Timing(cmd.arrival, _num_prompt_tokens(cmd.prompt),
-                                               cmd.tier or DEFAULT_TIER)
+        self._timings.add(cmd.request_id, cmd.arrival, _num_prompt_tokens(cmd.prompt),
+                          cmd.tier)
         cmd.result.set_result(None)
         self._publish_stats()
 
     def _apply_abort(self, cmd: _Abort) -> None:
         stream = self._streams.pop(cmd.request_id, None)
-        timing = self._timing.pop(cmd.request_id, None)
         if stream is None:
             return  # finished already, or never added
         choices = self.engine.num_choices(cmd.request_id)
         self.engine.abort_request(cmd.request_id)
+        it = self._timings.abort(cmd.request_id, choices)
         if cmd.error is not None:
             self._post(self._deliver_error, stream, cmd.error)
         if self.stats_listener is not None:
-            # One finish per choice, as a request that runs to the end counts them.
-            it = IterationStats(finished_reasons=["abort"] * choices)
-            if self._tiered:
-                tier = timing.tier if timing is not None else DEFAULT_TIER
-                it.tier_finished_reasons = [(tier, "abort")] * choices
             self.stats_listener(it)
         self._publish_stats()
 
@@ -641,53 +604,18 @@ class AsyncEngine:
         return self.engine.snapshot(self._stats, SNAPSHOT_REQUESTS)
 
     def _dispatch(self, outputs: list[RequestOutput], t_step: float) -> None:
-        now = time.monotonic()
-        it = IterationStats()
-        self._record_queue_times(it, t_step, {o.request_id for o in outputs})
+        it = self._timings.step(outputs, t_step, time.monotonic(),
+                                self.engine.first_scheduled_times())
         for out in outputs:
             stream = self._streams.get(out.request_id)
-            timing = self._timing.get(out.request_id)
-            if stream is None or timing is None:
+            if stream is None:
                 continue
-            n_out = sum(len(c.token_ids) for c in out.outputs)
-            new = n_out - timing.num_output_tokens
-            if new > 0:
-                it.num_generation_tokens += new
-                if timing.first_token is None:
-                    timing.first_token = now
-                    it.num_prompt_tokens += timing.num_prompt_tokens
-                    it.time_to_first_tokens.append(now - timing.arrival)
-                    if self._tiered:
-                        it.tier_time_to_first_tokens.append((timing.tier, now - timing.arrival))
-                else:
-                    assert timing.last_token is not None
-                    it.inter_token_latencies.append(now - timing.last_token)
-                timing.last_token = now
-                timing.num_output_tokens = n_out
             if out.finished:
-                it.e2e_latencies.append(now - timing.arrival)
-                it.finished_reasons.extend(c.finish_reason or "stop" for c in out.outputs)
-                if self._tiered:
-                    it.tier_finished_reasons.extend((timing.tier, c.finish_reason or "stop")
-                                                    for c in out.outputs)
                 del self._streams[out.request_id]
-                del self._timing[out.request_id]
             self._post(self._deliver, stream, out)
         self._publish_stats()
         if self.stats_listener is not None:
             self.stats_listener(it)
-
-    def _record_queue_times(self, it: IterationStats, t_step: float, stepped: set[str]) -> None:
-        """Queue time = first scheduled - arrival. A request scheduled for the first time in
-        this step is now running (or, if it already finished, was scheduled at t_step)."""
-        first_sched = self.engine.first_scheduled_times()
-        for rid, timing in self._timing.items():
-            if timing.queue_time_recorded:
-                continue
-            t = first_sched.get(rid, t_step if rid in stepped else None)
-            if t is not None:
-                timing.queue_time_recorded = True
-                it.queue_times.append(max(0.0, t - timing.arrival))
 
     def _publish_stats(self) -> None:
         # One immutable object, swapped in whole: readers on other threads never see a mix.

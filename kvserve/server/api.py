@@ -29,7 +29,8 @@ from pydantic.json_schema import models_json_schema
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 import kvserve
-from kvserve.async_engine import AsyncEngine, IterationStats
+from kvserve.async_engine import AsyncEngine
+from kvserve.iteration_stats import IterationStats
 from kvserve.outputs import EngineStats
 from kvserve.server import web
 from kvserve.server.bodies import parse_body, unless_disconnected

@@ -14,7 +14,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from kvserve.async_engine import IterationStats
+from kvserve.iteration_stats import IterationStats
 from kvserve.outputs import EngineStats
 from kvserve.spec.base import SpecStats
 

@@ -22,7 +22,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvserve.async_engine import IterationStats
+from kvserve.iteration_stats import IterationStats
 from kvserve.outputs import EngineStats
 
 LOG_BINS = 40  # histogram bins per decade of seconds

@@ -8,7 +8,7 @@ import random
 
 import pytest
 
-from kvserve.async_engine import IterationStats
+from kvserve.iteration_stats import IterationStats
 from kvserve.outputs import EngineStats
 from kvserve.server.stats_window import (
     LOG_BINS,

@@ -81,6 +81,8 @@ def main() -> int:
                    help="one stream: each prompt on every server in turn, a round's tok/s "
                         "over all of them, as the spec step's one-stream cells run")
     ns = p.parse_args()
+    if ns.per_prompt and ns.concurrency != 1:
+        p.error("--per-prompt is for one stream")
     from kvserve.loader import load_checkpoint
 
     WORK.mkdir(parents=True, exist_ok=True)
@@ -88,8 +90,6 @@ def main() -> int:
     tok = load_checkpoint(ns.model).tokenizer
     lines = sr.prompt_lines(tok, ns.task, n, sr.MAX_TOKENS, TEXT)
     prompts = sr.write_jsonl(WORK / f"{ns.task}_{n}x{sr.MAX_TOKENS}.jsonl", lines)
-    if ns.per_prompt and ns.concurrency != 1:
-        p.error("--per-prompt is for one stream")
     parts = sr.split_jsonl(prompts) if ns.per_prompt else [prompts]
     keys = WORK / "api_keys.txt"
     keys.write_text(sr.api_key_file(list(sr.TASKS), list(sr.PROMPTS), ns.rounds))

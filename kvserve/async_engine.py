@@ -2,7 +2,8 @@
 
     event loop                               engine thread
     ----------                               -------------
-    add_request: queue bound (503 before any work), text length,
+    add_request: Admission (admission.py):
+      queue bound (503 before any work), text length,
       tokenize + request checks (tokenizer pool),
       compile grammar (its own bounded pool, with a timeout)
       -> command queue  ------------------>  between steps: drain commands
@@ -32,13 +33,13 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, replace
 from typing import Any, TypeVar
 
+from kvserve.admission import Admission
 from kvserve.engine_args import EngineArgs
 from kvserve.iteration_stats import RequestTimings, StatsListener
 from kvserve.llm_engine import LLMEngine, PromptType
 from kvserve.outputs import EngineSnapshot, EngineStats, RequestOutput
 from kvserve.platform import configure_threads, pin_thread
-from kvserve.request import DEFAULT_TIER
-from kvserve.sampling_params import ParamError, SamplingParams
+from kvserve.sampling_params import SamplingParams
 from kvserve.scheduler import QueueFullError
 
 logger = logging.getLogger("kvserve.async_engine")
@@ -46,10 +47,6 @@ _T = TypeVar("_T")
 
 # How long the idle engine thread sleeps on its command queue before checking for shutdown.
 _IDLE_POLL_S = 0.5
-# A text prompt longer than this many characters per token of the context cannot fit: no
-# token of the vocabularies we load spans more characters than its longest entry, and the
-# factor leaves room for normalizers that merge characters.
-_CHARS_SLACK = 2
 
 
 class EngineDeadError(RuntimeError):
@@ -140,44 +137,24 @@ class AsyncEngine:
                  tokenizer_workers: int = 2, grammar_workers: int = 1,
                  grammar_timeout: float = 10.0, max_pending_grammars: int = 8,
                  watchdog_timeout: float = 60.0) -> None:
-        """grammar_*: compiling a client's JSON schema can take seconds; it runs in its own
-        pool of grammar_workers threads, at most max_pending_grammars queued or running (more
-        get QueueFullError), and a request whose grammar is not compiled within
-        grammar_timeout seconds gets a ValueError. watchdog_timeout: see is_healthy."""
-        for name, v in (("grammar_timeout", grammar_timeout),
-                        ("watchdog_timeout", watchdog_timeout)):
-            if not v > 0:
-                raise ValueError(f"{name} must be > 0 seconds, got {v}")
+        """tokenizer_workers, grammar_*: the Admission's (admission.py). watchdog_timeout:
+        see is_healthy."""
+        if not watchdog_timeout > 0:
+            raise ValueError(f"watchdog_timeout must be > 0 seconds, got {watchdog_timeout}")
         self.engine = engine
         self.tokenizer = engine.tokenizer
         self.max_model_len = engine.config.scheduler.max_model_len
-        tiers = engine.config.scheduler.tiers
-        self._tiered = bool(tiers)  # tier stats and metrics only where tiers are configured
-        self._tier_caps = {t.name: t.max_waiting for t in tiers}
-        # Event loop only; every tier's key from the start, so that a copy taken on another
-        # thread never sees the dict change size.
-        self._tier_rejections = dict.fromkeys([*self._tier_caps, DEFAULT_TIER], 0)
-        self.max_prompt_chars = (_CHARS_SLACK * self.max_model_len
-                                 * engine.tokenizer.max_token_chars)
+        self.admission = Admission(engine, tokenizer_workers=tokenizer_workers,
+                                   grammar_workers=grammar_workers,
+                                   grammar_timeout=grammar_timeout,
+                                   max_pending_grammars=max_pending_grammars)
+        # tier stats and metrics only where tiers are configured
+        self._tiered = bool(engine.config.scheduler.tiers)
         self.stats_listener = stats_listener
         self.on_dead: Callable[[str], None] | None = None  # called on the loop
         self.watchdog_timeout = watchdog_timeout
-        self.grammar_timeout = grammar_timeout
-        self.max_pending_grammars = max_pending_grammars
         self._commands: queue.SimpleQueue[_Add | _Abort | _Snapshot | None] = \
             queue.SimpleQueue()
-        self._pool = concurrent.futures.ThreadPoolExecutor(tokenizer_workers,
-                                                           thread_name_prefix="kvserve-tok")
-        self._grammar_pool = concurrent.futures.ThreadPoolExecutor(
-            grammar_workers, thread_name_prefix="kvserve-grammar")
-        self._grammars_pending = 0  # event loop only
-        # Adds not yet in the engine's waiting queue: started - applied - abandoned. Each
-        # counter has one writer: started and abandoned (never submitted) the event loop,
-        # applied the engine thread, which counts an add before it publishes the stats that
-        # show it waiting, so no add is counted twice.
-        self._adds_started = 0
-        self._adds_abandoned = 0
-        self._adds_applied = 0
         # Engine thread writes, anyone reads: when its loop last came round (monotonic s).
         self._heartbeat = time.monotonic()
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -256,7 +233,7 @@ class AsyncEngine:
     def stats(self) -> EngineStats:
         if not self._tiered:
             return self._stats
-        return replace(self._stats, tier_rejections=dict(self._tier_rejections))
+        return replace(self._stats, tier_rejections=dict(self.admission.tier_rejections))
 
     @property
     def num_in_flight(self) -> int:
@@ -278,8 +255,7 @@ class AsyncEngine:
         self._commands.put(None)
         if self._thread is not None:
             await asyncio.get_running_loop().run_in_executor(None, self._thread.join, 10.0)
-        self._pool.shutdown(wait=False, cancel_futures=True)
-        self._grammar_pool.shutdown(wait=False, cancel_futures=True)
+        self.admission.shutdown()
 
     def begin_drain(self) -> None:
         """Refuse new requests from now on (the first step of a graceful shutdown)."""
@@ -289,7 +265,11 @@ class AsyncEngine:
 
     async def run_in_pool(self, fn: Callable[..., Any], *args: Any) -> Any:
         """Tokenizer work off the event loop (and off the engine thread)."""
-        return await asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
+        return await self.admission.run_in_pool(fn, *args)
+
+    def check_text_chars(self, n: int, field: str = "prompt") -> None:
+        """ValueError when n characters of text cannot fit the context (Admission's)."""
+        self.admission.check_text_chars(n, field)
 
     async def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams,
                           priority: int = 0, *, tenant: str | None = None,
@@ -303,31 +283,25 @@ class AsyncEngine:
         queue or a long text costs no tokenization and no grammar compilation.
         """
         self._check_accepting()
-        try:
-            self._check_queue(tier)
-        except QueueFullError as e:
-            self._count_rejection(e)
-            raise
+        admission = self.admission
+        admission.check_queue(self._stats, tier)
         if isinstance(prompt, str):
-            self.check_text_chars(len(prompt))
+            admission.check_text_chars(len(prompt))
         arrival = time.monotonic()
-        self._adds_started += 1
+        admission.adds_started += 1
         submitted = False
         try:
-            prompt = await self.run_in_pool(self._preprocess, prompt, params)
-            grammar = None
-            if params.structured_outputs is not None:
-                grammar = await self._compile_grammar(params)
+            prompt, grammar = await admission.prepare(prompt, params)
             self._check_accepting()
             submitted = True  # _submit queues the command before it first awaits
             return await self._submit(request_id, prompt, params, priority, arrival, grammar,
                                       tenant, tier)
         except QueueFullError as e:  # the engine thread's exact check
-            self._count_rejection(e)
+            admission.count_rejection(e)
             raise
         finally:
             if not submitted:
-                self._adds_abandoned += 1
+                admission.adds_abandoned += 1
 
     async def _submit(self, request_id: str, prompt: PromptType, params: SamplingParams,
                       priority: int, arrival: float, grammar: Any,
@@ -418,74 +392,6 @@ class AsyncEngine:
         if self._draining or self._stopping:
             raise EngineShuttingDown("the server is shutting down")
 
-    def _count_rejection(self, err: QueueFullError) -> None:
-        if err.tier is not None:
-            self._tier_rejections[err.tier] = self._tier_rejections.get(err.tier, 0) + 1
-
-    def _check_queue(self, tier: str | None = None) -> None:
-        """The waiting-queue bounds, before any work: the engine thread applies the same rule
-        when the request reaches it; requests still being prepared count as waiting, since
-        that is where they will land. A tier's own bound is checked against the last
-        published count alone (the engine thread's check is the exact one)."""
-        limit = self.engine.config.scheduler.max_waiting_requests
-        pending = self._adds_started - self._adds_applied - self._adds_abandoned
-        if limit is not None and self._stats.num_waiting_groups + pending >= limit:
-            raise QueueFullError(f"the waiting queue is full ({limit} requests); retry later")
-        tier = tier or DEFAULT_TIER
-        cap = self._tier_caps.get(tier)
-        counts = self._stats.tiers
-        if cap is not None and counts is not None and counts.get(tier, (0, 0, 0))[2] >= cap:
-            raise QueueFullError(f"the waiting queue of tier {tier!r} is full ({cap} "
-                                 f"requests); retry later", tier=tier)
-
-    def _preprocess(self, prompt: PromptType, params: SamplingParams) -> PromptType:
-        """Pool thread: tokenizes a text prompt and runs the engine's request checks (prompt
-        length, token ids, the logprobs budget), so a bad request is refused here, before
-        its grammar is compiled and without reaching the engine thread."""
-        if isinstance(prompt, str):
-            prompt = {"prompt": prompt, "prompt_token_ids": self.tokenizer.encode(prompt)}
-        if isinstance(prompt, dict) and "prompt_token_ids" in prompt:
-            self.engine.check_request(list(prompt["prompt_token_ids"]), params)
-        elif isinstance(prompt, list):
-            self.engine.check_request(prompt, params)
-        return prompt
-
-    def check_text_chars(self, n: int, field: str = "prompt") -> None:
-        """ValueError when n characters of text cannot fit the context, whatever they
-        tokenize to (checked before tokenizing them)."""
-        if n > self.max_prompt_chars:
-            raise ParamError(field, f"{field} has {n} characters: more than any "
-                             f"{self.max_model_len}-token context (max_model_len) can hold (at "
-                             f"most {self.max_prompt_chars} characters)")
-
-    async def _compile_grammar(self, params: SamplingParams) -> Any:
-        """The request's grammar, compiled in the grammar pool within grammar_timeout."""
-        if self._grammars_pending >= self.max_pending_grammars:
-            raise QueueFullError(f"{self._grammars_pending} grammars are being compiled, the "
-                                 f"most this server queues; retry later")
-        self._grammars_pending += 1
-        loop = asyncio.get_running_loop()
-
-        def done(_f: Any) -> None:  # counts the thread's work, which outlives a timeout
-            try:
-                loop.call_soon_threadsafe(self._grammar_done)
-            except RuntimeError:  # the loop is closed: nobody counts any more
-                pass
-
-        cf = self._grammar_pool.submit(self.engine.structured_output.compile,
-                                       params.structured_outputs)  # type: ignore[arg-type]
-        cf.add_done_callback(done)
-        try:
-            return await asyncio.wait_for(asyncio.shield(asyncio.wrap_future(cf)),
-                                          self.grammar_timeout)
-        except asyncio.TimeoutError:
-            raise ParamError("response_format", f"json_schema took longer than "
-                             f"{self.grammar_timeout:g}s to compile; send a simpler schema"
-                             ) from None
-
-    def _grammar_done(self) -> None:
-        self._grammars_pending -= 1
-
     def _mark_done(self, request_id: str) -> None:
         self._in_flight.discard(request_id)
         if not self._in_flight:
@@ -540,7 +446,7 @@ class AsyncEngine:
             except queue.Empty:
                 return
             if isinstance(cmd, _Add):
-                self._adds_applied += 1
+                self.admission.adds_applied += 1
             if isinstance(cmd, (_Add, _Snapshot)) and not cmd.result.done():
                 cmd.result.set_exception(error)
 
@@ -570,7 +476,7 @@ class AsyncEngine:
                 self._apply_abort(cmd)
 
     def _apply_add(self, cmd: _Add) -> None:
-        self._adds_applied += 1  # before any stats publish (see _adds_started)
+        self.admission.adds_applied += 1  # before any stats publish (see Admission)
         if cmd.result.cancelled():
             return
         try:

@@ -230,8 +230,8 @@ def test_grammars_compile_after_the_cheap_checks_in_a_bounded_pool(make_engine: 
             await eng.add_request("slow", "Hello", json_params(2))
         with pytest.raises(QueueFullError, match="grammars are being compiled"):
             await eng.add_request("next", "Hello", json_params(3))
-        await _wait_for(lambda: eng._grammars_pending == 0)
-        eng.grammar_timeout = 30.0
+        await _wait_for(lambda: eng.admission.grammars_pending == 0)
+        eng.admission.grammar_timeout = 30.0
         stream = await eng.add_request("ok", "Hello", json_params(4, temperature=0))
         async for out in stream:
             final = out

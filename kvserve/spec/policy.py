@@ -7,8 +7,8 @@ speculation:
                                    chance draft j survives is alpha^j); c_tok = cost(B) / B,
                                    a token's share of a plain step of B rows
 
-Its price has two parts, both read from tables of measured times (StepCosts: seconds by rows,
-interpolated between the row counts seen):
+Its price has two parts, both read from tables of measured times (step_costs.py's StepCosts:
+seconds by rows, interpolated between the row counts seen):
 
     rows     cost(T + n) - cost(T)   the target step with the n draft rows added
     drafting draft_cost(rows) per drafting forward (a draft model: one per depth, over the
@@ -50,6 +50,7 @@ from collections import deque
 
 from kvserve.request import Request
 from kvserve.spec.base import DRAFT_FORWARDS, DraftStops
+from kvserve.spec.step_costs import StepCosts
 
 PROBE_EVERY = 8
 PROBE_SHARE = 0.03
@@ -88,170 +89,13 @@ _IDLE_DECAY = 0.9
 # (a guess: a chat answer's length).
 _LENGTHS, _MIN_LONGER, _TYPICAL_ANSWER = 64, 4, 256
 _SERVER_DECAY = 0.98
-_EMA = 0.2  # of the step-time tables
 # Catch-ups whose least time per token prices the next one (SpecPolicy.observe_catch_up).
 _CATCH_UPS = 4
-_STALE = 32  # observations since a row count's last, past which StepCosts caps it
-# Until a row count is measured, one more row costs this share of a one-row step.
-_PRIOR_ROW_SHARE = 0.05
 # Until a draft forward is measured, it costs this share of a one-row target step.
 _PRIOR_DRAFT_SHARE = 0.4
 # A verify row never costs less than this share of the step it joins (SpecPolicy._added):
 # where the tables say less, or less than nothing, a stall timed the smaller step.
 _MIN_ROW_SHARE = 0.02
-
-
-def _ema(old: float | None, new: float) -> float:
-    return new if old is None else old + _EMA * (new - old)
-
-
-class StepCosts:
-    """Seconds by rows (EMA per row count): interpolated between measured row counts,
-    extended past the largest along the least-squares slope of the upper half of the
-    measured counts (at least `row_share` of the measured base per row), below the
-    smallest by `row_share` per row, or, with one count measured or none, as `shape`
-    (another table: the draft model's forwards scale as the target's steps do) or by
-    `row_share` per row.
-
-    The extension is what prices rows not yet tried. At `row_share` alone (5% of a step
-    per row, a bandwidth-bound GPU's) rows past the measured ones looked nearly free on
-    the CPU, where each costs 10-20% of a one-row step (the kernels are compute-bound from
-    a few rows: Qwen2.5-Coder 1.5B 74 ms at 1 row, 207 at 8, 324 at 15), and the draft
-    model's forward at 8 rows looked like 26 ms against 80: at 8 streams every request
-    started drafting, paid its catch-up over its prompt, and the server ran at 0.80-0.84x.
-
-    A row count is only measured while the policy picks it, so an entry can go stale: the
-    server's first decode steps (160 ms against 6 for the default model) made one row look
-    dearer than four, drafting never stopped, and one row was never measured again
-    (self_draft at 5% acceptance ran at 0.61x). So an entry not measured for _STALE
-    observations is capped by the larger row counts measured since. Only a stale one: the
-    cap over every larger count takes the least of many noisy times, which made rows look
-    cheap under load (8 streams of Qwen2.5-Coder 1.5B drafting at 0.84x)."""
-
-    def __init__(self, row_share: float = _PRIOR_ROW_SHARE, shape: StepCosts | None = None
-                 ) -> None:
-        self.table: dict[int, float] = {}
-        self.row_share = row_share
-        self.shape = shape
-        self._observations = 0
-        self._seen: dict[int, int] = {}  # row count -> the observation that last measured it
-
-    def observe(self, rows: int, seconds: float) -> None:
-        one = self.table.get(1)
-        if rows > 1 and one is not None and seconds > rows * one:
-            # A step over n rows does less work than n steps of one row (those stream the
-            # weights n times), so a longer one was a stall: another process on the cores,
-            # a cold first call. Kept, it prices its row count out for good, since the
-            # policy never picks a count it thinks dear and so never measures it again: one
-            # 3-row step of 46 ms against 8 at 1 and 2 rows (the default model, three
-            # servers sharing 2 cores) left the suffix proposer drafting one token a step,
-            # 1.26x of no speculation against 1.46x for the n-gram one beside it.
-            return
-        old = self.table.get(rows)
-        if old is not None and self._stale(rows):
-            # A stale average starts again: what it averaged is long past. From one step,
-            # it is that step's time, and a stall there would be all of it; a step over
-            # fewer rows does no more work than one over more, so it starts again at most
-            # at the larger counts measured lately. (Not a count's first measurement: a
-            # larger count timed once at a quiet moment would price the rows measured at
-            # every step under load too low; test_a_fresh_row_count_keeps_its_own_time.) A
-            # burst's last request, alone after 32+ steps of two or more rows, restarted
-            # one row from its first step; 60 ms of stall there (added by hand: ~95 ms
-            # against 27-36 at two rows) made a token look dear enough for its draft model to
-            # catch up over 488 tokens (~1.2 s) with 58 left to write, the 6 drafts of a
-            # server round at 0.81x (Qwen2.5-Coder 1.5B + 0.5B, 8 streams, grounded).
-            old = None
-            seconds = min([seconds] + [v for n, v in self._fresh().items() if n > rows])
-        self.table[rows] = _ema(old, seconds)
-        self._observations += 1
-        self._seen[rows] = self._observations
-
-    def __call__(self, rows: int, default_base: float = 1.0) -> float:
-        table = self.table
-        if not table:
-            # Nothing measured: default_base at one row, scaled as `shape` is, where it has
-            # been measured. By the prior share alone, a draft model's first forward at 8
-            # streams was priced at 35 ms against 75-94 measured once it ran, and 8 streams
-            # of Qwen2.5-Coder 1.5B started drafting (0.90x in that round).
-            if self.shape is not None and self.shape.table:
-                return default_base * self.shape(rows) / self.shape(1)
-            return default_base * (1 + self.row_share * (rows - 1))
-        cost = self._estimate(rows, table)
-        seen = self._seen.get(rows)
-        if seen is not None and self._stale(rows):
-            cost = min([cost] + [v for n, v in table.items()
-                                 if n > rows and self._seen[n] > seen])
-            # A stale entry no further than one row past the fresh ones also gives way to
-            # what they say of it, as if it were unmeasured, so a policy that stopped
-            # choosing a count it thought dear tries it once more and measures it again,
-            # one count at a time (the rows past the fresh ones are priced along their
-            # slope, which under-prices compute-bound rows several counts out). Kept, the
-            # Qwen2.5-Coder 1.5B target's 3 rows (109.8 ms, measured once early, against
-            # 66 timed directly and 49 at 2 rows) priced a second draft out for good: one
-            # token a step, 227 drafts of 314 tokens on two open prompts.
-            fresh = self._fresh()
-            if fresh and rows <= max(fresh) + 1:
-                cost = min(cost, self._estimate(rows, fresh))
-        return cost
-
-    def measured_after(self, a: int, b: int) -> bool:
-        """Whether row count a was last measured after row count b (or b never was)."""
-        return a in self._seen and self._seen[a] > self._seen.get(b, -1)
-
-    def estimate_without(self, rows: int) -> float:
-        """What the other measured row counts say a step of rows costs (its own entry set
-        aside as a stall); its own entry when it is the only one."""
-        others = {n: v for n, v in self.table.items() if n != rows}
-        return self._estimate(rows, others) if others else self(rows)
-
-    def _fresh(self) -> dict[int, float]:
-        """The entries measured within the last _STALE observations."""
-        return {n: v for n, v in self.table.items() if not self._stale(n)}
-
-    def _stale(self, rows: int) -> bool:
-        """Whether the measured row count rows was last measured over _STALE observations
-        ago."""
-        return self._observations - self._seen[rows] > _STALE
-
-    def _estimate(self, rows: int, table: dict[int, float]) -> float:
-        if rows in table:
-            return table[rows]
-        below = max((n for n in table if n < rows), default=None)
-        above = min((n for n in table if n > rows), default=None)
-        if below is not None and above is not None:
-            w = (rows - below) / (above - below)
-            return table[below] + w * (table[above] - table[below])
-        known = below if below is not None else above
-        assert known is not None
-        base = table[known] / (1 + self.row_share * (known - 1))
-        # Past the largest count: along the slope of the upper half. Below the smallest,
-        # by the prior share alone: a step's cost is convex in its rows (flat while the
-        # weights' streaming bounds it, steep once the compute does), so the slope of 3 and
-        # 5 rows extended down priced a one-row step of Qwen2.5-Coder 1.5B at 31 ms against
-        # ~60 (a drafting request never runs one), and a token looked half as dear as it is.
-        if below is not None and len(table) > 1:
-            slope = self._upper_slope(table)
-            return table[known] + max(slope, base * self.row_share) * (rows - known)
-        shape = self.shape
-        if shape is not None and shape.table:
-            return table[known] * shape(rows) / shape(known)
-        return table[known] + base * self.row_share * (rows - known)
-
-    @staticmethod
-    def _upper_slope(table: dict[int, float]) -> float:
-        """Seconds per row over the upper half of the measured counts (from the largest / 2
-        up, at least the two largest): a least-squares line. The slope of the two largest
-        alone rode on their noise: with each entry of a measured table (1-8 rows of
-        Qwen2.5-Coder 1.5B) 10% off at random, as counts measured a few times while a burst
-        fills or drains are, 16 rows were priced at 166-646 ms against ~250, and 8 streams
-        drafted in one table of six; fitted over 4-8 rows, 217-361 ms at 15% off, and none."""
-        ns = sorted(table)
-        upper = [n for n in ns if 2 * n >= ns[-1]]
-        ns = upper if len(upper) > 1 else ns[-2:]
-        mean_n = sum(ns) / len(ns)
-        mean_t = sum(table[n] for n in ns) / len(ns)
-        return (sum((n - mean_n) * (table[n] - mean_t) for n in ns)
-                / sum((n - mean_n) ** 2 for n in ns))
 
 
 class SpecPolicy:
@@ -351,14 +195,15 @@ class SpecPolicy:
         """A plain step of `rows`: cost(rows), unless a step of one row more costs less
         and was measured since; then the table's estimate from its other row counts (no
         dearer than that step). One stall timed at a row count that the policy then stops
-        running is kept until it goes stale (_STALE): a first one-row step of 11 ms against
-        6 at two rows (the default model) made every draft look cheaper than none, and
-        self_draft, accepted 5% of the time, drafted at each of 32 steps in a row. Capped at
-        the step of one row more alone, the base is a row too dear, and so is a token
-        (c_tok): on a compute-bound CPU a fifth of a step at 8 rows (Qwen2.5-Coder 1.5B).
-        Only where the dearer count is the older: a count measured at every step is not a
-        stall (the default model, 8 streams: 8 rows at 18-20 ms each step, 9 at 16.5 once,
-        and re-estimated at 15.8 the suffix proposer, 97% accepted, stopped drafting)."""
+        running is kept until it goes stale (step_costs.py's _STALE): a first one-row step
+        of 11 ms against 6 at two rows (the default model) made every draft look cheaper
+        than none, and self_draft, accepted 5% of the time, drafted at each of 32 steps in
+        a row. Capped at the step of one row more alone, the base is a row too dear, and so
+        is a token (c_tok): on a compute-bound CPU a fifth of a step at 8 rows
+        (Qwen2.5-Coder 1.5B). Only where the dearer count is the older: a count measured at
+        every step is not a stall (the default model, 8 streams: 8 rows at 18-20 ms each
+        step, 9 at 16.5 once, and re-estimated at 15.8 the suffix proposer, 97% accepted,
+        stopped drafting)."""
         cost, above = self.cost(rows), self.cost(rows + 1)
         if cost <= above or not self.cost.measured_after(rows + 1, rows):
             return cost

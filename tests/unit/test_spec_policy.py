@@ -12,8 +12,8 @@ from kvserve.spec.policy import (
     PROBE_EVERY,
     PROBE_SHARE,
     SpecPolicy,
-    StepCosts,
 )
+from kvserve.spec.step_costs import StepCosts
 
 
 def _reqs(n: int) -> list[Request]:

@@ -127,7 +127,10 @@ def main() -> int:
     prompts = [line["prompt"] for line in
                sr.prompt_lines(tok, ns.task, sr.PROMPTS[ns.streams], sr.MAX_TOKENS, TEXT)]
     sp = SamplingParams(temperature=0, max_tokens=sr.MAX_TOKENS)
-    for llm in engines.values():  # warm-up: the first generation of each engine is cold
+    for llm in engines.values():
+        # As a server starts (LLMEngine.warm_up), then one generation: the first of each
+        # engine is cold, and one stream before a burst is the policy's hardest start.
+        llm.llm_engine.warm_up()
         llm.generate(prompts[:1], sp, use_tqdm=False)
     names = list(engines)
     ratios: dict[str, list[float]] = {n: [] for n in names}

@@ -116,18 +116,21 @@ class SpecPolicy:
         self._out: dict[str, int] = {}  # its output tokens when last seen (num_drafts)
         self.forget()
 
-    def forget(self) -> None:
+    def forget(self, keep_times: bool = False) -> None:
         """Drops every measured time and the server's acceptance: after the engine's
         warm-up, whose steps are its first (cold) and whose drafts continue a one-token
         prompt. Kept, they priced the rest of a server's life: a warm-up step of 940 ms at
         one row against 60 made every token look dear, so the first requests paid a draft
         model's catch-up over their prompts at 8 streams too (Qwen2.5-Coder 1.5B,
-        input-grounded, 0.81-0.94x)."""
+        input-grounded, 0.81-0.94x). keep_times: the step tables stay (the warm-up's second,
+        warm pass: LLMEngine.warm_up), the acceptance, the catch-ups and the answer lengths
+        go."""
         # Every request's verify steps, decayed (the prior's mean): one draft's weight.
         self._server = [_PRIOR_ALPHA, 1 - _PRIOR_ALPHA]
-        self.cost = StepCosts()  # the target's decode / verify steps, by rows
-        self.prefill_cost = StepCosts()  # the target's steps with prompt tokens, by rows
-        self.draft_cost = StepCosts(shape=self.cost)  # the proposer's forwards, by rows
+        if not keep_times:
+            self.cost = StepCosts()  # the target's decode / verify steps, by rows
+            self.prefill_cost = StepCosts()  # the target's steps with prompt tokens, by rows
+            self.draft_cost = StepCosts(shape=self.cost)  # the proposer's forwards, by rows
         # Seconds per token of the proposer's last catch-ups (observe_catch_up).
         self._catch_ups: deque[float] = deque(maxlen=_CATCH_UPS)
         self._lengths: deque[int] = deque(maxlen=_LENGTHS)  # finished requests' outputs

@@ -91,6 +91,7 @@ class StepCosts:
             if self.shape is not None and self.shape.table:
                 return default_base * self.shape(rows) / self.shape(1)
             return default_base * (1 + self.row_share * (rows - 1))
+        table = self._rescaled()
         cost = self._estimate(rows, table)
         seen = self._seen.get(rows)
         if seen is not None and self._stale(rows):
@@ -108,6 +109,29 @@ class StepCosts:
             if fresh and rows <= max(fresh) + 1:
                 cost = min(cost, self._estimate(rows, fresh))
         return cost
+
+    def _rescaled(self) -> dict[int, float]:
+        """The table, its stale entries past the largest fresh count scaled by how far the
+        machine's speed has moved since: the fresh time at that count over what the stale
+        entries around it say of it. A time is the work's times the machine's speed, and a
+        shared 2-core machine drifts by a third within a minute; the entries measured lately
+        beside those measured long ago then price the rows between them at the difference
+        of two speeds. A burst's plain 8-row steps had slowed from ~150 ms to 212 while 16
+        rows stood at 294 (the warm-up's, a quiet minute earlier): 8 verify rows looked like
+        82 ms against ~140, a token at 26 ms, and 8 streams of Qwen2.5-Coder 1.5B + 0.5B
+        caught up and drafted, 0.85-0.93x of no speculation (AVX2); re-measured once
+        drafting, 16 rows took 353, what the scale says (212 / 177, the 5- and 16-row
+        entries' time for 8 rows). Only where stale counts lie on both sides of the fresh
+        ones: below the smallest measured count the table's estimate is a guess."""
+        fresh = self._fresh()
+        if not fresh or len(fresh) == len(self.table):
+            return self.table
+        top = max(fresh)
+        stale = {n: v for n, v in self.table.items() if n not in fresh}
+        if min(stale) > top or max(stale) < top:
+            return self.table
+        scale = fresh[top] / self._estimate(top, stale)
+        return {n: v * scale if n > top and n in stale else v for n, v in self.table.items()}
 
     def measured_after(self, a: int, b: int) -> bool:
         """Whether row count a was last measured after row count b (or b never was)."""

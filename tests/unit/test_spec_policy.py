@@ -596,3 +596,64 @@ def test_steps_with_prompt_tokens_price_catch_ups_not_rows() -> None:
     assert policy.cost.table == {1: 0.070, 8: 0.200}
     assert policy.cost(16) == pytest.approx(0.200 + 8 * 0.130 / 7)  # the decodes' slope
     assert policy._catch_up_per_token() == pytest.approx(0.6 * 0.640 / 64)
+
+
+def test_stale_rows_past_the_fresh_ones_follow_the_machines_drift() -> None:
+    # Timed on a quiet machine: 4 and 16 rows. Then only 8 rows, 1.33x slower than those
+    # two say of it: the stale count past the fresh one is scaled as much.
+    c = StepCosts()
+    c.observe(4, 0.100)
+    c.observe(16, 0.340)
+    for _ in range(40):
+        c.observe(8, 0.240)
+    scale = 0.240 / (0.100 + (0.340 - 0.100) * 4 / 12)
+    assert scale == pytest.approx(4 / 3)
+    assert c(16) == pytest.approx(0.340 * scale)
+    assert c(12) == pytest.approx(0.240 + (0.340 * scale - 0.240) / 2)
+    assert c(4) == pytest.approx(0.100)  # below the fresh count: as measured
+    # With no stale count below the fresh one, nothing says how the speed moved.
+    d = StepCosts()
+    d.observe(16, 0.340)
+    for _ in range(40):
+        d.observe(8, 0.240)
+    assert d(16) == pytest.approx(0.340)
+
+
+def _slowed_burst(alpha_steps: int = 40) -> tuple[SpecPolicy, list[Request]]:
+    """A draft model's policy as 8 streams of Qwen2.5-Coder 1.5B + 0.5B found it (AVX2,
+    one process, the engines stepped in turn): the warm-up's 8-40 rows timed on a quiet
+    machine, one stream's 1-5 rows, then a burst whose plain 8-row steps slowed to 212 ms;
+    8 new requests 28 tokens in, each 77 tokens behind, the server's drafts ~95% accepted."""
+    p = SpecPolicy(4, draft_forwards="per_depth")
+    for rows, ms in ((8, 150.0), (16, 293.9), (24, 444.4), (40, 664.5)):
+        p.observe_step(rows, ms / 1000)
+    p.observe_draft([(8, 0.0763)])
+    for _ in range(15):
+        for rows, ms in ((1, 75.8), (2, 89.2), (3, 88.2), (4, 141.0), (5, 133.6)):
+            p.observe_step(rows, ms / 1000)
+    p.observe_draft([(1, 0.0203)])
+    for _ in range(30):
+        p.observe_step(7, 0.1522)
+        p.observe_step(8, 0.2119)
+    p.observe_catch_up(600, 600 * 0.00639)
+    _accept(p, _reqs(8), 4, 4, times=alpha_steps)
+    p.remove([str(i) for i in range(8)])
+    reqs = [Request(f"new{i}", list(range(50)), SamplingParams(max_tokens=256),
+                    max_tokens=256) for i in range(8)]
+    for r in reqs:
+        for t in range(28):
+            r.append_output_token(t)
+    return p, reqs
+
+
+def test_a_slowed_machine_does_not_make_verify_rows_look_cheap() -> None:
+    # Priced at the warm-up's 294 ms, 16 rows cost 82 ms more than the slowed 8 (against
+    # ~140 once measured), and the 8 requests caught up and drafted: 0.85-0.93x.
+    p, reqs = _slowed_burst()
+    assert p.cost(16) == pytest.approx(0.2939 * 0.2119 / (0.1336 + (0.2939 - 0.1336) * 3 / 11))
+    assert p.num_drafts(reqs, [4] * 8, [77] * 8, load=8) == [0] * 8
+    # Were 16 rows as cheap now as then (measured so), the same requests would draft.
+    p, reqs = _slowed_burst()
+    for _ in range(3):
+        p.observe_step(16, 0.2939)
+    assert p.num_drafts(reqs, [4] * 8, [77] * 8, load=8) != [0] * 8

@@ -5,7 +5,8 @@ A table of EMAs per row count, interpolated between the counts measured, extende
 along a fitted slope (or as another table scales, or by a prior share per row), with the
 guards that noisy measurements on shared 2-core machines asked for: a step slower
 than that many one-row steps is a stall and is dropped; an entry not measured for a while
-is stale and gives way to the counts measured since. StepCosts' docstring says why each.
+is stale and gives way to the counts measured since, and past them it is scaled by how far
+the machine's speed has moved since it was timed. StepCosts' docstring says why each.
 """
 
 from __future__ import annotations

@@ -51,6 +51,7 @@ class StepCosts:
         self.shape = shape
         self._observations = 0
         self._seen: dict[int, int] = {}  # row count -> the observation that last measured it
+        self._view: dict[int, float] | None = None  # _rescaled()'s, until the next observe()
 
     def observe(self, rows: int, seconds: float) -> None:
         one = self.table.get(1)
@@ -81,6 +82,7 @@ class StepCosts:
         self.table[rows] = _ema(old, seconds)
         self._observations += 1
         self._seen[rows] = self._observations
+        self._view = None
 
     def __call__(self, rows: int, default_base: float = 1.0) -> float:
         table = self.table
@@ -114,8 +116,8 @@ class StepCosts:
     def _rescaled(self) -> dict[int, float]:
         """The table, its stale entries past the largest fresh count scaled by how far the
         machine's speed has moved since: the fresh time at that count over what the stale
-        entries around it say of it. A time is the work's times the machine's speed, and a
-        shared 2-core machine drifts by a third within a minute; the entries measured lately
+        entries around it say of it. A step's time is its work over the machine's speed, and a
+        shared 2-core machine's drifts by a third within a minute; the entries measured lately
         beside those measured long ago then price the rows between them at the difference
         of two speeds. A burst's plain 8-row steps had slowed from ~150 ms to 212 while 16
         rows stood at 294 (the warm-up's, a quiet minute earlier): 8 verify rows looked like
@@ -123,16 +125,18 @@ class StepCosts:
         caught up and drafted, 0.85-0.93x of no speculation (AVX2); re-measured once
         drafting, 16 rows took 353, what the scale says (212 / 177, the 5- and 16-row
         entries' time for 8 rows). Only where stale counts lie on both sides of the fresh
-        ones: below the smallest measured count the table's estimate is a guess."""
-        fresh = self._fresh()
-        if not fresh or len(fresh) == len(self.table):
-            return self.table
-        top = max(fresh)
-        stale = {n: v for n, v in self.table.items() if n not in fresh}
-        if min(stale) > top or max(stale) < top:
-            return self.table
-        scale = fresh[top] / self._estimate(top, stale)
-        return {n: v * scale if n > top and n in stale else v for n, v in self.table.items()}
+        ones: below the smallest measured count the table's estimate is a guess. Kept until
+        the next observation (the policy prices dozens of row counts a step)."""
+        if self._view is None:
+            self._view = self.table
+            fresh = self._fresh()
+            stale = {n: v for n, v in self.table.items() if n not in fresh}
+            if fresh and stale and min(stale) < max(fresh) < max(stale):
+                top = max(fresh)
+                scale = fresh[top] / self._estimate(top, stale)
+                self._view = {n: v * scale if n > top and n in stale else v
+                              for n, v in self.table.items()}
+        return self._view
 
     def measured_after(self, a: int, b: int) -> bool:
         """Whether row count a was last measured after row count b (or b never was)."""

@@ -22,7 +22,7 @@ class Checkpoint:
     def weights(self, keep_quantized: bool = False) -> Iterator[tuple[str, Any]]:
         """(HF name, float32 CPU tensor) pairs, dequantized one at a time so that at most one
         float32 copy of a tensor is alive beyond what the caller keeps. keep_quantized: a
-        GGUF file's block-quantized matrices come as kvserve.quant.gguf.GGUFWeight blocks
+        GGUF file's block-quantized matrices come as kvserve.quant.gguf_weights.GGUFWeight blocks
         (other checkpoints have none)."""
         return self._weights(keep_quantized)
 

@@ -33,7 +33,7 @@ from kvserve.loader.errors import CheckpointError
 from kvserve.loader.gguf_reader import GGUF_MAGIC, GGUFFile
 from kvserve.loader.gguf_tokenizer import tokenizer_from_gguf
 from kvserve.loader.tokenizer import Tokenizer
-from kvserve.quant.gguf import KEPT_TYPES, GGUFWeight, block_bytes
+from kvserve.quant.gguf_weights import KEPT_TYPES, GGUFWeight, block_bytes
 
 logger = logging.getLogger(__name__)
 

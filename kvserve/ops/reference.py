@@ -68,7 +68,7 @@ class ReferenceOps:
         if wtype in (1, 30):
             weight = weight.to(x.dtype)
         elif wtype != 0:
-            from kvserve.quant.gguf import dequantize
+            from kvserve.quant.gguf_weights import dequantize
 
             weight = dequantize(weight, wtype, x.shape[-1]).to(x.dtype)
         return F.linear(x, weight, bias)

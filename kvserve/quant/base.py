@@ -43,7 +43,7 @@ Linear = Any
 
 
 class QuantizedTensor(Protocol):
-    """A checkpoint tensor the loader kept as stored (kvserve.quant.gguf.GGUFWeight, ...)."""
+    """A checkpoint tensor the loader kept as stored (quant/gguf_weights.py GGUFWeight, ...)."""
 
     @property
     def shape(self) -> tuple[int, ...]:

@@ -61,8 +61,8 @@ from kvserve.quant.base import (
     require_float32,
 )
 from kvserve.quant.block_pack import BLOCK, F32, Q8_0, pack
-from kvserve.quant.gguf import dequantize_runs, int4_runs
 from kvserve.quant.int4_groups import Int4Groups
+from kvserve.quant.kernel_runs import dequantize_runs, int4_runs
 from kvserve.quant.rtn import int4_to_q4_1, int8_to_q8_0, q4_1_format
 
 if TYPE_CHECKING:

@@ -7,7 +7,7 @@ A method whose weights are 4-bit groups hands them over as Int4Groups
 (LinearMethod.int4_groups): GPTQ-4, AWQ and int4, which kvserve holds as Q4_1 blocks
 (w = d q + m: scale d, zero m + 8 d), and under an explicit "gguf" a file's Q4_0
 (w = d (q - 8): zero 0), Q4_1 and Q4_K matrices (a sub-block of 32, dl q - dm: scale dl,
-zero 8 dl - dm): gguf.int4_runs.
+zero 8 dl - dm): kernel_runs.int4_runs.
 """
 
 from __future__ import annotations

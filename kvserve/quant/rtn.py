@@ -39,8 +39,8 @@ from kvserve.quant.base import (
     require_float32,
 )
 from kvserve.quant.block_pack import BLOCK, F32, Q4_1, Q4_1_128, Q8_0, SHARED_SPAN, pack
-from kvserve.quant.gguf import dequantize_runs, int4_runs
 from kvserve.quant.int4_groups import Int4Groups
+from kvserve.quant.kernel_runs import dequantize_runs, int4_runs
 
 if TYPE_CHECKING:
     from kvserve.config import EngineConfig

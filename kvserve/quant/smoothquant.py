@@ -59,7 +59,7 @@ from kvserve.quant.calibration import (
     layer_weights,
     rms_norm,
 )
-from kvserve.quant.gguf import dequantize_runs
+from kvserve.quant.kernel_runs import dequantize_runs
 from kvserve.quant.rtn import int8_to_q8_0, quantize_int8
 
 if TYPE_CHECKING:

@@ -51,7 +51,7 @@ from kvserve.models import build_model
 from kvserve.ops import get_ops
 from kvserve.outputs import ScheduledRequest, SchedulerOutput
 from kvserve.quant import get_quant_method
-from kvserve.quant.gguf import GGUFWeight
+from kvserve.quant.gguf_weights import GGUFWeight
 from kvserve.request import Request
 from kvserve.sample.metadata import SamplingMetadata
 from kvserve.sample.sampler import Sampler

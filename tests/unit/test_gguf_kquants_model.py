@@ -18,7 +18,8 @@ from kvserve.ops import get_ops
 from kvserve.ops.cpu import CpuOps
 from kvserve.ops.reference import ReferenceOps
 from kvserve.quant import get_quant_method, quant_config
-from kvserve.quant.gguf import KQUANT_TYPES, GGUFLinearMethod
+from kvserve.quant.gguf import GGUFLinearMethod
+from kvserve.quant.gguf_weights import KQUANT_TYPES
 from tests.helpers import PagedSequence
 from tests.unit.test_loader import write_gguf
 

@@ -33,7 +33,7 @@ from kvserve.quant.ggml_kquants import (
     dequantize_kquant,
     rewrite_iq4,
 )
-from kvserve.quant.gguf import GGUFWeight
+from kvserve.quant.gguf_weights import GGUFWeight
 from tests.unit.test_gguf_kquants_model import _logits_error
 from tests.unit.test_loader import _raw, write_gguf
 

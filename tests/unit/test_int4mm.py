@@ -18,8 +18,9 @@ import torch
 from kvserve.ops import int4mm
 from kvserve.quant.base import KernelWeight
 from kvserve.quant.block_pack import Q4_0, Q4_1, pack
-from kvserve.quant.gguf import Q4_K, Q6_K, int4_runs
+from kvserve.quant.gguf_weights import Q4_K, Q6_K
 from kvserve.quant.int4_groups import Int4Groups
+from kvserve.quant.kernel_runs import int4_runs
 from kvserve.quant.kquant_pack import pack_kquant
 from kvserve.quant.rtn import int4_to_q4_1, quantize_int4
 

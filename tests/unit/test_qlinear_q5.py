@@ -271,7 +271,8 @@ def test_fused_layer_runs_the_packed_formats(isa: str) -> None:
     from kvserve.config import ModelConfig
     from kvserve.layers.rotary import rope_cos_sin
     from kvserve.models.llama import LlamaDecoderLayer
-    from kvserve.quant.gguf import GGUFQuantMethod, GGUFWeight
+    from kvserve.quant.gguf import GGUFQuantMethod
+    from kvserve.quant.gguf_weights import GGUFWeight
     from tests.helpers import paged_model_input
 
     if isa not in runnable_isas(amx=False):  # CpuOps(isa=) refuses an ISA the CPU lacks

@@ -26,7 +26,8 @@ from kvserve.quant.block_pack import (
     quantize_activations,
     unpack,
 )
-from kvserve.quant.gguf import GGUFLinearMethod, GGUFWeight, dequantize
+from kvserve.quant.gguf import GGUFLinearMethod
+from kvserve.quant.gguf_weights import GGUFWeight, dequantize
 
 needs_kernels = pytest.mark.skipif(not cpu_has_avx2_fma(), reason="needs an AVX2+FMA CPU")
 

@@ -17,7 +17,7 @@ from kvserve.models import build_model
 from kvserve.ops.cpu import CpuOps, cpu_has_avx2_fma
 from kvserve.quant.block_pack import IQ4_NL, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, pack
 from kvserve.quant.ggml_kquants import IQ4_FAMILY, KQUANT_NAMES
-from kvserve.quant.gguf import GGUFWeight, PackedRows
+from kvserve.quant.gguf_weights import GGUFWeight, PackedRows
 from kvserve.quant.kquant_pack import pack_kquant
 from tests.helpers import PagedSequence
 from tests.unit import test_ggml_blocks, test_kquant_kernels, test_quant_gguf

@@ -51,7 +51,10 @@ class StepCosts:
         self.shape = shape
         self._observations = 0
         self._seen: dict[int, int] = {}  # row count -> the observation that last measured it
-        self._view: dict[int, float] | None = None  # _rescaled()'s, until the next observe()
+        # _rescaled()'s and _fresh()'s, until the next observe() (they read only the table
+        # and the observation count; the policy prices dozens of row counts a step).
+        self._view: dict[int, float] | None = None
+        self._fresh_view: dict[int, float] | None = None
 
     def observe(self, rows: int, seconds: float) -> None:
         one = self.table.get(1)
@@ -82,7 +85,7 @@ class StepCosts:
         self.table[rows] = _ema(old, seconds)
         self._observations += 1
         self._seen[rows] = self._observations
-        self._view = None
+        self._view = self._fresh_view = None
 
     def __call__(self, rows: int, default_base: float = 1.0) -> float:
         table = self.table
@@ -125,8 +128,7 @@ class StepCosts:
         caught up and drafted, 0.85-0.93x of no speculation (AVX2); re-measured once
         drafting, 16 rows took 353, what the scale says (212 / 177, the 5- and 16-row
         entries' time for 8 rows). Only where stale counts lie on both sides of the fresh
-        ones: below the smallest measured count the table's estimate is a guess. Kept until
-        the next observation (the policy prices dozens of row counts a step)."""
+        ones: below the smallest measured count the table's estimate is a guess."""
         if self._view is None:
             self._view = self.table
             fresh = self._fresh()
@@ -150,7 +152,9 @@ class StepCosts:
 
     def _fresh(self) -> dict[int, float]:
         """The entries measured within the last _STALE observations."""
-        return {n: v for n, v in self.table.items() if not self._stale(n)}
+        if self._fresh_view is None:
+            self._fresh_view = {n: v for n, v in self.table.items() if not self._stale(n)}
+        return self._fresh_view
 
     def _stale(self, rows: int) -> bool:
         """Whether the measured row count rows was last measured over _STALE observations

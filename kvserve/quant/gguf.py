@@ -40,7 +40,7 @@ from kvserve.quant.base import (
     kernels_run,
     require_float32,
 )
-from kvserve.quant.block_pack import BLOCK, PACKED_BYTES, pack
+from kvserve.quant.block_pack import BLOCK, PACKED_BYTES
 from kvserve.quant.gguf_weights import (
     KEPT_TYPES,
     KQUANT_TYPES,
@@ -48,10 +48,10 @@ from kvserve.quant.gguf_weights import (
     ROW_TYPES,
     GGUFWeight,
     PackedRows,
+    pack_groups,
 )
 from kvserve.quant.int4_groups import Int4Groups
 from kvserve.quant.kernel_runs import apply_kernel_weights, dequantize_runs, int4_runs
-from kvserve.quant.kquant_pack import pack_kquant
 
 if TYPE_CHECKING:
     from kvserve.config import EngineConfig
@@ -150,9 +150,10 @@ class GGUFLinearMethod:
                                     else torch.empty(0, dtype=torch.uint8), requires_grad=False)
 
     def _repack(self, data: torch.Tensor, qtype: int, k: int) -> torch.Tensor:
-        if qtype in KQUANT_TYPES:
-            return pack_kquant(data, qtype, k)
-        return pack(data, qtype, k) if self.int8_activations else data
+        # K-quants run packed only; the row formats stay as stored for gguf_exact's kernels.
+        if self.int8_activations or qtype in KQUANT_TYPES:
+            return pack_groups(data, qtype, k)
+        return data
 
     def apply(self, layer: Any, x: torch.Tensor) -> torch.Tensor:
         return apply_kernel_weights(layer.ops, x, self.parts, layer.bias)

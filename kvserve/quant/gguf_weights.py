@@ -71,6 +71,12 @@ def block_bytes(qtype: int) -> tuple[int, int]:
     return GGML_QUANT_SIZES[GGMLQuantizationType(qtype)]
 
 
+def pack_groups(data: torch.Tensor, qtype: int, k: int) -> torch.Tensor:
+    """A matrix as stored, in the kernels' 16-row groups: `pack_kquant` for a K-quant (or an
+    IQ4_XS-layout type), `pack` for a 32-weight block type."""
+    return pack_kquant(data, qtype, k) if qtype in KQUANT_TYPES else pack(data, qtype, k)
+
+
 class GGUFWeight(NamedTuple):
     """One GGUF matrix as stored: data uint8 [rows, K // block * block bytes], K weights a
     row."""
@@ -208,9 +214,7 @@ def _row_gather(qtype: int, k: int) -> tuple[torch.Tensor, torch.Tensor | None] 
     row = k // block * nbytes
 
     def packed(data: torch.Tensor) -> torch.Tensor:
-        if qtype in KQUANT_TYPES:
-            return pack_kquant(data, qtype, k).reshape(-1)
-        return pack(data, qtype, k).reshape(-1)
+        return pack_groups(data, qtype, k).reshape(-1)
 
     flip_at = packed(torch.zeros(GROUP, row, dtype=torch.uint8))  # what packing adds to zeros
     pos = torch.arange(GROUP * row)

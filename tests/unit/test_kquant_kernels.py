@@ -261,9 +261,9 @@ def test_kernel_at_the_integer_bounds(qlinear_ops: CpuOps, qtype: int) -> None:
     raw = raw.reshape(n, -1)
     packed = pack_kquant(raw, qtype, k)
     signs = torch.tensor([1.0, -1.0]).repeat(k // 2)
-    # the VNNI / AVX2 packed tiles (AVX2: 1 row; 2 rows, Q6_K 2 to 5; Q4_K 2 to 8, 8-row
-    # tiles), AVX2's wide records (Q4_K 9+ rows, Q2_K, Q3_K, Q5_K 3+, Q6_K 6+), and AMX's
-    # tiles (32+ rows) where the ISA is amx
+    # the VNNI / AVX2 packed tiles (AVX2: 1 row; 2 rows, Q6_K 2 to 5; Q4_K 2 to 8, tiles
+    # of up to 5 rows), AVX2's wide records (Q4_K 9+ rows, Q2_K, Q3_K, Q5_K 3+, Q6_K 6+),
+    # and AMX's tiles (32+ rows) where the ISA is amx
     for rows in (1, 2, 3, 5, 6, 8, 9, 40):
         for x in (torch.ones(rows, k), -torch.ones(rows, k), torch.ones(rows, k) * signs):
             expect = dot_kquant(raw, qtype, quantize_activations_q8_k(x))

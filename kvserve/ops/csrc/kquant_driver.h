@@ -78,9 +78,9 @@ void run_wide(const Q8KActs& a, const uint8_t* w, const float* bias, float* out,
 // the others hit cache. Every tile decodes the group's weights again, and a tile of one row
 // costs nearly a decode alone; so with kJoinOne the tiles hold MT - 1 rows and a pass's lone
 // last row joins its first tile (MT rows): 17 rows at MT = 5 are 5 + 4 + 4 + 4, not 4 + 4 +
-// 4 + 4 + 1. Without it, tiles of MT and one of the rest: the AVX2 file's choice, whose
-// K-quant linears ran 1.04-1.07x slower at 7 to 17 rows with the other loop beside this one,
-// where that changed no tile there (Q4KRows is one tile to 8 rows, wide records from 9).
+// 4 + 4 + 1. Without it, tiles of MT and one of the rest: the AVX2 file's choice but for
+// Q4KRows, whose K-quant linears ran 1.04-1.07x slower at 7 to 17 rows with the other loop
+// beside this one, where that changed no tile there (wide records from 9 rows).
 template <class Fmt, int MT, bool kJoinOne = false>
 void run(const Q8KActs& a, const uint8_t* w, const float* bias, float* out, int64_t N,
          int nthreads) {

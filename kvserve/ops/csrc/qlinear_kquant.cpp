@@ -34,7 +34,7 @@
 // Parallel split (tiles.h): a tile is one 16-row group, each thread streams its slab of groups
 // front to back; activation rows go in passes of ~256 KB of int8 (kept in L2), and a group's
 // records are re-read from cache for every MT rows after the first tile. Q4_K at 2..8 rows
-// (a speculative step's K + 1, small batches) runs Q4KRows' 8-row tiles over the packed
+// (a speculative step's K + 1, small batches) runs Q4KRows' tiles of up to 5 rows over the packed
 // records; from 3 rows (Q4_K and IQ4_XS: 9, Q6_K: 6) on, every format's groups are read as
 // wide records instead, unpacked once per pass ("Wide records" below): prefill and batches.
 #include <omp.h>
@@ -290,11 +290,15 @@ struct Q4K {
 };
 
 // Q4_K's packed records at a few rows (a speculative step's K + 1, small batches): one
-// sub-block (one nibble of 8 chunks) and one 8-row half of the group at a time, so that up
-// to 8 activation rows' int16 sums fit in registers beside the split chunk, each chunk half
-// split once for all the tile's rows. The wide records' unpacking (store, then reload)
-// costs about a 1-row call per group, which a few rows cannot amortize. Same integer sums
-// (the int16 bound of Q4K's lo / hi), same bits.
+// sub-block (one nibble of 8 chunks) at a time, both 8-row halves of the group, so that up to
+// 5 activation rows' int16 sums (2 a row) fit in registers beside the split chunk: each
+// chunk split once for all the tile's rows, each activation broadcast once for both halves.
+// (One half at a time held 8 rows but broadcast every activation twice, one maddubs each:
+// against it, over the Qwen 1.5B Q4_K_M file's Q4_K linears (benchmarks/kernel_ab.py, Zen 3,
+// 2 threads, 11 rounds) 0.88x the time at 2 rows, 0.94x at 3 and 4, 0.93x at 5, 0.97x at 7,
+// 0.80-0.84x at 8 (4 + 4); 6 rows as 4 + 2 read 1.07x, as 3 + 3 0.97x.) The wide records'
+// unpacking (store, then reload) costs about a 1-row call per group, which a few rows cannot
+// amortize. Same integer sums (the int16 bound of Q4K's lo / hi), same bits.
 struct Q4KRows : Q4K {
   template <int MT>
   static inline void dot(const uint8_t* rec, const int8_t* const* x, const int16_t* const* bs,
@@ -303,24 +307,30 @@ struct Q4KRows : Q4K {
     kq::q4k_scales(rec + kq::kQ4KScales, sc, mn);
     const __m256i nib = _mm256_set1_epi8(15);
     for (int m = 0; m < MT; ++m) isum[m][0] = isum[m][1] = _mm256_setzero_si256();
-    for (int s = 0; s < 8; ++s)  // the low (s even) or high (s odd) nibbles of chunks 8(s/2)..
-      for (int h = 0; h < 2; ++h) {  // rows 8h .. 8h + 7 of the group
-        __m256i acc[MT];
-        for (int m = 0; m < MT; ++m) acc[m] = _mm256_setzero_si256();
-        for (int l4 = 0; l4 < 8; ++l4) {
+    for (int s = 0; s < 8; ++s) {  // the low (s even) or high (s odd) nibbles of chunks 8(s/2)..
+      __m256i acc[MT][2];
+      for (int m = 0; m < MT; ++m) acc[m][0] = acc[m][1] = _mm256_setzero_si256();
+      for (int l4 = 0; l4 < 8; ++l4) {
+        __m256i w[2];  // rows 0..7, 8..15
+        for (int h = 0; h < 2; ++h) {
           const __m256i v = load256(rec + kq::kQ4KQs + 64 * (8 * (s / 2) + l4) + 32 * h);
-          const __m256i w = _mm256_and_si256(s % 2 ? _mm256_srli_epi16(v, 4) : v, nib);
-          for (int m = 0; m < MT; ++m)
-            acc[m] = _mm256_add_epi16(acc[m],
-                                      _mm256_maddubs_epi16(w, bcast4(x[m] + 32 * s + 4 * l4)));
-          // Pinned (as in WideQ45K): unpinned, GCC computed all 8 chunks' products first and
-          // spilled them to the stack.
-          for (int m = 0; m < MT; ++m) asm("" : "+x"(acc[m]));
+          w[h] = _mm256_and_si256(s % 2 ? _mm256_srli_epi16(v, 4) : v, nib);
         }
+        for (int m = 0; m < MT; ++m) {
+          const __m256i xb = bcast4(x[m] + 32 * s + 4 * l4);
+          for (int h = 0; h < 2; ++h)
+            acc[m][h] = _mm256_add_epi16(acc[m][h], _mm256_maddubs_epi16(w[h], xb));
+        }
+        // Pinned once all rows' products are in (as in WideLayout::sums): unpinned, GCC
+        // computed all 8 chunks' products first and spilled them to the stack.
+        for (int m = 0; m < MT; ++m) asm("" : "+x"(acc[m][0]), "+x"(acc[m][1]));
+      }
+      for (int h = 0; h < 2; ++h) {
         const __m256i f = dup16(widen_u8(sc[s], h));
         for (int m = 0; m < MT; ++m)
-          isum[m][h] = _mm256_add_epi32(isum[m][h], _mm256_madd_epi16(acc[m], f));
+          isum[m][h] = _mm256_add_epi32(isum[m][h], _mm256_madd_epi16(acc[m][h], f));
       }
+    }
     min_sums<MT>(mn, bs, msum);
   }
 };
@@ -678,7 +688,7 @@ struct WideQ45K : WideLayout<8, 8, kHighBit ? 4 : 8, 4> {
   static constexpr bool kMin = true;
   // Measured per kernel call (Q4_K 8960 x 1536 and 1536 x 8960, 2 threads): from 3 rows the
   // unpacking costs less than the 2-row packed tiles' decoding (even at 2: 0.7x-1.3x). Q4_K
-  // reaches here from 9 rows only: below, Q4KRows' 8-row tiles beat both.
+  // reaches here from 9 rows only: below, Q4KRows' tiles beat both.
   static constexpr int64_t kMinRows = 3;
   static constexpr int64_t kQs = kHighBit ? kq::kQ5KQs : kq::kQ4KQs;
 
@@ -905,8 +915,9 @@ struct Wide<IQ4Lut<V, S, K16>> {
 
 #include "kquant_driver.h"  // some_rows, run, run_kquant: see there why in this namespace
 
-// Q4_K at 2..8 rows: Q4KRows, one tile. Against the wide records, one call from DRAM (8960 x
-// 1536, 2 threads, Zen 3): 1.2-1.27x at 3 to 6 rows, 1.13x at 8, even at 12, slower at 16.
+// Q4_K at 2..8 rows: Q4KRows, one tile to 5 rows, two from 6. Against the wide records (then
+// 8-row tiles), one call from DRAM (8960 x 1536, 2 threads, Zen 3): 1.2-1.27x at 3 to 6
+// rows, 1.13x at 8, even at 12, slower at 16.
 constexpr int kQ4KRowsMax = 8;
 
 template <class Fmt>
@@ -915,7 +926,8 @@ void run_fmt(const Q8KActs& a, const uint8_t* w, const float* bias, float* out, 
   using WideFmt = typename Wide<Fmt>::type;
   if constexpr (std::is_same_v<Fmt, Q4K>) {
     if (a.M >= 2 && a.M <= kQ4KRowsMax) {
-      run<Q4KRows, kQ4KRowsMax>(a, w, bias, out, N, nthreads);
+      if (a.M == 6) run<Q4KRows, 4, true>(a, w, bias, out, N, nthreads);  // 3 + 3
+      else run<Q4KRows, 5, true>(a, w, bias, out, N, nthreads);  // one tile to 5, 4 + 3, 4 + 4
       return;
     }
   }

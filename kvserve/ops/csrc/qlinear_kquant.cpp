@@ -741,7 +741,8 @@ struct WideQ6K : WideLayout<16, 4, 2, 8> {
   // rows, 1.38-1.45x against 1.63-1.87x at 3). At 4 and 5 rows (a verify step's 1 + K) the
   // 3-row tile and the rest from cache beat them too, over every Q6_K linear of the Qwen
   // 1.5B Q4_K_M file (its 151936 x 1536 lm_head the most), 3 alternating pairs: 4 rows
-  // 27.0-29.7 ms against 30.7-35.2, 5 rows 31.1-34.3 against 33.7-44.4; level at 6.
+  // 27.0-29.7 ms against 30.7-35.2, 5 rows 31.1-34.3 against 33.7-44.4; level at 6. (Now
+  // one tile of 4 or 5 rows, which beats those: run_fmt.)
   static constexpr int64_t kMinRows = 6;
 
   static inline void unpack(const uint8_t* rec, uint8_t* dst) {
@@ -941,10 +942,13 @@ void run_fmt(const Q8KActs& a, const uint8_t* w, const float* bias, float* out, 
     }
   }
   // MT = 1 at decode: one stream, the accumulators in registers. Otherwise (Q2_K, Q3_K and
-  // Q5_K at 2 rows; Q6_K at 2 to 5) 2 rows (Q6_K: 3, its int16 sums are 2 a row) share each
-  // chunk's load and split (16 ymm cannot hold more rows' accumulators).
+  // Q5_K at 2 rows; Q6_K at 2 to 5) 2 rows share each chunk's load and split (16 ymm cannot
+  // hold more rows' accumulators). Q6_K (its int16 sums 2 a row) runs 2 to 5 rows as one
+  // tile, one decoding of the record for all of them: against 3-row tiles and the rest (3 +
+  // 1, 3 + 2), over the Qwen 1.5B Q4_K_M file's Q6_K linears (benchmarks/kernel_ab.py, Zen 3,
+  // 2 threads, 11 and 15 rounds) 0.91-0.94x the time at 4 rows, 0.96-1.01x at 5.
   if (a.M == 1) run<Fmt, 1>(a, w, bias, out, N, nthreads);
-  else if constexpr (std::is_same_v<Fmt, Q6K>) run<Fmt, 3>(a, w, bias, out, N, nthreads);
+  else if constexpr (std::is_same_v<Fmt, Q6K>) run<Fmt, 5>(a, w, bias, out, N, nthreads);
   else run<Fmt, 2>(a, w, bias, out, N, nthreads);
 }
 

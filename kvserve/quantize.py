@@ -1,6 +1,6 @@
 """`kvserve quantize MODEL --method {int8,int4,gptq,awq,smoothquant} -o DIR`: a float (or
 GGUF) checkpoint written as a quantized safetensors checkpoint in a standard layout
-(kvserve/quant/export.py):
+(kvserve/quant/export.py, the tensors' layouts kvserve/quant/int4_layouts.py):
 
     gptq        GPTQ (kvserve/quant/gptq.py; --act-order, --static-groups as AutoGPTQ's),
                 AutoGPTQ "gptq" v1 layout, bits 4 or 8
@@ -151,7 +151,7 @@ def quantize_checkpoint(model: str, out_dir: str, a: QuantizeArgs) -> None:
     """Reads MODEL (a .gguf file or HF directory, or the default model's name), quantizes it
     as `a` says and writes out_dir (which must not exist or be empty)."""
     from kvserve.loader import load_checkpoint, resolve_model
-    from kvserve.quant import export
+    from kvserve.quant import export, int4_layouts
     from kvserve.quant.awq import awq_clip_layer, awq_group_quantize, awq_scale_layer
     from kvserve.quant.calibration import (
         calibration_batch,
@@ -205,10 +205,10 @@ def quantize_checkpoint(model: str, out_dir: str, a: QuantizeArgs) -> None:
     def pack(ql: QuantizedLinear, sym: bool = sym) -> dict[str, torch.Tensor]:
         """One linear's tensors in the layout (sym: its grid's, compressed-tensors)."""
         if a.format == "awq":
-            return export.pack_awq(ql)
+            return int4_layouts.pack_awq(ql)
         if a.format == "gptq":
-            return export.pack_gptq(ql)
-        return export.pack_compressed_tensors(ql, sym)
+            return int4_layouts.pack_gptq(ql)
+        return int4_layouts.pack_compressed_tensors(ql, sym)
 
     out: dict[str, torch.Tensor] = {}
     t0 = time.perf_counter()

@@ -214,7 +214,7 @@ def _linear_names(qc: dict[str, Any]) -> tuple[str, ...]:
     """What a checkpoint stores for each linear: a weight, or a GPTQ / AWQ / compressed-tensors
     pack-quantized layout's tensors instead, those every such checkpoint has (its format's
     TENSORS; the layer's LinearMethod checks the optional ones and the rest)."""
-    from kvserve.quant.int4_checkpoints import COMPRESSED_TENSORS, TENSORS
+    from kvserve.quant.int4_layouts import COMPRESSED_TENSORS, TENSORS
 
     method = qc.get("quant_method")
     if method == COMPRESSED_TENSORS and qc.get("format") != "pack-quantized":

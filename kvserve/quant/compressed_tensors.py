@@ -4,9 +4,9 @@
 
 What this module knows is the checkpoint's quantization_config (flattened by the loader):
 which settings kvserve runs, and which modules its `targets` and `ignore` lists quantize. The
-tensors' layout and their repacking into Q4_1 / Q8_0 blocks are int4_checkpoints.py's, beside
-GPTQ's and AWQ's. (compressed-tensors' other format kvserve loads, "int-quantized" W8A8, is
-smoothquant.py's.)
+tensors' layout is int4_layouts.py's, beside GPTQ's and AWQ's, and their repacking into
+Q4_1 / Q8_0 blocks int4_checkpoints.py's. (compressed-tensors' other format kvserve loads,
+"int-quantized" W8A8, is smoothquant.py's.)
 """
 
 from __future__ import annotations
@@ -16,11 +16,8 @@ from typing import Any
 
 from kvserve.quant.base import LinearMethod
 from kvserve.quant.block_pack import BLOCK
-from kvserve.quant.int4_checkpoints import (
-    COMPRESSED_TENSORS,
-    Int4CheckpointLinearMethod,
-    Int4CheckpointMethod,
-)
+from kvserve.quant.int4_checkpoints import Int4CheckpointLinearMethod, Int4CheckpointMethod
+from kvserve.quant.int4_layouts import COMPRESSED_TENSORS
 
 
 def _matches(entry: str, name: str) -> bool:

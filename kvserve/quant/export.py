@@ -1,41 +1,9 @@
 """Quantized checkpoints in the standard HF layouts (safetensors + config.json + tokenizer).
 
-GPTQ, AutoGPTQ / GPTQModel "gptq" (v1) format, per linear `<prefix>` of [N out, K in]:
-
-    <prefix>.qweight  int32 [K / P, N]   P = 32 / bits values along K per int32:
-                                         qweight[r, n] bits [b*j, b*j + b) = q[n, P*r + j]
-    <prefix>.qzeros   int32 [K / G, N / P]  the same packing along N of (z - 1):
-                                         qzeros[g, c] bits [b*j, ...) = z[n = P*c + j, g] - 1
-    <prefix>.scales   float16 [K / G, N]
-    <prefix>.g_idx    int32 [K]          the group of input k (k // G without act-order)
-        w[n, k] = scales[g_idx[k], n] * (q[n, k] - (zero nibble + 1)),  g = g_idx[k]
-
-    The off-by-one: AutoGPTQ's packer stores z - 1 and every v1 reader adds 1 back.
-
-AWQ GEMM (AutoAWQ WQLinear_GEMM), bits 4, P = 8:
-
-    <prefix>.qweight  int32 [K, N / 8]   qweight[k, c] nibble i = q[n = 8c + ORDER[i], k]
-    <prefix>.qzeros   int32 [K / G, N / 8]  the same interleave of z (no off-by-one)
-    <prefix>.scales   float16 [K / G, N]
-        w[n, k] = scales[k // G, n] * (q[n, k] - z[n, k // G]),
-        ORDER = [0, 2, 4, 6, 1, 3, 5, 7] (the GEMM kernel's dequantize order)
-
-compressed-tensors "pack-quantized" (llm-compressor's W4A16 / W8A16), P = 32 / bits:
-
-    <prefix>.weight_packed      int32 [N, K / P]   weight_packed[n, c] bits [b*j, ...) =
-                                                   q[n, P*c + j]
-    <prefix>.weight_scale       float16 [N, K / G]
-    <prefix>.weight_zero_point  int32 [N / P, K / G]  asymmetric only: bits [b*j, ...) =
-                                                   z[n = P*r + j, g]
-    <prefix>.weight_shape       int64 [2] = (N, K)
-        w[n, k] = weight_scale[n, k // G] * (q[n, k] - z[n, k // G]),  z = 2^(b-1) when
-        symmetric. The library writes its signed q and z plus 2^(b-1): kvserve's unsigned
-        q and z are those very fields. Groups are consecutive inputs (act-order only with
-        static groups: its config's actorder "weight"; "group" and its g_idx are gone from
-        compressed-tensors).
-
-Nibble i / value j sits at bits [b*i, b*i + b) of the int32 (little end first); int32 is
-two's complement, so a top nibble >= 8 makes the stored int negative.
+The tensors of each quantized linear are int4_layouts.py's (GPTQ v1, AWQ GEMM,
+compressed-tensors pack-quantized: drawn there, beside their readers); this module writes the
+rest of a checkpoint around them: config.json's quantization_config, the tokenizer, the
+safetensors files.
 """
 
 from __future__ import annotations
@@ -49,71 +17,6 @@ from safetensors.torch import save_file
 
 from kvserve.config import ModelConfig
 from kvserve.loader.tokenizer import Tokenizer
-from kvserve.quant.gptq import QuantizedLinear
-
-AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)
-
-
-def pack_int32(values: torch.Tensor, bits: int, dim: int) -> torch.Tensor:
-    """Integers in [0, 2^bits) packed 32 / bits at a time along `dim` (first value in the low
-    bits) into int32; values.shape[dim] must divide by 32 / bits."""
-    per = 32 // bits
-    v = values.movedim(dim, -1).to(torch.int64)
-    if v.shape[-1] % per:
-        raise ValueError(f"cannot pack {v.shape[-1]} values {per} to an int32")
-    if v.min() < 0 or v.max() >= 2**bits:
-        raise ValueError(f"values outside [0, {2**bits}) cannot be packed in {bits} bits")
-    v = v.reshape(*v.shape[:-1], -1, per)
-    shifts = torch.arange(per, dtype=torch.int64) * bits
-    word = (v << shifts).sum(-1)  # disjoint bit ranges: the sum is the OR
-    word = torch.where(word >= 2**31, word - 2**32, word)  # as two's complement int32
-    return word.to(torch.int32).movedim(-1, dim).contiguous()
-
-
-def pack_gptq(ql: QuantizedLinear) -> dict[str, torch.Tensor]:
-    """One linear in the GPTQ v1 layout (see the module docstring)."""
-    if ql.zeros.min() < 1:
-        raise ValueError("GPTQ v1 stores z - 1: a zero point of 0 has no encoding")
-    return {
-        "qweight": pack_int32(ql.q.T, ql.bits, dim=0),
-        "qzeros": pack_int32(ql.zeros.T - 1, ql.bits, dim=1),
-        "scales": ql.scales.T.to(torch.float16).contiguous(),
-        "g_idx": ql.g_idx.to(torch.int32).clone(),  # its own storage (stacked q/k/v share one)
-    }
-
-
-def pack_awq(ql: QuantizedLinear) -> dict[str, torch.Tensor]:
-    """One linear in the AWQ GEMM layout (see the module docstring)."""
-    if ql.bits != 4:
-        raise ValueError(f"the AWQ GEMM layout holds 4-bit weights, got {ql.bits}")
-    k = ql.q.shape[1]
-    if not torch.equal(ql.g_idx, torch.arange(k, dtype=torch.int32) // ql.group_size):
-        raise ValueError("the AWQ layout has no g_idx: groups must be consecutive inputs")
-    n = ql.q.shape[0]
-    # Output channel 8c + ORDER[i] goes to nibble i of word c.
-    order = (torch.arange(n // 8)[:, None] * 8 + torch.tensor(AWQ_ORDER)).reshape(-1)
-    return {
-        "qweight": pack_int32(ql.q.T[:, order], 4, dim=1),
-        "qzeros": pack_int32(ql.zeros.T[:, order], 4, dim=1),
-        "scales": ql.scales.T.to(torch.float16).contiguous(),
-    }
-
-
-def pack_compressed_tensors(ql: QuantizedLinear, sym: bool) -> dict[str, torch.Tensor]:
-    """One linear in compressed-tensors' pack-quantized layout (see the module docstring)."""
-    n, k = ql.q.shape
-    if not torch.equal(ql.g_idx, torch.arange(k, dtype=torch.int32) // ql.group_size):
-        raise ValueError("compressed-tensors' pack-quantized layout has no g_idx: groups must "
-                         "be consecutive inputs (with --act-order, add --static-groups)")
-    out = {"weight_packed": pack_int32(ql.q, ql.bits, dim=1),
-           "weight_scale": ql.scales.to(torch.float16).contiguous(),
-           "weight_shape": torch.tensor([n, k], dtype=torch.int64)}
-    if not sym:
-        out["weight_zero_point"] = pack_int32(ql.zeros, ql.bits, dim=0)
-    elif not bool((ql.zeros == 2 ** (ql.bits - 1)).all()):
-        raise ValueError(f"a symmetric compressed-tensors grid has its zero at "
-                         f"{2 ** (ql.bits - 1)}")
-    return out
 
 
 def gptq_quantization_config(bits: int, group_size: int, sym: bool, desc_act: bool,

@@ -22,7 +22,7 @@ The integer grid is AutoGPTQ's (Quantizer.find_params): per output row and group
 
 with s rounded to float16 (the checkpoint's scale type) before q is chosen against it, so the
 stored integers are the nearest ones for the scales actually stored. The GPTQ v1 checkpoint
-stores z - 1 (export.py), which cannot hold z = 0; an asymmetric group whose min rounds to
+stores z - 1 (int4_layouts.py), which cannot hold z = 0; an asymmetric group whose min rounds to
 z = 0 (min(w) > -s / 2) takes z = 1 and s = max / (maxq - 1) instead, a grid that still
 covers [0, max].
 """

@@ -2,31 +2,8 @@
 (HF safetensors), repacked at load.
 
 All store, per linear of N outputs and K inputs, groups of G inputs sharing a scale and a
-zero point: w[n, k] = s[g, n] * (q[k, n] - z[g, n]), q and z in [0, 15] (4-bit; [0, 255]
-at 8 bits, one byte per field, 4 per int32 word, instead of a nibble).
-
-    GPTQ (AutoGPTQ / GPTQModel, quant_method "gptq"):
-      qweight int32 [K / 8, N]   nibble i (bits 4i..4i+3) of word r is q[8r + i, n]
-      qzeros  int32 [K / G, N / 8]  nibble i of word c is z[g, 8c + i], stored minus 1 in the
-                                    v1 format (checkpoint_format "gptq", AutoGPTQ's
-                                    off-by-one) and as is in "gptq_v2"
-      scales  fp16 [K / G, N]
-      g_idx   int32 [K]          the group of input k: k // G, or any permutation's groups
-                                 with desc_act (act-order)
-    AWQ GEMM (AutoAWQ, quant_method "awq", version "gemm", zero_point true):
-      qweight int32 [K, N / 8]   nibble i of word c is q[k, 8c + ORDER[i]],
-      qzeros  int32 [K / G, N / 8]   likewise,  ORDER = 0 2 4 6 1 3 5 7
-      scales  fp16 [K / G, N]
-    compressed-tensors "pack-quantized" (llm-compressor's W4A16 / W8A16, quant_method
-    "compressed-tensors"; rows are outputs, P = 32 / bits fields a word, offset O = 2^(bits-1)):
-      weight_packed      int32 [N, K / P]  field i of word c is q[n, Pc + i] + O
-      weight_scale       float [N, K / G]  (strategy "group"; "channel": [N, 1], G = K)
-      weight_zero_point  int32 [N / P, K / G]  field i of word r is z[Pr + i, g] + O; only
-                                    when asymmetric (older exports: int8 [N, K / G], no O)
-      weight_g_idx       int32 [K]  with actorder "group", as GPTQ's g_idx
-      weight_shape       int [2]    (N, K)
-    where w = s (q - z), q and z signed in [-O, O - 1] and z = 0 when symmetric: as kvserve
-    reads it, q + O and z + O (O when symmetric) in [0, 2O - 1].
+zero point: w = s (q - z), q and z in [0, 15] (4-bit; [0, 255] at 8 bits). The layouts, and
+their unpacking (unpack_layer), are int4_layouts.py's.
 
 They run as GGUF blocks (kvserve/quant/gguf.py), on the int8-activation kernels. 4-bit: Q4_1,
 w = d * q + m with d = s and m = -s * z per 32-input block (each block repeats its group's
@@ -62,73 +39,12 @@ from kvserve.quant.base import (
 )
 from kvserve.quant.block_pack import BLOCK, F32, Q8_0, pack
 from kvserve.quant.int4_groups import Int4Groups
+from kvserve.quant.int4_layouts import COMPRESSED_TENSORS, TENSORS, unpack_layer
 from kvserve.quant.kernel_runs import dequantize_runs, int4_runs
 from kvserve.quant.rtn import int4_to_q4_1, int8_to_q8_0, q4_1_format
 
 if TYPE_CHECKING:
     from kvserve.config import EngineConfig
-
-AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)
-
-
-def _fields(packed: torch.Tensor, bits: int) -> torch.Tensor:
-    """int32 [..., C] -> [..., C, 32 / bits]: field i of each word (bits i*bits upwards)."""
-    shifts = torch.arange(0, 32, bits, dtype=torch.int32)
-    return (packed.unsqueeze(-1) >> shifts) & ((1 << bits) - 1)
-
-
-def unpack_rows(packed: torch.Tensor, bits: int = 4) -> torch.Tensor:
-    """int32 [R, C] -> int32 [PR, C], P = 32 / bits: field i of word [r, c] is row Pr + i."""
-    f = _fields(packed, bits)  # [R, C, P]
-    return f.permute(0, 2, 1).reshape(-1, packed.shape[1])
-
-
-def unpack_cols(packed: torch.Tensor, order: tuple[int, ...] | None = None, bits: int = 4
-                ) -> torch.Tensor:
-    """int32 [R, C] -> int32 [R, PC]: field i of word [r, c] is column Pc + order[i]."""
-    f = _fields(packed, bits)  # [R, C, P]: field i at [..., i]
-    if order is not None:
-        inv = torch.empty(len(order), dtype=torch.long)
-        inv[torch.tensor(order)] = torch.arange(len(order))
-        f = f[..., inv]  # column j of the P comes from field inv[j]
-    return f.reshape(packed.shape[0], -1)
-
-
-_INTS = (torch.int32,)
-_FLOATS = (torch.float16, torch.float32, torch.bfloat16)
-
-
-def _group_index(gi: torch.Tensor | None, name: str, k: int, ng: int, what: str
-                 ) -> torch.Tensor:
-    """The group of each of the k inputs: a checkpoint's g_idx, checked, or k // G."""
-    if gi is None:
-        return torch.arange(k) // (k // ng)
-    gi = _check(name, gi, (k,), (torch.int32, torch.int64), what).long()
-    if int(gi.min()) < 0 or int(gi.max()) >= ng:
-        raise ValueError(f"{what}: {name} must hold groups in [0, {ng - 1}], found "
-                         f"[{int(gi.min())}, {int(gi.max())}]")
-    return gi
-
-
-def _check(name: str, t: torch.Tensor | None, shape: tuple[int, ...], dtypes: tuple, what: str
-           ) -> torch.Tensor:
-    if t is None:
-        raise ValueError(f"{what}: the checkpoint has no {name}")
-    if tuple(t.shape) != shape or t.dtype not in dtypes:
-        raise ValueError(f"{what}: {name} must be {[str(d) for d in dtypes][0]} {list(shape)}, "
-                         f"found {t.dtype} {list(t.shape)}")
-    return t
-
-
-COMPRESSED_TENSORS = "compressed-tensors"
-# Each format's tensors of a quantized linear: (always there, optional).
-TENSORS = {
-    "gptq": (("qweight", "qzeros", "scales"), ("g_idx",)),
-    "awq": (("qweight", "qzeros", "scales"), ()),
-    COMPRESSED_TENSORS: (("weight_packed", "weight_scale", "weight_shape"),
-                         ("weight_zero_point", "weight_g_idx")),
-}
-
 
 class Int4CheckpointLinearMethod:
     """A Linear loaded from GPTQ / AWQ / compressed-tensors tensors (per output shard),
@@ -180,8 +96,9 @@ class Int4CheckpointLinearMethod:
                              f"a multiple of {BLOCK}")
         qs, zs, ss, gidx = [], [], [], []
         for i, n in enumerate(layer.shard_sizes):
-            q, z, s, gi = self._unpack(self.parts.get(i, {}), n * (tp if column else 1), k, g,
-                                       f"{self.prefix} shard {i}")
+            q, z, s, gi = unpack_layer(self.fmt, self.parts.get(i, {}), n * (tp if column else 1),
+                                       k, g, f"{self.prefix} shard {i}", bits=self.bits,
+                                       zero_offset=self.zero_offset, sym=self.sym)
             if column:
                 q, z, s = (t[rank * n:(rank + 1) * n] for t in (q, z, s))
             qs.append(q)
@@ -230,57 +147,6 @@ class Int4CheckpointLinearMethod:
                                  f"as int8 blocks, which hold [-128, 127]")
             blocks, self.wtype = int8_to_q8_0(v.to(torch.int8), s), Q8_0
         layer.weight = nn.Parameter(pack(blocks, self.wtype, k), requires_grad=False)
-
-    def _unpack(self, t: dict[str, torch.Tensor], n: int, k: int, g: int, what: str
-                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-        """One shard's tensors -> (q [n, K] int32, z float32 [n, K/G], s [n, K/G], g_idx):
-        unsigned q and z, w = s (q - z) (module docstring)."""
-        ng = k // g
-        per = 32 // self.bits  # fields per int32 word
-        if n % per:
-            raise ValueError(f"{what}: {n} outputs do not pack {per} zeros per int32")
-        if self.fmt == COMPRESSED_TENSORS:
-            return self._unpack_compressed_tensors(t, n, k, ng, what)
-        scales = _check("scales", t.get("scales"), (ng, n), _FLOATS, what).float()
-        if self.fmt == "gptq":
-            q = unpack_rows(_check("qweight", t.get("qweight"), (k // per, n), _INTS, what),
-                            self.bits)
-            z = unpack_cols(_check("qzeros", t.get("qzeros"), (ng, n // per), _INTS, what),
-                            bits=self.bits)
-            z = (z + self.zero_offset) & ((1 << self.bits) - 1)
-            gi = _group_index(t.get("g_idx"), "g_idx", k, ng, what)
-        else:
-            q = unpack_cols(_check("qweight", t.get("qweight"), (k, n // 8), _INTS, what),
-                            AWQ_ORDER)
-            z = unpack_cols(_check("qzeros", t.get("qzeros"), (ng, n // 8), _INTS, what),
-                            AWQ_ORDER)
-            gi = torch.arange(k) // g
-        # q is [K, n] in both layouts; kvserve's rows are outputs.
-        return q.T.contiguous(), z.T.float().contiguous(), scales.T.contiguous(), gi
-
-    def _unpack_compressed_tensors(self, t: dict[str, torch.Tensor], n: int, k: int, ng: int,
-                                   what: str
-                                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor,
-                                              torch.Tensor]:
-        """_unpack of the pack-quantized layout, whose rows are already outputs."""
-        per, offset = 32 // self.bits, 1 << (self.bits - 1)
-        shape = _check("weight_shape", t.get("weight_shape"), (2,), (torch.int32, torch.int64),
-                       what)
-        if tuple(shape.tolist()) != (n, k):
-            raise ValueError(f"{what}: weight_shape is {shape.tolist()}, the layer's weight is "
-                             f"[{n}, {k}]")
-        q = unpack_cols(_check("weight_packed", t.get("weight_packed"), (n, k // per), _INTS,
-                               what), bits=self.bits)
-        scales = _check("weight_scale", t.get("weight_scale"), (n, ng), _FLOATS, what).float()
-        zp = t.get("weight_zero_point")
-        if self.sym:
-            z = torch.full((n, ng), float(offset))
-        elif zp is not None and zp.dtype == torch.int8:  # unpacked, signed
-            z = _check("weight_zero_point", zp, (n, ng), (torch.int8,), what).float() + offset
-        else:
-            z = unpack_rows(_check("weight_zero_point", zp, (n // per, ng), _INTS, what),
-                            self.bits).float()
-        return q, z, scales, _group_index(t.get("weight_g_idx"), "weight_g_idx", k, ng, what)
 
     def apply(self, layer: Any, x: torch.Tensor) -> torch.Tensor:
         if self.perm is not None:

@@ -1,4 +1,4 @@
-"""GPTQ and AWQ (kvserve/quant/gptq.py, awq.py) and their checkpoint packing (export.py).
+"""GPTQ and AWQ (kvserve/quant/gptq.py, awq.py) and their checkpoint packing (int4_layouts.py).
 
 References are independent of the code under test: GPTQ against the paper's plain OBS update
 (H_F^-1 inverted afresh for every column, no Cholesky, no lazy blocks); both methods against
@@ -36,7 +36,6 @@ from kvserve.quant.calibration import (
     rms_norm,
     rope_tables,
 )
-from kvserve.quant.export import pack_awq, pack_gptq
 from kvserve.quant.gptq import (
     QuantizedLinear,
     gptq_quantize,
@@ -44,6 +43,7 @@ from kvserve.quant.gptq import (
     hessian,
     rtn_quantize,
 )
+from kvserve.quant.int4_layouts import pack_awq, pack_gptq
 from tests.helpers import PagedSequence, kvserve_model_from_hf, model_config_from_hf, tiny_hf_model
 
 CALIB = Path(__file__).resolve().parents[3] / "shared" / "reference" / "GPL-3.txt"

@@ -25,8 +25,9 @@ from models import MODELS  # benchmarks/models.py
 from kvserve.ops.cpu import KQUANT_KERNEL_WTYPES, PACKED_WTYPES, CpuOps
 from kvserve.quant.base import HALF_DTYPES
 from kvserve.quant.block_pack import F32, pack
-from kvserve.quant.ggml_kquants import IQ4_REWRITES, rewrite_iq4
+from kvserve.quant.ggml_kquants import IQ4_REWRITES
 from kvserve.quant.ggml_kquants import KQUANT_NAMES as NAMES
+from kvserve.quant.iquant_rewrite import rewrite_iq4
 from kvserve.quant.kquant_pack import pack_kquant
 
 DEFAULT = MODELS / "qwen2.5-coder-1.5b-instruct-q4_k_m.gguf"
@@ -35,7 +36,7 @@ FLOAT_DTYPES = {F32: torch.float32, **HALF_DTYPES}  # ops.linear's rows
 
 def load(path: Path, every_packed: bool = False) -> list[tuple[int, torch.Tensor, int, int]]:
     """(qtype, packed weight, rows N, columns K) of each K-quant linear, in file order; an
-    i-quant rewritten first as the loader rewrites it (ggml_kquants.rewrite_iq4). The token
+    i-quant rewritten first as the loader rewrites it (iquant_rewrite.rewrite_iq4). The token
     embedding is looked up, not streamed, so it is left out. every_packed (kernel_ab.py): the
     Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q8_0 / IQ4_NL linears too (block_pack.pack, ops.qlinear's
     layout), the F32 / F16 / BF16 ones as [N, K] tensors of their dtype (ops.linear's rows),

@@ -16,7 +16,7 @@ instead of 32. `dequantize` below is the pure-torch reference, itself tested aga
 
 The K-quants in KQUANT_TYPES stay packed too under "gguf" (kvserve/quant/kquant_pack.py), and
 IQ3_S, IQ3_XXS, IQ2_XXS and IQ1_S join them rewritten exactly in IQ4_XS's layout, IQ2_XS and
-IQ2_S, IQ1_M in its quants with a scale per 16 weights (ggml_kquants.rewrite_iq4). A matrix of
+IQ2_S, IQ1_M in its quants with a scale per 16 weights (iquant_rewrite.rewrite_iq4). A matrix of
 any other block type (TQ1_0 / TQ2_0, MXFP4, ...) is requantized to Q8_0 at load under "gguf"
 (GGUFWeight.for_kernels: 8.5 bits a weight on the int8 kernels instead of float32's 32, for
 about Q8_0's rounding on top of the file's); "gguf_exact" and a backend without the kernels
@@ -32,7 +32,7 @@ import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from gguf import quants as gguf_quants
 
-from kvserve.quant import ggml_blocks, ggml_kquants
+from kvserve.quant import ggml_blocks, ggml_kquants, iquant_rewrite
 from kvserve.quant.block_pack import (
     BLOCK,
     BLOCK_BYTES,
@@ -102,7 +102,7 @@ class GGUFWeight(NamedTuple):
             return self
         if self.qtype in ggml_kquants.IQ4_REWRITES:
             _, target = ggml_kquants.IQ4_REWRITES[self.qtype]
-            data = ggml_kquants.rewrite_iq4(self.data, self.qtype, self.k)
+            data = iquant_rewrite.rewrite_iq4(self.data, self.qtype, self.k)
             return GGUFWeight(data, target, self.k)
         return self.as_q8_0()
 

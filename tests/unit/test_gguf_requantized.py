@@ -1,7 +1,7 @@
 """GGUF block types the kernels do not read as stored (IQ3_S, IQ3_XXS, IQ2_XXS, IQ2_XS, IQ2_S,
 IQ1_S, IQ1_M, TQ2_0, ...): under quantization "gguf" the i-quants are rewritten exactly in
 IQ4_XS's layout (their own values; IQ2_XS, IQ2_S and IQ1_M with a scale per 16 weights;
-ggml_kquants.rewrite_iq4) and every other such matrix
+iquant_rewrite.rewrite_iq4) and every other such matrix
 requantized to Q8_0 at load (GGUFWeight.for_kernels), both packed on the int8 kernels;
 "gguf_exact" and a backend without the kernels dequantize them, as the loader did before.
 References: gguf-py's dequantize and its Q8_0 quantizer, and the float model on the same
@@ -31,9 +31,9 @@ from kvserve.quant.ggml_kquants import (
     IQ3_XXS4,
     IQ4_REWRITES,
     dequantize_kquant,
-    rewrite_iq4,
 )
 from kvserve.quant.gguf_weights import GGUFWeight
+from kvserve.quant.iquant_rewrite import rewrite_iq4
 from tests.unit.test_gguf_kquants_model import _logits_error
 from tests.unit.test_loader import _raw, write_gguf
 

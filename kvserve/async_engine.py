@@ -31,75 +31,25 @@ import threading
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, replace
-from typing import Any, TypeVar
+from typing import Any
 
 from kvserve.admission import Admission
 from kvserve.engine_args import EngineArgs
 from kvserve.iteration_stats import RequestTimings, StatsListener
 from kvserve.llm_engine import LLMEngine, PromptType
 from kvserve.outputs import EngineSnapshot, EngineStats, RequestOutput
-from kvserve.platform import configure_threads, pin_thread
+from kvserve.platform import configure_threads, in_own_thread, pin_thread
+from kvserve.request_stream import EngineDeadError, EngineShuttingDown, RequestStream
 from kvserve.sampling_params import SamplingParams
 from kvserve.scheduler import QueueFullError
 
 logger = logging.getLogger("kvserve.async_engine")
-_T = TypeVar("_T")
 
 # How long the idle engine thread sleeps on its command queue before checking for shutdown.
 _IDLE_POLL_S = 0.5
 
 
-class EngineDeadError(RuntimeError):
-    """The engine thread stopped on an error; nothing more will be generated."""
-
-
-class EngineShuttingDown(RuntimeError):
-    """The engine is draining for shutdown and takes no new requests."""
-
-
 SNAPSHOT_REQUESTS = 64
-
-
-class RequestStream:
-    """One request's outputs. Written on the event loop (via call_soon_threadsafe) only."""
-
-    def __init__(self, request_id: str) -> None:
-        self.request_id = request_id
-        self._latest: RequestOutput | None = None
-        self._error: BaseException | None = None
-        self._done = False
-        self._event = asyncio.Event()
-
-    def put(self, output: RequestOutput) -> None:
-        self._latest = output
-        self._done = output.finished
-        self._event.set()
-
-    def fail(self, error: BaseException) -> None:
-        if not self._done:
-            self._error = error
-            self._done = True
-            self._event.set()
-
-    @property
-    def finished(self) -> bool:
-        return self._done and self._latest is None and self._error is None
-
-    def __aiter__(self) -> RequestStream:
-        return self
-
-    async def __anext__(self) -> RequestOutput:
-        while True:
-            if self._latest is not None:
-                out, self._latest = self._latest, None
-                return out
-            if self._error is not None:
-                err, self._error = self._error, None
-                raise err
-            if self._done:
-                raise StopAsyncIteration
-            self._event.clear()
-            await self._event.wait()
 
 
 @dataclass
@@ -526,32 +476,6 @@ class AsyncEngine:
     def _publish_stats(self) -> None:
         # One immutable object, swapped in whole: readers on other threads never see a mix.
         self._stats = self.engine.stats(tiers=self._tiered)
-
-
-def in_own_thread(fn: Callable[[], _T]) -> _T:
-    """fn() in a short-lived thread of its own (the caller waits): how model loads run.
-
-    Why a thread: libgomp keeps an OpenMP worker pool per thread that ever ran a parallel
-    region, and once it manages more threads than there are CPUs it stops spinning between
-    regions. Loading a model (large tensor copies) in a long-lived thread, the caller's or an
-    executor's, left such a pool behind, and every decode step of the engine thread then
-    paid for ~300 sleeping-worker wake-ups: 18 ms instead of 12.5 on 2 cores. A thread that
-    exits frees its pool."""
-    done: list[_T] = []
-    failed: list[BaseException] = []
-
-    def run() -> None:
-        try:
-            done.append(fn())
-        except BaseException as e:  # noqa: BLE001 - re-raised in the caller's thread
-            failed.append(e)
-
-    loader = threading.Thread(target=run, name="kvserve-load")
-    loader.start()
-    loader.join()
-    if failed:
-        raise failed[0]
-    return done[0]
 
 
 def _num_prompt_tokens(prompt: PromptType) -> int:

@@ -30,12 +30,18 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
-from kvserve.async_engine import AsyncEngine, in_own_thread
+from kvserve.async_engine import AsyncEngine
 from kvserve.config import CacheConfig, parse_memory
 from kvserve.engine_args import EngineArgs
 from kvserve.llm_engine import LLMEngine, LoadedModel
 from kvserve.outputs import EngineStats
-from kvserve.platform import available_memory, default_device, setup_process, share_cores
+from kvserve.platform import (
+    available_memory,
+    default_device,
+    in_own_thread,
+    setup_process,
+    share_cores,
+)
 from kvserve.server.errors import APIError, check_can_serve
 from kvserve.server.placement import COLD, HOT, WARM, ModelPlacement
 
@@ -392,7 +398,7 @@ def hot_slot_args(args: EngineArgs, max_hot: int) -> EngineArgs:
 
 class EngineLoader:
     """The real ModelLoader: LLMEngine.load for the weights, AsyncEngine.build for an engine
-    (both in short-lived threads: async_engine.in_own_thread). With several hot slots, slot
+    (both in short-lived threads: platform.in_own_thread). With several hot slots, slot
     i's engine runs on share_cores(i, max_hot), one thread per core; with one, on the
     process's threads as a single-model server does."""
 

@@ -26,9 +26,10 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvserve.async_engine import AsyncEngine, EngineDeadError, EngineShuttingDown, RequestStream
+from kvserve.async_engine import AsyncEngine
 from kvserve.loader.tokenizer import Tokenizer
 from kvserve.outputs import CompletionOutput, PositionLogprobs, RequestOutput
+from kvserve.request_stream import EngineDeadError, EngineShuttingDown, RequestStream
 from kvserve.sampling_params import SamplingParams, StructuredOutputsParams
 from kvserve.scheduler import QueueFullError
 from kvserve.server.errors import APIError, bad_request, from_value_error

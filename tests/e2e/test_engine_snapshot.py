@@ -9,7 +9,8 @@ from typing import Any
 
 import pytest
 
-from kvserve.async_engine import AsyncEngine, EngineDeadError
+from kvserve.async_engine import AsyncEngine
+from kvserve.request_stream import EngineDeadError
 from kvserve.sampling_params import SamplingParams
 
 PROMPT = "Once upon a time, in a land far away, there lived a curious robot who " * 3

@@ -11,7 +11,8 @@ from typing import Any
 import httpx
 import pytest
 
-from kvserve.async_engine import AsyncEngine, EngineDeadError
+from kvserve.async_engine import AsyncEngine
+from kvserve.request_stream import EngineDeadError
 from kvserve.sampling_params import SamplingParams
 from kvserve.scheduler import QueueFullError
 from kvserve.server.api import ServerConfig, app_state, build_app

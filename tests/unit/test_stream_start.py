@@ -10,8 +10,8 @@ from collections.abc import AsyncIterator
 
 import pytest
 
-from kvserve.async_engine import EngineShuttingDown, RequestStream
 from kvserve.outputs import CompletionOutput, RequestOutput
+from kvserve.request_stream import EngineShuttingDown, RequestStream
 from kvserve.server.errors import APIError
 from kvserve.server.serving import EngineStream, PrimedStream
 

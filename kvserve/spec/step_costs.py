@@ -100,9 +100,11 @@ class StepCosts:
         table = self._rescaled()
         cost = self._estimate(rows, table)
         seen = self._seen.get(rows)
-        if seen is not None and self._stale(rows):
+        stale = seen is not None and self._stale(rows)
+        if stale:
             cost = min([cost] + [v for n, v in table.items()
                                  if n > rows and self._seen[n] > seen])
+        if stale or seen is None:
             # A stale entry no further than one row past the fresh ones also gives way to
             # what they say of it, as if it were unmeasured, so a policy that stopped
             # choosing a count it thought dear tries it once more and measures it again,
@@ -110,7 +112,12 @@ class StepCosts:
             # slope, which under-prices compute-bound rows several counts out). Kept, the
             # Qwen2.5-Coder 1.5B target's 3 rows (109.8 ms, measured once early, against
             # 66 timed directly and 49 at 2 rows) priced a second draft out for good: one
-            # token a step, 227 drafts of 314 tokens on two open prompts.
+            # token a step, 227 drafts of 314 tokens on two open prompts. So does a count
+            # never measured, which the entries on either side price otherwise: a server
+            # warmed up while others started beside it kept 8 rows at 356 ms (176 on its
+            # own), so its one-stream verify rows, between 74 ms at one row and that, cost
+            # 40 ms each against 14, never drafted and so were never measured (Qwen2.5-
+            # Coder 1.5B + 0.5B, open generation: no draft in a whole server round).
             fresh = self._fresh()
             if fresh and rows <= max(fresh) + 1:
                 cost = min(cost, self._estimate(rows, fresh))

@@ -657,3 +657,27 @@ def test_a_slowed_machine_does_not_make_verify_rows_look_cheap() -> None:
     for _ in range(3):
         p.observe_step(16, 0.2939)
     assert p.num_drafts(reqs, [4] * 8, [77] * 8, load=8) != [0] * 8
+
+
+def test_a_warm_up_timed_on_a_busy_machine_does_not_price_one_stream_out() -> None:
+    # A server warmed up while two more started beside it (Qwen2.5-Coder 1.5B + 0.5B, AVX2):
+    # its 8-40 rows at 2-3x their own speed. One stream then measures one row at 74 ms, and
+    # 2-5 rows, never measured, were priced between that and 8 rows at 356 ms: 40 ms a verify
+    # row against ~14, so no request drafted, and no row count past one was ever measured.
+    p = SpecPolicy(4, draft_forwards="per_depth")
+    for rows, ms in ((8, 355.6), (16, 577.1), (24, 800.5), (40, 1430.6)):
+        p.observe_step(rows, ms / 1000)
+    p.observe_draft([(8, 0.1299)])
+    reqs = _reqs(1)
+    for _ in range(40):
+        p.observe_step(1, 0.0741)
+    # Two rows cost what the fresh one-row steps say (one row more at the prior share), so
+    # the policy drafts and measures them; the 8-row entry no longer prices them.
+    assert p.cost(2) == pytest.approx(0.0741 * 1.05)
+    assert p.cost(3) > 0.0741 + 2 * 0.030  # two past the fresh ones: still from 8 rows
+    assert p.num_drafts(reqs, [4]) != [0]
+    # Measured, two rows are an entry like any other, and three rows now give way.
+    for _ in range(3):
+        p.observe_step(2, 0.0830)
+    assert p.cost(2) == pytest.approx(0.0830)
+    assert p.cost(3) < 0.0830 + 0.030

@@ -3,7 +3,7 @@ tree's csrc/ against another git revision's, on every packed linear of a GGUF fi
 
     python benchmarks/kernel_ab.py [--base HEAD] [--rows 1,5,16,512] [--rounds 9]
                                    [--model FILE.gguf] [--isa avx512|avx2] [-D NAME=VALUE]
-                                   [--formats Q6_K,...]
+                                   [--formats Q6_K,...] [--in-cache CALLS]
 
 A kernel change of a few percent drowns in this machine's drift between runs (its read rate
 moves 30-60 GB/s from minute to minute), so both builds run in the same process, on the same
@@ -24,6 +24,13 @@ token embedding is its lm_head and streams every step, so it counts as a linear 
 default model (`--model` its Q4_1 file) has no K-quant: its 210 Q4_1 linears and Q8_0 lm_head.
 --formats keeps the linears of the named types only (ggml's names), to time one format's
 kernel without the others' time diluting its ratio.
+
+--in-cache CALLS times each format's kernel alone instead: its largest linear of at most
+16 MB (in L3 after the first call), CALLS pairs of calls per M, the builds alternating call by
+call, and prints the median per-pair ratio. Where a machine shared with others runs one
+minute at 1.5x the speed of the next, call-by-call pairs still agree to ~2% from run to run
+(rounds over every linear from DRAM spread 0.7-1.3x): the way to see a change in the
+compute of a multi-row tile, which DRAM hides less than it hides a 1-row one.
 """
 
 from __future__ import annotations
@@ -89,6 +96,8 @@ def main() -> None:
     ap.add_argument("-D", dest="defines", action="append", default=[], metavar="NAME=VALUE",
                     help="a #define for the working tree's K-quant kernel files (repeatable)")
     ap.add_argument("--formats", help="comma-separated ggml type names (default: every one)")
+    ap.add_argument("--in-cache", type=int, default=0, metavar="CALLS",
+                    help="each format's largest linear of <= 16 MB alone, CALLS call-by-call pairs")
     a = ap.parse_args()
     torch.set_num_threads(a.threads)
     tree_files = with_defines(read_sources(ROOT / CSRC, KERNEL_FILES), a.defines)
@@ -106,6 +115,10 @@ def main() -> None:
         for qt, w, n, k in mats[:7]:
             base, tree = (multiply(b, xs[(m, k)], w, n, qt) for b in builds.values())
             assert torch.equal(base, tree), f"the builds differ at M={m}, wtype {qt}, {n}x{k}"
+
+    if a.in_cache:
+        in_cache(builds, mats, xs, ms, a.in_cache)
+        return
 
     def timed(ops: CpuOps, m: int) -> float:
         t = time.perf_counter()
@@ -133,6 +146,36 @@ def main() -> None:
         print(f"{m:5d} {statistics.median(times[('base', m)]):9.2f} "
               f"{statistics.median(times[('tree', m)]):9.2f} {statistics.median(rs):10.3f} "
               f"{min(rs):5.2f}-{max(rs):.2f}")
+
+
+def in_cache(builds: dict[str, CpuOps], mats: list, xs: dict, ms: list[int], calls: int) -> None:
+    """Per format, its largest linear of <= 16 MB: `calls` pairs of calls per M, base and tree
+    alternating call by call (which goes first alternating too); the median per-pair ratio."""
+    picked: dict[int, tuple] = {}
+    for mat in mats:
+        qt, w = mat[0], mat[1]
+        nbytes = w.numel() * w.element_size()
+        if nbytes <= 16 << 20 and (qt not in picked or nbytes > picked[qt][0]):
+            picked[qt] = (nbytes, mat)
+    print(f"in cache, {calls} call-by-call pairs per M; us a call (median), tree/base (median "
+          f"of the pairs' ratios)")
+    for qt, (nbytes, (_, w, n, k)) in sorted(picked.items()):
+        name = GGMLQuantizationType(qt).name
+        print(f"{name} {n} x {k} ({nbytes / 1e6:.1f} MB)")
+        print(f"{'rows':>5} {'base':>9} {'tree':>9} {'tree/base':>10}")
+        for m in ms:
+            x = xs[(m, k)]
+            for ops in builds.values():  # warm: the weight into cache, the unpack buffers
+                multiply(ops, x, w, n, qt)
+            t: dict[str, list[float]] = {b: [] for b in builds}
+            for i in range(calls):
+                for b in (("base", "tree") if i % 2 == 0 else ("tree", "base")):
+                    t0 = time.perf_counter()
+                    multiply(builds[b], x, w, n, qt)
+                    t[b].append((time.perf_counter() - t0) * 1e6)
+            pairs = [tt / tb for tb, tt in zip(t["base"], t["tree"])]
+            print(f"{m:5d} {statistics.median(t['base']):9.1f} "
+                  f"{statistics.median(t['tree']):9.1f} {statistics.median(pairs):10.3f}")
 
 
 if __name__ == "__main__":

@@ -22,7 +22,9 @@
 //   Q6_K sub-block (16 weights): q + 32 (0..63) is assembled from its nibble and its 2 high
 //       bits, 2 chunks summed in int16 (|sum| <= 4 * 63 * 127 = 32004 < 2^15), madd by the
 //       scale; 32 * sum_s scale_s * bsum_s takes the + 32 back, exactly.
-//   Q4_K mins: sum_s min_s * (the two bsums of s), one madd per sub-block (bsums fit int16).
+//   Q4_K mins: sum_s min_s * (the two bsums of s), one madd per two sub-blocks: each row's
+//       (min_2t, min_2t+1) against the activations' pair of sums of 32 (which fit int16).
+//   Q6_K's + 32 correction likewise: (scale_2t, scale_2t+1) against the bsum pair (2t, 2t+1).
 //   IQ4_XS sub-block (32 weights): each nibble looked up (pshufb) in the 16 signed values
 //       (-127..113); maddubs(|v|, x with v's sign) (|pair| <= 2 * 127 * 127 < 2^15), each
 //       chunk's pairs madd by the signed scale (-32..31): no int16 sum of two would fit.
@@ -39,6 +41,7 @@
 // wide records instead, unpacked once per pass ("Wide records" below): prefill and batches.
 #include <omp.h>
 
+#include <cstring>
 #include <type_traits>
 #include <vector>
 
@@ -228,17 +231,33 @@ struct Q3K {
   }
 };
 
-// Q4_K / Q5_K: msum[m][h] = sum_s min_s * (the two bsums of sub-block s), rows 8h.. .
+// Q4_K / Q5_K: msum[m][h] = sum_s min_s * (the two bsums of sub-block s), rows 8h.. . One
+// madd per two sub-blocks: the pair (min_2t, min_2t+1) of each row, built once for all MT
+// rows, against the pair of the activation row's sums of 32 (2t, 2t + 1), as the wide
+// records and the VNNI file pair them (exact in int32; |sum of 32| <= 32 * 127, an int16).
+// Against one madd per sub-block (its min against a broadcast sum, zero high halves), a row's
+// 16 madds and 8 broadcasts of a scalar were ~17% of a 5-row Q4KRows tile's instructions.
 template <int MT>
 inline void min_sums(const __m128i* mn, const int16_t* const* bs, __m256i (*msum)[2]) {
-  for (int m = 0; m < MT; ++m)
-    for (int h = 0; h < 2; ++h) {
-      __m256i acc = _mm256_setzero_si256();
-      for (int s = 0; s < 8; ++s)  // |bsum of 32| <= 32 * 127: an int16
-        acc = _mm256_add_epi32(acc, _mm256_madd_epi16(widen_u8(mn[s], h),
-                                                      bc16(bs[m][2 * s] + bs[m][2 * s + 1])));
-      msum[m][h] = acc;
+  __m256i s32[MT];  // the row's 8 sums of 32: int32 lane t = (sum 2t, sum 2t + 1), both halves
+  for (int m = 0; m < MT; ++m)  // adjacent bsums added: no wrap
+    s32[m] = _mm256_broadcastsi128_si256(
+        _mm_hadd_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(bs[m])),
+                       _mm_loadu_si128(reinterpret_cast<const __m128i*>(bs[m] + 8))));
+  for (int h = 0; h < 2; ++h) {
+    __m256i pair[4];  // int32 lane r = (min_2t, min_2t+1) of row 8h + r
+    for (int t = 0; t < 4; ++t) {
+      const __m128i b = h ? _mm_unpackhi_epi8(mn[2 * t], mn[2 * t + 1])
+                          : _mm_unpacklo_epi8(mn[2 * t], mn[2 * t + 1]);
+      pair[t] = _mm256_cvtepu8_epi16(b);
     }
+    for (int m = 0; m < MT; ++m)
+      msum[m][h] = _mm256_add_epi32(
+          _mm256_add_epi32(_mm256_madd_epi16(pair[0], _mm256_shuffle_epi32(s32[m], 0x00)),
+                           _mm256_madd_epi16(pair[1], _mm256_shuffle_epi32(s32[m], 0x55))),
+          _mm256_add_epi32(_mm256_madd_epi16(pair[2], _mm256_shuffle_epi32(s32[m], 0xAA)),
+                           _mm256_madd_epi16(pair[3], _mm256_shuffle_epi32(s32[m], 0xFF))));
+  }
 }
 
 struct Q4K {
@@ -404,7 +423,7 @@ struct Q6K {
   static constexpr int64_t kRecord = kq::kQ6KRecord;
   static constexpr int64_t kD = kq::kQ6KD, kDmin = 0;
   static constexpr bool kMin = false, kJoint = false;
-  // Runs at 1 to 3 rows (from 4 rows, WideQ6K). Per record the 16 scales' madd factors are
+  // Runs at 1 to 5 rows (from 6 rows, WideQ6K). Per record the 16 scales' madd factors are
   // built once (each is read by its sub-block's two chunk pairs and by the + 32 correction),
   // and a qh chunk is loaded once for two of its four bit pairs. Against building the
   // factors per chunk pair, one call at 1 row (8960 x 1536 and 1536 x 8960, 2 threads, Zen 3
@@ -454,15 +473,25 @@ struct Q6K {
                   isum[m][r], _mm256_add_epi32(_mm256_madd_epi16(lo[m], f[s][r]),
                                                _mm256_madd_epi16(hi[m], f[s + 4][r])));
           }
-    // - 32 * sum_s scale_s * bsum_s (|bsum| <= 16 * 127: an int16; bc16's zero high halves
-    // take one copy of the factor's duplicated scale)
-    for (int m = 0; m < MT; ++m)
-      for (int r = 0; r < 2; ++r) {
-        __m256i corr = _mm256_setzero_si256();
-        for (int s = 0; s < 16; ++s)
-          corr = _mm256_add_epi32(corr, _mm256_madd_epi16(f[s][r], bc16(bs[m][s])));
-        isum[m][r] = _mm256_sub_epi32(isum[m][r], _mm256_slli_epi32(corr, 5));
+    // - 32 * sum_s scale_s * bsum_s (|bsum| <= 16 * 127: an int16): one madd per two
+    // sub-blocks, the pair (scale_2t, scale_2t+1) of each row against the activation row's
+    // bsums (2t, 2t + 1) as stored (exact in int32)
+    __m256i pf[8][2];
+    for (int t = 0; t < 8; ++t)
+      for (int r = 0; r < 2; ++r)
+        pf[t][r] = _mm256_blend_epi16(f[2 * t][r], f[2 * t + 1][r], 0xAA);
+    for (int m = 0; m < MT; ++m) {
+      __m256i corr[2] = {_mm256_setzero_si256(), _mm256_setzero_si256()};
+      for (int t = 0; t < 8; ++t) {
+        int32_t pair;
+        std::memcpy(&pair, bs[m] + 2 * t, sizeof pair);
+        const __m256i v = _mm256_set1_epi32(pair);
+        for (int r = 0; r < 2; ++r)
+          corr[r] = _mm256_add_epi32(corr[r], _mm256_madd_epi16(pf[t][r], v));
       }
+      for (int r = 0; r < 2; ++r)
+        isum[m][r] = _mm256_sub_epi32(isum[m][r], _mm256_slli_epi32(corr[r], 5));
+    }
   }
 };
 

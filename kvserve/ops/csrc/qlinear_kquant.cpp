@@ -81,6 +81,12 @@ namespace {
 using kq::kGroup;
 using kq::kQK;
 
+// Inlined whatever their size: Q6K::chunk_pairs, out of line, made Q6K::dot<1> too large
+// for GCC to inline into tile<> (a call per record, its sums through memory: 1.06x the time
+// of a 1-row call in cache). Q6K::dot itself is left to GCC: forced inline, its 2-5 row tiles
+// ran 1.04-1.14x slower.
+#define KVS_KQ_INLINE inline __attribute__((always_inline))
+
 // How far ahead of the record being read its stream is prefetched, and into which cache.
 // Into L1 (T0): Zen 3, 4, 8 and 16 KB within noise of each other; Zen 4 (this file under
 // KVSERVE_CPU_ISA=avx2; every K-quant linear of the Qwen2.5-Coder 1.5B Q4_K_M file,
@@ -319,36 +325,51 @@ struct Q4K {
 // unpacking (store, then reload) costs about a 1-row call per group, which a few rows cannot
 // amortize. Same integer sums (the int16 bound of Q4K's lo / hi), same bits.
 struct Q4KRows : Q4K {
+  // isum[m][h] += scale_s * (sub-block s's int16 sums), s = 2c + kHigh: the low (high)
+  // nibbles of chunks 8c .. 8c + 7. The nibble is a template argument: with s % 2 tested at
+  // run time, GCC kept that test in the chunk loop at 4 and 5 rows (a branch and two register
+  // copies per chunk). Against that, one call in cache (8960 x 1536, 2 threads, Zen 3,
+  // benchmarks/kernel_ab.py --in-cache): 0.87-0.92x the time at 2 to 5 rows, both changes of
+  // this session together (with min_sums' pairs).
+  template <int MT, bool kHigh>
+  static KVS_KQ_INLINE void sub_block(const uint8_t* rec, int c, const int8_t* const* x,
+                               const __m128i* sc, __m256i (*isum)[2]) {
+    const __m256i nib = _mm256_set1_epi8(15);
+    const int s = 2 * c + kHigh;
+    __m256i acc[MT][2];
+    for (int m = 0; m < MT; ++m) acc[m][0] = acc[m][1] = _mm256_setzero_si256();
+    for (int l4 = 0; l4 < 8; ++l4) {
+      __m256i w[2];  // rows 0..7, 8..15
+      for (int h = 0; h < 2; ++h) {
+        const __m256i v = load256(rec + kq::kQ4KQs + 64 * (8 * c + l4) + 32 * h);
+        w[h] = _mm256_and_si256(kHigh ? _mm256_srli_epi16(v, 4) : v, nib);
+      }
+      for (int m = 0; m < MT; ++m) {
+        const __m256i xb = bcast4(x[m] + 32 * s + 4 * l4);
+        for (int h = 0; h < 2; ++h)
+          acc[m][h] = _mm256_add_epi16(acc[m][h], _mm256_maddubs_epi16(w[h], xb));
+      }
+      // Pinned once all rows' products are in (as in WideLayout::sums): unpinned, GCC
+      // computed all 8 chunks' products first and spilled them to the stack.
+      for (int m = 0; m < MT; ++m) asm("" : "+x"(acc[m][0]), "+x"(acc[m][1]));
+    }
+    for (int h = 0; h < 2; ++h) {
+      const __m256i f = dup16(widen_u8(sc[s], h));
+      for (int m = 0; m < MT; ++m)
+        isum[m][h] = _mm256_add_epi32(isum[m][h], _mm256_madd_epi16(acc[m][h], f));
+    }
+  }
+
   template <int MT>
-  static inline void dot(const uint8_t* rec, const int8_t* const* x, const int16_t* const* bs,
-                         __m256i (*isum)[2], __m256i (*msum)[2]) {
+  static KVS_KQ_INLINE void dot(const uint8_t* rec, const int8_t* const* x,
+                                const int16_t* const* bs, __m256i (*isum)[2],
+                                __m256i (*msum)[2]) {
     __m128i sc[8], mn[8];
     kq::q4k_scales(rec + kq::kQ4KScales, sc, mn);
-    const __m256i nib = _mm256_set1_epi8(15);
     for (int m = 0; m < MT; ++m) isum[m][0] = isum[m][1] = _mm256_setzero_si256();
-    for (int s = 0; s < 8; ++s) {  // the low (s even) or high (s odd) nibbles of chunks 8(s/2)..
-      __m256i acc[MT][2];
-      for (int m = 0; m < MT; ++m) acc[m][0] = acc[m][1] = _mm256_setzero_si256();
-      for (int l4 = 0; l4 < 8; ++l4) {
-        __m256i w[2];  // rows 0..7, 8..15
-        for (int h = 0; h < 2; ++h) {
-          const __m256i v = load256(rec + kq::kQ4KQs + 64 * (8 * (s / 2) + l4) + 32 * h);
-          w[h] = _mm256_and_si256(s % 2 ? _mm256_srli_epi16(v, 4) : v, nib);
-        }
-        for (int m = 0; m < MT; ++m) {
-          const __m256i xb = bcast4(x[m] + 32 * s + 4 * l4);
-          for (int h = 0; h < 2; ++h)
-            acc[m][h] = _mm256_add_epi16(acc[m][h], _mm256_maddubs_epi16(w[h], xb));
-        }
-        // Pinned once all rows' products are in (as in WideLayout::sums): unpinned, GCC
-        // computed all 8 chunks' products first and spilled them to the stack.
-        for (int m = 0; m < MT; ++m) asm("" : "+x"(acc[m][0]), "+x"(acc[m][1]));
-      }
-      for (int h = 0; h < 2; ++h) {
-        const __m256i f = dup16(widen_u8(sc[s], h));
-        for (int m = 0; m < MT; ++m)
-          isum[m][h] = _mm256_add_epi32(isum[m][h], _mm256_madd_epi16(acc[m][h], f));
-      }
+    for (int c = 0; c < 4; ++c) {  // sub-blocks 2c (low nibbles) and 2c + 1 (high)
+      sub_block<MT, false>(rec, c, x, sc, isum);
+      sub_block<MT, true>(rec, c, x, sc, isum);
     }
     min_sums<MT>(mn, bs, msum);
   }
@@ -429,6 +450,45 @@ struct Q6K {
   // factors per chunk pair, one call at 1 row (8960 x 1536 and 1536 x 8960, 2 threads, Zen 3
   // AVX2): 0.61 -> 0.39 ms with the weights in cache, 1.13-1.25 -> 0.88-0.91 ms from DRAM
   // (9-10 -> 12.4-12.9 GB/s, Q4_K's rate in the same minute: 13.7).
+  // Weight 128h + 32c + 4l4 + j (sub-block 8h + 2c + l4 / 4): its low nibble is ql chunk
+  // 16h + l4 (c = 0, 2: low / high nibble) or 16h + 8 + l4 (c = 1, 3), its high 2 bits are
+  // bits 2c of qh chunk 8h + l4. Chunks l4 = 2p, 2p + 1 (sub-block 8h + 2c + p / 2) are
+  // summed in int16, c and c + 2 from the same ql and qh loads. kC (c = kC, kC + 2) is a
+  // template argument: tested at run time, GCC kept branches and shifts by a register in the
+  // 2-5 row tiles' loop. With the correction's pairs, one call in cache (1536 x 8960, 2
+  // threads, Zen 3, kernel_ab.py --in-cache): 0.95x the time at 1 row, 0.80-0.90x at 2 to 5.
+  template <int MT, int kC>
+  static KVS_KQ_INLINE void chunk_pairs(const uint8_t* rec, int h, int p,
+                                        const int8_t* const* x, const __m256i (*f)[2],
+                                        __m256i (*isum)[2]) {
+    const __m256i m15 = _mm256_set1_epi8(15), m48 = _mm256_set1_epi8(48);
+    for (int r = 0; r < 2; ++r) {
+      __m256i lo[MT], hi[MT];  // sub-blocks 8h + 2kC + p / 2 and 8h + 2(kC + 2) + p / 2
+      for (int m = 0; m < MT; ++m) lo[m] = hi[m] = _mm256_setzero_si256();
+      for (int e = 0; e < 2; ++e) {
+        const int l4 = 2 * p + e;
+        const __m256i a = load256(rec + 64 * (16 * h + 8 * kC + l4) + 32 * r);
+        const __m256i hb = load256(rec + kq::kQ6KQh + 64 * (8 * h + l4) + 32 * r);
+        // bits 2c, 2c + 1 and 2c + 4, 2c + 5 of the qh byte to bits 4, 5
+        const __m256i u0 = _mm256_or_si256(
+            _mm256_and_si256(a, m15), _mm256_and_si256(_mm256_slli_epi16(hb, kC ? 2 : 4), m48));
+        const __m256i u1 = _mm256_or_si256(
+            _mm256_and_si256(_mm256_srli_epi16(a, 4), m15),
+            _mm256_and_si256(kC ? _mm256_srli_epi16(hb, 2) : hb, m48));
+        for (int m = 0; m < MT; ++m) {
+          const int8_t* xq = x[m] + 128 * h + 32 * kC + 4 * l4;
+          lo[m] = _mm256_add_epi16(lo[m], _mm256_maddubs_epi16(u0, bcast4(xq)));
+          hi[m] = _mm256_add_epi16(hi[m], _mm256_maddubs_epi16(u1, bcast4(xq + 64)));
+        }
+      }
+      const int s = 8 * h + 2 * kC + p / 2;
+      for (int m = 0; m < MT; ++m)
+        isum[m][r] = _mm256_add_epi32(
+            isum[m][r], _mm256_add_epi32(_mm256_madd_epi16(lo[m], f[s][r]),
+                                         _mm256_madd_epi16(hi[m], f[s + 4][r])));
+    }
+  }
+
   template <int MT>
   static inline void dot(const uint8_t* rec, const int8_t* const* x, const int16_t* const* bs,
                          __m256i (*isum)[2], __m256i (*)[2]) {
@@ -439,40 +499,11 @@ struct Q6K {
       for (int r = 0; r < 2; ++r) f[s][r] = dup16(widen_i8(sc, r));
     }
     for (int m = 0; m < MT; ++m) isum[m][0] = isum[m][1] = _mm256_setzero_si256();
-    const __m256i m15 = _mm256_set1_epi8(15), m48 = _mm256_set1_epi8(48);
-    // Weight 128h + 32c + 4l4 + j (sub-block 8h + 2c + l4 / 4): its low nibble is ql chunk
-    // 16h + l4 (c = 0, 2: low / high nibble) or 16h + 8 + l4 (c = 1, 3), its high 2 bits are
-    // bits 2c of qh chunk 8h + l4. Chunks l4 = 2p, 2p + 1 (sub-block 8h + 2c + p / 2) are
-    // summed in int16, c and c + 2 from the same ql and qh loads.
     for (int h = 0; h < 2; ++h)
-      for (int p = 0; p < 4; ++p)
-        for (int c = 0; c < 2; ++c)
-          for (int r = 0; r < 2; ++r) {
-            __m256i lo[MT], hi[MT];  // sub-blocks 8h + 2c + p / 2 and 8h + 2(c + 2) + p / 2
-            for (int m = 0; m < MT; ++m) lo[m] = hi[m] = _mm256_setzero_si256();
-            for (int e = 0; e < 2; ++e) {
-              const int l4 = 2 * p + e;
-              const __m256i a = load256(rec + 64 * (16 * h + 8 * c + l4) + 32 * r);
-              const __m256i hb = load256(rec + kq::kQ6KQh + 64 * (8 * h + l4) + 32 * r);
-              // bits 2c, 2c + 1 and 2c + 4, 2c + 5 of the qh byte to bits 4, 5
-              const __m256i u0 = _mm256_or_si256(
-                  _mm256_and_si256(a, m15),
-                  _mm256_and_si256(_mm256_slli_epi16(hb, c ? 2 : 4), m48));
-              const __m256i u1 = _mm256_or_si256(
-                  _mm256_and_si256(_mm256_srli_epi16(a, 4), m15),
-                  _mm256_and_si256(c ? _mm256_srli_epi16(hb, 2) : hb, m48));
-              for (int m = 0; m < MT; ++m) {
-                const int8_t* xq = x[m] + 128 * h + 32 * c + 4 * l4;
-                lo[m] = _mm256_add_epi16(lo[m], _mm256_maddubs_epi16(u0, bcast4(xq)));
-                hi[m] = _mm256_add_epi16(hi[m], _mm256_maddubs_epi16(u1, bcast4(xq + 64)));
-              }
-            }
-            const int s = 8 * h + 2 * c + p / 2;
-            for (int m = 0; m < MT; ++m)
-              isum[m][r] = _mm256_add_epi32(
-                  isum[m][r], _mm256_add_epi32(_mm256_madd_epi16(lo[m], f[s][r]),
-                                               _mm256_madd_epi16(hi[m], f[s + 4][r])));
-          }
+      for (int p = 0; p < 4; ++p) {
+        chunk_pairs<MT, 0>(rec, h, p, x, f, isum);
+        chunk_pairs<MT, 1>(rec, h, p, x, f, isum);
+      }
     // - 32 * sum_s scale_s * bsum_s (|bsum| <= 16 * 127: an int16): one madd per two
     // sub-blocks, the pair (scale_2t, scale_2t+1) of each row against the activation row's
     // bsums (2t, 2t + 1) as stored (exact in int32)

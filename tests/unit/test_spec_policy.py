@@ -681,3 +681,26 @@ def test_a_warm_up_timed_on_a_busy_machine_does_not_price_one_stream_out() -> No
         p.observe_step(2, 0.0830)
     assert p.cost(2) == pytest.approx(0.0830)
     assert p.cost(3) < 0.0830 + 0.030
+
+
+def test_a_draft_forward_timed_on_a_busy_machine_does_not_price_one_stream_out() -> None:
+    # A server's warm-up timed the target's steps at their own speed (8-40 rows) and, a few
+    # seconds later while two more servers started beside it, its draft model's 8-row
+    # forward at ~3x (Qwen2.5-Coder 1.5B + 0.5B, AVX2). One row of the draft, never run, was
+    # priced from that entry as the target's table scales (150 x 64 / 176 = 55 ms against
+    # ~18), no draft paid, and the draft never ran at one row to be measured.
+    p = SpecPolicy(4, draft_forwards="per_depth")
+    for rows, ms in ((8, 176), (16, 280), (24, 380), (40, 560)):
+        p.observe_step(rows, ms / 1000)
+    p.observe_draft([(8, 0.150)])
+    p.observe_step(60, 0.600, prefill=True)  # the request's prompt
+    req = Request("a", list(range(60)), SamplingParams(max_tokens=256), max_tokens=256)
+    for _ in range(CATCH_UP_AFTER):
+        req.append_output_token(5)
+        p.observe_step(1, 0.064)
+    assert p.draft_cost(1) == pytest.approx(0.150 * 0.064 / 0.176)
+    # Not run at one row, the draft is priced at most at the prior share of a target step:
+    # the request catches up and drafts, and the draft's one-row forward is measured.
+    assert p.num_drafts([req], [4], [60], 1) != [0]
+    p.observe_draft([(1, 0.018)])
+    assert p._draft_price(1, p._draft_prior()) == pytest.approx(0.018)

@@ -81,10 +81,11 @@ namespace {
 using kq::kGroup;
 using kq::kQK;
 
-// Inlined whatever their size: Q6K::chunk_pairs, out of line, made Q6K::dot<1> too large
-// for GCC to inline into tile<> (a call per record, its sums through memory: 1.06x the time
-// of a 1-row call in cache). Q6K::dot itself is left to GCC: forced inline, its 2-5 row tiles
-// ran 1.04-1.14x slower.
+// Inlined whatever their size (Q4KRows' sub-blocks and dot, Q6K's chunk pairs): GCC's limits
+// otherwise decide. Q6K::chunk_pairs out of line made Q6K::dot<1> too large to inline into
+// tile<> (a call per record, its sums through memory: 1.06x the time of a 1-row call in
+// cache). Q6K::dot itself is left to GCC: forced inline, its 2-5 row tiles ran 1.04-1.14x
+// slower.
 #define KVS_KQ_INLINE inline __attribute__((always_inline))
 
 // How far ahead of the record being read its stream is prefetched, and into which cache.
@@ -333,7 +334,7 @@ struct Q4KRows : Q4K {
   // this session together (with min_sums' pairs).
   template <int MT, bool kHigh>
   static KVS_KQ_INLINE void sub_block(const uint8_t* rec, int c, const int8_t* const* x,
-                               const __m128i* sc, __m256i (*isum)[2]) {
+                                      const __m128i* sc, __m256i (*isum)[2]) {
     const __m256i nib = _mm256_set1_epi8(15);
     const int s = 2 * c + kHigh;
     __m256i acc[MT][2];

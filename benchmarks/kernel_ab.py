@@ -148,10 +148,14 @@ def main() -> None:
               f"{min(rs):5.2f}-{max(rs):.2f}")
 
 
-def in_cache(builds: dict[str, CpuOps], mats: list, xs: dict, ms: list[int], calls: int) -> None:
+Mat = tuple[int, torch.Tensor, int, int]  # kquant_stream.load's: qtype, weight, rows, columns
+
+
+def in_cache(builds: dict[str, CpuOps], mats: list[Mat], xs: dict[tuple[int, int], torch.Tensor],
+             ms: list[int], calls: int) -> None:
     """Per format, its largest linear of <= 16 MB: `calls` pairs of calls per M, base and tree
     alternating call by call (which goes first alternating too); the median per-pair ratio."""
-    picked: dict[int, tuple] = {}
+    picked: dict[int, tuple[int, Mat]] = {}
     for mat in mats:
         qt, w = mat[0], mat[1]
         nbytes = w.numel() * w.element_size()

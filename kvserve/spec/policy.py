@@ -221,20 +221,6 @@ class SpecPolicy:
         """What a proposer forward costs until one is measured (a lookup runs none)."""
         return _PRIOR_DRAFT_SHARE * self.cost(1)
 
-    def _draft_price(self, rows: int, draft_prior: float) -> float:
-        """A proposer forward over `rows`: draft_cost's time, but at a row count it has not
-        run, at most _PRIOR_DRAFT_SHARE of the target's step there. That estimate scales
-        another count's time as the target's table does, and the two were timed apart: a
-        server warmed up while two more started beside it timed its draft model's 8-row
-        forward at ~3x its own time and the target's steps at ~1x, so one stream priced a
-        draft at 55 ms against 18 and never drafted, and so never ran the draft at one
-        row to measure it (Qwen2.5-Coder 1.5B + 0.5B, open generation, AVX2: no draft in
-        a server cell's two rounds, 0.98x). Capped, it drafts and is measured once."""
-        cost = self.draft_cost(rows, draft_prior)
-        if rows in self.draft_cost.table:
-            return cost
-        return min(cost, _PRIOR_DRAFT_SHARE * self.cost(rows))
-
     def _tokens_left(self, req: Request) -> float:
         """The tokens req is expected to write still, which a catch-up's price is spread
         over: the mean excess of the recently finished requests that ran longer than it
@@ -256,7 +242,7 @@ class SpecPolicy:
         (1 / load of each); the request has left / (1 + gain) such steps."""
         base = self._base(load)
         c_tok = base / load
-        per_depth = self._added(load, 1, base) + self._draft_price(load, draft_prior) / load
+        per_depth = self._added(load, 1, base) + self.draft_cost(load, draft_prior) / load
         left = self._tokens_left(req)
         per_token = self._catch_up_per_token()
         gain = best = 0.0
@@ -315,9 +301,9 @@ class SpecPolicy:
                                                                            strict=True))
             price = self._added(rows, sum(ks), base)
             if self.draft_forwards == "per_step":
-                price += self._draft_price(sum(1 for k in ks if k), draft_prior)
+                price += self.draft_cost(sum(1 for k in ks if k), draft_prior)
             elif self.draft_forwards == "per_depth":
-                price += sum(self._draft_price(sum(1 for k in ks if k > j), draft_prior)
+                price += sum(self.draft_cost(sum(1 for k in ks if k > j), draft_prior)
                              for j in range(d))
                 if catch_up:
                     for k, n, a, tl in zip(ks, catch_up, alphas, left, strict=True):
@@ -333,7 +319,7 @@ class SpecPolicy:
         # Medusa) wait for a step that runs it anyway, or go all at once.
         probe_price = row_price
         if self.draft_forwards != "none":
-            probe_price += self._draft_price(rows, draft_prior) / max(rows, 1)
+            probe_price += self.draft_cost(rows, draft_prior) / max(rows, 1)
         probe_every = PROBE_EVERY if c_tok <= 0 else max(
             PROBE_EVERY, math.ceil(probe_price / (PROBE_SHARE * c_tok) - 1e-9))
         due = []
@@ -381,7 +367,7 @@ class SpecPolicy:
         base = self._base(rows)
         c_tok = base / max(rows, 1)
         draft_prior = self._draft_prior()
-        share = self._draft_price(n, draft_prior) / n / c_tok
+        share = self.draft_cost(n, draft_prior) / n / c_tok
         # Draft j's verify row: the (j + 1)-th of each of the n drafting requests, priced
         # over the step without it; the first over the base, as num_drafts prices it (a
         # stalled step of `rows` made the first drafts look free).

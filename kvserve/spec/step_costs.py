@@ -121,6 +121,16 @@ class StepCosts:
             fresh = self._fresh()
             if fresh and rows <= max(fresh) + 1:
                 cost = min(cost, self._estimate(rows, fresh))
+        if seen is None and self.shape is not None and self.shape.table:
+            # A count never measured in a table that scales as `shape` is priced at most as
+            # an empty table would price it (default_base at one row, scaled as `shape`).
+            # Its estimate scales another count's time as `shape` does, and the two were
+            # timed apart: a server warmed up while two more started beside it timed its
+            # draft model's 8-row forward at ~3x its own time and the target's steps at ~1x,
+            # so one stream priced a draft at 55 ms against ~18 and never drafted, and so
+            # never ran the draft at one row to measure it (Qwen2.5-Coder 1.5B + 0.5B, open
+            # generation, AVX2: no draft in a server cell's two rounds, 0.98x).
+            cost = min(cost, default_base * self.shape(rows) / self.shape(1))
         return cost
 
     def _rescaled(self) -> dict[int, float]:

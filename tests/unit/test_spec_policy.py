@@ -701,6 +701,7 @@ def test_a_draft_forward_timed_on_a_busy_machine_does_not_price_one_stream_out()
     assert p.draft_cost(1) == pytest.approx(0.150 * 0.064 / 0.176)
     # Not run at one row, the draft is priced at most at the prior share of a target step:
     # the request catches up and drafts, and the draft's one-row forward is measured.
+    assert p.draft_cost(1, p._draft_prior()) == pytest.approx(0.4 * 0.064)
     assert p.num_drafts([req], [4], [60], 1) != [0]
     p.observe_draft([(1, 0.018)])
-    assert p._draft_price(1, p._draft_prior()) == pytest.approx(0.018)
+    assert p.draft_cost(1, p._draft_prior()) == pytest.approx(0.018)

@@ -3,54 +3,28 @@
 from __future__ import annotations
 
 import pytest
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from tokenizers import Tokenizer
 
 from kvserve.detokenizer import IncrementalDetokenizer
 from kvserve.request import Request
 from kvserve.sampling_params import SamplingParams
+from tests.unit.small_bpe import BPEAdapter, train_bpe
 
-CORPUS = [
-    "hello world, hello there, hello again",
-    "the quick brown fox jumps over the lazy dog",
-    "stop signs say stop; hello stop",
-    "caf\u00e9 na\u00efve r\u00e9sum\u00e9",
-] * 20
 # Rare enough that BPE leaves their UTF-8 bytes as separate tokens.
 TEXT = "hello world caf\u00e9 \u65e5\u672c\u8a9e \U0001f642 the lazy dog STOP over \u00e9t\u00e9!"
 
 
-class _Adapter:
-    """The decode() interface the detokenizer expects, plus a log of window sizes."""
-
-    def __init__(self, tok: Tokenizer) -> None:
-        self.tok = tok
-        self.decoded_lengths: list[int] = []
-
-    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
-        self.decoded_lengths.append(len(ids))
-        return self.tok.decode(ids, skip_special_tokens=skip_special_tokens)
-
-    def encode(self, text: str) -> list[int]:
-        return self.tok.encode(text).ids
-
-
 @pytest.fixture(scope="module")
 def raw_tok() -> Tokenizer:
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=320, special_tokens=["<eos>"], show_progress=False,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-    tok.train_from_iterator(CORPUS, trainer)
-    return tok
+    return train_bpe()
 
 
 @pytest.fixture
-def tok(raw_tok: Tokenizer) -> _Adapter:
-    return _Adapter(raw_tok)
+def tok(raw_tok: Tokenizer) -> BPEAdapter:
+    return BPEAdapter(raw_tok)
 
 
-def _detok(tok: _Adapter, prompt: str = "hello", **params: object) -> IncrementalDetokenizer:
+def _detok(tok: BPEAdapter, prompt: str = "hello", **params: object) -> IncrementalDetokenizer:
     req = Request("r", tok.encode(prompt), SamplingParams(**params), max_tokens=100)
     return IncrementalDetokenizer(tok, req)
 
@@ -67,7 +41,7 @@ def _stream(detok: IncrementalDetokenizer, ids: list[int],
 
 
 @pytest.mark.parametrize("step", [1, 2, 3])
-def test_deltas_join_to_full_decode(tok: _Adapter, step: int) -> None:
+def test_deltas_join_to_full_decode(tok: BPEAdapter, step: int) -> None:
     ids = tok.encode(TEXT)
     detok = _detok(tok)
     deltas, stop = _stream(detok, ids, step)
@@ -77,7 +51,7 @@ def test_deltas_join_to_full_decode(tok: _Adapter, step: int) -> None:
     assert detok.output_text == TEXT
 
 
-def test_split_utf8_is_held_not_replaced(tok: _Adapter) -> None:
+def test_split_utf8_is_held_not_replaced(tok: BPEAdapter) -> None:
     ids = tok.encode(TEXT)
     # Precondition: some multi-byte characters really are split across tokens.
     assert any("\ufffd" in tok.decode([t]) for t in ids)
@@ -87,7 +61,7 @@ def test_split_utf8_is_held_not_replaced(tok: _Adapter) -> None:
     assert "\U0001f642" in "".join(deltas)
 
 
-def test_flush_releases_incomplete_utf8_like_decode(tok: _Adapter) -> None:
+def test_flush_releases_incomplete_utf8_like_decode(tok: BPEAdapter) -> None:
     ids = tok.encode("ok \U0001f642")
     cut = next(i for i in range(1, len(ids)) if tok.decode(ids[:i]).endswith("\ufffd"))
     detok = _detok(tok)
@@ -98,7 +72,7 @@ def test_flush_releases_incomplete_utf8_like_decode(tok: _Adapter) -> None:
     assert tail.endswith("\ufffd")
 
 
-def test_decodes_only_a_small_window(tok: _Adapter) -> None:
+def test_decodes_only_a_small_window(tok: BPEAdapter) -> None:
     ids = tok.encode(TEXT * 8)
     detok = _detok(tok)
     tok.decoded_lengths.clear()
@@ -110,7 +84,7 @@ def test_decodes_only_a_small_window(tok: _Adapter) -> None:
 
 
 @pytest.mark.parametrize("include", [False, True])
-def test_stop_string_spanning_tokens(tok: _Adapter, include: bool) -> None:
+def test_stop_string_spanning_tokens(tok: BPEAdapter, include: bool) -> None:
     ids = tok.encode(TEXT)
     stop = "lazy dog ST"
     # Precondition: no single token holds the whole stop string.
@@ -124,7 +98,7 @@ def test_stop_string_spanning_tokens(tok: _Adapter, include: bool) -> None:
     assert detok.flush() == ""
 
 
-def test_stop_string_inside_a_token(tok: _Adapter) -> None:
+def test_stop_string_inside_a_token(tok: BPEAdapter) -> None:
     ids = tok.encode("say hello world")
     inner = [t for t in ids if tok.decode([t]).strip() == "hello"]
     assert inner, "precondition: 'hello' is one token"
@@ -134,7 +108,7 @@ def test_stop_string_inside_a_token(tok: _Adapter) -> None:
     assert "".join(deltas) == detok.output_text == "say h"
 
 
-def test_first_completed_stop_string_wins(tok: _Adapter) -> None:
+def test_first_completed_stop_string_wins(tok: BPEAdapter) -> None:
     ids = tok.encode("the quick brown fox")
     # "quick brown" starts first but "ick" completes first; feed everything at once too.
     for step in (1, len(ids)):
@@ -144,7 +118,7 @@ def test_first_completed_stop_string_wins(tok: _Adapter) -> None:
         assert "".join(deltas) == "the qu"
 
 
-def test_partial_stop_string_is_held_back_then_flushed(tok: _Adapter) -> None:
+def test_partial_stop_string_is_held_back_then_flushed(tok: BPEAdapter) -> None:
     ids = tok.encode("the lazy dog STO")
     detok = _detok(tok, stop="STOP!")
     deltas, matched = _stream(detok, ids)
@@ -157,14 +131,14 @@ def test_partial_stop_string_is_held_back_then_flushed(tok: _Adapter) -> None:
     assert detok.flush() == ""
 
 
-def test_include_stop_str_holds_nothing_back(tok: _Adapter) -> None:
+def test_include_stop_str_holds_nothing_back(tok: BPEAdapter) -> None:
     ids = tok.encode("the lazy dog STO")
     detok = _detok(tok, stop="STOP!", include_stop_str_in_output=True)
     deltas, _ = _stream(detok, ids)
     assert "".join(deltas) == "the lazy dog STO"
 
 
-def test_skip_special_tokens(tok: _Adapter, raw_tok: Tokenizer) -> None:
+def test_skip_special_tokens(tok: BPEAdapter, raw_tok: Tokenizer) -> None:
     eos = raw_tok.token_to_id("<eos>")
     ids = tok.encode("hello world") + [eos] + tok.encode(" dog")
     for skip, expected in ((True, "hello world dog"), (False, "hello world<eos> dog")):
@@ -173,7 +147,7 @@ def test_skip_special_tokens(tok: _Adapter, raw_tok: Tokenizer) -> None:
         assert "".join(deltas) + detok.flush() == expected
 
 
-def test_prompt_is_context_not_output(tok: _Adapter) -> None:
+def test_prompt_is_context_not_output(tok: BPEAdapter) -> None:
     # Output decodes in the context of the prompt's last tokens. (A prompt that ends inside a
     # UTF-8 character is skipped: the character belongs to both, and we make no promise.)
     full = tok.encode("hello \u65e5\u672c")
@@ -187,7 +161,7 @@ def test_prompt_is_context_not_output(tok: _Adapter) -> None:
             assert prompt_text + text == "hello \u65e5\u672c"
 
 
-def test_window_stays_bounded_over_many_skipped_special_tokens(tok: _Adapter,
+def test_window_stays_bounded_over_many_skipped_special_tokens(tok: BPEAdapter,
                                                                raw_tok: Tokenizer) -> None:
     eos = raw_tok.token_to_id("<eos>")
     ids = tok.encode("hello") + [eos] * 100 + tok.encode(" world")

@@ -2,10 +2,12 @@
 
     add_request -> tokenize, validate -> Request -> Scheduler.waiting
     step()      -> Scheduler.schedule -> ModelRunner.execute -> Scheduler.update_from_output
-                -> detokenize, stop strings -> RequestOutput (cumulative) per updated request
+                -> OutputProcessor.process: detokenize, stop strings -> RequestOutput
+                   (cumulative) per updated request
 
 A request with n > 1 fans out into n child requests (ids "<id>#<i>") that share the prompt's
-KV blocks through the prefix cache; their outputs are gathered into one RequestOutput.
+KV blocks through the prefix cache; the OutputProcessor gathers their outputs into one
+RequestOutput.
 """
 
 from __future__ import annotations
@@ -14,13 +16,11 @@ import dataclasses
 import itertools
 import logging
 import time
-from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
 import torch
 
 from kvserve.config import EngineConfig
-from kvserve.detokenizer import IncrementalDetokenizer
 from kvserve.distributed.group import TPGroup
 from kvserve.engine_args import EngineArgs
 from kvserve.executor.tp import TPExecutor
@@ -29,14 +29,8 @@ from kvserve.loader import load_checkpoint, resolve_model
 from kvserve.loader.tokenizer import Tokenizer
 from kvserve.model_runner import ModelRunner
 from kvserve.model_setup import load_model, num_kv_blocks
-from kvserve.outputs import (
-    CompletionOutput,
-    EngineSnapshot,
-    EngineStats,
-    PositionLogprobs,
-    RequestInfo,
-    RequestOutput,
-)
+from kvserve.output_processor import OutputProcessor
+from kvserve.outputs import EngineSnapshot, EngineStats, RequestInfo, RequestOutput
 from kvserve.request import Request, RequestStatus
 from kvserve.sampling_params import MAX_LOGPROB_ENTRIES, ParamError, SamplingParams
 from kvserve.scheduler import Scheduler
@@ -61,27 +55,6 @@ class LoadedModel(NamedTuple):
     model: torch.nn.Module
 
 
-@dataclass
-class _Child:
-    """Per-sample state the scheduler does not keep: text, logprobs."""
-
-    request: Request
-    index: int
-    detok: IncrementalDetokenizer
-    logprobs: list[PositionLogprobs] | None
-    cumulative_logprob: float | None
-
-
-@dataclass
-class _Parent:
-    request_id: str
-    prompt: str | None
-    prompt_token_ids: list[int]
-    children: list[_Child]
-    prompt_logprobs: dict[int, PositionLogprobs | None] | None = None
-    finished_children: set[int] = field(default_factory=set)
-
-
 class LLMEngine:
     def __init__(self, config: EngineConfig, tokenizer: Tokenizer, model: torch.nn.Module,
                  num_blocks: int, proposer: Proposer | None = None) -> None:
@@ -99,8 +72,7 @@ class LLMEngine:
         self.runner.structured_output = self.structured_output
         self.scheduler = Scheduler(config.scheduler, config.cache, num_blocks,
                                    proposer.num_lookahead_tokens if proposer else 0)
-        self._parents: dict[str, _Parent] = {}
-        self._child_to_parent: dict[str, str] = {}
+        self.output_processor = OutputProcessor(tokenizer)
 
     # ---- construction -------------------------------------------------------------------
 
@@ -312,13 +284,13 @@ class LLMEngine:
         whose request it is (Request.tenant; the server passes its API key's hash); tier: its
         service tier (Request.tier; None: the default tier)."""
         params = params or SamplingParams()
-        if request_id in self._parents:
+        if request_id in self.output_processor:
             raise ParamError("request_id", f"request_id {request_id!r} is already in use")
         text, ids = self._tokenize(prompt)
         max_tokens = self.check_request(ids, params)
         if params.structured_outputs is not None and grammar is None:
             grammar = self.structured_output.compile(params.structured_outputs)
-        children: list[_Child] = []
+        children: list[Request] = []
         for i in range(params.n):
             child_params = params
             if params.n > 1:
@@ -331,45 +303,37 @@ class LLMEngine:
                           eos_token_ids=self.tokenizer.eos_token_ids, group_id=request_id,
                           tenant=tenant, tier=tier)
             req.grammar = grammar
-            want_lp = child_params.logprobs is not None
-            children.append(_Child(req, i, IncrementalDetokenizer(self.tokenizer, req),
-                                   [] if want_lp else None, 0.0 if want_lp else None))
+            children.append(req)
         added: list[str] = []
         try:
-            for ch in children:
-                self.scheduler.add_request(ch.request)
-                added.append(ch.request.request_id)
+            for req in children:
+                self.scheduler.add_request(req)
+                added.append(req.request_id)
         except Exception:
             for cid in added:  # all or nothing
                 self.scheduler.abort_request(cid)
             raise
-        parent = _Parent(request_id, text, ids, children,
-                         {} if params.prompt_logprobs is not None else None)
-        self._parents[request_id] = parent
-        for ch in children:
-            self._child_to_parent[ch.request.request_id] = request_id
+        self.output_processor.add(request_id, text, ids, children,
+                                  params.prompt_logprobs is not None)
 
     def abort_request(self, request_id: str | list[str]) -> None:
         for rid in [request_id] if isinstance(request_id, str) else request_id:
-            parent = self._parents.pop(rid, None)
-            if parent is None:
+            child_ids = self.output_processor.remove(rid)
+            if not child_ids:
                 continue
-            for ch in parent.children:
-                self.scheduler.abort_request(ch.request.request_id)
-                self._child_to_parent.pop(ch.request.request_id, None)
-            self.runner.remove_requests([ch.request.request_id for ch in parent.children],
-                                        finished=False)
+            for cid in child_ids:
+                self.scheduler.abort_request(cid)
+            self.runner.remove_requests(child_ids, finished=False)
 
     def num_choices(self, request_id: str) -> int:
         """How many choices (n) an unfinished request has; 0 for an unknown id."""
-        parent = self._parents.get(request_id)
-        return len(parent.children) if parent is not None else 0
+        return self.output_processor.num_choices(request_id)
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self._parents)
+        return len(self.output_processor) > 0
 
     def get_num_unfinished_requests(self) -> int:
-        return len(self._parents)
+        return len(self.output_processor)
 
     # ---- what a serving layer reads, between steps (the engine's thread) ----------------
 
@@ -390,7 +354,7 @@ class LLMEngine:
         out: dict[str, float] = {}
         for req in self.scheduler.running:
             if req.first_scheduled_time is not None:
-                rid = self._child_to_parent.get(req.request_id, req.request_id)
+                rid = self.output_processor.parent_id(req.request_id) or req.request_id
                 out.setdefault(rid, req.first_scheduled_time)
         return out
 
@@ -416,43 +380,17 @@ class LLMEngine:
         self.runner.preempted(so.preempted_ids)
         mo = self.runner.execute(so)
         for rid, (first, lps) in mo.prompt_logprobs.items():
-            self._record_prompt_logprobs(rid, first, lps)
-        lp_by_req = dict(zip(mo.req_ids, mo.logprobs))
+            self.output_processor.record_prompt_logprobs(rid, first, lps)
         updated = self.scheduler.update_from_output(so, mo)
-        touched: dict[str, _Parent] = {}
-        finished_ids: list[str] = []
-        for req, new_ids in updated:
-            pid = self._child_to_parent.get(req.request_id)
-            if pid is None:
-                continue
-            parent = self._parents[pid]
-            child = next(c for c in parent.children if c.request is req)
-            stop_str = None
-            for i, tok in enumerate(new_ids):  # several with drafts: none past a stop string
-                _delta, stop_str = child.detok.update([tok])
-                if stop_str is not None:
-                    req.drop_output_tokens(len(new_ids) - 1 - i)
-                    new_ids = new_ids[:i + 1]
-                    break
-            self._append_logprobs(child, new_ids, lp_by_req.get(req.request_id))
-            if stop_str is not None and not req.is_finished():
-                self.scheduler.finish_request(req.request_id, RequestStatus.FINISHED_STOPPED,
-                                              stop_str)
-            if req.is_finished():
-                child.detok.flush()
-                parent.finished_children.add(child.index)
-                finished_ids.append(req.request_id)
-            touched[pid] = parent
-        outputs = [self._make_output(p) for p in touched.values()]
-        for out in outputs:
-            if out.finished:
-                parent = self._parents.pop(out.request_id)
-                for ch in parent.children:
-                    self._child_to_parent.pop(ch.request.request_id, None)
+        outputs, finished_ids = self.output_processor.process(
+            updated, dict(zip(mo.req_ids, mo.logprobs)), self._stop)
         self.runner.remove_requests(finished_ids)
         if self.runner.proposer is not None:
             self._propose()
         return outputs
+
+    def _stop(self, req: Request, stop_str: str) -> None:
+        self.scheduler.finish_request(req.request_id, RequestStatus.FINISHED_STOPPED, stop_str)
 
     def _propose(self) -> None:
         """Drafts for the running requests whose next step is a decode (those that kept
@@ -467,41 +405,3 @@ class LLMEngine:
                 min(len(sched.running) + len(sched.waiting), sched.config.max_num_seqs))
             for req, d in zip(reqs, drafts, strict=True):
                 req.spec_token_ids = d
-
-    def _record_prompt_logprobs(self, child_id: str, first: int,
-                                lps: list[PositionLogprobs | None]) -> None:
-        pid = self._child_to_parent.get(child_id)
-        parent = self._parents.get(pid) if pid else None
-        if parent is None or parent.prompt_logprobs is None or parent.children[0].request \
-                .request_id != child_id:
-            return
-        for i, lp in enumerate(lps):
-            # setdefault: a preempted request recomputes its prompt; keep the first result.
-            parent.prompt_logprobs.setdefault(first + i, lp)
-
-    def _append_logprobs(self, child: _Child, new_ids: list[int],
-                         lps: list[PositionLogprobs] | None) -> None:
-        if child.logprobs is None or lps is None:
-            return
-        # Token strings are not decoded here, on the engine thread: whoever formats the
-        # logprobs asks Tokenizer.decode_token (cached) for the few it shows.
-        for tok, lp in zip(new_ids, lps):
-            child.logprobs.append(lp)
-            child.cumulative_logprob = (child.cumulative_logprob or 0.0) + lp[tok].logprob
-
-    def _make_output(self, parent: _Parent) -> RequestOutput:
-        outs = []
-        for ch in parent.children:
-            req = ch.request
-            outs.append(CompletionOutput(
-                index=ch.index, text=ch.detok.output_text, token_ids=list(req.output_token_ids),
-                cumulative_logprob=ch.cumulative_logprob, logprobs=ch.logprobs,
-                finish_reason=req.status.finish_reason, stop_reason=req.stop_reason))
-        plp = None
-        if parent.prompt_logprobs is not None:
-            plp = [parent.prompt_logprobs.get(i) for i in range(len(parent.prompt_token_ids))]
-        return RequestOutput(
-            request_id=parent.request_id, prompt=parent.prompt,
-            prompt_token_ids=parent.prompt_token_ids, prompt_logprobs=plp, outputs=outs,
-            finished=len(parent.finished_children) == len(parent.children),
-            num_cached_tokens=max(parent.children[0].request.num_cached_tokens, 0))

@@ -156,7 +156,11 @@ class Int4CheckpointLinearMethod:
 
     def kernel_weights(self, layer: Any) -> list[KernelWeight] | None:
         # An act-order layer's columns hold its inputs in perm's order: the stack gathers x so.
-        return [KernelWeight(layer.weight, self.wtype, 0, layer.out_features, self.perm)]
+        return [self._run(layer, self.perm)]
+
+    def _run(self, layer: Any, perm: torch.Tensor | None = None) -> KernelWeight:
+        """The layer's weight as one run of its format (perm: as kernel_weights hands it)."""
+        return KernelWeight(layer.weight, self.wtype, 0, layer.out_features, perm)
 
     def weight_rows(self, layer: Any) -> None:
         # A quantized lm_head has no embedding's values: a tied model looks tokens up in the
@@ -164,8 +168,7 @@ class Int4CheckpointLinearMethod:
         return None
 
     def dense_weight(self, layer: Any) -> torch.Tensor:
-        kw = KernelWeight(layer.weight, self.wtype, 0, layer.out_features)
-        w = dequantize_runs([kw], layer.in_features)
+        w = dequantize_runs([self._run(layer)], layer.in_features)
         if self.perm is None:
             return w
         out = torch.empty_like(w)  # act-order: column j of w is input perm[j]
@@ -173,8 +176,7 @@ class Int4CheckpointLinearMethod:
         return out
 
     def int4_groups(self, layer: Any) -> Int4Groups | None:
-        kw = KernelWeight(layer.weight, self.wtype, 0, layer.out_features)
-        return int4_runs([kw], layer.in_features, self.perm)  # None at 8 bits
+        return int4_runs([self._run(layer)], layer.in_features, self.perm)  # None at 8 bits
 
 
 def _shown(scheme: tuple[Any, ...] | None, offsets: bool) -> str:

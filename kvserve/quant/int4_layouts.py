@@ -47,9 +47,12 @@ compressed-tensors "pack-quantized" (llm-compressor's W4A16 / W8A16, quant_metho
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 
-from kvserve.quant.gptq import QuantizedLinear
+if TYPE_CHECKING:  # the writers' argument type only
+    from kvserve.quant.gptq import QuantizedLinear
 
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)
 COMPRESSED_TENSORS = "compressed-tensors"

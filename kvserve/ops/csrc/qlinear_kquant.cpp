@@ -751,6 +751,16 @@ struct WideQ45K : WideLayout<8, 8, kHighBit ? 4 : 8, 4> {
   // unpacking costs less than the 2-row packed tiles' decoding (even at 2: 0.7x-1.3x). Q4_K
   // reaches here from 9 rows only: below, Q4KRows' tiles beat both.
   static constexpr int64_t kMinRows = 3;
+  // Activation rows per tile (run_wide). Q4_K: 3, whose 6 int16 sums, 6 int32 sums, the
+  // chunk's 2 weight vectors and the broadcast fit AVX2's 16 ymm; at 4 rows (19) GCC spilled
+  // the int32 sums at every sub-block's end, and a third of the tile's time was spent outside
+  // its chunk loop (perf annotate at 512 rows). Against 4 rows, Zen 3, 2 threads: in cache
+  // (benchmarks/kernel_ab.py --in-cache 30, 8960 x 1536) 0.93 / 0.90 / 0.89 / 0.83x the time
+  // at 9 / 16 / 64 / 512 rows; the Qwen 1.5B Q4_K_M file's 168 Q4_K linears from DRAM
+  // (--rounds 5) 0.89 / 0.86 / 0.88x at 9 / 64 / 512. Q5_K (its int16 sums in runs of 4
+  // chunks) measured level at 3 (1.00-1.04x, SmolLM2's Q5_K_M), so stays at 4; so do Q6_K
+  // (1.02-1.05x at 3), IQ4_XS (0.99-1.03x) and Q2_K / Q3_K (not measured).
+  static constexpr int kTileRows = kHighBit ? 4 : 3;
   static constexpr int64_t kQs = kHighBit ? kq::kQ5KQs : kq::kQ4KQs;
 
   static inline void unpack(const uint8_t* rec, uint8_t* dst) {
@@ -797,6 +807,7 @@ struct WideQ45K : WideLayout<8, 8, kHighBit ? 4 : 8, 4> {
 // scale_2t+1), against the pair of bsums (2t, 2t + 1), for the - 32 * sum_s scale_s * bsum_s.
 struct WideQ6K : WideLayout<16, 4, 2, 8> {
   static constexpr bool kMin = false;
+  static constexpr int kTileRows = 4;  // rows per tile (WideQ45K says why Q4_K's is 3)
   // Q6_K's packed tiles at 2 and 3 rows beat the wide records' unpacking (one call from
   // DRAM, 1536 x 8960, 2 threads, Zen 3: 1.09-1.12x against 1.55-1.77x a 1-row call at 2
   // rows, 1.38-1.45x against 1.63-1.87x at 3). At 4 and 5 rows (a verify step's 1 + K) the
@@ -851,6 +862,7 @@ template <class Fmt>
 struct WideQ23K : WideLayout<16, 4, 4, 8> {
   static constexpr bool kQ2 = std::is_same_v<Fmt, Q2K>;
   static constexpr bool kMin = kQ2, kJoint = kQ2;
+  static constexpr int kTileRows = 4;  // rows per tile (WideQ45K says why Q4_K's is 3)
   static constexpr int64_t kMinRows = 3;
 
   static inline void unpack(const uint8_t* rec, uint8_t* dst) {
@@ -910,6 +922,7 @@ struct WideIQ4 {
   // 1.09x at 6, 1.15x at 5 and 1.36x at 3 (the sign op per row and chunk costs more than a
   // lookup shared by 2 rows there). So from 9 rows, as Q4_K's.
   static constexpr int64_t kMinRows = 9;
+  static constexpr int kTileRows = 4;  // rows per tile (WideQ45K says why Q4_K's is 3)
 
   static inline void unpack(const uint8_t* rec, uint8_t* dst) {
     std::memcpy(dst, rec, 32);  // d: the packed record's first 32 bytes
@@ -995,10 +1008,10 @@ void run_fmt(const Q8KActs& a, const uint8_t* w, const float* bias, float* out, 
   }
   if constexpr (!std::is_void_v<WideFmt>) {
     if (a.M >= WideFmt::kMinRows) {
-      // Wide records: a pass of ~1 MB of activations (as AMX's), 4 rows per tile. Against
-      // ~256 KB: 1.07-1.16x at K = 8960 (a 256 KB pass there is 28 rows), the same at
-      // K = 1536.
-      run_wide<Fmt, WideFmt, 4>(a, w, bias, out, N, nthreads, 1 << 20);
+      // Wide records: a pass of ~1 MB of activations (as AMX's), kTileRows rows per tile
+      // (Q4_K 3, the others 4). Against ~256 KB: 1.07-1.16x at K = 8960 (a 256 KB pass there
+      // is 28 rows), the same at K = 1536.
+      run_wide<Fmt, WideFmt, WideFmt::kTileRows>(a, w, bias, out, N, nthreads, 1 << 20);
       return;
     }
   }

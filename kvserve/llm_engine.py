@@ -354,7 +354,8 @@ class LLMEngine:
         out: dict[str, float] = {}
         for req in self.scheduler.running:
             if req.first_scheduled_time is not None:
-                rid = self.output_processor.parent_id(req.request_id) or req.request_id
+                pid = self.output_processor.parent_id(req.request_id)
+                rid = req.request_id if pid is None else pid
                 out.setdefault(rid, req.first_scheduled_time)
         return out
 

@@ -100,7 +100,7 @@ class OutputProcessor:
             parent.prompt_logprobs.setdefault(first + i, lp)
 
     def process(self, updated: Iterable[tuple[Request, list[int]]],
-                logprobs: dict[str, list[PositionLogprobs]],
+                logprobs: dict[str, list[PositionLogprobs] | None],
                 stop: Callable[[Request, str], None]) -> tuple[list[RequestOutput], list[str]]:
         """updated: (request, its new token ids) from Scheduler.update_from_output;
         logprobs: each request's, one per new token. A stop string inside a step's tokens

@@ -40,7 +40,7 @@ RUN pip install --no-cache-dir . \
 # The kernels' just-in-time build, done now, from the installed package (not /src): one
 # extension holds the AVX2 and the AVX-512 kernels, so this one build covers every CPU.
 WORKDIR /opt/kvserve
-RUN python -c "from kvserve.ops.cpu import load_extension; print(load_extension().__file__)"
+RUN python -c "from kvserve.ops.cpu_extension import load_extension; print(load_extension().__file__)"
 
 
 FROM python:3.11-slim-bookworm
@@ -65,7 +65,7 @@ USER 10001
 WORKDIR /home/kvserve
 # The proof that a start compiles nothing: this stage has no compiler, so if ninja found
 # anything to rebuild the load would fail, and the image build with it.
-RUN python -c "from kvserve.ops.cpu import load_extension; load_extension()" \
+RUN python -c "from kvserve.ops.cpu_extension import load_extension; load_extension()" \
  && chmod -R g=u /opt/kvserve/kernels
 
 EXPOSE 8000

@@ -8,10 +8,11 @@ tree's csrc/ against another git revision's, on every packed linear of a GGUF fi
 A kernel change of a few percent drowns in this machine's drift between runs (its read rate
 moves 30-60 GB/s from minute to minute), so both builds run in the same process, on the same
 packed weights and activations, each round in turn (the first build first on even rounds).
-Each build is compiled once into its own directory (kvserve.ops.cpu.build_extension, keyed
-on the sources' bytes), so a revision built before costs nothing. -D NAME=VALUE is prepended
-to the working tree's qlinear_kquant*.cpp as a #define: a knob a kernel file reads with
-#ifndef, tried at several values without editing it (the file's default needs no -D).
+Each build is compiled once into its own directory (kvserve.ops.cpu_extension's
+build_extension, keyed on the sources' bytes), so a revision built before costs nothing.
+-D NAME=VALUE is prepended to the working tree's qlinear_kquant*.cpp as a #define: a knob a
+kernel file reads with #ifndef, tried at several values without editing it (the file's
+default needs no -D).
 
 Prints per M the milliseconds of all the linears (median over rounds) for each build and
 the median per-round ratio tree / base: below 1 the tree is faster. The outputs of the two
@@ -45,13 +46,9 @@ import torch
 from gguf import GGMLQuantizationType
 from kquant_stream import DEFAULT, FLOAT_DTYPES, load  # benchmarks/kquant_stream.py
 
-from kvserve.ops.cpu import (
-    KERNEL_FILES,
-    KQUANT_KERNEL_WTYPES,
-    CpuOps,
-    build_extension,
-    read_sources,
-)
+from kvserve.ops.build import read_sources
+from kvserve.ops.cpu import KQUANT_KERNEL_WTYPES, CpuOps
+from kvserve.ops.cpu_extension import KERNEL_FILES, build_extension
 
 ROOT = Path(__file__).resolve().parent.parent
 CSRC = "kvserve/ops/csrc"

@@ -23,7 +23,7 @@ import httpx
 import pytest
 
 from kvserve.ops import build
-from kvserve.ops import cpu as cpu_mod
+from kvserve.ops import cpu_extension as cpu_mod
 from tests.e2e.server_process import ROOT, free_port
 
 API_KEY = "test-key"

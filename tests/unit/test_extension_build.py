@@ -1,7 +1,8 @@
-"""The kernel build cache (kvserve/ops/build.py): keyed on what is compiled, not where it lies,
-and a build lock that a killed build cannot leave behind. The key, staging and locking are
-tested directly; one real build (in a temp KVSERVE_EXTENSIONS_DIR, in subprocesses) holds the
-whole path to it: a stale torch lock does not hang it, and two source copies share its binary.
+"""The kernel build cache (kvserve/ops/build.py; the CPU kernels' build, ops/cpu_extension.py):
+keyed on what is compiled, not where it lies, and a build lock that a killed build cannot leave
+behind. The key, staging and locking are tested directly; one real build (in a temp
+KVSERVE_EXTENSIONS_DIR, in subprocesses) holds the whole path to it: a stale torch lock does
+not hang it, and two source copies share its binary.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from pathlib import Path
 import pytest
 
 from kvserve.ops import build
-from kvserve.ops import cpu as cpu_mod
+from kvserve.ops import cpu_extension as cpu_mod
 
 ROOT = Path(__file__).resolve().parents[2]
 NAMES = cpu_mod.KERNEL_FILES
@@ -116,7 +117,7 @@ import logging, sys
 from pathlib import Path
 import torch
 logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(name)s: %(message)s")
-import kvserve.ops.cpu as cpu
+import kvserve.ops.cpu_extension as cpu
 from kvserve.ops.reference import ReferenceOps
 cpu._CSRC = Path(sys.argv[1])
 ext = cpu.load_extension()

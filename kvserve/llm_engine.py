@@ -304,6 +304,8 @@ class LLMEngine:
                           tenant=tenant, tier=tier)
             req.grammar = grammar
             children.append(req)
+        self.output_processor.add(request_id, text, ids, children,
+                                  params.prompt_logprobs is not None)
         added: list[str] = []
         try:
             for req in children:
@@ -312,9 +314,8 @@ class LLMEngine:
         except Exception:
             for cid in added:  # all or nothing
                 self.scheduler.abort_request(cid)
+            self.output_processor.remove(request_id)
             raise
-        self.output_processor.add(request_id, text, ids, children,
-                                  params.prompt_logprobs is not None)
 
     def abort_request(self, request_id: str | list[str]) -> None:
         for rid in [request_id] if isinstance(request_id, str) else request_id:

@@ -52,7 +52,8 @@ class OutputProcessor:
 
     def add(self, request_id: str, prompt: str | None, prompt_token_ids: list[int],
             children: list[Request], prompt_logprobs: bool) -> None:
-        """children: the request's samples in index order, already in the scheduler."""
+        """children: the request's samples in index order (each gets its detokenizer here,
+        before the engine queues them: an error leaves nothing to undo in the scheduler)."""
         kids = []
         for i, req in enumerate(children):
             want_lp = req.sampling_params.logprobs is not None

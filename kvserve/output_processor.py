@@ -59,6 +59,7 @@ class OutputProcessor:
             want_lp = req.sampling_params.logprobs is not None
             kids.append(_Child(req, i, IncrementalDetokenizer(self.tokenizer, req),
                                [] if want_lp else None, 0.0 if want_lp else None))
+        for req in children:  # only once every child is made
             self._child_to_parent[req.request_id] = request_id
         self._parents[request_id] = _Parent(request_id, prompt, prompt_token_ids, kids,
                                             {} if prompt_logprobs else None)

@@ -24,7 +24,7 @@ import yaml
 from kvserve.cli import build_parser
 from kvserve.config import parse_memory
 from kvserve.ops import build
-from kvserve.ops import cpu as cpu_mod
+from kvserve.ops import cpu_extension as cpu_mod
 from kvserve.outputs import EngineStats
 from kvserve.server.cli import allowed_hosts
 from kvserve.server.metrics import ServerMetrics

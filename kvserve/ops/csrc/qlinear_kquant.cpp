@@ -51,8 +51,8 @@
 #include "tiles.h"
 
 #if !KVS_AVX2
-// No scalar twin: kvserve/ops/cpu.py always builds with -mavx2 -mfma, and routes a CPU
-// without them to ReferenceOps before any kernel is built.
+// No scalar twin: kvserve/ops/cpu_extension.py always builds with -mavx2 -mfma, and
+// ops/cpu.py routes a CPU without them to ReferenceOps before any kernel is built.
 #error "qlinear_kquant.cpp needs AVX2 + FMA"
 #endif
 

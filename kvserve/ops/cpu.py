@@ -25,7 +25,6 @@ Routing, decided per call here and never inside the kernels:
 
 from __future__ import annotations
 
-import logging
 import os
 from types import ModuleType
 from typing import Any
@@ -49,8 +48,6 @@ from kvserve.quant.block_pack import (
     W8A8,
 )
 from kvserve.quant.ggml_kquants import IQ4_FAMILY, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K
-
-logger = logging.getLogger("kvserve.ops")
 
 # Largest M that the AVX2 kernel serves before handing off to torch's F.linear. On the 2-core
 # EPYC (Zen 5) we measured the kernel ahead of MKL at every M up to 2048 (2-3x at M <= 16,

@@ -2,7 +2,7 @@
 chat prompts one after another, greedy, a fixed number of tokens each.
 
 Each engine step is timed from inside (wall and the engine thread's CPU time), and so is
-the engine thread's time between steps, split into the AsyncEngine calls that fill it
+the engine thread's time between steps, split into the EngineThread calls that fill it
 (_dispatch and its _post, the call_soon_threadsafe that hands a step's outputs to the event
 loop; _drain_commands). In-process, LLMEngine.step is driven directly.
 
@@ -36,9 +36,9 @@ def _chat(p: str) -> str:
 
 
 def instrument(out: Path | None) -> dict[str, float]:
-    """Wraps LLMEngine.step and AsyncEngine's per-step calls with timers; with out, dumps
+    """Wraps LLMEngine.step and EngineThread's per-step calls with timers; with out, dumps
     the totals there every 20 steps."""
-    import kvserve.async_engine as ae
+    import kvserve.engine_thread as et
     import kvserve.llm_engine as le
 
     tot: dict[str, float] = {"steps": 0, "step_wall": 0.0, "step_cpu": 0.0, "between": 0.0}
@@ -61,7 +61,7 @@ def instrument(out: Path | None) -> dict[str, float]:
 
     le.LLMEngine.step = timed_step
     for name in ("_dispatch", "_post", "_drain_commands"):
-        fn = getattr(ae.AsyncEngine, name)
+        fn = getattr(et.EngineThread, name)
 
         def timed(self: Any, *a: Any, _fn: Any = fn, _name: str = name, **kw: Any) -> Any:
             t0 = time.perf_counter()
@@ -70,7 +70,7 @@ def instrument(out: Path | None) -> dict[str, float]:
             finally:
                 tot[_name] = tot.get(_name, 0.0) + time.perf_counter() - t0
 
-        setattr(ae.AsyncEngine, name, timed)
+        setattr(et.EngineThread, name, timed)
     return tot
 
 

@@ -1,7 +1,7 @@
 """The asyncio front of LLMEngine: the step loop runs in its own thread beside the event loop.
 
-    event loop                               engine thread
-    ----------                               -------------
+    event loop (AsyncEngine)                 engine thread (engine_thread.py)
+    ------------------------                 --------------------------------
     add_request: Admission (admission.py):
       queue bound (503 before any work), text length,
       tokenize + request checks (tokenizer pool),
@@ -26,55 +26,23 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import logging
-import queue
-import threading
 import time
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from typing import Any
 
 from kvserve.admission import Admission
 from kvserve.engine_args import EngineArgs
-from kvserve.iteration_stats import RequestTimings, StatsListener
+from kvserve.engine_thread import Abort, Add, EngineThread, Snapshot
+from kvserve.iteration_stats import StatsListener
 from kvserve.llm_engine import LLMEngine, PromptType
 from kvserve.outputs import EngineSnapshot, EngineStats, RequestOutput
-from kvserve.platform import configure_threads, in_own_thread, pin_thread
+from kvserve.platform import in_own_thread, pin_thread
 from kvserve.request_stream import EngineDeadError, EngineShuttingDown, RequestStream
 from kvserve.sampling_params import SamplingParams
 from kvserve.scheduler import QueueFullError
 
 logger = logging.getLogger("kvserve.async_engine")
-
-# How long the idle engine thread sleeps on its command queue before checking for shutdown.
-_IDLE_POLL_S = 0.5
-
-
-SNAPSHOT_REQUESTS = 64
-
-
-@dataclass
-class _Add:
-    request_id: str
-    prompt: PromptType
-    params: SamplingParams
-    priority: int
-    arrival: float
-    stream: RequestStream
-    result: concurrent.futures.Future
-    grammar: Any = None  # params.structured_outputs compiled
-    tenant: str | None = None
-    tier: str | None = None
-
-
-@dataclass
-class _Abort:
-    request_id: str
-    error: BaseException | None = None  # None: the caller stopped listening
-
-
-@dataclass
-class _Snapshot:
-    result: concurrent.futures.Future
 
 
 class AsyncEngine:
@@ -100,24 +68,16 @@ class AsyncEngine:
                                    max_pending_grammars=max_pending_grammars)
         # tier stats and metrics only where tiers are configured
         self._tiered = bool(engine.config.scheduler.tiers)
-        self.stats_listener = stats_listener
         self.on_dead: Callable[[str], None] | None = None  # called on the loop
         self.watchdog_timeout = watchdog_timeout
-        self._commands: queue.SimpleQueue[_Add | _Abort | _Snapshot | None] = \
-            queue.SimpleQueue()
-        # Engine thread writes, anyone reads: when its loop last came round (monotonic s).
-        self._heartbeat = time.monotonic()
-        self._loop: asyncio.AbstractEventLoop | None = None
-        self._thread: threading.Thread | None = None
-        # Engine thread only.
-        self._streams: dict[str, RequestStream] = {}
-        self._timings = RequestTimings(tiered=self._tiered)
+        self.engine_thread = EngineThread(engine, self.admission, tiered=self._tiered,
+                                          deliver=self._deliver, fail=self._deliver_error,
+                                          died=self._died)
+        self.engine_thread.stats_listener = stats_listener
         # Event loop only: requests accepted and not yet finished, for draining.
         self._in_flight: set[str] = set()
         self._idle = asyncio.Event()
         self._snapshot: asyncio.Future | None = None  # the one being taken, shared
-        self._publish_stats()
-        self._dead: BaseException | None = None
         self._draining = False
         self._stopping = False
 
@@ -150,18 +110,15 @@ class AsyncEngine:
 
     def start(self) -> None:
         """Starts the engine thread; call from the event loop that will read the streams."""
-        if self._thread is not None:
+        if self.engine_thread.thread is not None:
             return
-        self._loop = asyncio.get_running_loop()
         self._idle.set()
-        self._thread = threading.Thread(target=self._run, name="kvserve-engine", daemon=True)
-        self._thread.start()
+        self.engine_thread.start(asyncio.get_running_loop(), self.cores)
 
     @property
     def is_alive(self) -> bool:
         """The engine thread runs (it may still be stalled; see is_healthy)."""
-        return (self._thread is not None and self._thread.is_alive() and self._dead is None
-                and not self._stopping)
+        return self.engine_thread.is_alive and not self._stopping
 
     @property
     def is_healthy(self) -> bool:
@@ -177,13 +134,23 @@ class AsyncEngine:
         """Seconds since the engine loop last came round, while requests are in flight."""
         if not self._in_flight:
             return 0.0
-        return max(0.0, time.monotonic() - self._heartbeat)
+        return max(0.0, time.monotonic() - self.engine_thread.heartbeat)
 
     @property
     def stats(self) -> EngineStats:
+        stats = self.engine_thread.stats
         if not self._tiered:
-            return self._stats
-        return replace(self._stats, tier_rejections=dict(self.admission.tier_rejections))
+            return stats
+        return replace(stats, tier_rejections=dict(self.admission.tier_rejections))
+
+    @property
+    def stats_listener(self) -> StatsListener | None:
+        """Called on the engine thread with each step's (and abort's) IterationStats."""
+        return self.engine_thread.stats_listener
+
+    @stats_listener.setter
+    def stats_listener(self, listener: StatsListener | None) -> None:
+        self.engine_thread.stats_listener = listener
 
     @property
     def num_in_flight(self) -> int:
@@ -200,11 +167,10 @@ class AsyncEngine:
                 logger.warning("shutdown: %d request(s) still running after %.1fs; ending them",
                                len(self._in_flight), timeout)
         for rid in list(self._in_flight):
-            self._commands.put(_Abort(rid, EngineShuttingDown("the server is shutting down")))
+            self.engine_thread.put(Abort(rid, EngineShuttingDown("the server is shutting down")))
         self._stopping = True
-        self._commands.put(None)
-        if self._thread is not None:
-            await asyncio.get_running_loop().run_in_executor(None, self._thread.join, 10.0)
+        self.engine_thread.put(None)
+        await asyncio.get_running_loop().run_in_executor(None, self.engine_thread.join, 10.0)
         self.admission.shutdown()
 
     def begin_drain(self) -> None:
@@ -234,7 +200,7 @@ class AsyncEngine:
         """
         self._check_accepting()
         admission = self.admission
-        admission.check_queue(self._stats, tier)
+        admission.check_queue(self.engine_thread.stats, tier)
         if isinstance(prompt, str):
             admission.check_text_chars(len(prompt))
         arrival = time.monotonic()
@@ -262,8 +228,8 @@ class AsyncEngine:
         # this coroutine resumes.
         self._in_flight.add(request_id)
         self._idle.clear()
-        self._commands.put(_Add(request_id, prompt, params, priority, arrival, stream, result,
-                                grammar, tenant, tier))
+        self.engine_thread.put(Add(request_id, prompt, params, priority, arrival, stream, result,
+                                   grammar, tenant, tier))
         fut = asyncio.wrap_future(result)
         try:
             while True:
@@ -273,12 +239,11 @@ class AsyncEngine:
                 if done:
                     fut.result()  # raises the engine's ValueError / QueueFullError
                     break
-                if self._dead is not None or self._thread is None \
-                        or not self._thread.is_alive():
+                if not self.engine_thread.is_alive:
                     raise EngineDeadError("the engine has stopped")
         except asyncio.CancelledError:
             # Cancelled while the engine thread was adding it: make sure it does not run.
-            self._commands.put(_Abort(request_id))
+            self.engine_thread.put(Abort(request_id))
             self._mark_done(request_id)
             raise
         except BaseException:
@@ -303,11 +268,11 @@ class AsyncEngine:
         """The caller is done with a stream: aborts the request if it has not finished."""
         if stream.request_id in self._in_flight:
             if not stream.finished:
-                self._commands.put(_Abort(stream.request_id))
+                self.engine_thread.put(Abort(stream.request_id))
             self._mark_done(stream.request_id)
 
     async def abort(self, request_id: str) -> None:
-        self._commands.put(_Abort(request_id))
+        self.engine_thread.put(Abort(request_id))
 
     async def snapshot(self, timeout: float = 5.0) -> EngineSnapshot:
         """The block pool's picture and the requests, taken on the engine thread between two
@@ -316,11 +281,11 @@ class AsyncEngine:
         (at most one per step however many ask). Raises EngineDeadError (also before start()
         and after shutdown), or TimeoutError when the loop has not come round within timeout
         seconds (a long step)."""
-        if self._dead is not None or self._thread is None or not self._thread.is_alive():
+        if not self.engine_thread.is_alive:
             raise EngineDeadError("the engine has stopped")
         if self._snapshot is None or self._snapshot.done():
             cf: concurrent.futures.Future = concurrent.futures.Future()
-            self._commands.put(_Snapshot(cf))
+            self.engine_thread.put(Snapshot(cf))
             self._snapshot = asyncio.wrap_future(cf)
         fut = self._snapshot
         deadline = time.monotonic() + timeout
@@ -331,13 +296,14 @@ class AsyncEngine:
                                                                      - time.monotonic())))
             if done:
                 return fut.result()
-            if self._dead is not None or self._thread is None or not self._thread.is_alive():
+            if not self.engine_thread.is_alive:
                 raise EngineDeadError("the engine has stopped")
             if time.monotonic() >= deadline:
                 raise TimeoutError(f"the engine loop has not come round in {timeout:g}s")
 
     def _check_accepting(self) -> None:
-        if self._dead is not None or (self._thread is not None and not self._thread.is_alive()):
+        started = self.engine_thread.thread is not None
+        if started and not self.engine_thread.is_alive:
             raise EngineDeadError("the engine has stopped")
         if self._draining or self._stopping:
             raise EngineShuttingDown("the server is shutting down")
@@ -356,129 +322,6 @@ class AsyncEngine:
         stream.fail(error)
         self._mark_done(stream.request_id)
 
-    # ---- the engine thread --------------------------------------------------------------
-
-    def _run(self) -> None:
-        # OpenMP thread counts are per thread: set ours, not only the loader thread's.
-        self.engine.bind_thread()  # first: a tensor-parallel rank 0's cores set the count
-        configure_threads(self.engine.config.device)
-        if self.cores is not None:
-            pin_thread(self.cores)
-        try:
-            while True:
-                self._heartbeat = time.monotonic()
-                self.engine.check_health()  # a dead tensor-parallel rank ends the engine
-                if not self._drain_commands(block=not self.engine.has_unfinished_requests()):
-                    break
-                if not self.engine.has_unfinished_requests():
-                    continue
-                t_step = time.monotonic()
-                outputs = self.engine.step()
-                self._dispatch(outputs, t_step)
-        except BaseException as e:  # noqa: BLE001 - any failure kills the engine
-            logger.exception("engine thread died")
-            self._dead = e
-            dead = EngineDeadError(f"the engine stopped: {type(e).__name__}")
-            for stream in self._streams.values():
-                self._post(self._deliver_error, stream, dead)
-            self._streams.clear()
-            self._fail_pending_adds(dead)
-            if self.on_dead is not None:
-                self._post(self.on_dead, f"{type(e).__name__}: {e}")
-        finally:
-            self._publish_stats()
-            self.engine.shutdown()  # the other tensor-parallel ranks, if any
-
-    def _fail_pending_adds(self, error: BaseException) -> None:
-        while True:
-            try:
-                cmd = self._commands.get_nowait()
-            except queue.Empty:
-                return
-            if isinstance(cmd, _Add):
-                self.admission.adds_applied += 1
-            if isinstance(cmd, (_Add, _Snapshot)) and not cmd.result.done():
-                cmd.result.set_exception(error)
-
-    def _post(self, fn: Callable[..., Any], *args: Any) -> None:
-        assert self._loop is not None
-        try:
-            self._loop.call_soon_threadsafe(fn, *args)
-        except RuntimeError:  # the loop is closed: nobody is listening any more
-            pass
-
-    def _drain_commands(self, block: bool) -> bool:
-        """Applies queued adds and aborts; False once asked to stop."""
-        while True:
-            try:
-                cmd = self._commands.get(timeout=_IDLE_POLL_S) if block else \
-                    self._commands.get_nowait()
-            except queue.Empty:
-                return True
-            block = False
-            if cmd is None:
-                return False
-            if isinstance(cmd, _Add):
-                self._apply_add(cmd)
-            elif isinstance(cmd, _Snapshot):
-                cmd.result.set_result(self._take_snapshot())
-            else:
-                self._apply_abort(cmd)
-
-    def _apply_add(self, cmd: _Add) -> None:
-        self.admission.adds_applied += 1  # before any stats publish (see Admission)
-        if cmd.result.cancelled():
-            return
-        try:
-            self.engine.add_request(cmd.request_id, cmd.prompt, cmd.params,
-                                    priority=cmd.priority, arrival_time=cmd.arrival,
-                                    grammar=cmd.grammar, tenant=cmd.tenant, tier=cmd.tier)
-        except Exception as e:  # ValueError, QueueFullError: the caller's problem
-            cmd.result.set_exception(e)
-            return
-        self._streams[cmd.request_id] = cmd.stream
-        self._timings.add(cmd.request_id, cmd.arrival, _num_prompt_tokens(cmd.prompt),
-                          cmd.tier)
-        cmd.result.set_result(None)
-        self._publish_stats()
-
-    def _apply_abort(self, cmd: _Abort) -> None:
-        stream = self._streams.pop(cmd.request_id, None)
-        if stream is None:
-            return  # finished already, or never added
-        choices = self.engine.num_choices(cmd.request_id)
-        self.engine.abort_request(cmd.request_id)
-        it = self._timings.abort(cmd.request_id, choices)
-        if cmd.error is not None:
-            self._post(self._deliver_error, stream, cmd.error)
-        if self.stats_listener is not None:
-            self.stats_listener(it)
-        self._publish_stats()
-
-    def _take_snapshot(self) -> EngineSnapshot:
-        """Engine thread. O(num_blocks + SNAPSHOT_REQUESTS)."""
-        return self.engine.snapshot(self._stats, SNAPSHOT_REQUESTS)
-
-    def _dispatch(self, outputs: list[RequestOutput], t_step: float) -> None:
-        it = self._timings.step(outputs, t_step, time.monotonic(),
-                                self.engine.first_scheduled_times())
-        for out in outputs:
-            stream = self._streams.get(out.request_id)
-            if stream is None:
-                continue
-            if out.finished:
-                del self._streams[out.request_id]
-            self._post(self._deliver, stream, out)
-        self._publish_stats()
-        if self.stats_listener is not None:
-            self.stats_listener(it)
-
-    def _publish_stats(self) -> None:
-        # One immutable object, swapped in whole: readers on other threads never see a mix.
-        self._stats = self.engine.stats(tiers=self._tiered)
-
-
-def _num_prompt_tokens(prompt: PromptType) -> int:
-    if isinstance(prompt, dict):
-        return len(prompt.get("prompt_token_ids") or ())
-    return len(prompt) if isinstance(prompt, list) else 0
+    def _died(self, message: str) -> None:
+        if self.on_dead is not None:
+            self.on_dead(message)

@@ -1,5 +1,5 @@
 """One request's outputs as the event loop reads them (RequestStream), and the errors that end
-a stream early. async_engine.py writes them from its engine thread's outputs (through
+a stream early. async_engine.py writes them from the engine thread's outputs (through
 call_soon_threadsafe: a stream is touched on the event loop only)."""
 
 from __future__ import annotations

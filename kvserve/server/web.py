@@ -21,7 +21,8 @@ from typing import TYPE_CHECKING, Any
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
-from kvserve.async_engine import SNAPSHOT_REQUESTS, AsyncEngine
+from kvserve.async_engine import AsyncEngine
+from kvserve.engine_thread import SNAPSHOT_REQUESTS
 from kvserve.outputs import EngineSnapshot
 from kvserve.request_stream import EngineDeadError
 from kvserve.server.errors import APIError, bad_request

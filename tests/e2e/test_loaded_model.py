@@ -68,8 +68,9 @@ def test_an_engine_on_its_share_of_the_cores(tmp_path: Path) -> None:
                 {"prompt_token_ids": PROMPTS[0]},
                 SamplingParams(temperature=0, max_tokens=3), "r")]
             assert out[-1].finished
-            assert engine._thread is not None
-            return os.sched_getaffinity(engine._thread.native_id)
+            thread = engine.engine_thread.thread
+            assert thread is not None
+            return os.sched_getaffinity(thread.native_id)
         finally:
             await engine.shutdown(1.0)
 

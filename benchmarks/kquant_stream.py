@@ -23,10 +23,10 @@ from gguf import GGUFReader
 from models import MODELS  # benchmarks/models.py
 
 from kvserve.ops.cpu import KQUANT_KERNEL_WTYPES, PACKED_WTYPES, CpuOps
-from kvserve.quant.base import HALF_DTYPES
 from kvserve.quant.block_pack import F32, pack
 from kvserve.quant.ggml_kquants import IQ4_REWRITES
 from kvserve.quant.ggml_kquants import KQUANT_NAMES as NAMES
+from kvserve.quant.half_weights import HALF_DTYPES
 from kvserve.quant.iquant_rewrite import rewrite_iq4
 from kvserve.quant.kquant_pack import pack_kquant
 

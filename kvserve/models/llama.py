@@ -23,9 +23,9 @@ from kvserve.quant.base import (
     QuantizedTensor,
     QuantMethod,
     dense,
-    exact_half,
     is_quantized,
 )
+from kvserve.quant.half_weights import exact_half
 
 if TYPE_CHECKING:
     from kvserve.ops.reference import ReferenceOps

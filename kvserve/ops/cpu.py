@@ -35,7 +35,7 @@ import torch.nn.functional as F
 from kvserve.kv.layout import QuantizedKVCache
 from kvserve.ops.cpu_extension import cpu_has_avx2_fma, load_extension
 from kvserve.ops.reference import ReferenceOps
-from kvserve.quant.base import BF16, F16, HALF_DTYPES, KernelWeight
+from kvserve.quant.base import KernelWeight
 from kvserve.quant.block_pack import (
     F32,
     IQ4_NL,
@@ -48,6 +48,7 @@ from kvserve.quant.block_pack import (
     W8A8,
 )
 from kvserve.quant.ggml_kquants import IQ4_FAMILY, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K
+from kvserve.quant.half_weights import BF16, F16, HALF_DTYPES
 
 # Largest M that the AVX2 kernel serves before handing off to torch's F.linear. On the 2-core
 # EPYC (Zen 5) we measured the kernel ahead of MKL at every M up to 2048 (2-3x at M <= 16,

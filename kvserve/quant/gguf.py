@@ -34,9 +34,6 @@ from kvserve.quant.base import (
     create_dense_weight,
     dense,
     dense_names,
-    float_wtype,
-    half_rows,
-    keep_exact_halves,
     kernels_run,
     require_float32,
 )
@@ -50,6 +47,7 @@ from kvserve.quant.gguf_weights import (
     PackedRows,
     pack_groups,
 )
+from kvserve.quant.half_weights import float_wtype, half_rows, keep_exact_halves
 from kvserve.quant.int4_groups import Int4Groups
 from kvserve.quant.kernel_runs import apply_kernel_weights, dequantize_runs, int4_runs
 

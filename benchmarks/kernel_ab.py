@@ -62,9 +62,10 @@ def revision_files(rev: str) -> dict[str, bytes]:
 
 
 def with_defines(files: dict[str, bytes], defines: list[str]) -> dict[str, bytes]:
-    """files with each NAME=VALUE as a #define at the top of the K-quant kernel files."""
+    """files with each NAME=VALUE as a #define at the top of the quantized kernel files
+    (qlinear*.cpp: the K-quants' and the packed formats')."""
     head = "".join(f"#define {d.replace('=', ' ', 1)}\n" for d in defines).encode()
-    return {n: head + b if n.startswith("qlinear_kquant") else b for n, b in files.items()}
+    return {n: head + b if n.startswith("qlinear") else b for n, b in files.items()}
 
 
 def multiply(ops: CpuOps, x: torch.Tensor, w: torch.Tensor, n: int, qt: int) -> torch.Tensor:
@@ -91,7 +92,7 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--isa", choices=("avx512", "avx2"), help="kernel ISA (default: best)")
     ap.add_argument("-D", dest="defines", action="append", default=[], metavar="NAME=VALUE",
-                    help="a #define for the working tree's K-quant kernel files (repeatable)")
+                    help="a #define for the working tree's qlinear*.cpp files (repeatable)")
     ap.add_argument("--formats", help="comma-separated ggml type names (default: every one)")
     ap.add_argument("--in-cache", type=int, default=0, metavar="CALLS",
                     help="each format's largest linear of <= 16 MB alone, CALLS call-by-call pairs")

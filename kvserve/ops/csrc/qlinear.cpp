@@ -50,7 +50,16 @@ constexpr int64_t kGroup = 16;
 // How far ahead of the record being read its stream is prefetched. Measured on one EPYC core
 // streaming 84-142 MB at M = 1: 8 KB draws ~45 GB/s against ~34 with none or 4 KB; still a
 // quarter of a 32 KB L1, which holds the group being read for the row tiles after the first.
-constexpr int64_t kPrefetchBytes = 8192;
+// Zen 3 (benchmarks/kernel_ab.py, the Qwen2.5-Coder 0.5B Q4_K_M file's 132 Q5_0 linears, 1
+// row, 7-9 rounds): into L2 6 KB ahead (as the K-quant tiles) 1.02x the time, L1 16 KB 1.05x,
+// L1 4 KB 1.03x: within noise or worse, so 8 KB into L1 stays.
+#ifndef KVS_Q_PREFETCH_BYTES  // knobs for benchmarks/kernel_ab.py -D
+#define KVS_Q_PREFETCH_BYTES 8192
+#endif
+#ifndef KVS_Q_PREFETCH_HINT
+#define KVS_Q_PREFETCH_HINT _MM_HINT_T0
+#endif
+constexpr int64_t kPrefetchBytes = KVS_Q_PREFETCH_BYTES;
 
 // Format policies. dot<MT>(rec, x, isum): isum[m][h] = int32 lane r = sum over the block of
 // row (8h + r)'s stored quants times x[m][0..31] (x[m] = activation row m at the block's
@@ -190,7 +199,7 @@ inline void tile(const QActs& a, int64_t m0, const uint8_t* gw, const float* bia
     const auto [sc, rec] = block_record(Fmt::F, gw, b);
     if constexpr (kPrefetchW)  // the stream advances kRecord / kSpan bytes a block
       for (int64_t off = 0; off < (Fmt::kRecord + Fmt::kSpan - 1) / Fmt::kSpan; off += 64)
-        _mm_prefetch(reinterpret_cast<const char*>(rec) + kPrefetchBytes + off, _MM_HINT_T0);
+        _mm_prefetch(reinterpret_cast<const char*>(rec) + kPrefetchBytes + off, KVS_Q_PREFETCH_HINT);
     const int8_t* x[MT];
     for (int m = 0; m < MT; ++m) x[m] = a.q + (m0 + m) * K + b * 32;
     __m256i isum[MT][2];

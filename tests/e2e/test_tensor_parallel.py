@@ -1,5 +1,5 @@
-"""Tensor parallelism on the CPU (the shared-memory all-reduce, and gloo's): the same tokens as one process, and logits within a
-stated tolerance of HF transformers and of TP=1.
+"""Tensor parallelism on the CPU (the shared-memory all-reduce, and gloo's): the same tokens
+as one process, and logits within a stated tolerance of HF transformers and of TP=1.
 
 - Tiny random models whose heads divide by 2 (Llama untied; Qwen2 with q/k/v biases and a tied
   embedding), TP=2: greedy tokens equal TP=1's, prompt logprobs within 1e-4 of HF's.

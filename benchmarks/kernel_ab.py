@@ -10,8 +10,8 @@ moves 30-60 GB/s from minute to minute), so both builds run in the same process,
 packed weights and activations, each round in turn (the first build first on even rounds).
 Each build is compiled once into its own directory (kvserve.ops.cpu_extension's
 build_extension, keyed on the sources' bytes), so a revision built before costs nothing.
--D NAME=VALUE is prepended to the working tree's qlinear_kquant*.cpp as a #define: a knob a
-kernel file reads with #ifndef, tried at several values without editing it (the file's
+-D NAME=VALUE is prepended to the working tree's qlinear*.cpp as a #define: a knob a kernel
+file reads with #ifndef, tried at several values without editing it (the file's
 default needs no -D).
 
 Prints per M the milliseconds of all the linears (median over rounds) for each build and

@@ -199,7 +199,8 @@ inline void tile(const QActs& a, int64_t m0, const uint8_t* gw, const float* bia
     const auto [sc, rec] = block_record(Fmt::F, gw, b);
     if constexpr (kPrefetchW)  // the stream advances kRecord / kSpan bytes a block
       for (int64_t off = 0; off < (Fmt::kRecord + Fmt::kSpan - 1) / Fmt::kSpan; off += 64)
-        _mm_prefetch(reinterpret_cast<const char*>(rec) + kPrefetchBytes + off, KVS_Q_PREFETCH_HINT);
+        _mm_prefetch(reinterpret_cast<const char*>(rec) + kPrefetchBytes + off,
+                     KVS_Q_PREFETCH_HINT);
     const int8_t* x[MT];
     for (int m = 0; m < MT; ++m) x[m] = a.q + (m0 + m) * K + b * 32;
     __m256i isum[MT][2];

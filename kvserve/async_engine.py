@@ -72,8 +72,7 @@ class AsyncEngine:
         self.watchdog_timeout = watchdog_timeout
         self.engine_thread = EngineThread(engine, self.admission, tiered=self._tiered,
                                           deliver=self._deliver, fail=self._deliver_error,
-                                          died=self._died)
-        self.engine_thread.stats_listener = stats_listener
+                                          died=self._died, stats_listener=stats_listener)
         # Event loop only: requests accepted and not yet finished, for draining.
         self._in_flight: set[str] = set()
         self._idle = asyncio.Event()

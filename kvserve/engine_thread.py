@@ -83,12 +83,13 @@ class EngineThread:
     def __init__(self, engine: LLMEngine, admission: Admission, *, tiered: bool,
                  deliver: Callable[[RequestStream, RequestOutput], None],
                  fail: Callable[[RequestStream, BaseException], None],
-                 died: Callable[[str], None]) -> None:
+                 died: Callable[[str], None],
+                 stats_listener: StatsListener | None = None) -> None:
         self.engine = engine
         self.admission = admission
         self._tiered = tiered  # tier stats only where tiers are configured
         self._deliver, self._fail, self._died = deliver, fail, died
-        self.stats_listener: StatsListener | None = None
+        self.stats_listener = stats_listener  # called here with each IterationStats
         self.commands: queue.SimpleQueue[Command] = queue.SimpleQueue()
         # Written by this thread, read by any: when its loop last came round (monotonic s),
         # and what killed it.
